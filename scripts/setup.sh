@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One-shot, idempotent set-up for `make test` / `make demo` on a fresh Debian machine:
+# system packages, the local services the tests talk to, and the Python virtualenv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+need_apt=()
+command -v memcached >/dev/null 2>&1 || need_apt+=(memcached)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]} with apt"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+# Services: PostgreSQL, MariaDB and Redis come with the machine; start any that is down.
+if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
+  echo "setup: starting PostgreSQL"
+  pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
+fi
+if ! mysqladmin ping -h 127.0.0.1 --silent 2>/dev/null; then
+  echo "setup: starting MariaDB"
+  start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd || true
+fi
+if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
+  echo "setup: starting Redis"
+  redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+    --dir /var/lib/redis --logfile /var/log/redis/ci.log || true
+fi
+if ! (exec 3<>/dev/tcp/127.0.0.1/11211) 2>/dev/null; then
+  echo "setup: starting memcached"
+  memcached -d -u root -l 127.0.0.1 -p 11211 || true
+fi
+for i in $(seq 1 30); do
+  pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null && mysqladmin ping -h 127.0.0.1 --silent 2>/dev/null && break
+  sleep 1
+done
+# The tests use the database "test" on both servers.
+psql -h 127.0.0.1 -U postgres -tc "select 1 from pg_database where datname='test'" 2>/dev/null | grep -q 1 \
+  || psql -h 127.0.0.1 -U postgres -c "create database test" >/dev/null 2>&1 || true
+mysql -h 127.0.0.1 -u root -e "create database if not exists test" >/dev/null 2>&1 || true
+
+# Python environment (re-installed only when pyproject.toml changes).
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.perfsleuth-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "setup: installing Python packages into .venv"
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e '.[dev]'
+  touch "$stamp"
+fi
+echo "setup: ready"

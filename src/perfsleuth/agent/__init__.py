@@ -1,0 +1,110 @@
+"""The perfsleuth agent: runs inside the monitored application. Stdlib only; never raises.
+
+    import perfsleuth.agent as ps
+    ps.start()                 # or run the app under `perfsleuth run -- CMD`
+    app = ps.asgi(app)         # / ps.wsgi(app) / the Django middleware
+    ps.attr("rows_loaded", n)  # custom attribute on the current request
+    with ps.task("sync-avatars"): ...   # background work, recorded as kind "background"
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from perfsleuth.agent.recorder import attr, current, set_user, tag, task
+
+__all__ = [
+    "DjangoMiddleware",
+    "asgi",
+    "attr",
+    "current",
+    "flush",
+    "set_user",
+    "start",
+    "started",
+    "stats",
+    "tag",
+    "task",
+    "wsgi",
+]
+
+_started = False
+_start_lock = threading.Lock()
+
+
+def start(data_dir: str | None = None, *, service: str | None = None, instrument: bool = True,
+          **overrides: Any) -> bool:
+    """Start recording in this process (idempotent). Returns whether the agent is running.
+
+    ``instrument`` patches supported libraries (DB drivers, HTTP clients, caches, frameworks)
+    now if imported, or when they are imported later.
+    """
+    global _started
+    try:
+        with _start_lock:
+            if _started:
+                return True
+            from perfsleuth.agent import config, shipper
+
+            cfg = config.load(data_dir=data_dir, service=service, **overrides)
+            if cfg.disabled:
+                return False
+            shipper.start(cfg)
+            if instrument:
+                from perfsleuth.agent import instrument as _instrument
+
+                _instrument.install()
+            _started = True
+            return True
+    except Exception:
+        return False
+
+
+def started() -> bool:
+    return _started
+
+
+def flush(timeout: float = 5.0) -> None:
+    """Write all finished requests to the spool now."""
+    try:
+        from perfsleuth.agent import shipper
+
+        shipper.flush(timeout)
+    except Exception:
+        pass
+
+
+def stats() -> dict[str, int]:
+    """The agent's counters in this process (recorded, written, dropped by reason, errors)."""
+    from perfsleuth.agent import recorder
+
+    return dict(recorder.stats)
+
+
+def asgi(app: Any) -> Any:
+    """Wrap an ASGI application (Starlette, FastAPI, Django ASGI, ...)."""
+    try:
+        from perfsleuth.agent.frameworks.asgi import PerfsleuthASGI
+
+        return PerfsleuthASGI(app)
+    except Exception:
+        return app
+
+
+def wsgi(app: Any) -> Any:
+    """Wrap a WSGI application (Flask, Django WSGI, ...)."""
+    try:
+        from perfsleuth.agent.frameworks.wsgi import PerfsleuthWSGI
+
+        return PerfsleuthWSGI(app)
+    except Exception:
+        return app
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DjangoMiddleware":  # imported lazily: importing Django is not free
+        from perfsleuth.agent.frameworks.django import PerfsleuthMiddleware
+
+        return PerfsleuthMiddleware
+    raise AttributeError(name)

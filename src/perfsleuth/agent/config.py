@@ -1,0 +1,89 @@
+"""Agent settings, read from PERFSLEUTH_* environment variables (keyword overrides win).
+
+| variable                    | default        | meaning                                              |
+|-----------------------------|----------------|------------------------------------------------------|
+| PERFSLEUTH_DATA             | ./.perfsleuth  | data dir; segments go to DATA/spool                  |
+| PERFSLEUTH_SERVICE          | argv[0] name   | service name stored with every request               |
+| PERFSLEUTH_DISABLED         | 0              | 1: install nothing                                   |
+| PERFSLEUTH_USER_HEADER      | x-user         | request header holding the user id                   |
+| PERFSLEUTH_TENANT_HEADER    | x-tenant       | request header holding the tenant id                 |
+| PERFSLEUTH_QUEUE_SIZE       | 10000          | finished requests waiting for the writer; then drop  |
+| PERFSLEUTH_MAX_CALLS        | 20000          | calls kept per request; the rest are only counted    |
+| PERFSLEUTH_SEGMENT_BYTES    | 8000000        | rotate a segment past this size                      |
+| PERFSLEUTH_SEGMENT_SECONDS  | 30             | ... or past this age                                 |
+| PERFSLEUTH_FLUSH_SECONDS    | 0.2            | how often the writer wakes up to write               |
+| PERFSLEUTH_FSYNC            | rotate         | rotate: fsync when a segment closes; always: after   |
+|                             |                | every write batch; never                             |
+| PERFSLEUTH_SPOOL_MAX_BYTES  | 1000000000     | spool size cap; past it new requests are dropped     |
+| PERFSLEUTH_STACKS_PER_SITE  | 2              | full stacks captured per (statement, call site) and  |
+|                             |                | request; later repeats reuse the first stack         |
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, fields
+
+
+def _flag(v: str) -> bool:
+    return v.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class Config:
+    data_dir: str = ".perfsleuth"
+    service: str = ""
+    disabled: bool = False
+    user_header: str = "x-user"
+    tenant_header: str = "x-tenant"
+    queue_size: int = 10000
+    max_calls: int = 20000
+    segment_bytes: int = 8_000_000
+    segment_seconds: float = 30.0
+    flush_seconds: float = 0.2
+    fsync: str = "rotate"
+    spool_max_bytes: int = 1_000_000_000
+    stacks_per_site: int = 2
+    # Test-only fault injection: "writer_crash" makes the writer thread die on every batch.
+    fault: str = ""
+
+    @property
+    def spool_dir(self) -> str:
+        return os.path.join(self.data_dir, "spool")
+
+    @property
+    def agents_dir(self) -> str:
+        return os.path.join(self.data_dir, "agents")
+
+
+def load(**overrides: object) -> Config:
+    """Build the config from the environment; unknown or malformed values fall back to defaults."""
+    cfg = Config()
+    env = os.environ
+    for f in fields(Config):
+        raw = env.get("PERFSLEUTH_" + ("DATA" if f.name == "data_dir" else f.name.upper()))
+        if raw is None or raw == "":
+            continue
+        default = getattr(cfg, f.name)
+        try:
+            if isinstance(default, bool):
+                value: object = _flag(raw)
+            elif isinstance(default, int):
+                value = int(raw)
+            elif isinstance(default, float):
+                value = float(raw)
+            else:
+                value = raw
+        except ValueError:
+            continue  # a typo in an env var must not stop the app
+        setattr(cfg, f.name, value)
+    for k, v in overrides.items():
+        if v is not None and hasattr(cfg, k):
+            setattr(cfg, k, v)
+    cfg.data_dir = os.path.abspath(str(cfg.data_dir))
+    cfg.user_header = cfg.user_header.lower()
+    cfg.tenant_header = cfg.tenant_header.lower()
+    if not cfg.service:
+        cfg.service = os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python")
+    return cfg

@@ -1,0 +1,337 @@
+"""The request-path half of the agent: what is recorded while a request runs.
+
+Everything here runs inside application requests, so it only stores integers and references
+(timestamps, code objects, the statement string) and never raises: any internal error is
+counted (``stats["internal_errors"]``) and swallowed. Encoding happens on the writer thread
+(:mod:`perfsleuth.agent.shipper`).
+
+Instrumentation of a client library follows one pattern::
+
+    call = recorder.start_call("db", "postgresql", sql, params)   # None when not in a request
+    try:
+        result = original(...)
+    except BaseException as exc:
+        if call is not None:
+            call.error = type(exc).__name__
+        raise
+    finally:
+        if call is not None:
+            call.finish()
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from perfsleuth.agent import stacks
+
+_perf = time.perf_counter_ns
+_getrandbits = random.getrandbits  # reseeded in forked children by the random module itself
+
+_current: contextvars.ContextVar[ActiveRequest | None] = contextvars.ContextVar(
+    "perfsleuth_request", default=None
+)
+
+# Counters shared with the shipper; plain ints mutated under the GIL (approximate is fine).
+stats: dict[str, int] = {
+    "requests_recorded": 0,
+    "calls_dropped": 0,
+    "internal_errors": 0,
+}
+
+MAX_ATTRS = 64
+MAX_ATTR_CHARS = 1024
+
+# Set by the shipper when the agent starts; None means "agent not started": record nothing.
+_sink: Callable[[ActiveRequest], None] | None = None
+_max_calls = 20000
+_stacks_per_site = 2
+
+
+def configure(
+    sink: Callable[[ActiveRequest], None] | None, *, max_calls: int, stacks_per_site: int
+) -> None:
+    global _sink, _max_calls, _stacks_per_site
+    _sink = sink
+    _max_calls = max_calls
+    _stacks_per_site = max(1, stacks_per_site)
+
+
+def internal_error() -> None:
+    stats["internal_errors"] += 1
+
+
+class Call:
+    """One outbound call (DB statement, HTTP request, cache command) inside a request."""
+
+    __slots__ = (
+        "bytes",
+        "end",
+        "error",
+        "extra",
+        "hit",
+        "kind",
+        "params",
+        "rows",
+        "site",
+        "stack",
+        "start",
+        "status",
+        "system",
+        "target",
+        "wait",
+    )
+
+    def __init__(self, kind: str, system: str, target: Any, params: Any) -> None:
+        self.kind = kind  # "db" | "http" | "cache"
+        self.system = system  # "sqlite", "postgresql", "mysql", "redis", "memcached", "http"
+        # db: the SQL text; http: (method, url); cache: (command, key)
+        self.target = target
+        self.params = params  # bound parameters: hashed by the writer, never stored
+        self.start = _perf()
+        self.end = 0
+        self.rows: int | None = None
+        self.bytes: int | None = None
+        self.status: int | None = None  # HTTP status
+        self.hit: bool | None = None  # cache hit / miss
+        self.wait: int | None = None  # ns spent waiting for a pooled connection
+        self.error: str | None = None
+        self.stack: tuple[tuple[Any, int], ...] | None = None
+        self.site: tuple[Any, int] | None = None
+        self.extra: dict[str, Any] | None = None
+
+    def finish(self) -> None:
+        self.end = _perf()
+
+
+class ActiveRequest:
+    """A request (or background task) in flight; handed to the writer when it ends."""
+
+    __slots__ = (
+        "attrs",
+        "calls",
+        "calls_dropped",
+        "cpu_start",
+        "cpu_ns",
+        "end",
+        "endpoint",
+        "error",
+        "kind",
+        "method",
+        "path",
+        "req_bytes",
+        "resp_bytes",
+        "sites",
+        "start",
+        "start_wall",
+        "status",
+        "tags",
+        "tenant",
+        "token",
+        "trace_id",
+        "user",
+    )
+
+    def __init__(self, kind: str, method: str, path: str) -> None:
+        self.trace_id = _getrandbits(64) or 1
+        self.start_wall = time.time_ns()
+        self.start = _perf()
+        self.end = 0
+        self.cpu_start: int | None = None
+        self.cpu_ns: int | None = None
+        self.kind = kind
+        self.method = method
+        self.path = path
+        self.endpoint = ""
+        self.status: int | None = None
+        self.error: str | None = None
+        self.req_bytes: int | None = None
+        self.resp_bytes: int | None = None
+        self.user: str | None = None
+        self.tenant: str | None = None
+        self.attrs: dict[str, Any] = {}
+        self.tags: dict[str, Any] = {}
+        self.calls: list[Call] = []
+        self.calls_dropped = 0
+        # (target, site code, site line) -> [stack, times captured]
+        self.sites: dict[Any, list[Any]] = {}
+        self.token: contextvars.Token[ActiveRequest | None] | None = None
+
+
+def current() -> ActiveRequest | None:
+    return _current.get()
+
+
+def begin(kind: str, method: str = "", path: str = "", *, cpu: bool = False) -> ActiveRequest | None:
+    """Start recording a request in the current context. None when the agent is off or when a
+    request is already being recorded here (nested frameworks record the outer one only)."""
+    if _sink is None or _current.get() is not None:
+        return None
+    try:
+        req = ActiveRequest(kind, method, path)
+        if cpu:
+            req.cpu_start = time.thread_time_ns()
+        req.token = _current.set(req)
+        return req
+    except Exception:
+        internal_error()
+        return None
+
+
+def end(req: ActiveRequest) -> None:
+    """Finish ``req``: duration, context reset, hand-off to the writer. Never raises."""
+    try:
+        req.end = _perf()
+        if req.cpu_start is not None:
+            req.cpu_ns = time.thread_time_ns() - req.cpu_start
+        if req.token is not None:
+            try:
+                _current.reset(req.token)
+            except ValueError:  # ended from another context: just clear ours
+                _current.set(None)
+            req.token = None
+        req.sites = {}  # stack cache is only for the request's lifetime
+        stats["requests_recorded"] += 1
+        sink = _sink
+        if sink is not None:
+            sink(req)
+    except Exception:
+        internal_error()
+
+
+def start_call(kind: str, system: str, target: Any, params: Any = None) -> Call | None:
+    """Record the start of an outbound call from the current request (None outside one)."""
+    req = _current.get()
+    if req is None:
+        return None
+    try:
+        if len(req.calls) >= _max_calls:
+            req.calls_dropped += 1
+            stats["calls_dropped"] += 1
+            return None
+        call = Call(kind, system, target, params)
+        frame = sys._getframe(1)
+        site = stacks.site_key(frame)
+        call.site = site
+        # The stack of a call site is captured for its first occurrences in the request only:
+        # an N+1 loop repeats the same stack thousands of times.
+        key = (target if isinstance(target, str) else kind, site)
+        entry = req.sites.get(key)
+        if entry is None or entry[1] < _stacks_per_site:
+            stack = stacks.capture(frame)
+            if entry is None:
+                req.sites[key] = [stack, 1]
+            else:
+                entry[0] = stack
+                entry[1] += 1
+            call.stack = stack
+        else:
+            call.stack = entry[0]
+        req.calls.append(call)
+        return call
+    except Exception:
+        internal_error()
+        return None
+
+
+def attr(name: str, value: Any) -> None:
+    """Attach a custom attribute (number or short string) to the current request."""
+    req = _current.get()
+    if req is None:
+        return
+    try:
+        if len(req.attrs) < MAX_ATTRS or name in req.attrs:
+            if isinstance(value, str) and len(value) > MAX_ATTR_CHARS:
+                value = value[:MAX_ATTR_CHARS]
+            req.attrs[str(name)] = value
+    except Exception:
+        internal_error()
+
+
+def tag(name: str, value: Any) -> None:
+    """Tag the current request (e.g. a feature-flag variant) for later comparison."""
+    req = _current.get()
+    if req is None:
+        return
+    try:
+        if len(req.tags) < MAX_ATTRS or name in req.tags:
+            req.tags[str(name)] = str(value)[:MAX_ATTR_CHARS]
+    except Exception:
+        internal_error()
+
+
+def set_user(user: Any = None, tenant: Any = None) -> None:
+    """Name the user and/or tenant of the current request from application code."""
+    req = _current.get()
+    if req is None:
+        return
+    if user is not None:
+        req.user = str(user)[:256]
+    if tenant is not None:
+        req.tenant = str(tenant)[:256]
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class task:  # noqa: N801 - used like a function: `with task("x"):` / `@task("x")`
+    """Record a unit of background work as a request of kind ``background``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._req: ActiveRequest | None = None
+
+    def __enter__(self) -> task:
+        self._req = begin("background", "TASK", self.name, cpu=True)
+        if self._req is not None:
+            self._req.endpoint = self.name
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        req, self._req = self._req, None
+        if req is not None:
+            req.status = 500 if exc_type is not None else 200
+            if exc_type is not None:
+                req.error = exc_type.__name__
+            end(req)
+
+    def __call__(self, fn: F) -> F:
+        name = self.name
+        if _is_coroutine_function(fn):
+
+            @functools.wraps(fn)
+            async def awrapper(*args: Any, **kwargs: Any) -> Any:
+                with task(name):
+                    return await fn(*args, **kwargs)
+
+            return awrapper  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with task(name):
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+
+def _is_coroutine_function(fn: Any) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(fn)
+
+
+@contextmanager
+def suppressed() -> Iterator[None]:
+    """Run a block without recording (the agent's own I/O, for instance)."""
+    token = _current.set(None)
+    try:
+        yield
+    finally:
+        _current.reset(token)

@@ -1,0 +1,524 @@
+"""The writer half of the agent: a bounded queue and one background thread writing segments.
+
+Request path: ``enqueue(req)`` appends to a deque if it holds fewer than ``queue_size``
+requests, else counts a drop. Nothing else happens on the request path.
+
+Writer thread: every ``flush_seconds`` it drains the queue, turns references into records
+(code locations, stacks and fingerprints are interned once per segment), appends them to the
+process's open segment ``DATA/spool/<host>-<pid>-<ns>-<seq>.open`` and rotates it to ``.seg``
+by size or age. It also keeps ``DATA/agents/<host>-<pid>.json`` up to date with the counters,
+so drops stay visible even when the spool itself cannot be written.
+
+Durability (``PERFSLEUTH_FSYNC``): ``rotate`` (default) fsyncs a segment when it is closed,
+so an application crash loses nothing already written (the OS has it) and a machine crash
+loses at most the open segment; ``always`` fsyncs after every batch; ``never`` leaves it to
+the OS. Write errors (disk full, permissions) drop the batch, count it, and retry with back-off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from perfsleuth.agent import recorder, stacks
+from perfsleuth.agent.config import Config
+from perfsleuth.wire import (
+    CLOSED_SUFFIX,
+    FINGERPRINT,
+    FORMAT_VERSION,
+    HEADER,
+    LOCATION,
+    OPEN_SUFFIX,
+    REQUEST,
+    STACK,
+    STATS,
+)
+from perfsleuth.wire import fingerprint as fpr
+from perfsleuth.wire.segment import FILE_MAGIC, encode_record
+
+AGENT_VERSION = "0.1.0"
+MAX_WRITER_RESTARTS = 3
+
+stats = recorder.stats
+stats.update(
+    {
+        "requests_written": 0,
+        "dropped_queue_full": 0,
+        "dropped_write_error": 0,
+        "dropped_spool_full": 0,
+        "dropped_writer_dead": 0,
+        "write_errors": 0,
+        "writer_restarts": 0,
+        "segments_written": 0,
+    }
+)
+last_error = ""
+
+_cfg: Config | None = None
+_queue: collections.deque[recorder.ActiveRequest] = collections.deque()
+_wake = threading.Event()
+_lock = threading.Lock()  # serialises writing (writer thread vs. flush at exit)
+_thread: threading.Thread | None = None
+_host = socket.gethostname().replace("-", "_")[:64] or "host"
+
+
+def enqueue(req: recorder.ActiveRequest) -> None:
+    cfg = _cfg
+    if cfg is None:
+        return
+    if len(_queue) >= cfg.queue_size:
+        stats["dropped_queue_full"] += 1
+        _check_writer()
+        return
+    _queue.append(req)
+
+
+def _check_writer() -> None:
+    """Restart a writer thread that died (bounded), so a bug cannot silently stop shipping."""
+    t = _thread
+    if t is not None and not t.is_alive() and stats["writer_restarts"] < MAX_WRITER_RESTARTS:
+        stats["writer_restarts"] += 1
+        _start_thread()
+
+
+class _Segment:
+    """The open segment file and what has been interned in it."""
+
+    def __init__(self, cfg: Config, seq: int) -> None:
+        self.cfg = cfg
+        self.base = os.path.join(cfg.spool_dir, f"{_host}-{os.getpid()}-{time.time_ns()}-{seq:06d}")
+        self.path = self.base + OPEN_SUFFIX
+        self.opened = time.monotonic()
+        self.size = 0
+        self.partial = 0
+        self.locations: set[int] = set()
+        self.stacks: set[int] = set()
+        self.fingerprints: set[int] = set()
+        os.makedirs(cfg.spool_dir, exist_ok=True)
+        self.fh = open(self.path, "ab", buffering=0)  # noqa: SIM115 - lives across batches
+        header = {
+            "v": FORMAT_VERSION,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "service": cfg.service,
+            "agent": AGENT_VERSION,
+            "started_ns": time.time_ns(),
+        }
+        try:
+            self.write(FILE_MAGIC + encode_record(HEADER, header))
+        except OSError:
+            self.fh.close()
+            raise
+
+    def write(self, data: bytes) -> None:
+        """Write all of ``data``; on failure ``self.partial`` says how much did land."""
+        view = memoryview(data)
+        self.partial = 0
+        while view:
+            n = self.fh.write(view)
+            if not n:
+                raise OSError("short write")
+            view = view[n:]
+            self.partial += n
+            self.size += n
+
+    def due(self) -> bool:
+        return (
+            self.size >= self.cfg.segment_bytes
+            or time.monotonic() - self.opened >= self.cfg.segment_seconds
+        )
+
+    def close(self, *, complete: bool = True) -> None:
+        try:
+            if self.cfg.fsync != "never":
+                os.fsync(self.fh.fileno())
+        finally:
+            self.fh.close()
+            if complete:
+                os.replace(self.path, self.base + CLOSED_SUFFIX)
+                stats["segments_written"] += 1
+
+
+class _Encoder:
+    """Turns requests into records; caches survive across segments, emitted-sets do not."""
+
+    def __init__(self) -> None:
+        self.locs: dict[tuple[Any, int], tuple[int, dict[str, Any]]] = {}
+        self.stack_ids: dict[tuple[Any, ...], tuple[int, list[int]]] = {}
+        self.fps: dict[tuple[str, Any], tuple[int, dict[str, Any]]] = {}
+
+    def _bounded(self) -> None:
+        for cache in (self.locs, self.stack_ids, self.fps):
+            if len(cache) > 50_000:
+                cache.clear()  # type: ignore[attr-defined]
+
+    def location(self, seg: _Segment, out: list[bytes], key: tuple[Any, int]) -> int:
+        hit = self.locs.get(key)
+        if hit is None:
+            code, line = key
+            fn = code.co_filename
+            func = getattr(code, "co_qualname", code.co_name)
+            lid = fpr.stable_id(fn, line, func)
+            rec = {"id": lid, "file": fn, "line": line, "func": func, "app": stacks.is_app_file(fn)}
+            hit = self.locs[key] = (lid, rec)
+        if hit[0] not in seg.locations:
+            seg.locations.add(hit[0])
+            out.append(encode_record(LOCATION, hit[1]))
+        return hit[0]
+
+    def stack(self, seg: _Segment, out: list[bytes], frames: tuple[Any, ...]) -> int:
+        hit = self.stack_ids.get(frames)
+        if hit is None:
+            ids = [self.location(seg, out, fr) for fr in reversed(frames)]  # outermost first
+            hit = self.stack_ids[frames] = (fpr.stable_id(*ids), ids)
+        if hit[0] not in seg.stacks:
+            for fr in frames:
+                self.location(seg, out, fr)
+            seg.stacks.add(hit[0])
+            out.append(encode_record(STACK, {"id": hit[0], "frames": hit[1]}))
+        return hit[0]
+
+    def fingerprint(self, seg: _Segment, out: list[bytes], call: recorder.Call) -> int:
+        key = (call.kind, call.target)
+        hit = self.fps.get(key)
+        if hit is None:
+            text, op = _fingerprint_text(call)
+            fid = fpr.stable_id(call.kind, text)
+            hit = self.fps[key] = (fid, {"id": fid, "kind": call.kind, "text": text, "op": op})
+        if hit[0] not in seg.fingerprints:
+            seg.fingerprints.add(hit[0])
+            out.append(encode_record(FINGERPRINT, hit[1]))
+        return hit[0]
+
+    def request(self, seg: _Segment, req: recorder.ActiveRequest) -> list[bytes]:
+        self._bounded()
+        out: list[bytes] = []
+        calls = []
+        for c in req.calls:
+            rec: dict[str, Any] = {
+                "kind": c.kind,
+                "system": c.system,
+                "fp": self.fingerprint(seg, out, c),
+                "off": c.start - req.start,
+                "dur": max(0, (c.end or req.end) - c.start),
+            }
+            if c.stack:
+                rec["stack"] = self.stack(seg, out, c.stack)
+            if c.site is not None:
+                rec["site"] = self.location(seg, out, c.site)
+            if c.params is not None:
+                ph = fpr.params_hash(c.params)
+                if ph is not None:
+                    rec["ph"] = ph
+            for name in ("rows", "bytes", "status", "hit", "wait", "error"):
+                v = getattr(c, name)
+                if v is not None:
+                    rec[name] = v
+            if c.kind == "http" and isinstance(c.target, tuple) and len(c.target) >= 2:
+                rec["host"] = _host_of(str(c.target[1]))
+            if c.extra:
+                rec["extra"] = c.extra
+            if not c.end:
+                rec["unfinished"] = True
+            calls.append(rec)
+        body: dict[str, Any] = {
+            "id": f"{req.trace_id:016x}",
+            "ts": req.start_wall,
+            "dur": max(0, req.end - req.start),
+            "kind": req.kind,
+            "method": req.method,
+            "endpoint": req.endpoint or f"{req.method} <unmatched>",
+            "path": req.path,
+            "status": req.status,
+            "calls": calls,
+        }
+        for name in ("cpu_ns", "error", "req_bytes", "resp_bytes", "user", "tenant"):
+            v = getattr(req, name)
+            if v is not None:
+                body[name] = v
+        if req.attrs:
+            body["attrs"] = {str(k): _scalar(v) for k, v in req.attrs.items()}
+        if req.tags:
+            body["tags"] = req.tags
+        if req.calls_dropped:
+            body["calls_dropped"] = req.calls_dropped
+        out.append(encode_record(REQUEST, body))
+        return out
+
+
+def _scalar(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float)):
+        return v
+    return str(v)[: recorder.MAX_ATTR_CHARS]
+
+
+def _host_of(url: str) -> str:
+    rest = url.split("://", 1)[-1]
+    return rest.split("/", 1)[0].rsplit("@", 1)[-1]
+
+
+def _fingerprint_text(call: recorder.Call) -> tuple[str, str]:
+    t = call.target
+    if call.kind == "db":
+        text = fpr.normalize_sql(str(t))
+        return text, fpr.sql_operation(text)
+    if call.kind == "http":
+        method, url = (t[0], t[1]) if isinstance(t, tuple) else ("GET", str(t))
+        rest = str(url).split("://", 1)[-1]
+        host, _, path = rest.partition("/")
+        host = host.rsplit("@", 1)[-1]  # never keep credentials in a URL
+        return f"{str(method).upper()} {host}{fpr.url_template('/' + path)}", str(method).upper()
+    if isinstance(t, tuple):
+        cmd = str(t[0]).upper()
+        key = fpr.cache_key_template(str(t[1])) if len(t) > 1 and t[1] is not None else ""
+        return (f"{cmd} {key}".strip(), cmd)
+    return (str(t).upper(), str(t).upper())
+
+
+class _Writer:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.seq = 0
+        self.seg: _Segment | None = None
+        self.enc = _Encoder()
+        self.retry_at = 0.0
+        self.backoff = 0.5
+        self.last_status = 0.0
+        self.spool_checked = 0.0
+        self.spool_is_full = False
+
+    def _open(self) -> _Segment | None:
+        if self.seg is not None:
+            return self.seg
+        if time.monotonic() < self.retry_at:
+            return None
+        try:
+            self.seq += 1
+            self.seg = _Segment(self.cfg, self.seq)
+            self.backoff = 0.5
+        except OSError as e:
+            self._failed(e)
+        return self.seg
+
+    def _failed(self, e: BaseException) -> None:
+        global last_error
+        stats["write_errors"] += 1
+        last_error = f"{type(e).__name__}: {e}"
+        self.retry_at = time.monotonic() + self.backoff
+        self.backoff = min(self.backoff * 2, 30.0)
+        seg, self.seg = self.seg, None
+        if seg is not None:
+            try:
+                seg.close(complete=True)  # keep what was written; readers skip a torn tail
+            except OSError:
+                pass
+
+    def _spool_full(self) -> bool:
+        """Whether the spool holds more than its cap (re-checked every few seconds only)."""
+        now = time.monotonic()
+        if now - self.spool_checked >= 5.0:
+            self.spool_checked = now
+            try:
+                total = sum(e.stat().st_size for e in os.scandir(self.cfg.spool_dir) if e.is_file())
+            except OSError:
+                total = 0
+            self.spool_is_full = total >= self.cfg.spool_max_bytes
+        return self.spool_is_full
+
+    def drain(self) -> None:
+        """Write everything queued; called by the writer thread and at exit."""
+        batch: list[recorder.ActiveRequest] = []
+        while _queue:
+            batch.append(_queue.popleft())
+        if batch:
+            self._write_batch(batch)
+        if self.seg is not None and self.seg.due():
+            self._rotate()
+        now = time.monotonic()
+        if now - self.last_status >= 1.0:
+            self.last_status = now
+            write_status(self.cfg)
+
+    def _write_batch(self, batch: list[recorder.ActiveRequest]) -> None:
+        seg = self._open()
+        if seg is None:
+            stats["dropped_write_error"] += len(batch)
+            return
+        if self._spool_full():
+            stats["dropped_spool_full"] += len(batch)
+            return
+        chunks: list[bytes] = []
+        ends: list[int] = []  # byte offset in the batch where each request's records end
+        size = 0
+        for req in batch:
+            try:
+                recs = self.enc.request(seg, req)
+            except Exception:
+                recorder.internal_error()
+                continue
+            chunks.extend(recs)
+            size += sum(map(len, recs))
+            ends.append(size)
+        try:
+            seg.write(b"".join(chunks))
+            if self.cfg.fsync == "always":
+                os.fsync(seg.fh.fileno())
+            stats["requests_written"] += len(ends)
+        except OSError as e:
+            # Requests whose records landed whole before the error are written; readers skip
+            # the torn tail. The segment's interned sets may now be ahead of the file, so the
+            # next batch starts a new segment.
+            landed = sum(1 for end in ends if end <= seg.partial)
+            stats["requests_written"] += landed
+            stats["dropped_write_error"] += len(ends) - landed
+            self._failed(e)
+
+    def _rotate(self) -> None:
+        seg, self.seg = self.seg, None
+        if seg is None:
+            return
+        try:
+            seg.close()
+        except OSError as e:
+            self._failed(e)
+
+    def close(self) -> None:
+        self._rotate()
+        write_status(self.cfg)
+
+
+_writer: _Writer | None = None
+
+
+def _run() -> None:
+    global last_error
+    try:
+        _loop()
+    except BaseException as e:  # the thread dies, quietly: nothing lands in the app's stderr
+        last_error = f"writer thread died: {type(e).__name__}: {e}"
+        recorder.internal_error()
+
+
+def _loop() -> None:
+    global last_error
+    w = _writer
+    cfg = _cfg
+    if w is None or cfg is None:
+        return
+    if cfg.fault == "writer_crash":
+        raise RuntimeError("injected writer crash")  # dies like a real bug would
+    while True:
+        _wake.wait(cfg.flush_seconds)
+        _wake.clear()
+        with _lock:
+            try:
+                w.drain()
+            except Exception as e:  # a bug in encoding must not kill shipping
+                recorder.internal_error()
+                last_error = f"{type(e).__name__}: {e}"
+
+
+def _start_thread() -> None:
+    global _thread
+    t = threading.Thread(target=_run, name="perfsleuth-writer", daemon=True)
+    t.start()
+    _thread = t
+
+
+def write_status(cfg: Config) -> None:
+    """Replace DATA/agents/<host>-<pid>.json with the current counters (best effort)."""
+    try:
+        os.makedirs(cfg.agents_dir, exist_ok=True)
+        path = os.path.join(cfg.agents_dir, f"{_host}-{os.getpid()}.json")
+        body = dict(stats)
+        body["dropped_writer_dead"] = stats["dropped_writer_dead"] + (
+            len(_queue) if _thread is not None and not _thread.is_alive() else 0
+        )
+        body.update(
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            service=cfg.service,
+            updated_ns=time.time_ns(),
+            last_error=last_error,
+            queued=len(_queue),
+        )
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(body, fh)
+        os.replace(tmp, path)
+    except Exception:
+        pass  # nowhere to report to: the in-memory counters still hold the truth
+
+
+def start(cfg: Config) -> None:
+    global _cfg, _writer
+    _cfg = cfg
+    _writer = _Writer(cfg)
+    recorder.configure(enqueue, max_calls=cfg.max_calls, stacks_per_site=cfg.stacks_per_site)
+    _start_thread()
+
+
+def flush(timeout: float = 5.0) -> None:
+    """Write everything queued now (called at exit; also handy in tests and benchmarks)."""
+    w = _writer
+    if w is None or _cfg is None:
+        return
+    if _thread is not None and not _thread.is_alive():
+        # Writer died (bug or injected fault): do not run its code on the caller's thread;
+        # account for what it will never write and leave a status file behind.
+        stats["dropped_writer_dead"] += len(_queue)
+        _queue.clear()
+        write_status(_cfg)
+        return
+    if not _lock.acquire(timeout=timeout):
+        return
+    try:
+        w.drain()
+        if w.seg is not None and w.seg.fh:
+            if _cfg.fsync == "always":
+                os.fsync(w.seg.fh.fileno())
+        write_status(_cfg)
+    except Exception:
+        recorder.internal_error()
+    finally:
+        _lock.release()
+
+
+def shutdown() -> None:
+    """Flush and close the open segment (renamed to .seg). Registered with atexit."""
+    if _writer is None or _cfg is None:
+        return
+    flush()
+    if _lock.acquire(timeout=5.0):
+        try:
+            _writer.close()
+        except Exception:
+            recorder.internal_error()
+        finally:
+            _lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """A forked worker (gunicorn, multiprocessing) gets its own queue, segment and thread.
+
+    Requests queued in the parent at fork time are the parent's to write: drop our copy.
+    """
+    global _lock, _wake, _writer
+    _queue.clear()
+    _lock = threading.Lock()
+    _wake = threading.Event()
+    for k in stats:
+        stats[k] = 0
+    if _cfg is not None:
+        _writer = _Writer(_cfg)
+        _start_thread()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(shutdown)

@@ -1,0 +1,97 @@
+"""Cheap stack capture for the request path.
+
+The hot path collects (code object, line) pairs only; turning them into file/line/function
+records happens on the writer thread. Frames of perfsleuth's agent itself are skipped.
+A frame is an *application* frame when its file is outside the standard library and
+site-packages (perfsleuth's own demo counts as application code).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from types import CodeType, FrameType
+
+MAX_DEPTH = 64
+_AGENT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_WIRE_DIR = os.path.join(os.path.dirname(_AGENT_DIR.rstrip(os.sep)), "wire") + os.sep
+_DEMO_MARK = os.sep + os.path.join("perfsleuth", "demo") + os.sep
+
+
+def _library_prefixes() -> tuple[str, ...]:
+    paths = set()
+    for name in ("stdlib", "platstdlib", "purelib", "platlib"):
+        p = sysconfig.get_paths().get(name)
+        if p:
+            paths.add(os.path.realpath(p) + os.sep)
+            paths.add(os.path.abspath(p) + os.sep)
+    for p in sys.path:
+        if p and ("site-packages" in p or "dist-packages" in p):
+            paths.add(os.path.abspath(p) + os.sep)
+    return tuple(sorted(paths))
+
+
+_LIB = _library_prefixes()
+# code object -> True (application), False (library), None (perfsleuth agent: skip)
+_kind: dict[CodeType, bool | None] = {}
+
+
+def classify(code: CodeType) -> bool | None:
+    try:
+        return _kind[code]
+    except KeyError:
+        pass
+    fn = code.co_filename
+    kind: bool | None
+    if fn.startswith((_AGENT_DIR, _WIRE_DIR)):
+        kind = None
+    elif _DEMO_MARK in fn:
+        kind = True
+    elif fn.startswith("<") or fn.startswith(_LIB):
+        kind = False
+    else:
+        kind = True
+    if len(_kind) > 200_000:  # code objects of exec()'d strings could grow this forever
+        _kind.clear()
+    _kind[code] = kind
+    return kind
+
+
+def is_app_file(filename: str) -> bool:
+    """Same rule as :func:`classify`, for a file name (used by the writer and the store)."""
+    if filename.startswith((_AGENT_DIR, _WIRE_DIR)):
+        return False
+    if _DEMO_MARK in filename:
+        return True
+    return not (filename.startswith("<") or filename.startswith(_LIB))
+
+
+def site_key(frame: FrameType | None) -> tuple[CodeType, int] | None:
+    """The first application frame above ``frame`` as (code, line): the call site."""
+    f = frame
+    depth = 0
+    leaf = None
+    while f is not None and depth < MAX_DEPTH:
+        code = f.f_code
+        k = classify(code)
+        if k is not None:
+            if k:
+                return (code, f.f_lineno)
+            if leaf is None:
+                leaf = (code, f.f_lineno)
+        f = f.f_back
+        depth += 1
+    return leaf
+
+
+def capture(frame: FrameType | None) -> tuple[tuple[CodeType, int], ...]:
+    """The stack above ``frame``, innermost first, agent frames skipped, at most MAX_DEPTH."""
+    out = []
+    f = frame
+    while f is not None and len(out) < MAX_DEPTH:
+        code = f.f_code
+        if classify(code) is not None:
+            out.append((code, f.f_lineno))
+        f = f.f_back
+    return tuple(out)

@@ -1,0 +1,106 @@
+"""The store interface used by the CLI, the analysis code and the server.
+
+Time arguments: ``since`` is a ``datetime.timedelta`` looking back from now, or None (all).
+Rows are plain dicts with the documented keys (JSON-ready: str, int, float, bool, None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+
+class StoreError(Exception):
+    """A problem the user can act on; the message is one clear sentence."""
+
+
+class StoreLocked(StoreError):
+    """Another process holds the database for writing."""
+
+
+@dataclass
+class Damage:
+    segment: str  # file name
+    offset: int
+    length: int
+    reason: str
+
+
+@dataclass
+class IngestReport:
+    segments_read: int = 0  # segments with new data
+    segments_done: int = 0  # closed segments fully ingested and removed from the spool
+    requests: int = 0
+    calls: int = 0
+    damaged: list[Damage] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)  # moved to DATA/spool/corrupt/
+    truncated_tails: list[str] = field(default_factory=list)  # closed segments cut short
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: counts, and damage as {segment, offset, length, reason} dicts."""
+        return asdict(self)
+
+
+# progress(done, total) for progress bars, both in bytes of spool
+Progress = Callable[[int, int], None]
+
+
+class Store(Protocol):
+    def ingest(self, progress: Progress | None = None) -> IngestReport: ...
+
+    def apply_retention(self, days: int) -> list[str]:
+        """Drop whole days older than ``days``; returns the dropped day names."""
+        ...
+
+    def top(
+        self,
+        since: timedelta | None = None,
+        by: tuple[str, ...] = ("endpoint",),
+        kind: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """One row per group (``by`` among endpoint, user, tenant), busiest first, with keys:
+        the group columns, count, rate_per_min, p50_ms, p95_ms, p99_ms, max_ms, error_rate,
+        db_calls_per_request, http_calls_per_request, cache_calls_per_request, db_share,
+        http_share, cache_share (share of request time, 0..1), total_ms."""
+        ...
+
+    def traces(
+        self,
+        endpoint: str | None = None,
+        since: timedelta | None = None,
+        slowest: int | None = None,
+        limit: int = 20,
+    ) -> list[dict[str, Any]]:
+        """Requests (newest first, or the ``slowest`` N) with keys: trace_id, ts (ISO 8601),
+        endpoint, method, path, status, duration_ms, db_calls, db_ms, http_calls, http_ms,
+        cache_calls, cache_ms, user, tenant. Raises StoreError for an unknown endpoint."""
+        ...
+
+    def trace(self, trace_id: str) -> dict[str, Any]:
+        """One request (id or unique prefix) with its attributes, tags and ``calls``: list of
+        {seq, kind, system, offset_ms, duration_ms, fingerprint, op, rows, bytes, host, status,
+        hit, wait_ms, error, site: {file, line, function} | None,
+        stack: [{file, line, function, app}] outermost first}. StoreError if not found."""
+        ...
+
+    def endpoints(self) -> list[str]: ...
+
+    def sql(self, query: str, limit: int = 10_000) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Run one read-only statement; StoreError with the engine's message otherwise."""
+        ...
+
+    def agent_drops(self) -> dict[str, Any]:
+        """Agent counters summed over processes (from DATA/agents/*.json and STATS records):
+        requests_recorded, requests_written, dropped_* by reason, write_errors, last_error."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def open_store(data_dir: str, *, read_only: bool = False) -> Store:
+    """Open the default (DuckDB) store in ``data_dir`` (created if needed)."""
+    from perfsleuth.store.duckdb_store import DuckDBStore
+
+    return DuckDBStore(data_dir, read_only=read_only)

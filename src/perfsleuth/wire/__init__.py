@@ -1,0 +1,23 @@
+"""The record format shared by the agent, the collector and the store (stdlib only).
+
+A spool *segment* is one file written by one process: a file header followed by records.
+See :mod:`perfsleuth.wire.segment` for the byte layout and :mod:`perfsleuth.wire.fingerprint`
+for the normalisation that turns a SQL statement or URL into a fingerprint.
+"""
+
+FORMAT_VERSION = 1
+
+# Record types (one ASCII byte each).
+HEADER = b"H"  # {"v", "host", "pid", "service", "agent", "started_ns", "argv0"}
+LOCATION = b"L"  # {"id", "file", "line", "func", "app"}: one interned code location
+STACK = b"S"  # {"id", "frames": [location ids, outermost first]}
+FINGERPRINT = b"F"  # {"id", "kind", "text", "op"}: a normalised statement / URL / command
+REQUEST = b"R"  # one finished request or background task, with its calls
+STATS = b"T"  # cumulative agent counters of this process (drops, errors)
+
+RECORD_TYPES = frozenset({HEADER, LOCATION, STACK, FINGERPRINT, REQUEST, STATS})
+
+# Segment file names: "<host>-<pid>-<started_ns>-<seq>" + OPEN_SUFFIX while written,
+# renamed to + CLOSED_SUFFIX once complete (rename is atomic on POSIX).
+OPEN_SUFFIX = ".open"
+CLOSED_SUFFIX = ".seg"

@@ -1,0 +1,168 @@
+"""Fingerprints: the normalised form of a SQL statement, an outbound URL or a cache key.
+
+Runs on the agent's writer thread (never on the request path) and in the collector, so both
+produce identical fingerprints. Literal values never survive normalisation: a statement with a
+password in a string literal fingerprints to the same text as one with ``?``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+__all__ = [
+    "cache_key_template",
+    "normalize_sql",
+    "params_hash",
+    "sql_fingerprint_id",
+    "sql_operation",
+    "stable_id",
+    "url_template",
+]
+
+MAX_SQL = 4000
+_MASK63 = (1 << 63) - 1
+
+# One scanner over the statement; the first matching alternative wins.
+_SQL_TOKEN = re.compile(
+    r"""
+      (?P<comment>--[^\n]*|/\*.*?(?:\*/|\Z))
+    | (?P<dollar>\$(?P<tag>[A-Za-z_]\w*)?\$.*?(?:\$(?P=tag)?\$|\Z))
+    | (?P<string>[EeBbXxNn]?'(?:[^']|'')*(?:'|\Z))
+    | (?P<quoted>"(?:[^"]|"")*(?:"|\Z)|`[^`]*(?:`|\Z)|\[[^\]\s]*\])
+    | (?P<param>%\([^)]*\)s|%s|\$\d+|\?|(?<![:\w]):[A-Za-z_]\w*)
+    | (?P<ident>[A-Za-z_][\w$]*)
+    | (?P<number>(?:0[xX][0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?))
+    | (?P<space>\s+)
+    """,
+    re.DOTALL | re.VERBOSE,
+)
+_LIST = re.compile(r"\(\s*\?(?:\s*,\s*\?)*\s*\)")
+_IN_LIST = re.compile(r"(?i)\bIN\s*\(\s*\?(?:\s*,\s*\?)*\s*\)")
+_VALUES = re.compile(r"(?i)\bVALUES\s*\([^()]*\)(?:\s*,\s*\([^()]*\))*")
+_NEG = re.compile(r"(?<=[=<>(,\s])-\s*\?")
+
+
+def normalize_sql(sql: str) -> str:
+    """Literals and placeholders -> ``?``, IN-lists and VALUES rows collapsed, comments
+    removed, whitespace folded. Never raises."""
+    try:
+        return _normalize(sql)
+    except Exception:  # odd input: mask anything that could be a value
+        return re.sub(r"'[^']*'?|\d+", "?", " ".join(str(sql).split()))[:MAX_SQL]
+
+
+def _normalize(sql: str) -> str:
+    if isinstance(sql, bytes):
+        sql = sql.decode("utf-8", "replace")
+    out: list[str] = []
+    pos = 0
+    n = len(sql)
+    while pos < n:
+        m = _SQL_TOKEN.match(sql, pos)
+        if m is None:  # operators and punctuation: one character at a time
+            out.append(sql[pos])
+            pos += 1
+            continue
+        pos = m.end()
+        kind = m.lastgroup
+        if kind == "tag":
+            kind = "dollar"
+        if kind == "comment":
+            out.append(" ")
+        elif kind == "space":
+            out.append(" ")
+        elif kind in ("string", "dollar", "param", "number"):
+            out.append("?")
+        else:
+            out.append(m.group())
+    text = " ".join("".join(out).split())
+    text = _NEG.sub("?", text)
+    text = _IN_LIST.sub(lambda m: m.group()[: m.group().index("(")].rstrip() + " (...)", text)
+    text = _VALUES.sub(
+        lambda m: m.group()[:6] + " (...)" if _all_rows_params(m.group()) else m.group(), text
+    )
+    text = text.rstrip("; ").strip()
+    return text[:MAX_SQL]
+
+
+def _all_rows_params(values_clause: str) -> bool:
+    rows = re.findall(r"\(([^()]*)\)", values_clause)
+    return all(all(p.strip() in ("?", "DEFAULT", "NULL") for p in r.split(",")) for r in rows)
+
+
+def sql_operation(normalized: str) -> str:
+    head = normalized.lstrip("( ").split(None, 1)
+    word = head[0].upper() if head else ""
+    return word if word.isalpha() else "OTHER"
+
+
+def stable_id(*parts: str | int) -> int:
+    """A 63-bit id that is the same in every process and on every machine."""
+    h = hashlib.blake2b("\x1f".join(map(str, parts)).encode("utf-8", "replace"), digest_size=8)
+    return int.from_bytes(h.digest(), "big") & _MASK63
+
+
+def sql_fingerprint_id(normalized: str) -> int:
+    return stable_id(normalized)
+
+
+_UUID = re.compile(r"^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$")
+_HEX = re.compile(r"^[0-9a-fA-F]{16,}$")
+_EMAIL = re.compile(r"^[^@/\s]+@[^@/\s]+$")
+
+
+def _segment(seg: str) -> str:
+    if not seg:
+        return seg
+    if seg.isdigit():
+        return "{id}"
+    if _UUID.match(seg):
+        return "{uuid}"
+    if _HEX.match(seg):
+        return "{hex}"
+    if _EMAIL.match(seg):
+        return "{email}"
+    if len(seg) >= 20 and any(c.isdigit() for c in seg) and any(c.isalpha() for c in seg):
+        return "{token}"
+    return seg
+
+
+def url_template(path: str) -> str:
+    """Route-ish template of an outbound URL path: ``/users/123/avatar?x=1`` ->
+    ``/users/{id}/avatar``. The query string is dropped (it may carry secrets)."""
+    try:
+        path = path.split("?", 1)[0].split("#", 1)[0]
+        if not path:
+            return "/"
+        return "/".join(_segment(s) for s in path.split("/"))
+    except Exception:
+        return "/"
+
+
+def cache_key_template(key: str) -> str:
+    """``user:123:profile`` -> ``user:{id}:profile``: the same rules as URL segments, applied
+    to the parts of a key split on ``:``, ``/``, ``.`` and ``_``-free separators."""
+    try:
+        return re.sub(r"[^:/|.]+", lambda m: _segment(m.group()), str(key))[:200]
+    except Exception:
+        return "?"
+
+
+def params_hash(params: object) -> int | None:
+    """A stable hash of bound parameters (to spot the same query with the same values twice).
+    The values themselves are never returned or stored. None for no parameters."""
+    if params is None:
+        return None
+    try:
+        if isinstance(params, dict):
+            if not params:
+                return None
+            text = repr(sorted((str(k), repr(v)) for k, v in params.items()))
+        else:
+            if hasattr(params, "__len__") and len(params) == 0:  # type: ignore[arg-type]
+                return None
+            text = repr(params)
+    except Exception:
+        text = type(params).__name__
+    return stable_id(text)

@@ -1,0 +1,139 @@
+"""Spool segment byte layout: a file magic, then length-prefixed, checksummed records.
+
+    file   := FILE_MAGIC record*
+    record := REC_MAGIC(2) type(1) length(u32 LE) crc32(u32 LE) payload(length bytes, JSON UTF-8)
+
+The crc covers type + payload. REC_MAGIC lets a reader resynchronise after a damaged record
+instead of losing the rest of the file. A record cut short at the end of a file is either
+still being written (open segment) or the tail of a crashed writer (closed segment): readers
+stop before it and report where.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from perfsleuth.wire import FORMAT_VERSION, RECORD_TYPES
+
+FILE_MAGIC = b"PSLSEG" + bytes([0, FORMAT_VERSION])
+REC_MAGIC = b"\xa5\x5a"
+_HEAD = struct.Struct("<2scII")  # magic, type, length, crc
+HEAD_SIZE = _HEAD.size  # 11
+MAX_RECORD = 64 * 1024 * 1024  # anything longer is a damaged length field
+
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=str).encode
+
+
+def encode_record(rtype: bytes, obj: Any) -> bytes:
+    """One record as bytes. ``default=str`` keeps odd attribute values from failing the write."""
+    payload = _dumps(obj).encode("utf-8")
+    crc = zlib.crc32(payload, zlib.crc32(rtype))
+    return _HEAD.pack(REC_MAGIC, rtype, len(payload), crc) + payload
+
+
+@dataclass
+class Damage:
+    """A byte range that could not be read as records."""
+
+    offset: int
+    length: int
+    reason: str
+
+
+@dataclass
+class ReadResult:
+    records: list[tuple[bytes, Any]] = field(default_factory=list)
+    end: int = 0  # offset just after the last complete record (where to resume)
+    damaged: list[Damage] = field(default_factory=list)
+    incomplete_tail: int = 0  # bytes after `end` that do not yet form a whole record
+    bad_magic: bool = False  # the file does not start with FILE_MAGIC
+
+
+def read_segment(data: bytes, start: int = 0) -> ReadResult:
+    """Decode records from ``data[start:]``.
+
+    ``start`` is 0 for a new file (the magic is checked) or a previously returned ``end``.
+    """
+    res = ReadResult(end=start)
+    pos = start
+    if start == 0:
+        if len(data) < len(FILE_MAGIC):
+            res.incomplete_tail = len(data)
+            return res
+        if data[: len(FILE_MAGIC)] != FILE_MAGIC:
+            res.bad_magic = True
+            nxt = data.find(REC_MAGIC)
+            if nxt < 0:
+                res.damaged.append(Damage(0, len(data), "not a perfsleuth segment"))
+                res.end = len(data)
+                return res
+            res.damaged.append(Damage(0, nxt, "bad file magic"))
+            pos = nxt
+        else:
+            pos = len(FILE_MAGIC)
+        res.end = pos
+    n = len(data)
+    while pos < n:
+        if n - pos < HEAD_SIZE:
+            break
+        magic, rtype, length, crc = _HEAD.unpack_from(data, pos)
+        reason = ""
+        if magic != REC_MAGIC:
+            reason = "bad record marker"
+        elif rtype not in RECORD_TYPES:
+            reason = f"unknown record type {rtype!r}"
+        elif length > MAX_RECORD:
+            reason = "impossible record length"
+        if not reason:
+            end = pos + HEAD_SIZE + length
+            if end > n:
+                break  # incomplete: maybe still being written
+            payload = data[pos + HEAD_SIZE : end]
+            if zlib.crc32(payload, zlib.crc32(rtype)) != crc:
+                reason = "checksum mismatch"
+            else:
+                try:
+                    obj = json.loads(payload)
+                except ValueError:
+                    reason = "undecodable payload"
+                else:
+                    res.records.append((rtype, obj))
+                    pos = end
+                    res.end = pos
+                    continue
+        # Damaged: skip to the next record marker whose record checks out.
+        nxt = _resync(data, pos + 1)
+        res.damaged.append(Damage(pos, (nxt if nxt >= 0 else n) - pos, reason))
+        if nxt < 0:
+            pos = n
+            res.end = n
+            break
+        pos = nxt
+        res.end = pos
+    res.incomplete_tail = n - res.end
+    return res
+
+
+def _resync(data: bytes, pos: int) -> int:
+    """Offset of the next plausible, checksum-valid record at or after ``pos``, or -1."""
+    n = len(data)
+    while True:
+        pos = data.find(REC_MAGIC, pos)
+        if pos < 0 or n - pos < HEAD_SIZE:
+            return -1
+        _, rtype, length, crc = _HEAD.unpack_from(data, pos)
+        end = pos + HEAD_SIZE + length
+        if rtype in RECORD_TYPES and end <= n:
+            if zlib.crc32(data[pos + HEAD_SIZE : end], zlib.crc32(rtype)) == crc:
+                return pos
+        pos += 1
+
+
+def iter_records(data: bytes) -> Iterator[tuple[bytes, Any]]:
+    """Convenience for tests and tools: the readable records of a whole segment."""
+    yield from read_segment(data).records

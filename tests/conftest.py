@@ -1,0 +1,67 @@
+"""Shared fixtures. The in-process agent is started once per test session (it is process-wide,
+like any APM agent); each test sees only the requests recorded during it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from spoolread import read_spool  # noqa: E402
+
+PG_DSN = os.environ.get("PERFSLEUTH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+MYSQL = {"host": "127.0.0.1", "port": 3306, "user": "root", "password": "", "database": "test"}
+REDIS_URL = os.environ.get("PERFSLEUTH_TEST_REDIS", "redis://127.0.0.1:6379/0")
+MEMCACHED = ("127.0.0.1", 11211)
+
+
+@pytest.fixture(scope="session")
+def agent_data_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Data dir of the agent running inside the pytest process."""
+    d = str(tmp_path_factory.mktemp("agent-data"))
+    import perfsleuth.agent as ps
+
+    assert ps.start(d, service="pytest", flush_seconds=0.05), "agent failed to start"
+    return d
+
+
+@pytest.fixture
+def captured(agent_data_dir: str) -> Iterator[Callable[[], list[dict[str, Any]]]]:
+    """Call it to flush the agent and get the requests recorded since the test began."""
+    import perfsleuth.agent as ps
+
+    ps.flush()
+    before = {r["id"] for r in read_spool(agent_data_dir)}
+
+    def get() -> list[dict[str, Any]]:
+        ps.flush()
+        return [r for r in read_spool(agent_data_dir) if r["id"] not in before]
+
+    yield get
+
+
+@pytest.fixture
+def in_request(agent_data_dir: str) -> Callable[..., Any]:
+    """A context manager recording a fake web request around a block (for library tests)."""
+    from contextlib import contextmanager
+
+    from perfsleuth.agent import recorder
+
+    @contextmanager
+    def block(endpoint: str = "GET /test") -> Iterator[Any]:
+        method, _, path = endpoint.partition(" ")
+        req = recorder.begin("web", method, path)
+        assert req is not None
+        req.endpoint = endpoint
+        try:
+            yield req
+        finally:
+            req.status = 200
+            recorder.end(req)
+
+    return block
