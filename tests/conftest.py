@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from spoolread import read_spool  # noqa: E402
+from spoolread import read_spool
 
 PG_DSN = os.environ.get("PERFSLEUTH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 MYSQL = {"host": "127.0.0.1", "port": 3306, "user": "root", "password": "", "database": "test"}

@@ -111,8 +111,11 @@ def tiny_disk(tmp_path: Path):
     """A real 256 KiB filesystem for the spool, so writes fail with ENOSPC."""
     spool = tmp_path / "spool"
     spool.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(spool)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(spool)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
@@ -164,10 +167,47 @@ def test_forked_child_writes_its_own_requests_once(tmp_path: Path) -> None:
         one("GET /parent")
         """
     )
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     names = sorted(q["endpoint"] for q in read_spool(str(tmp_path)))
     assert names == ["GET /before-fork", "GET /child", "GET /parent"]
     pids = {os.path.basename(p).split("-")[1] for p in glob.glob(str(tmp_path / "spool" / "*"))}
     assert len(pids) == 2
+
+
+def test_multiprocessing_children_flush_although_they_skip_atexit(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import multiprocessing as mp, sys
+        import perfsleuth.agent as ps
+        ps.start(sys.argv[1], instrument=False, flush_seconds=60)
+        def work(i):
+            with ps.task("job"):
+                pass
+        if __name__ == "__main__":
+            ctx = mp.get_context("fork")
+            procs = [ctx.Process(target=work, args=(i,)) for i in range(3)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+            pool = ctx.Pool(2)
+            pool.map(work, range(5))
+            pool.close()
+            pool.join()
+        """
+    )
+    script = tmp_path / "mp_app.py"
+    script.write_text(code)
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    reqs = read_spool(str(tmp_path / "data"))
+    assert [q["endpoint"] for q in reqs] == ["job"] * 8
+    assert all(q["kind"] == "background" for q in reqs)

@@ -55,5 +55,5 @@ def test_garbage_and_bad_magic_are_reported_not_raised() -> None:
 
 def test_odd_values_are_encoded_as_text() -> None:
     obj = {"attrs": {"when": object()}, "n": 1}
-    (rtype, back), = read_segment(FILE_MAGIC + encode_record(FINGERPRINT, obj)).records
+    ((rtype, back),) = read_segment(FILE_MAGIC + encode_record(FINGERPRINT, obj)).records
     assert rtype == FINGERPRINT and back["n"] == 1 and back["attrs"]["when"].startswith("<object")

@@ -1,10 +1,10 @@
 """The perfsleuth agent: runs inside the monitored application. Stdlib only; never raises.
 
-    import perfsleuth.agent as ps
-    ps.start()                 # or run the app under `perfsleuth run -- CMD`
-    app = ps.asgi(app)         # / ps.wsgi(app) / the Django middleware
-    ps.attr("rows_loaded", n)  # custom attribute on the current request
-    with ps.task("sync-avatars"): ...   # background work, recorded as kind "background"
+import perfsleuth.agent as ps
+ps.start()                 # or run the app under `perfsleuth run -- CMD`
+app = ps.asgi(app)         # / ps.wsgi(app) / the Django middleware
+ps.attr("rows_loaded", n)  # custom attribute on the current request
+with ps.task("sync-avatars"): ...   # background work, recorded as kind "background"
 """
 
 from __future__ import annotations
@@ -33,8 +33,13 @@ _started = False
 _start_lock = threading.Lock()
 
 
-def start(data_dir: str | None = None, *, service: str | None = None, instrument: bool = True,
-          **overrides: Any) -> bool:
+def start(
+    data_dir: str | None = None,
+    *,
+    service: str | None = None,
+    instrument: bool = True,
+    **overrides: Any,
+) -> bool:
     """Start recording in this process (idempotent). Returns whether the agent is running.
 
     ``instrument`` patches supported libraries (DB drivers, HTTP clients, caches, frameworks)

@@ -1,22 +1,19 @@
 """Agent settings, read from PERFSLEUTH_* environment variables (keyword overrides win).
 
-| variable                    | default        | meaning                                              |
-|-----------------------------|----------------|------------------------------------------------------|
-| PERFSLEUTH_DATA             | ./.perfsleuth  | data dir; segments go to DATA/spool                  |
-| PERFSLEUTH_SERVICE          | argv[0] name   | service name stored with every request               |
-| PERFSLEUTH_DISABLED         | 0              | 1: install nothing                                   |
-| PERFSLEUTH_USER_HEADER      | x-user         | request header holding the user id                   |
-| PERFSLEUTH_TENANT_HEADER    | x-tenant       | request header holding the tenant id                 |
-| PERFSLEUTH_QUEUE_SIZE       | 10000          | finished requests waiting for the writer; then drop  |
-| PERFSLEUTH_MAX_CALLS        | 20000          | calls kept per request; the rest are only counted    |
-| PERFSLEUTH_SEGMENT_BYTES    | 8000000        | rotate a segment past this size                      |
-| PERFSLEUTH_SEGMENT_SECONDS  | 30             | ... or past this age                                 |
-| PERFSLEUTH_FLUSH_SECONDS    | 0.2            | how often the writer wakes up to write               |
-| PERFSLEUTH_FSYNC            | rotate         | rotate: fsync when a segment closes; always: after   |
-|                             |                | every write batch; never                             |
-| PERFSLEUTH_SPOOL_MAX_BYTES  | 1000000000     | spool size cap; past it new requests are dropped     |
-| PERFSLEUTH_STACKS_PER_SITE  | 2              | full stacks captured per (statement, call site) and  |
-|                             |                | request; later repeats reuse the first stack         |
+- PERFSLEUTH_DATA (./.perfsleuth): data dir; segments go to DATA/spool
+- PERFSLEUTH_SERVICE (argv[0] name): service name stored with every request
+- PERFSLEUTH_DISABLED (0): 1 installs nothing
+- PERFSLEUTH_USER_HEADER (x-user), PERFSLEUTH_TENANT_HEADER (x-tenant): request headers
+  holding the user and tenant ids
+- PERFSLEUTH_QUEUE_SIZE (10000): finished requests waiting for the writer; past it, drop
+- PERFSLEUTH_MAX_CALLS (20000): calls kept per request; the rest are only counted
+- PERFSLEUTH_SEGMENT_BYTES (8000000), PERFSLEUTH_SEGMENT_SECONDS (30): segment rotation
+- PERFSLEUTH_FLUSH_SECONDS (0.2): how often the writer wakes up to write
+- PERFSLEUTH_FSYNC (rotate): rotate fsyncs when a segment closes; always after every write
+  batch; never leaves it to the OS
+- PERFSLEUTH_SPOOL_MAX_BYTES (1000000000): spool size cap; past it new requests are dropped
+- PERFSLEUTH_STACKS_PER_SITE (2): full stacks captured per (statement, call site) and
+  request; later repeats reuse the last one captured
 """
 
 from __future__ import annotations

@@ -118,8 +118,8 @@ class ActiveRequest:
         "attrs",
         "calls",
         "calls_dropped",
-        "cpu_start",
         "cpu_ns",
+        "cpu_start",
         "end",
         "endpoint",
         "error",
@@ -169,7 +169,9 @@ def current() -> ActiveRequest | None:
     return _current.get()
 
 
-def begin(kind: str, method: str = "", path: str = "", *, cpu: bool = False) -> ActiveRequest | None:
+def begin(
+    kind: str, method: str = "", path: str = "", *, cpu: bool = False
+) -> ActiveRequest | None:
     """Start recording a request in the current context. None when the agent is off or when a
     request is already being recorded here (nested frameworks record the outer one only)."""
     if _sink is None or _current.get() is not None:
@@ -222,7 +224,13 @@ def start_call(kind: str, system: str, target: Any, params: Any = None) -> Call 
         call.site = site
         # The stack of a call site is captured for its first occurrences in the request only:
         # an N+1 loop repeats the same stack thousands of times.
-        key = (target if isinstance(target, str) else kind, site)
+        # ids, not code objects: hashing a code object is not cached (see stacks.classify);
+        # the site tuple on the call keeps the code alive for the request's lifetime.
+        key = (
+            target if isinstance(target, str) else kind,
+            id(site[0]) if site else 0,
+            site[1] if site else 0,
+        )
         entry = req.sites.get(key)
         if entry is None or entry[1] < _stacks_per_site:
             stack = stacks.capture(frame)
@@ -281,7 +289,7 @@ def set_user(user: Any = None, tenant: Any = None) -> None:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class task:  # noqa: N801 - used like a function: `with task("x"):` / `@task("x")`
+class task:
     """Record a unit of background work as a request of kind ``background``."""
 
     def __init__(self, name: str) -> None:

@@ -37,7 +37,6 @@ from perfsleuth.wire import (
     OPEN_SUFFIX,
     REQUEST,
     STACK,
-    STATS,
 )
 from perfsleuth.wire import fingerprint as fpr
 from perfsleuth.wire.segment import FILE_MAGIC, encode_record
@@ -149,8 +148,10 @@ class _Encoder:
     """Turns requests into records; caches survive across segments, emitted-sets do not."""
 
     def __init__(self) -> None:
-        self.locs: dict[tuple[Any, int], tuple[int, dict[str, Any]]] = {}
-        self.stack_ids: dict[tuple[Any, ...], tuple[int, list[int]]] = {}
+        # Keyed by id(code): hashing code objects is not cached by CPython. Values keep the
+        # code objects alive, so their ids stay unique while cached.
+        self.locs: dict[tuple[int, int], tuple[int, dict[str, Any], Any]] = {}
+        self.stack_ids: dict[tuple[int, ...], tuple[int, list[int], Any]] = {}
         self.fps: dict[tuple[str, Any], tuple[int, dict[str, Any]]] = {}
 
     def _bounded(self) -> None:
@@ -158,25 +159,27 @@ class _Encoder:
             if len(cache) > 50_000:
                 cache.clear()  # type: ignore[attr-defined]
 
-    def location(self, seg: _Segment, out: list[bytes], key: tuple[Any, int]) -> int:
+    def location(self, seg: _Segment, out: list[bytes], frame: tuple[Any, int]) -> int:
+        code, line = frame
+        key = (id(code), line)
         hit = self.locs.get(key)
         if hit is None:
-            code, line = key
             fn = code.co_filename
             func = getattr(code, "co_qualname", code.co_name)
             lid = fpr.stable_id(fn, line, func)
             rec = {"id": lid, "file": fn, "line": line, "func": func, "app": stacks.is_app_file(fn)}
-            hit = self.locs[key] = (lid, rec)
+            hit = self.locs[key] = (lid, rec, code)
         if hit[0] not in seg.locations:
             seg.locations.add(hit[0])
             out.append(encode_record(LOCATION, hit[1]))
         return hit[0]
 
     def stack(self, seg: _Segment, out: list[bytes], frames: tuple[Any, ...]) -> int:
-        hit = self.stack_ids.get(frames)
+        key = tuple([x for code, line in frames for x in (id(code), line)])
+        hit = self.stack_ids.get(key)
         if hit is None:
             ids = [self.location(seg, out, fr) for fr in reversed(frames)]  # outermost first
-            hit = self.stack_ids[frames] = (fpr.stable_id(*ids), ids)
+            hit = self.stack_ids[key] = (fpr.stable_id(*ids), ids, frames)
         if hit[0] not in seg.stacks:
             for fr in frames:
                 self.location(seg, out, fr)
@@ -436,7 +439,7 @@ def write_status(cfg: Config) -> None:
     try:
         os.makedirs(cfg.agents_dir, exist_ok=True)
         path = os.path.join(cfg.agents_dir, f"{_host}-{os.getpid()}.json")
-        body = dict(stats)
+        body: dict[str, Any] = dict(stats)
         body["dropped_writer_dead"] = stats["dropped_writer_dead"] + (
             len(_queue) if _thread is not None and not _thread.is_alive() else 0
         )
@@ -462,6 +465,12 @@ def start(cfg: Config) -> None:
     _writer = _Writer(cfg)
     recorder.configure(enqueue, max_calls=cfg.max_calls, stacks_per_site=cfg.stacks_per_site)
     _start_thread()
+    try:
+        import multiprocessing.util
+
+        multiprocessing.util.register_after_fork(_mp_hook, _MultiprocessingHook.after_fork)
+    except Exception:
+        recorder.internal_error()
 
 
 def flush(timeout: float = 5.0) -> None:
@@ -480,9 +489,8 @@ def flush(timeout: float = 5.0) -> None:
         return
     try:
         w.drain()
-        if w.seg is not None and w.seg.fh:
-            if _cfg.fsync == "always":
-                os.fsync(w.seg.fh.fileno())
+        if w.seg is not None and _cfg.fsync == "always":
+            os.fsync(w.seg.fh.fileno())
         write_status(_cfg)
     except Exception:
         recorder.internal_error()
@@ -518,6 +526,24 @@ def _after_fork_in_child() -> None:
     if _cfg is not None:
         _writer = _Writer(_cfg)
         _start_thread()
+
+
+class _MultiprocessingHook:
+    """multiprocessing children leave through os._exit, which skips atexit. They run
+    multiprocessing's finalizers first, but clear the inherited ones after fork: so register a
+    finalizer from multiprocessing's own after-fork hook (this object must stay alive)."""
+
+    @staticmethod
+    def after_fork(_: object) -> None:
+        try:
+            import multiprocessing.util
+
+            multiprocessing.util.Finalize(None, shutdown, exitpriority=100)
+        except Exception:
+            recorder.internal_error()
+
+
+_mp_hook = _MultiprocessingHook()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -33,15 +33,16 @@ def _library_prefixes() -> tuple[str, ...]:
 
 
 _LIB = _library_prefixes()
-# code object -> True (application), False (library), None (perfsleuth agent: skip)
-_kind: dict[CodeType, bool | None] = {}
+# id(code) -> (code, kind): kind True (application), False (library), None (perfsleuth agent:
+# skip). Keyed by id because hashing a code object is not cached by CPython (80-700 ns); the
+# code object is kept in the value so its id cannot be reused while the entry exists.
+_kind: dict[int, tuple[CodeType, bool | None]] = {}
 
 
 def classify(code: CodeType) -> bool | None:
-    try:
-        return _kind[code]
-    except KeyError:
-        pass
+    hit = _kind.get(id(code))
+    if hit is not None:
+        return hit[1]
     fn = code.co_filename
     kind: bool | None
     if fn.startswith((_AGENT_DIR, _WIRE_DIR)):
@@ -54,7 +55,7 @@ def classify(code: CodeType) -> bool | None:
         kind = True
     if len(_kind) > 200_000:  # code objects of exec()'d strings could grow this forever
         _kind.clear()
-    _kind[code] = kind
+    _kind[id(code)] = (code, kind)
     return kind
 
 
@@ -87,7 +88,7 @@ def site_key(frame: FrameType | None) -> tuple[CodeType, int] | None:
 
 def capture(frame: FrameType | None) -> tuple[tuple[CodeType, int], ...]:
     """The stack above ``frame``, innermost first, agent frames skipped, at most MAX_DEPTH."""
-    out = []
+    out: list[tuple[CodeType, int]] = []
     f = frame
     while f is not None and len(out) < MAX_DEPTH:
         code = f.f_code

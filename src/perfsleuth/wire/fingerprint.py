@@ -68,9 +68,7 @@ def _normalize(sql: str) -> str:
         kind = m.lastgroup
         if kind == "tag":
             kind = "dollar"
-        if kind == "comment":
-            out.append(" ")
-        elif kind == "space":
+        if kind == "comment" or kind == "space":
             out.append(" ")
         elif kind in ("string", "dollar", "param", "number"):
             out.append("?")
@@ -107,7 +105,7 @@ def sql_fingerprint_id(normalized: str) -> int:
     return stable_id(normalized)
 
 
-_UUID = re.compile(r"^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$")
+_UUID = re.compile(r"^[0-9a-fA-F]{8}(?:-?[0-9a-fA-F]{4}){3}-?[0-9a-fA-F]{12}$")
 _HEX = re.compile(r"^[0-9a-fA-F]{16,}$")
 _EMAIL = re.compile(r"^[^@/\s]+@[^@/\s]+$")
 

@@ -128,9 +128,12 @@ def _resync(data: bytes, pos: int) -> int:
             return -1
         _, rtype, length, crc = _HEAD.unpack_from(data, pos)
         end = pos + HEAD_SIZE + length
-        if rtype in RECORD_TYPES and end <= n:
-            if zlib.crc32(data[pos + HEAD_SIZE : end], zlib.crc32(rtype)) == crc:
-                return pos
+        if (
+            rtype in RECORD_TYPES
+            and end <= n
+            and zlib.crc32(data[pos + HEAD_SIZE : end], zlib.crc32(rtype)) == crc
+        ):
+            return pos
         pos += 1
 
 

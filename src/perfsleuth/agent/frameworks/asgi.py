@@ -1,0 +1,436 @@
+"""ASGI: ``PerfsleuthASGI(app)`` records every HTTP request of an ASGI application.
+
+Only ``http`` scopes are recorded (lifespan and websocket pass straight through). Per request:
+method and path (references into the scope), the status from ``http.response.start``, the bytes
+of request and response bodies as they pass through ``receive``/``send``, and the two configured
+identity headers. Nothing else is copied.
+
+Endpoints are route templates, worked out after the app returned (nothing is done while
+routing). The matched route is ``scope["route"]`` (set by Starlette's router and by FastAPI's
+API routes) or, for what FastAPI's router leaves out of it (plain Starlette routes, mounts), the
+route whose endpoint is ``scope["endpoint"]``. Its template is joined with the templates of the
+Mounts above it, found by walking the route tree once per router (so a mount written
+``/t/{tenant}`` stays a template), and, for FastAPI's ``include_router``, with the inclusion
+prefix FastAPI keeps in ``scope["fastapi"]["effective_route_context"]``. A framework mounted
+inside (Flask through a2wsgi, Django) names the endpoint itself; the mount path is put in front.
+No route (404, scanners) gives ``"<METHOD> <unmatched>"``: never the raw path, and methods
+outside the standard set are ``OTHER``.
+
+``patch_starlette`` wraps ``Starlette.__call__`` so every Starlette/FastAPI application records
+itself (FastAPI overrides ``build_middleware_stack`` without calling Starlette's, but its
+``__call__`` always goes through Starlette's). Mounted sub-applications and explicit wrapping on
+top of the patch do not double-record: an inner recorder sees a request in progress and stands by.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from types import ModuleType
+from typing import Any
+
+from perfsleuth.agent import recorder
+from perfsleuth.agent.frameworks.wsgi import (
+    content_length,
+    endpoint,
+    identity,
+    identity_value,
+    unmatched,
+)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class PerfsleuthASGI:
+    """ASGI middleware recording each HTTP request; attribute access falls through to the app."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        await record_asgi(self.app, scope, receive, send)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "app":
+            raise AttributeError(name)
+        return getattr(self.app, name)
+
+    def __repr__(self) -> str:
+        return f"PerfsleuthASGI({self.app!r})"
+
+
+class _Exchange:
+    """Counters of one request, and the receive/send wrappers that fill them."""
+
+    __slots__ = (
+        "_receive",
+        "_send",
+        "complete",
+        "pathsend",
+        "received",
+        "req",
+        "resp_headers",
+        "sent",
+    )
+
+    def __init__(self, req: recorder.ActiveRequest, receive: Receive, send: Send) -> None:
+        self.req = req
+        self._receive = receive
+        self._send = send
+        self.received = 0
+        self.sent = 0
+        self.complete = False  # the last body message went out
+        self.pathsend = False  # the body was sent by the server from a file
+        self.resp_headers: Any = None
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        try:
+            if message.get("type") == "http.request":
+                body = message.get("body")
+                if body:
+                    self.received += len(body)
+        except Exception:
+            recorder.internal_error()
+        return message
+
+    async def send(self, message: Message) -> None:
+        try:
+            t = message.get("type")
+            if t == "http.response.body":
+                body = message.get("body")
+                if body:
+                    self.sent += len(body)
+                if not message.get("more_body", False):
+                    self.complete = True
+            elif t == "http.response.start":
+                self.req.status = int(message.get("status") or 0) or None
+                self.resp_headers = message.get("headers")
+            elif t in ("http.response.pathsend", "http.response.zerocopy"):
+                self.pathsend = True
+                if t == "http.response.pathsend" or not message.get("more_body", False):
+                    self.complete = True
+        except Exception:
+            recorder.internal_error()
+        await self._send(message)
+
+    def declared_length(self) -> int | None:
+        for name, value in self.resp_headers or ():
+            if bytes(name).lower() == b"content-length":
+                return content_length(bytes(value).decode("latin-1"))
+        return None
+
+
+async def record_asgi(app: Any, scope: Scope, receive: Receive, send: Send) -> None:
+    """Run ``app`` for an http ``scope`` as one recorded request (unless one already runs)."""
+    try:
+        req = recorder.begin("web", scope.get("method") or "", scope.get("path") or "/")
+    except Exception:
+        req = None
+    if req is None:
+        await app(scope, receive, send)
+        return
+    ex = _Exchange(req, receive, send)
+    try:
+        _read_headers(req, scope)
+    except Exception:  # identity and size are lost, not the request
+        recorder.internal_error()
+    try:
+        await app(scope, ex.receive, ex.send)
+    except BaseException as exc:
+        try:
+            if not ex.complete or req.status is None:
+                req.status = 500
+            req.error = type(exc).__name__
+        except Exception:
+            pass
+        raise
+    finally:
+        _finish(req, ex, scope)
+
+
+def _read_headers(req: recorder.ActiveRequest, scope: Scope) -> None:
+    ident = identity()
+    user_b, tenant_b = ident.user_b, ident.tenant_b
+    for name, value in scope.get("headers") or ():
+        name = name.lower()
+        if name == b"content-length":
+            req.req_bytes = content_length(value)
+        elif name == user_b:
+            req.user = identity_value(value)
+        elif name == tenant_b:
+            req.tenant = identity_value(value)
+
+
+def _finish(req: recorder.ActiveRequest, ex: _Exchange, scope: Scope) -> None:
+    try:
+        # Bytes read by the app; a body the app never read still counts by its declared size.
+        if ex.received or req.req_bytes is None:
+            req.req_bytes = ex.received
+        if ex.pathsend:
+            req.resp_bytes = ex.sent + (ex.declared_length() or 0)
+        else:
+            req.resp_bytes = ex.sent
+        if not req.endpoint:
+            req.endpoint = route_endpoint(scope, req.method, req.status)
+        else:  # named by a framework mounted inside (Flask via a2wsgi, Django): add the mount
+            req.endpoint = _under_mount(scope, req.endpoint)
+    except Exception:
+        recorder.internal_error()
+        if not req.endpoint:
+            req.endpoint = unmatched(req.method)
+    recorder.end(req)
+
+
+# ------------------------------------------------------------------------- Starlette routes
+
+
+class _RouteIndex:
+    """The route tree of one top router, walked once: every route's mount prefix template,
+    and the routes by endpoint (FastAPI's router does not put plain Starlette routes and mounts
+    in ``scope["route"]``; their ``scope["endpoint"]`` finds them)."""
+
+    __slots__ = ("by_endpoint", "prefixes", "rebuilds", "router")
+
+    def __init__(self, router: Any, rebuilds: int = 0) -> None:
+        self.router = router
+        self.rebuilds = rebuilds
+        self.prefixes: dict[int, tuple[Any, str]] = {}  # id(route) -> (route, prefix)
+        # id(endpoint) -> (endpoint, [routes]): one function can serve several routes
+        self.by_endpoint: dict[int, tuple[Any, list[Any]]] = {}
+        self._walk(getattr(router, "routes", None) or (), "", 0, set())
+
+    def _walk(self, routes: Any, prefix: str, depth: int, seen: set[int]) -> None:
+        if depth > 16:
+            return
+        for route in list(routes):
+            self.prefixes.setdefault(id(route), (route, prefix))
+            if id(route) in seen:
+                continue
+            seen.add(id(route))
+            try:
+                mount = _is_mount(route)
+                target = getattr(route, "app" if mount else "endpoint", None)
+                if target is not None:
+                    self.by_endpoint.setdefault(id(target), (target, []))[1].append(route)
+                if mount:
+                    self._walk(route.routes or (), prefix + str(route.path), depth + 1, seen)
+                    continue
+                # FastAPI's included routers and Starlette's Host routes keep the prefix.
+                sub = getattr(route, "original_router", None)
+                children = getattr(sub, "routes", None) if sub is not None else None
+                if children is None and hasattr(route, "host") and hasattr(route, "routes"):
+                    children = route.routes
+                if children:
+                    self._walk(children, prefix, depth + 1, seen)
+            except Exception:
+                recorder.internal_error()
+
+
+# id(top router) -> its index
+_indexes: dict[int, _RouteIndex] = {}
+MAX_ROUTERS = 64
+MAX_REBUILDS = 32  # walks of one router after its first (routes added at run time)
+MAX_ENTRIES = 10_000
+
+
+def _index(router: Any, fresh: bool = False) -> _RouteIndex:
+    idx = _indexes.get(id(router))
+    if idx is not None and idx.router is router:
+        if not fresh or idx.rebuilds >= MAX_REBUILDS:
+            return idx
+        rebuilds = idx.rebuilds + 1
+    else:
+        rebuilds = 0
+    if len(_indexes) >= MAX_ROUTERS:
+        _indexes.clear()
+    idx = _indexes[id(router)] = _RouteIndex(router, rebuilds)
+    return idx
+
+
+def _matched_route(scope: Scope) -> Any:
+    route = scope.get("route")
+    endpoint_ = scope.get("endpoint")
+    if endpoint_ is None:
+        return route
+    if route is not None and not (_is_mount(route) and endpoint_ is not route.app):
+        return route
+    router = scope.get("router")
+    if router is None:
+        return route
+    hit = _index(router).by_endpoint.get(id(endpoint_))
+    if hit is None or hit[0] is not endpoint_:
+        idx = _index(router, fresh=True)
+        hit = idx.by_endpoint.get(id(endpoint_))
+        if hit is None or hit[0] is not endpoint_:
+            hit = (endpoint_, [])  # not in the tree: remember, do not walk again
+            if len(idx.by_endpoint) < MAX_ENTRIES:
+                idx.by_endpoint[id(endpoint_)] = hit
+    candidates = hit[1]
+    if not candidates:
+        return route
+    if len(candidates) > 1:
+        # Told apart by the mounts the path went through and the path below them.
+        root = str(scope.get("root_path") or "")
+        consumed = root[len(str(scope.get("app_root_path") or "")) :]
+        rest = str(scope.get("path") or "")[len(root) :] or "/"
+        idx = _index(router)
+        for candidate in candidates:
+            regex = getattr(candidate, "path_regex", None)
+            prefix = idx.prefixes.get(id(candidate), (None, ""))[1]
+            if regex is not None and regex.match(rest) and _prefix_regex(prefix).match(consumed):
+                return candidate
+    return candidates[0]
+
+
+_prefix_regexes: dict[str, Any] = {}
+
+
+def _prefix_regex(prefix: str) -> Any:
+    regex = _prefix_regexes.get(prefix)
+    if regex is None:
+        from starlette.routing import compile_path
+
+        regex = compile_path(prefix)[0] if prefix else re.compile("^$")
+        if len(_prefix_regexes) < MAX_ENTRIES:
+            _prefix_regexes[prefix] = regex
+    return regex
+
+
+def route_endpoint(scope: Scope, method: str, status: int | None = None) -> str:
+    """``"<METHOD> <template>"`` of the route Starlette/FastAPI matched, or unmatched."""
+    route = _matched_route(scope)
+    if route is None or (status == 404 and _is_mount(route)):
+        # no route at all, or a mounted app that found none of its own
+        return unmatched(method)
+    template = None
+    fastapi_scope = scope.get("fastapi")
+    if isinstance(fastapi_scope, dict):
+        ctx = fastapi_scope.get("effective_route_context")
+        if ctx is not None and (
+            getattr(ctx, "original_route", None) is route
+            or getattr(ctx, "starlette_route", None) is route
+        ):
+            inner = getattr(ctx, "starlette_route", None)
+            template = (getattr(inner, "path", None) if inner is not None else None) or getattr(
+                ctx, "path", None
+            )
+    if not template:
+        template = getattr(route, "path", None)
+    if not isinstance(template, str):
+        return unmatched(method)
+    if _is_mount(route):
+        template = template + "/{path}"  # a mounted app matched but did no routing of its own
+    return endpoint(method, _mount_prefix(scope, route) + template)
+
+
+def _under_mount(scope: Scope, name: str) -> str:
+    route = _matched_route(scope)
+    if route is None or not _is_mount(route):
+        return name
+    method, _, template = name.partition(" ")
+    if not template.startswith("/"):
+        return name  # "<unmatched>" stays unmatched
+    return f"{method} {_mount_prefix(scope, route)}{route.path}{template}"
+
+
+def _is_mount(route: Any) -> bool:
+    fmt = getattr(route, "path_format", None)
+    return isinstance(fmt, str) and fmt.endswith("/{path}") and hasattr(route, "routes")
+
+
+def _mount_prefix(scope: Scope, route: Any) -> str:
+    router = scope.get("router")
+    if router is None:
+        return ""
+    idx = _index(router)
+    hit = idx.prefixes.get(id(route))
+    if hit is None or hit[0] is not route:
+        idx = _index(router, fresh=True)  # routes added after the first request: look again
+        hit = idx.prefixes.get(id(route))
+        if hit is None or hit[0] is not route:
+            # Not reachable through the route tree (an opaque mounted app): fall back to the
+            # literal prefix the mounts consumed. Remembered, so the walk is not repeated.
+            root = str(scope.get("root_path") or "")
+            literal = root[len(str(scope.get("app_root_path") or "")) :]
+            hit = (route, literal)
+            if len(idx.prefixes) < MAX_ENTRIES:
+                idx.prefixes[id(route)] = hit
+    return hit[1]
+
+
+# ------------------------------------------------------------------------------------ patch
+
+
+def patch_starlette(module: ModuleType) -> None:
+    """Record every Starlette/FastAPI application by wrapping ``Starlette.__call__``."""
+    cls = getattr(module, "Starlette", None)
+    if cls is None or getattr(cls.__call__, "_perfsleuth_original", None) is not None:
+        return
+    original = cls.__call__
+
+    @functools.wraps(original)
+    async def __call__(self: Any, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await original(self, scope, receive, send)
+            return
+        await record_asgi(original.__get__(self, type(self)), scope, receive, send)
+
+    __call__._perfsleuth_original = original  # type: ignore[attr-defined]
+    cls.__call__ = __call__
+
+
+def patch_uvicorn(module: ModuleType) -> None:
+    """Write everything before uvicorn re-raises a SIGTERM it shut down for.
+
+    After a graceful shutdown uvicorn restores the previous handlers and raises the captured
+    signal again so the process ends "by the signal"; for SIGTERM that is the default action,
+    which kills the process without running ``atexit`` (so without the agent's final flush).
+    Flushing and closing the segment at the end of ``Server.capture_signals`` (after the server
+    has stopped, before the signal is re-raised) keeps those last requests.
+    """
+    cls = getattr(module, "Server", None)
+    original = getattr(cls, "capture_signals", None)
+    if cls is None or original is None or getattr(original, "_perfsleuth_original", None):
+        return
+
+    @contextlib.contextmanager
+    @functools.wraps(original)
+    def capture_signals(self: Any) -> Iterator[None]:
+        with original(self):
+            try:
+                yield
+            finally:
+                if getattr(self, "_captured_signals", None):
+                    _shutdown_agent()
+
+    capture_signals._perfsleuth_original = original  # type: ignore[attr-defined]
+    cls.capture_signals = capture_signals
+
+
+def _shutdown_agent() -> None:
+    try:
+        from perfsleuth.agent import shipper
+
+        shipper.shutdown()
+    except Exception:
+        pass
+
+
+def unpatch_starlette(module: ModuleType) -> None:
+    cls = getattr(module, "Starlette", None)
+    original = getattr(cls.__call__, "_perfsleuth_original", None) if cls is not None else None
+    if cls is not None and original is not None:
+        cls.__call__ = original
+
+
+__all__ = ["PerfsleuthASGI", "patch_starlette", "patch_uvicorn", "record_asgi", "route_endpoint"]

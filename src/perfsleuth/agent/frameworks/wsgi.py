@@ -1,0 +1,431 @@
+"""WSGI: ``PerfsleuthWSGI(app)`` records every request of a WSGI application (Flask, Django, ...).
+
+Per request it keeps references and integers only: method, path, status, CONTENT_LENGTH, the
+bytes of the response body as the server consumes it, the two configured identity headers and
+the thread CPU time. The request ends exactly once: when the response iterable is exhausted,
+when the server closes it (PEP 3333), or when the application raises.
+
+Between the application's return and the end of the response the request is *not* left in the
+thread's context (a server that never closes the iterable must not leave a stale request that
+would hide the next ones); it is put back around each step of the iteration, so queries made by
+a streaming generator are still attributed to it.
+
+Endpoints come from the router: Flask's ``request.url_rule`` (through the ``request_started``
+signal), Django's ``resolver_match.route`` (through the Django middleware). A plain WSGI app
+without a known router is recorded as ``"<METHOD> <unmatched>"``: the raw path is never used as
+an endpoint, so scanners cannot blow up the number of endpoints.
+
+This module also holds the helpers shared by the ASGI and Django integrations.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+from perfsleuth.agent import recorder
+
+_get_ident = threading.get_ident
+_current = recorder._current
+
+# ------------------------------------------------------------------------------ shared helpers
+
+STANDARD_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"}
+)
+# Never recorded, even when configured as the user/tenant header.
+SECRET_HEADERS = frozenset(
+    {"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "x-auth-token"}
+)
+MAX_IDENTITY_CHARS = 256
+
+
+def method_label(method: str) -> str:
+    """The method as used in endpoint names: arbitrary client tokens collapse into OTHER."""
+    return method if method in STANDARD_METHODS else "OTHER"
+
+
+def unmatched(method: str) -> str:
+    return method_label(method) + " <unmatched>"
+
+
+def endpoint(method: str, template: str) -> str:
+    return f"{method_label(method)} {template}"
+
+
+class Identity:
+    """The configured user/tenant header names in the forms each server interface uses."""
+
+    __slots__ = ("tenant_b", "tenant_env", "user_b", "user_env")
+
+    def __init__(self, user: str, tenant: str) -> None:
+        u = _safe_header(user)
+        t = _safe_header(tenant)
+        self.user_b = u.encode("latin-1") if u else None  # ASGI: lowercased bytes names
+        self.tenant_b = t.encode("latin-1") if t else None
+        self.user_env = _environ_key(u) if u else None  # WSGI / Django META
+        self.tenant_env = _environ_key(t) if t else None
+
+
+def _safe_header(name: str) -> str | None:
+    name = (name or "").strip().lower()
+    if not name or name in SECRET_HEADERS:
+        return None
+    return name
+
+
+def _environ_key(name: str) -> str:
+    return "HTTP_" + name.upper().replace("-", "_")
+
+
+_identity: tuple[Any, Identity] | None = None
+_shipper: Any = None
+
+
+def identity() -> Identity:
+    """Header names from the running agent's config (cached per config object)."""
+    global _identity, _shipper
+    shipper = _shipper
+    if shipper is None:
+        from perfsleuth.agent import shipper
+
+        _shipper = shipper
+    cfg = shipper._cfg
+    cached = _identity
+    if cached is not None and cached[0] is cfg:
+        return cached[1]
+    ident = Identity(
+        getattr(cfg, "user_header", "x-user") or "", getattr(cfg, "tenant_header", "x-tenant") or ""
+    )
+    _identity = (cfg, ident)
+    return ident
+
+
+def identity_value(raw: Any) -> str | None:
+    """A header value as stored (bounded); bytes from ASGI are latin-1 per the HTTP spec."""
+    if raw is None:
+        return None
+    if isinstance(raw, bytes | bytearray):
+        raw = bytes(raw[:MAX_IDENTITY_CHARS]).decode("latin-1")
+    return str(raw)[:MAX_IDENTITY_CHARS] or None
+
+
+def content_length(raw: Any) -> int | None:
+    if raw is None:
+        return None
+    try:
+        n = int(raw)
+    except (TypeError, ValueError):
+        return None
+    return n if n >= 0 else None
+
+
+def read_environ(req: recorder.ActiveRequest, environ: Any) -> None:
+    """Identity headers and request size from a WSGI environ / Django ``request.META``."""
+    ident = identity()
+    if ident.user_env is not None:
+        v = environ.get(ident.user_env)
+        if v:
+            req.user = identity_value(v)
+    if ident.tenant_env is not None:
+        v = environ.get(ident.tenant_env)
+        if v:
+            req.tenant = identity_value(v)
+    n = content_length(environ.get("CONTENT_LENGTH"))
+    req.req_bytes = n if n is not None else 0
+
+
+def set_endpoint(template: str | None, method: str | None = None) -> None:
+    """Name the current request's endpoint from a router template (first router wins)."""
+    req = _current.get()
+    if req is None or req.endpoint or not template:
+        return
+    req.endpoint = endpoint(method or req.method, template)
+
+
+# ------------------------------------------------------------------------------------- WSGI
+
+
+class PerfsleuthWSGI:
+    """WSGI middleware recording each request; attribute access falls through to the app."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        if "flask" in sys.modules:
+            connect_flask()
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        return record_wsgi(self.app, environ, start_response)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "app":
+            raise AttributeError(name)
+        return getattr(self.app, name)
+
+    def __repr__(self) -> str:
+        return f"PerfsleuthWSGI({self.app!r})"
+
+
+def record_wsgi(
+    app: Callable[..., Any], environ: dict[str, Any], start_response: Callable[..., Any]
+) -> Any:
+    """Run ``app(environ, start_response)`` as one recorded request (unless one already runs)."""
+    try:
+        req = recorder.begin(
+            "web", environ.get("REQUEST_METHOD") or "", environ.get("PATH_INFO") or "/", cpu=True
+        )
+    except Exception:
+        req = None
+    if req is None:
+        return app(environ, start_response)
+    body = _Body(req, start_response)
+    try:
+        read_environ(req, environ)
+    except Exception:  # identity and size are lost, not the request
+        recorder.internal_error()
+    try:
+        result = app(environ, body.start_response)
+    except BaseException as exc:
+        body.fail(exc)
+        raise
+    return body.wrap(result, environ)
+
+
+class _Body:
+    """The response iterable of one request, counting bytes and ending the request once."""
+
+    __slots__ = ("_headers", "_it", "_iterable", "_req", "_sent", "_start_response", "_tid")
+
+    def __init__(self, req: recorder.ActiveRequest, start_response: Callable[..., Any]) -> None:
+        self._req: recorder.ActiveRequest | None = req
+        self._start_response = start_response
+        self._tid = _get_ident()
+        self._sent = 0
+        self._headers: Any = None
+        self._iterable: Any = None
+        self._it: Iterator[bytes] | None = None
+
+    # -- start_response ----------------------------------------------------------------------
+
+    def start_response(self, status: str, headers: Any, exc_info: Any = None) -> Any:
+        req = self._req
+        if req is not None:
+            try:
+                req.status = int(str(status)[:3])
+                self._headers = headers
+            except Exception:
+                recorder.internal_error()
+        if exc_info is None:
+            write = self._start_response(status, headers)
+        else:
+            write = self._start_response(status, headers, exc_info)
+        if write is None:
+            return write
+
+        def counted_write(data: bytes) -> Any:  # the legacy write() callable (PEP 3333)
+            try:
+                self._sent += len(data)
+            except Exception:
+                pass
+            return write(data)
+
+        return counted_write
+
+    # -- the application returned ------------------------------------------------------------
+
+    def wrap(self, result: Any, environ: dict[str, Any]) -> Any:
+        req = self._req
+        if req is None:
+            return result
+        try:
+            # Leave the thread's context clean: it is restored around each iteration step.
+            token, req.token = req.token, None
+            if token is not None:
+                try:
+                    _current.reset(token)
+                except ValueError:
+                    _current.set(None)
+            if type(result) in (list, tuple):  # already materialised: nothing left to wait for
+                for chunk in result:
+                    self._sent += len(chunk)
+                self._finish()
+                return result
+            file_wrapper = environ.get("wsgi.file_wrapper")
+            if isinstance(file_wrapper, type) and isinstance(result, file_wrapper):
+                # Keep the server's sendfile() path: the size is the declared Content-Length.
+                self._sent = self._declared_length() or 0
+                self._finish()
+                return result
+            self._iterable = result
+            return self
+        except Exception:
+            recorder.internal_error()
+            self._finish()
+            return result
+
+    def _declared_length(self) -> int | None:
+        for name, value in self._headers or ():
+            if str(name).lower() == "content-length":
+                return content_length(value)
+        return None
+
+    # -- iteration by the server ---------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        req = self._req
+        token = _current.set(req) if req is not None else None
+        try:
+            it = self._it
+            if it is None:
+                it = self._it = iter(self._iterable)
+            chunk = next(it)
+        except StopIteration:
+            self._finish()
+            raise
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        finally:
+            if token is not None:
+                _reset(token)
+        if req is not None:
+            try:
+                self._sent += len(chunk)
+            except Exception:
+                pass
+        return chunk
+
+    def close(self) -> None:
+        close = getattr(self._iterable, "close", None)
+        if close is None:
+            self._finish()
+            return
+        req = self._req
+        token = _current.set(req) if req is not None else None
+        try:
+            close()
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        finally:
+            if token is not None:
+                _reset(token)
+            self._finish()
+
+    def __del__(self) -> None:
+        # A server that drops the response without closing or exhausting it (not PEP 3333
+        # compliant, but it happens: test clients, aborted connections) still ends the request.
+        try:
+            if self._req is not None:
+                self._finish()
+        except Exception:
+            pass
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def fail(self, exc: BaseException) -> None:
+        req = self._req
+        if req is None:
+            return
+        try:
+            req.status = 500
+            req.error = type(exc).__name__
+        except Exception:
+            pass
+        self._finish()
+
+    def _finish(self) -> None:
+        req, self._req = self._req, None
+        if req is None:
+            return
+        try:
+            req.resp_bytes = self._sent
+            if _get_ident() != self._tid:
+                req.cpu_start = None  # thread CPU time means nothing across threads
+        except Exception:
+            recorder.internal_error()
+        recorder.end(req)
+
+
+def _reset(token: Any) -> None:
+    try:
+        _current.reset(token)
+    except ValueError:  # a generator switched contexts under us: just clear ours
+        _current.set(None)
+
+
+# ------------------------------------------------------------------------------------ Flask
+
+_flask_connected = False
+_flask_lock = threading.Lock()
+
+
+def connect_flask() -> None:
+    """Take endpoint names and unhandled exceptions from Flask's signals (once per process)."""
+    global _flask_connected
+    if _flask_connected:
+        return
+    try:
+        with _flask_lock:
+            if _flask_connected:
+                return
+            from flask import signals
+            from flask.globals import request
+
+            def on_request_started(sender: Any, **extra: Any) -> None:
+                req = _current.get()
+                if req is None or req.endpoint:
+                    return
+                try:
+                    rule = request.url_rule
+                    if rule is not None:
+                        req.endpoint = endpoint(req.method, rule.rule)
+                except Exception:
+                    recorder.internal_error()
+
+            def on_exception(
+                sender: Any, exception: BaseException | None = None, **extra: Any
+            ) -> None:
+                req = _current.get()
+                if req is not None and exception is not None:
+                    req.error = type(exception).__name__
+
+            signals.request_started.connect(on_request_started, weak=False)
+            signals.got_request_exception.connect(on_exception, weak=False)
+            _flask_connected = True
+    except Exception:
+        recorder.internal_error()
+
+
+def patch_flask(module: ModuleType) -> None:
+    """Record every Flask application: wrap ``Flask.__call__`` (outside any middleware the app
+    put on ``app.wsgi_app``)."""
+    cls = getattr(module, "Flask", None)
+    if cls is None or getattr(cls.__call__, "_perfsleuth_original", None) is not None:
+        return
+    original = cls.__call__
+
+    @functools.wraps(original)
+    def __call__(self: Any, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        return record_wsgi(original.__get__(self, type(self)), environ, start_response)
+
+    __call__._perfsleuth_original = original  # type: ignore[attr-defined]
+    cls.__call__ = __call__
+    connect_flask()
+
+
+def unpatch_flask(module: ModuleType) -> None:
+    cls = getattr(module, "Flask", None)
+    original = getattr(cls.__call__, "_perfsleuth_original", None) if cls is not None else None
+    if cls is not None and original is not None:
+        cls.__call__ = original
+
+
+__all__ = ["PerfsleuthWSGI", "patch_flask", "record_wsgi"]

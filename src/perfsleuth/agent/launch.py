@@ -1,0 +1,127 @@
+"""``perfsleuth run -- CMD``: run a command with the agent in every Python process it starts.
+
+The command replaces the launcher (``exec``, like ``ddtrace-run`` / ``opentelemetry-instrument``)
+so signals from a process manager go straight to the server. Its environment gets:
+
+* ``PERFSLEUTH_DATA`` (absolute) and ``PERFSLEUTH_SERVICE``;
+* the ``bootstrap`` directory first on ``PYTHONPATH``: its ``sitecustomize`` starts the agent in
+  every Python interpreter started from there on (gunicorn/uvicorn workers, reloaders,
+  ``multiprocessing`` spawns) and then runs the ``sitecustomize`` it shadows;
+* ``PERFSLEUTH_AGENT_PATH``: where this perfsleuth lives, for interpreters whose own
+  ``sys.path`` does not have it.
+
+Forked workers inherit the running agent; the shipper gives them their own writer at fork.
+
+Also runnable as ``python -m perfsleuth.agent.launch [--data DIR] [--service NAME] -- CMD...``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
+_PYTHON = re.compile(r"^(python|pypy)[0-9.]*$")
+
+
+def default_service(argv: Sequence[str]) -> str:
+    """A service name for a command line: the program, or the script/module a Python runs."""
+    if not argv:
+        return "python"
+    prog = os.path.basename(argv[0])
+    if _PYTHON.match(prog):
+        args = list(argv[1:])
+        while args:
+            a = args.pop(0)
+            if a == "-m" and args:
+                return args[0]
+            if a.startswith("-m") and len(a) > 2:
+                return a[2:]
+            if a == "-c":
+                return prog
+            if a in ("-W", "-X", "-Q") and args:
+                args.pop(0)
+                continue
+            if not a.startswith("-"):
+                name = os.path.basename(a)
+                return name[:-3] if name.endswith(".py") else name
+    return prog or "python"
+
+
+def command_env(
+    argv: Sequence[str], data_dir: str, service: str | None, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment ``run_command`` gives the command."""
+    env = dict(os.environ if base is None else base)
+    env["PERFSLEUTH_DATA"] = os.path.abspath(data_dir)
+    if service:
+        env["PERFSLEUTH_SERVICE"] = service
+    elif not env.get("PERFSLEUTH_SERVICE"):
+        env["PERFSLEUTH_SERVICE"] = default_service(argv)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    parts = [p for p in parts if os.path.abspath(p) != BOOTSTRAP_DIR]
+    env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *parts])
+    package_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PERFSLEUTH_AGENT_PATH"] = package_dir
+    return env
+
+
+def resolve(program: str, env: dict[str, str]) -> str:
+    """The executable ``program`` names; FileNotFoundError if there is none."""
+    if os.sep in program or (os.altsep and os.altsep in program):
+        if os.path.isfile(program) and os.access(program, os.X_OK):
+            return program
+        raise FileNotFoundError(2, f"command not found: {program}", program)
+    found = shutil.which(program, path=env.get("PATH", os.defpath))
+    if found is None:
+        raise FileNotFoundError(2, f"command not found: {program}", program)
+    return found
+
+
+def run_command(argv: list[str], data_dir: str, service: str | None = None) -> NoReturn:
+    """Replace this process with ``argv`` running under the agent.
+
+    Raises FileNotFoundError when the command does not exist (and OSError when it cannot be
+    executed); on success it does not return.
+    """
+    if not argv:
+        raise ValueError("no command to run")
+    env = command_env(argv, data_dir, service)
+    executable = resolve(argv[0], env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(executable, list(argv), env)
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m perfsleuth.agent.launch",
+        description="Run a command with the perfsleuth agent installed.",
+    )
+    parser.add_argument("--data", default=os.environ.get("PERFSLEUTH_DATA", ".perfsleuth"))
+    parser.add_argument("--service", default=None)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(list(sys.argv[1:] if args is None else args))
+    argv = list(ns.command)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        parser.error("nothing to run: give the command after `--`")
+    try:
+        run_command(argv, ns.data, ns.service)
+    except FileNotFoundError:
+        print(f"perfsleuth run: command not found: {argv[0]}", file=sys.stderr)
+        return 127
+    except OSError as e:
+        print(f"perfsleuth run: cannot run {argv[0]}: {e.strerror or e}", file=sys.stderr)
+        return 126
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,757 @@
+"""From spool segments to Arrow tables: listing the spool, reading segments from an offset,
+and turning a batch of records into one Arrow table per (event table, day).
+
+Reading. Intact records are framed here without being decoded (magic, length, crc: the
+layout of :mod:`perfsleuth.wire.segment`), so request payloads can be parsed in bulk by
+Arrow's JSON reader, which is several times faster than ``json.loads`` per record. At the
+first anything-but-perfect byte the rest of the segment is handed to
+:func:`perfsleuth.wire.segment.read_segment`, which owns damage detection and resync.
+
+Converting. Request records become rows of ``requests``; their calls rows of ``calls`` (with
+the request's ts, trace id, service and endpoint copied in) and per-request aggregates
+(db/http/cache calls and time) computed once here so ``top`` is one scan. Payloads Arrow
+cannot read with the expected types (an odd agent, a hand-written record) go through a slow
+path that coerces each value or drops it to NULL: one odd record never fails a batch.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap
+import os
+import socket
+import struct
+import zlib
+from dataclasses import dataclass, field
+from datetime import date, timedelta
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pajson
+
+from perfsleuth.store import schema
+from perfsleuth.wire import (
+    CLOSED_SUFFIX,
+    FINGERPRINT,
+    HEADER,
+    LOCATION,
+    OPEN_SUFFIX,
+    RECORD_TYPES,
+    REQUEST,
+    STACK,
+    STATS,
+)
+from perfsleuth.wire.segment import FILE_MAGIC, HEAD_SIZE, MAX_RECORD, REC_MAGIC, read_segment
+
+NS_PER_DAY = 86_400 * 10**9
+ID_MASK = (1 << 63) - 1  # ids are 63-bit; anything wider is folded so references still match
+_INT64_MAX = (1 << 63) - 1
+_TS_MAX = 7_258_118_400 * 10**9  # 2200-01-01: anything later (or <= 0) is a broken clock
+_HEAD = struct.Struct("<2scII")  # the record head of perfsleuth.wire.segment
+_EPOCH = date(1970, 1, 1)
+
+# The request record as the agent writes it (perfsleuth.agent.shipper._Encoder.request).
+_CALL_WIRE = pa.struct(
+    [
+        ("kind", pa.string()),
+        ("system", pa.string()),
+        ("fp", pa.int64()),
+        ("off", pa.int64()),
+        ("dur", pa.int64()),
+        ("stack", pa.int64()),
+        ("site", pa.int64()),
+        ("ph", pa.int64()),
+        ("rows", pa.int64()),
+        ("bytes", pa.int64()),
+        ("status", pa.int64()),
+        ("hit", pa.bool_()),
+        ("wait", pa.int64()),
+        ("error", pa.string()),
+        ("host", pa.string()),
+        ("unfinished", pa.bool_()),
+    ]
+)
+REQUEST_WIRE = pa.schema(
+    [
+        ("id", pa.string()),
+        ("ts", pa.int64()),
+        ("dur", pa.int64()),
+        ("kind", pa.string()),
+        ("method", pa.string()),
+        ("endpoint", pa.string()),
+        ("path", pa.string()),
+        ("status", pa.int64()),
+        ("error", pa.string()),
+        ("cpu_ns", pa.int64()),
+        ("req_bytes", pa.int64()),
+        ("resp_bytes", pa.int64()),
+        ("user", pa.string()),
+        ("tenant", pa.string()),
+        ("calls_dropped", pa.int64()),
+        ("calls", pa.list_(_CALL_WIRE)),
+    ]
+)
+_ID_FIELDS = frozenset({"fp", "stack", "site", "ph"})
+_JSON_OPTS = pajson.ParseOptions(explicit_schema=REQUEST_WIRE, unexpected_field_behavior="ignore")
+_FAST_CHUNK = 2_000  # records per retry when a whole batch cannot be read by Arrow
+
+
+# ------------------------------------------------------------------------------- the spool
+
+
+def local_host() -> str:
+    """This machine's name as the agent spells it in segment file names."""
+    return socket.gethostname().replace("-", "_")[:64] or "host"
+
+
+@dataclass
+class SpoolFile:
+    base: str  # name without suffix: the key in ingest_offsets
+    name: str
+    path: str
+    closed: bool  # .seg
+    size: int
+    mtime: float
+    host: str | None  # writer, from "<host>-<pid>-<started_ns>-<seq>"
+    pid: int | None
+
+
+def parse_name(base: str) -> tuple[str | None, int | None]:
+    parts = base.rsplit("-", 3)
+    if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
+        return parts[0], int(parts[1])
+    return None, None
+
+
+def list_spool(spool_dir: str) -> list[SpoolFile]:
+    """Segments (``*.seg``, ``*.open``) in the spool, oldest name first (names start with
+    host, pid and start time)."""
+    out = []
+    try:
+        entries = list(os.scandir(spool_dir))
+    except FileNotFoundError:
+        return []
+    for e in entries:
+        name = e.name
+        if name.endswith(CLOSED_SUFFIX):
+            base, closed = name[: -len(CLOSED_SUFFIX)], True
+        elif name.endswith(OPEN_SUFFIX):
+            base, closed = name[: -len(OPEN_SUFFIX)], False
+        else:
+            continue
+        try:
+            if not e.is_file(follow_symlinks=False):
+                continue
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        host, pid = parse_name(base)
+        out.append(SpoolFile(base, name, e.path, closed, st.st_size, st.st_mtime, host, pid))
+    # A segment renamed from .open to .seg between two scandir entries shows up twice.
+    by_base: dict[str, SpoolFile] = {}
+    for f in out:
+        if f.base not in by_base or f.closed:
+            by_base[f.base] = f
+    return sorted(by_base.values(), key=lambda f: f.name)
+
+
+def writer_gone(f: SpoolFile, idle_seconds: float, now: float) -> bool:
+    """Whether an .open segment will not grow any more: unchanged for ``idle_seconds`` and
+    its writer (pid in the name, on this host) is dead, or the name names no writer."""
+    if f.closed:
+        return True
+    if now - f.mtime < idle_seconds:
+        return False
+    if f.host is None or f.pid is None:
+        return True
+    if f.host != local_host():
+        return False  # cannot tell: it is read incrementally all the same
+    try:
+        os.kill(f.pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # exists, owned by someone else
+    return False
+
+
+# ------------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Damage:
+    offset: int
+    length: int
+    reason: str
+
+
+@dataclass
+class SegmentRead:
+    # Intact records before the first anomaly: (type, raw payload, record start, record end).
+    raw: list[tuple[bytes, bytes, int, int]] = field(default_factory=list)
+    # Records after it, decoded by read_segment (which skipped the damage).
+    decoded: list[tuple[bytes, Any]] = field(default_factory=list)
+    end: int = 0
+    damaged: list[Damage] = field(default_factory=list)
+    incomplete_tail: int = 0
+
+
+def read_from(data: bytes | mmap.mmap, start: int) -> SegmentRead:
+    """Records of ``data`` from ``start`` (0, or an ``end`` returned before)."""
+    n = len(data)
+    res = SegmentRead(end=start)
+    if start > n:  # the file shrank: nothing to read (writers only append)
+        return res
+    pos = start
+    anomaly = False
+    if start == 0:
+        if n < len(FILE_MAGIC):
+            res.incomplete_tail = n
+            return res
+        if data[: len(FILE_MAGIC)] != FILE_MAGIC:
+            anomaly = True
+        else:
+            pos = len(FILE_MAGIC)
+    crc32 = zlib.crc32
+    unpack = _HEAD.unpack_from
+    raw = res.raw
+    while not anomaly and n - pos >= HEAD_SIZE:
+        magic, rtype, length, crc = unpack(data, pos)
+        if magic != REC_MAGIC or rtype not in RECORD_TYPES or length > MAX_RECORD:
+            anomaly = True
+            break
+        end = pos + HEAD_SIZE + length
+        if end > n:
+            break
+        payload = data[pos + HEAD_SIZE : end]
+        if crc32(payload, crc32(rtype)) != crc:
+            anomaly = True
+            break
+        raw.append((rtype, payload, pos, end))
+        pos = end
+    if not anomaly:
+        res.end = pos
+        res.incomplete_tail = n - pos
+        return res
+    rest = read_segment(data if isinstance(data, bytes) else data[:], pos)
+    res.decoded = rest.records
+    res.end = rest.end
+    res.damaged = [Damage(d.offset, d.length, d.reason) for d in rest.damaged]
+    res.incomplete_tail = rest.incomplete_tail
+    return res
+
+
+# -------------------------------------------------------------------------------- batches
+
+
+@dataclass
+class SegmentState:
+    """One segment's progress; shared by the batches that carry parts of it."""
+
+    base: str
+    name: str
+    offset: int
+    service: str = ""
+    host: str = ""
+    pid: int | None = None
+    damaged: bool = False  # any damage so far: quarantined instead of deleted once done
+    final: bool = False  # everything read and the segment will not grow: retire after commit
+
+
+@dataclass
+class BatchDamage:
+    segment: SegmentState
+    offset: int
+    length: int
+    reason: str
+
+
+_DICTIONARY_TYPES = frozenset({LOCATION, STACK, FINGERPRINT})
+
+
+class Batch:
+    """Records gathered for one transaction. ``seen`` holds the dictionary record payloads
+    already taken in this ingest run (every segment repeats the ones it uses)."""
+
+    def __init__(self, seen: set[bytes] | None = None) -> None:
+        self.seen: set[bytes] = set() if seen is None else seen
+        self.segments: list[SegmentState] = []
+        self._seg_index: dict[int, int] = {}
+        self.raw_requests: list[bytes] = []
+        self.raw_meta: list[tuple[int, int, int]] = []  # (segment index, start, end)
+        self.dict_requests: list[Any] = []
+        self.dict_src: list[int] = []
+        self.locations: dict[int, tuple[Any, ...]] = {}
+        self.stacks: dict[int, list[int]] = {}
+        self.fingerprints: dict[int, tuple[Any, ...]] = {}
+        self.stats: list[tuple[Any, ...]] = []
+        self.damage: list[BatchDamage] = []
+        self.requests = 0
+        self.request_bytes = 0
+
+    def touch(self, seg: SegmentState) -> int:
+        i = self._seg_index.get(id(seg))
+        if i is None:
+            i = self._seg_index[id(seg)] = len(self.segments)
+            self.segments.append(seg)
+        return i
+
+    def add_damage(self, seg: SegmentState, offset: int, length: int, reason: str) -> None:
+        seg.damaged = True
+        self.touch(seg)
+        self.damage.append(BatchDamage(seg, offset, length, reason))
+
+    def add_raw(
+        self, seg: SegmentState, rtype: bytes, payload: bytes, start: int, end: int
+    ) -> None:
+        if rtype == REQUEST:
+            self.raw_requests.append(payload)
+            self.raw_meta.append((self.touch(seg), start, end))
+            self.requests += 1
+            self.request_bytes += len(payload)
+            return
+        if rtype in _DICTIONARY_TYPES:
+            if payload in self.seen:
+                return
+            self.seen.add(payload)
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            self.add_damage(seg, start, end - start, "undecodable payload")
+            return
+        self.add(seg, rtype, obj)
+
+    def add(self, seg: SegmentState, rtype: bytes, obj: Any) -> None:
+        """A decoded record."""
+        if rtype == REQUEST:
+            self.dict_requests.append(obj)
+            self.dict_src.append(self.touch(seg))
+            self.requests += 1
+            return
+        if not isinstance(obj, dict):
+            return
+        if rtype == HEADER:
+            seg.service = _str(obj.get("service")) or seg.service
+            seg.host = _str(obj.get("host")) or seg.host
+            pid = as_int(obj.get("pid"))
+            seg.pid = pid if pid is not None and 0 <= pid < 2**31 else seg.pid
+        elif rtype == LOCATION:
+            lid = _id(obj.get("id"))
+            if lid is not None:
+                app = obj.get("app")
+                self.locations[lid] = (
+                    _str(obj.get("file")),
+                    _int32(obj.get("line")),
+                    _str(obj.get("func", obj.get("function"))),
+                    app if isinstance(app, bool) else None,
+                )
+        elif rtype == STACK:
+            sid = _id(obj.get("id"))
+            frames = obj.get("frames")
+            if sid is not None and isinstance(frames, list):
+                self.stacks[sid] = [f for f in (_id(x) for x in frames) if f is not None]
+        elif rtype == FINGERPRINT:
+            fid = _id(obj.get("id"))
+            if fid is not None:
+                self.fingerprints[fid] = (
+                    _str(obj.get("kind")),
+                    _str(obj.get("op")),
+                    _str(obj.get("text")),
+                )
+        elif rtype == STATS:
+            self._add_stats(seg, obj)
+
+    def _add_stats(self, seg: SegmentState, obj: dict[str, Any]) -> None:
+        inner = obj.get("counters")
+        counters: dict[str, Any] = inner if isinstance(inner, dict) else obj
+        ts = None
+        for k in ("ts", "updated_ns", "ts_ns"):
+            ts = as_int(obj.get(k))
+            if ts is not None:
+                break
+        pid = as_int(obj.get("pid"))
+        host = _str(obj.get("host")) or seg.host
+        for name, v in counters.items():
+            if name in ("ts", "updated_ns", "ts_ns", "pid", "started_ns"):
+                continue
+            value = as_int(v)
+            if value is not None:
+                self.stats.append(
+                    (ts, seg.service, host, pid if pid is not None else seg.pid, name, value)
+                )
+
+
+# ------------------------------------------------------------------------ value coercion
+
+
+def _str(v: Any) -> str | None:
+    if v is None or isinstance(v, str):
+        return v
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return str(v)
+    return json.dumps(v, default=str, ensure_ascii=False)
+
+
+def as_int(v: Any) -> int | None:
+    """An int64 from a JSON value (bool, int, float or numeric string), else None."""
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int):
+        return v if -_INT64_MAX - 1 <= v <= _INT64_MAX else None
+    if isinstance(v, float) and v == v and abs(v) < 9.2e18:
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return as_int(int(v))
+        except ValueError:
+            return None
+    return None
+
+
+def _int32(v: Any) -> int | None:
+    i = as_int(v)
+    return i if i is not None and -(2**31) <= i < 2**31 else None
+
+
+def _id(v: Any) -> int | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v & ID_MASK if v >= 0 else (v if v >= -_INT64_MAX - 1 else None)
+    if isinstance(v, str):
+        try:
+            return _id(int(v, 16) if not v.isdigit() else int(v))
+        except ValueError:
+            return None
+    return None
+
+
+def _bool(v: Any) -> bool | None:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)):
+        return bool(v)
+    return None
+
+
+_COERCE = {pa.int64(): as_int, pa.string(): _str, pa.bool_(): _bool}
+
+
+def _coerce_request(obj: Any) -> dict[str, Any] | None:
+    """A request object with every value of the type REQUEST_WIRE expects (or None)."""
+    if not isinstance(obj, dict):
+        return None
+    out: dict[str, Any] = {}
+    for f in REQUEST_WIRE:
+        if f.name == "calls":
+            continue
+        out[f.name] = _COERCE[f.type](obj.get(f.name))
+    calls = obj.get("calls")
+    out["calls"] = [
+        {
+            cf.name: (_id if cf.name in _ID_FIELDS else _COERCE[cf.type])(c.get(cf.name))
+            for cf in _CALL_WIRE
+        }
+        for c in (calls if isinstance(calls, list) else ())
+        if isinstance(c, dict)
+    ]
+    return out
+
+
+# ------------------------------------------------------------------------------ converting
+
+
+@dataclass
+class Tables:
+    """What one batch adds: event tables per day, dictionaries, counters."""
+
+    days: dict[date, dict[str, pa.Table]] = field(default_factory=dict)
+    fingerprints: pa.Table | None = None
+    locations: pa.Table | None = None
+    stacks: pa.Table | None = None
+    agent_stats: pa.Table | None = None
+    requests: int = 0
+    calls: int = 0
+
+
+def build_tables(batch: Batch, now_ns: int) -> Tables:
+    """Arrow tables for a batch. Undecodable request payloads are added to ``batch.damage``."""
+    out = Tables()
+    wire, src, attr_objs = _parse_requests(batch)
+    if wire.num_rows:
+        _event_tables(out, wire, src, attr_objs, batch, now_ns)
+    if batch.fingerprints:
+        ids = list(batch.fingerprints)
+        kind, op, text = zip(*batch.fingerprints.values(), strict=True)
+        out.fingerprints = _table(schema.FINGERPRINTS, id=ids, kind=kind, op=op, text=text)
+    if batch.locations:
+        ids = list(batch.locations)
+        file, line, func, app = zip(*batch.locations.values(), strict=True)
+        out.locations = _table(
+            schema.LOCATIONS, id=ids, file=file, line=line, function=func, app=app
+        )
+    if batch.stacks:
+        out.stacks = _table(
+            schema.STACKS, id=list(batch.stacks), frames=list(batch.stacks.values())
+        )
+    if batch.stats:
+        ts, service, host, pid, name, value = zip(*batch.stats, strict=True)
+        out.agent_stats = _table(
+            schema.AGENT_STATS,
+            ts=pa.array([_sane_ts(t, now_ns) // 1000 for t in ts], pa.timestamp("us")),
+            service=[s or "" for s in service],
+            host=[h or "" for h in host],
+            pid=[p if p is not None and 0 <= p < 2**31 else 0 for p in pid],
+            name=name,
+            value=value,
+        )
+    return out
+
+
+def _table(t: schema.Table, **cols: Any) -> pa.Table:
+    return pa.Table.from_pydict(cols, schema=t.arrow_schema())
+
+
+def _sane_ts(ts: int | None, now_ns: int) -> int:
+    return ts if ts is not None and 0 < ts < _TS_MAX else now_ns
+
+
+def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int, Any]]]:
+    """(requests as REQUEST_WIRE, segment index per row, [(row, decoded object)] of the rows
+    that carry attributes or tags)."""
+    parts: list[pa.Table] = []
+    src: list[int] = []
+    attr_objs: list[tuple[int, Any]] = []
+    slow: list[tuple[int, Any, int, int]] = []  # (segment index, object, start, end)
+    raw = batch.raw_requests
+    meta = batch.raw_meta
+    rows = 0
+
+    def fast(lo: int, hi: int) -> bool:
+        nonlocal rows
+        try:
+            t = pajson.read_json(
+                io.BytesIO(b"\n".join(raw[lo:hi])),
+                read_options=pajson.ReadOptions(
+                    use_threads=True, block_size=max(1 << 24, max(map(len, raw[lo:hi])) + 2)
+                ),
+                parse_options=_JSON_OPTS,
+            )
+        except (pa.ArrowException, OverflowError):
+            return False
+        if t.num_rows != hi - lo:  # a payload that was not one JSON object per line
+            return False
+        parts.append(t.cast(REQUEST_WIRE))
+        for i in range(lo, hi):
+            p = raw[i]
+            if b'"attrs"' in p or b'"tags"' in p:
+                attr_objs.append((rows + i - lo, p))
+            src.append(meta[i][0])
+        rows += hi - lo
+        return True
+
+    if raw and not fast(0, len(raw)):
+        for lo in range(0, len(raw), _FAST_CHUNK):
+            hi = min(lo + _FAST_CHUNK, len(raw))
+            if fast(lo, hi):
+                continue
+            for i in range(lo, hi):
+                seg, start, end = meta[i]
+                try:
+                    slow.append((seg, json.loads(raw[i]), start, end))
+                except ValueError:
+                    batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
+    # Records read past damage come decoded, without their offsets (-1: the segment is
+    # quarantined anyway).
+    slow.extend(
+        (i, obj, -1, -1) for i, obj in zip(batch.dict_src, batch.dict_requests, strict=True)
+    )
+    objs: list[dict[str, Any]] = []
+    for seg_i, obj, start, end in slow:
+        req = _coerce_request(obj)
+        if req is None:
+            if start >= 0:
+                batch.add_damage(batch.segments[seg_i], start, end - start, "not a request object")
+            continue
+        if "attrs" in obj or "tags" in obj:
+            attr_objs.append((rows + len(objs), obj))
+        objs.append(req)
+        src.append(seg_i)
+    if objs:
+        parts.append(pa.Table.from_pylist(objs, schema=REQUEST_WIRE))
+    wire = pa.concat_tables(parts) if parts else REQUEST_WIRE.empty_table()
+    # Raw payloads of requests with attributes are decoded only now, for those only.
+    decoded = []
+    for row, p in attr_objs:
+        if isinstance(p, bytes):
+            try:
+                p = json.loads(p)
+            except ValueError:
+                continue
+        decoded.append((row, p))
+    return wire, np.asarray(src, dtype=np.int64), decoded
+
+
+def _ms(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return pc.divide(pc.cast(arr, pa.float64()), 1e6)
+
+
+def _np(arr: pa.Array | pa.ChunkedArray, fill: Any) -> np.ndarray:
+    return np.asarray(pc.fill_null(arr, fill).to_numpy(zero_copy_only=False))
+
+
+def _event_tables(
+    out: Tables,
+    wire: pa.Table,
+    src: np.ndarray,
+    attr_objs: list[tuple[int, Any]],
+    batch: Batch,
+    now_ns: int,
+) -> None:
+    n = wire.num_rows
+    segs = batch.segments
+    service = pc.take(pa.array([s.service or "unknown" for s in segs], pa.string()), src)
+    host = pc.take(pa.array([s.host or None for s in segs], pa.string()), src)
+    pid = pc.take(pa.array([s.pid for s in segs], pa.int32()), src)
+
+    ts_ns = _np(wire["ts"], 0)
+    bad = (ts_ns <= 0) | (ts_ns >= _TS_MAX)
+    if bad.any():
+        ts_ns = np.where(bad, now_ns, ts_ns)
+    ts = pa.array(ts_ns // 1000, pa.timestamp("us"))
+    day = ts_ns // NS_PER_DAY
+    trace_id = pc.fill_null(wire["id"], "")
+    endpoint = pc.fill_null(wire["endpoint"], "<unknown>")
+
+    calls = wire["calls"].combine_chunks()
+    counts = _np(pc.list_value_length(calls), 0).astype(np.int64)
+    flat = pc.list_flatten(calls)
+    m = len(flat)
+    parent = np.repeat(np.arange(n, dtype=np.int64), counts)
+    starts = np.cumsum(counts) - counts
+    seq = np.arange(m, dtype=np.int64) - np.repeat(starts, counts)
+    cf = dict(zip([f.name for f in _CALL_WIRE], flat.flatten(), strict=True))
+    ckind = pc.fill_null(cf["kind"], "unknown")
+    cdur = _ms(cf["dur"])
+    cdur_np = _np(cdur, 0.0)
+    parent_pa = pa.array(parent)
+
+    agg: dict[str, Any] = {}
+    for k in ("db", "http", "cache"):
+        mask = _np(pc.equal(ckind, k), False).astype(bool)
+        p = parent[mask]
+        agg[f"{k}_calls"] = pa.array(np.bincount(p, minlength=n).astype(np.int32))
+        agg[f"{k}_ms"] = pa.array(np.bincount(p, weights=cdur_np[mask], minlength=n))
+
+    req = pa.table(
+        {
+            "ts": ts,
+            "trace_id": trace_id,
+            "service": service,
+            "host": host,
+            "pid": pid,
+            "kind": pc.fill_null(wire["kind"], "unknown"),
+            "method": wire["method"],
+            "endpoint": endpoint,
+            "path": wire["path"],
+            "status": _int32_col(wire["status"]),
+            "error": wire["error"],
+            "duration_ms": _ms(wire["dur"]),
+            "cpu_ms": _ms(wire["cpu_ns"]),
+            "req_bytes": wire["req_bytes"],
+            "resp_bytes": wire["resp_bytes"],
+            "user": wire["user"],
+            "tenant": wire["tenant"],
+            **agg,
+            "calls_dropped": _int32_col(pc.fill_null(wire["calls_dropped"], 0)),
+        },
+        schema=schema.REQUESTS.arrow_schema(),
+    )
+    # Repeated per call: dictionary-encoded, DuckDB stores them as plain VARCHAR.
+    call = pa.table(
+        {
+            "ts": pc.take(ts, parent_pa),
+            "trace_id": pc.take(pc.dictionary_encode(trace_id), parent_pa),
+            "service": pc.take(pc.dictionary_encode(service), parent_pa),
+            "endpoint": pc.take(pc.dictionary_encode(endpoint), parent_pa),
+            "seq": pa.array(seq.astype(np.int32)),
+            "kind": ckind,
+            "system": cf["system"],
+            "fingerprint_id": cf["fp"],
+            "offset_ms": _ms(cf["off"]),
+            "duration_ms": cdur,
+            "rows": cf["rows"],
+            "bytes": cf["bytes"],
+            "params_hash": cf["ph"],
+            "stack_id": cf["stack"],
+            "site_id": cf["site"],
+            "host": cf["host"],
+            "status": _int32_col(cf["status"]),
+            "hit": cf["hit"],
+            "wait_ms": _ms(cf["wait"]),
+            "error": cf["error"],
+            "unfinished": cf["unfinished"],
+        }
+    )
+    attr_rows, attr_cols = _attributes(attr_objs)
+    attr_idx = pa.array(np.asarray(attr_rows, dtype=np.int64))
+    attrs = pa.table(
+        {
+            "ts": pc.take(ts, attr_idx),
+            "trace_id": pc.take(trace_id, attr_idx),
+            "service": pc.take(service, attr_idx),
+            "endpoint": pc.take(endpoint, attr_idx),
+            **attr_cols,
+        },
+        schema=schema.ATTRIBUTES.arrow_schema(),
+    )
+    out.requests += n
+    out.calls += m
+    days = np.unique(day)
+    for d in days:
+        key = _EPOCH + timedelta(days=int(d))
+        if len(days) == 1:
+            parts = {"requests": req, "calls": call, "attributes": attrs}
+        else:
+            in_day = day == d
+            parts = {
+                "requests": req.filter(pa.array(in_day)),
+                "calls": call.filter(pa.array(in_day[parent])),
+                "attributes": attrs.filter(pa.array(in_day[np.asarray(attr_rows, np.int64)])),
+            }
+        out.days[key] = parts
+
+
+def _int32_col(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """int64 -> int32, out-of-range values to NULL (a status or count never needs more)."""
+    ok = pc.and_(pc.greater_equal(arr, -(2**31)), pc.less(arr, 2**31))
+    return pc.cast(pc.if_else(ok, arr, pa.scalar(None, pa.int64())), pa.int32())
+
+
+def _attributes(objs: list[tuple[int, Any]]) -> tuple[list[int], dict[str, list[Any]]]:
+    rows: list[int] = []
+    kind: list[str] = []
+    key: list[str] = []
+    value: list[str | None] = []
+    num: list[float | None] = []
+    for row, obj in objs:
+        if not isinstance(obj, dict):
+            continue
+        for k, name in (("attrs", "attr"), ("tags", "tag")):
+            d = obj.get(k)
+            if not isinstance(d, dict):
+                continue
+            for a, v in d.items():
+                rows.append(row)
+                kind.append(name)
+                key.append(str(a))
+                value.append(_str(v))
+                num.append(
+                    float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+                )
+    return rows, {"kind": kind, "key": key, "value": value, "num": num}

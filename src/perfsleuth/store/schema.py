@@ -1,0 +1,242 @@
+"""The store's logical schema, and the DDL rendered from it for each engine.
+
+One description of every table (columns with logical types, sort key, per-day partitioning)
+serves DuckDB (the embedded default), the Arrow schemas used at ingest, and ClickHouse.
+
+Event tables (``requests``, ``calls``, ``attributes``) are partitioned by day (UTC). In DuckDB
+each day is a physical table (``requests_d20261123``) and a view of the same name as the
+logical table UNION ALLs the days that exist, so retention drops whole tables and never
+deletes rows. In ClickHouse the same tables are MergeTree tables ``PARTITION BY toDate(ts)``
+sorted by ``(service, endpoint, ts)`` with a TTL that drops whole parts.
+
+Identifiers (fingerprints, code locations, stacks) are the agent's stable 63-bit hashes: they
+fit a signed 64-bit integer in both engines.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import date
+
+import pyarrow as pa
+
+# Logical type -> (DuckDB, ClickHouse, Arrow)
+_TYPES: dict[str, tuple[str, str, pa.DataType]] = {
+    "timestamp": ("TIMESTAMP", "DateTime64(6)", pa.timestamp("us")),
+    "string": ("VARCHAR", "String", pa.string()),
+    "int32": ("INTEGER", "Int32", pa.int32()),
+    "int64": ("BIGINT", "Int64", pa.int64()),
+    "float64": ("DOUBLE", "Float64", pa.float64()),
+    "bool": ("BOOLEAN", "Bool", pa.bool_()),
+    "id": ("BIGINT", "Int64", pa.int64()),
+    "id_list": ("BIGINT[]", "Array(Int64)", pa.list_(pa.int64())),
+}
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str  # a key of _TYPES
+    nullable: bool = True
+    low_cardinality: bool = False  # a hint for ClickHouse (LowCardinality(String))
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    columns: tuple[Column, ...]
+    by_day: bool = False  # partitioned by day of ``ts`` (event tables)
+    order_by: tuple[str, ...] = ()  # sort key (ClickHouse ORDER BY)
+    key: tuple[str, ...] = ()  # unique key: rows are inserted or ignored / replaced by it
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    def arrow_schema(self) -> pa.Schema:
+        return pa.schema([pa.field(c.name, _TYPES[c.type][2], c.nullable) for c in self.columns])
+
+
+def _c(spec: str) -> tuple[Column, ...]:
+    """Columns from ``"name type[!][~], ..."``: ``!`` not nullable, ``~`` low cardinality."""
+    out = []
+    for item in spec.split(","):
+        name, typ = item.split()
+        out.append(
+            Column(name, typ.rstrip("!~"), nullable="!" not in typ, low_cardinality="~" in typ)
+        )
+    return tuple(out)
+
+
+EVENT_ORDER = ("service", "endpoint", "ts")
+
+REQUESTS = Table(
+    "requests",
+    _c(
+        "ts timestamp!, trace_id string!, service string!~, host string~, pid int32,"
+        " kind string!~, method string~, endpoint string!~, path string, status int32,"
+        " error string, duration_ms float64, cpu_ms float64, req_bytes int64, resp_bytes int64,"
+        " user string, tenant string~, db_calls int32!, db_ms float64!, http_calls int32!,"
+        " http_ms float64!, cache_calls int32!, cache_ms float64!, calls_dropped int32!"
+    ),
+    by_day=True,
+    order_by=EVENT_ORDER,
+)
+
+CALLS = Table(
+    "calls",
+    _c(
+        "ts timestamp!, trace_id string!, service string!~, endpoint string!~, seq int32!,"
+        " kind string!~, system string~, fingerprint_id id, offset_ms float64,"
+        " duration_ms float64, rows int64, bytes int64, params_hash int64, stack_id id,"
+        " site_id id, host string~, status int32, hit bool, wait_ms float64, error string,"
+        " unfinished bool"
+    ),
+    by_day=True,
+    order_by=EVENT_ORDER,
+)
+
+ATTRIBUTES = Table(
+    "attributes",
+    _c(
+        "ts timestamp!, trace_id string!, service string!~, endpoint string!~, kind string!~,"
+        " key string!~, value string, num float64"
+    ),
+    by_day=True,
+    order_by=EVENT_ORDER,
+)
+
+FINGERPRINTS = Table(
+    "fingerprints",
+    _c("id id!, kind string~, op string~, text string"),
+    order_by=("id",),
+    key=("id",),
+)
+LOCATIONS = Table(
+    "locations",
+    _c("id id!, file string, line int32, function string, app bool"),
+    order_by=("id",),
+    key=("id",),
+)
+STACKS = Table("stacks", _c("id id!, frames id_list"), order_by=("id",), key=("id",))
+
+# Agent counters from STATS records, one row per counter: (ts, process, name, value).
+AGENT_STATS = Table(
+    "agent_stats",
+    _c("ts timestamp!, service string!~, host string!~, pid int32!, name string!~, value int64"),
+    order_by=("host", "pid", "name", "ts"),
+)
+
+# Ingest progress per spool segment (name without suffix): committed with the rows it covers.
+INGEST_OFFSETS = Table(
+    "ingest_offsets",
+    _c(
+        "segment string!, offset int64!, closed bool!, damaged bool!, service string,"
+        " host string, pid int32, updated timestamp!"
+    ),
+    order_by=("segment",),
+    key=("segment",),
+)
+
+EVENT_TABLES = (REQUESTS, CALLS, ATTRIBUTES)
+GLOBAL_TABLES = (FINGERPRINTS, LOCATIONS, STACKS, AGENT_STATS, INGEST_OFFSETS)
+TABLES = {t.name: t for t in EVENT_TABLES + GLOBAL_TABLES}
+
+_DAY_SUFFIX = re.compile(r"^(?P<table>[a-z_]+)_d(?P<day>\d{8})$")
+
+
+def day_table(table: Table, day: date) -> str:
+    """Physical name of one day of an event table: ``requests_d20261123``."""
+    return f"{table.name}_d{day:%Y%m%d}"
+
+
+def parse_day_table(name: str) -> tuple[str, date] | None:
+    """(logical table, day) of a physical day table name, or None."""
+    m = _DAY_SUFFIX.match(name)
+    if m is None or m["table"] not in TABLES or not TABLES[m["table"]].by_day:
+        return None
+    d = m["day"]
+    try:
+        return m["table"], date(int(d[:4]), int(d[4:6]), int(d[6:]))
+    except ValueError:
+        return None
+
+
+def quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+# ---------------------------------------------------------------------------------- DuckDB
+
+
+def duckdb_create(table: Table, physical: str | None = None) -> str:
+    cols = [
+        f"{quote(c.name)} {_TYPES[c.type][0]}{'' if c.nullable else ' NOT NULL'}"
+        for c in table.columns
+    ]
+    if table.key:
+        cols.append(f"PRIMARY KEY ({', '.join(quote(k) for k in table.key)})")
+    return f"CREATE TABLE IF NOT EXISTS {quote(physical or table.name)} ({', '.join(cols)})"
+
+
+def duckdb_empty(table: Table) -> str:
+    """A typed, empty SELECT with the table's columns (the view when no day exists)."""
+    cols = ", ".join(f"CAST(NULL AS {_TYPES[c.type][0]}) AS {quote(c.name)}" for c in table.columns)
+    return f"SELECT {cols} WHERE false"
+
+
+def duckdb_union(table: Table, days: list[date]) -> str:
+    """SELECT over the given days of an event table (by name, so older days missing a newer
+    column still line up), or the typed empty SELECT."""
+    if not days:
+        return duckdb_empty(table)
+    return " UNION ALL BY NAME ".join(
+        f"SELECT * FROM {quote(day_table(table, d))}" for d in sorted(days)
+    )
+
+
+def duckdb_view(table: Table, days: list[date]) -> str:
+    return f"CREATE OR REPLACE VIEW {quote(table.name)} AS {duckdb_union(table, days)}"
+
+
+# ------------------------------------------------------------------------------ ClickHouse
+
+
+def clickhouse_create(
+    table: Table,
+    *,
+    database: str = "perfsleuth",
+    cluster: str | None = None,
+    replicated: bool = False,
+    ttl_days: int | None = None,
+) -> str:
+    """MergeTree DDL for ClickHouse (and chDB): event tables partitioned by day, sorted by
+    (service, endpoint, ts), with a TTL that drops whole parts; dictionary tables as
+    ReplacingMergeTree on their id."""
+
+    def col_type(c: Column) -> str:
+        t = _TYPES[c.type][1]
+        if c.nullable and c.type != "id_list":
+            t = f"Nullable({t})"
+        if c.low_cardinality and c.type == "string":
+            t = f"LowCardinality({t})"
+        return t
+
+    on_cluster = f" ON CLUSTER {quote(cluster)}" if cluster else ""
+    engine = "ReplacingMergeTree" if table.key else "MergeTree"
+    if replicated:
+        engine = "Replicated" + engine
+    cols = ",\n  ".join(f"{quote(c.name)} {col_type(c)}" for c in table.columns)
+    name = f"{quote(database)}.{quote(table.name)}"
+    parts = [
+        f"CREATE TABLE IF NOT EXISTS {name}{on_cluster} (\n  {cols}\n)",
+        f"ENGINE = {engine}()",
+    ]
+    if table.by_day:
+        parts.append("PARTITION BY toDate(ts)")
+    parts.append(f"ORDER BY ({', '.join(quote(k) for k in table.order_by)})")
+    if table.by_day and ttl_days:
+        parts.append(f"TTL toDateTime(ts) + INTERVAL {int(ttl_days)} DAY")
+        parts.append("SETTINGS ttl_only_drop_parts = 1")
+    return "\n".join(parts)

@@ -1,0 +1,533 @@
+"""Ingest from the spool into DuckDB: exactly once, across crashes, growing segments, damage
+and garbage. Spools are written with the real wire encoder (tests/spoolwrite.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from perfsleuth.store.base import IngestReport
+from perfsleuth.store.duckdb_store import DuckDBStore
+from perfsleuth.wire import REQUEST
+from perfsleuth.wire.segment import REC_MAGIC, encode_record
+from spoolwrite import MS, SegmentWriter, call
+
+STACK = [("app/main.py", 5, "main", True), ("lib/orm.py", 80, "query", False)]
+
+
+@pytest.fixture
+def data_dir(tmp_path: Any) -> str:
+    d = str(tmp_path / "data")
+    os.makedirs(os.path.join(d, "spool"))
+    return d
+
+
+@pytest.fixture
+def store(data_dir: str) -> Iterator[DuckDBStore]:
+    s = DuckDBStore(data_dir)
+    yield s
+    s.close()
+
+
+def count(store: DuckDBStore, table: str = "requests") -> int:
+    return int(store.sql(f"SELECT count(*) FROM {table}")[1][0][0])
+
+
+def trace_ids(store: DuckDBStore) -> list[str]:
+    return sorted(r[0] for r in store.sql("SELECT trace_id FROM requests", limit=10**9)[1])
+
+
+def spool_names(data_dir: str) -> list[str]:
+    d = os.path.join(data_dir, "spool")
+    return sorted(n for n in os.listdir(d) if not os.path.isdir(os.path.join(d, n)))
+
+
+def write_segments(data_dir: str, n_segments: int, per_segment: int) -> list[str]:
+    """Closed segments of requests with two calls each; returns all trace ids."""
+    ids = []
+    for s in range(n_segments):
+        w = SegmentWriter(data_dir, seq=s + 1)
+        for i in range(per_segment):
+            body = w.request(
+                f"GET /e{i % 3}",
+                dur_ms=5 + i,
+                calls=[call(dur_ms=1, stack=STACK), call("cache", "GET user:?", dur_ms=0.5)],
+            )
+            ids.append(body["id"])
+        w.close()
+    return sorted(ids)
+
+
+def raw_record(rtype: bytes, payload: bytes) -> bytes:
+    """A record with a valid checksum around any payload (even one that is not JSON)."""
+    crc = zlib.crc32(payload, zlib.crc32(rtype))
+    return struct.pack("<2scII", REC_MAGIC, rtype, len(payload), crc) + payload
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+# ------------------------------------------------------------------------------ basics
+
+
+def test_ingest_rows_content_and_removes_closed_segments(data_dir: str, store: DuckDBStore) -> None:
+    w = SegmentWriter(data_dir, service="shop")
+    sent = w.request(
+        "POST /orders",
+        dur_ms=42.5,
+        status=201,
+        user="alice",
+        tenant="acme",
+        cpu_ns=7 * MS,
+        req_bytes=100,
+        resp_bytes=2000,
+        calls=[
+            call(
+                "db",
+                "INSERT INTO orders VALUES (?)",
+                dur_ms=3,
+                off_ms=1,
+                rows=1,
+                ph=99,
+                stack=STACK,
+            ),
+            call("db", "SELECT * FROM stock WHERE id = ?", dur_ms=2, off_ms=5, rows=10),
+            call(
+                "http",
+                "POST pay.example.com/charge",
+                dur_ms=20,
+                off_ms=8,
+                status=200,
+                host="pay.example.com",
+                wait=MS // 2,
+            ),
+            call("cache", "SET order:?", dur_ms=0.25, off_ms=30, hit=False, error="Timeout"),
+        ],
+        attrs={"rows_loaded": 12, "plan": "gold", "ratio": 0.5},
+        tags={"variant": "B"},
+    )
+    w.close()
+    rep = store.ingest()
+    assert (rep.requests, rep.calls, rep.segments_read, rep.segments_done) == (1, 4, 1, 1)
+    assert not rep.damaged and not rep.quarantined and not rep.truncated_tails
+    assert spool_names(data_dir) == []
+    cols, rows = store.sql("SELECT * FROM requests")
+    r = dict(zip(cols, rows[0], strict=True))
+    assert r["trace_id"] == sent["id"] and r["service"] == "shop" and r["host"] == "testbox"
+    assert (r["kind"], r["method"], r["endpoint"], r["path"]) == (
+        "web",
+        "POST",
+        "POST /orders",
+        "/orders",
+    )
+    assert (r["status"], r["duration_ms"], r["cpu_ms"], r["user"], r["tenant"]) == (
+        201,
+        42.5,
+        7.0,
+        "alice",
+        "acme",
+    )
+    assert (r["req_bytes"], r["resp_bytes"], r["pid"], r["calls_dropped"]) == (100, 2000, 4242, 0)
+    assert (r["db_calls"], r["db_ms"], r["http_calls"], r["http_ms"]) == (2, 5.0, 1, 20.0)
+    assert (r["cache_calls"], r["cache_ms"]) == (1, 0.25)
+    assert r["ts"].timestamp() == pytest.approx(sent["ts"] / 1e9, abs=1e-6)
+    cols, rows = store.sql("SELECT * FROM calls ORDER BY seq")
+    calls = [dict(zip(cols, row, strict=True)) for row in rows]
+    assert [c["seq"] for c in calls] == [0, 1, 2, 3]
+    assert {c["endpoint"] for c in calls} == {"POST /orders"}
+    assert {c["trace_id"] for c in calls} == {sent["id"]}
+    assert [c["kind"] for c in calls] == ["db", "db", "http", "cache"]
+    assert [c["offset_ms"] for c in calls] == [1.0, 5.0, 8.0, 30.0]
+    assert (calls[0]["rows"], calls[0]["params_hash"]) == (1, 99)
+    assert calls[0]["stack_id"] == sent["calls"][0]["stack"] and calls[1]["stack_id"] is None
+    assert calls[0]["site_id"] == sent["calls"][0]["site"]
+    assert (calls[2]["status"], calls[2]["host"], calls[2]["wait_ms"]) == (
+        200,
+        "pay.example.com",
+        0.5,
+    )
+    assert (calls[3]["hit"], calls[3]["error"]) == (False, "Timeout")
+    _, attrs = store.sql("SELECT kind, key, value, num FROM attributes ORDER BY kind, key")
+    assert attrs == [
+        ("attr", "plan", "gold", None),
+        ("attr", "ratio", "0.5", 0.5),
+        ("attr", "rows_loaded", "12", 12.0),
+        ("tag", "variant", "B", None),
+    ]
+    assert count(store, "fingerprints") == 4 and count(store, "stacks") == 1
+    assert count(store, "locations") == 3  # two stack frames and the call site
+
+
+def test_ingest_twice_adds_nothing(data_dir: str, store: DuckDBStore) -> None:
+    ids = write_segments(data_dir, 3, 20)
+    assert store.ingest().requests == 60
+    rep = store.ingest()
+    assert (rep.requests, rep.segments_read) == (0, 0)
+    assert trace_ids(store) == ids
+    assert count(store, "calls") == 120
+
+
+def test_dictionaries_are_global_and_inserted_once(data_dir: str, store: DuckDBStore) -> None:
+    # Every segment repeats the L/S/F records it uses; the tables hold each id once.
+    write_segments(data_dir, 4, 5)
+    store.ingest()
+    write_segments(data_dir, 2, 5)
+    store.ingest()
+    assert count(store, "fingerprints") == 2
+    assert count(store, "stacks") == 1
+    assert count(store, "locations") == 3
+
+
+def test_batches_split_segments_without_loss(data_dir: str, store: DuckDBStore) -> None:
+    ids = write_segments(data_dir, 5, 33)
+    store.batch_requests = 10
+    seen: list[tuple[int, int]] = []
+    rep = store.ingest(progress=lambda done, total: seen.append((done, total)))
+    assert rep.requests == 165 and rep.segments_done == 5
+    assert trace_ids(store) == ids
+    assert len(seen) >= 16 and seen[-1][0] == seen[-1][1]
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_report_to_dict_is_json_ready(data_dir: str, store: DuckDBStore) -> None:
+    with open(os.path.join(data_dir, "spool", "junk.seg"), "wb") as fh:
+        fh.write(b"garbage" * 10)
+    d = store.ingest().to_dict()
+    json.dumps(d)
+    assert d["damaged"][0]["segment"] == "junk.seg" and d["quarantined"] == ["junk.seg"]
+
+
+# -------------------------------------------------------------------- exactly once
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from perfsleuth.store.duckdb_store import DuckDBStore
+
+    class Slow(DuckDBStore):
+        batch_requests = 25
+        commits = 0
+
+        def _commit(self):
+            Slow.commits += 1
+            print("inserted", flush=True)
+            if Slow.commits == 3:
+                time.sleep(300)  # killed here: the rows are in, the transaction is open
+            super()._commit()
+
+    Slow(sys.argv[1]).ingest(progress=lambda done, total: print("committed", flush=True))
+    """
+)
+
+
+def test_ingest_killed_mid_transaction_then_rerun_gives_exactly_n(data_dir: str) -> None:
+    ids = write_segments(data_dir, 12, 20)  # 240 requests, ~10 transactions
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, data_dir], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if lines.count("inserted") == 3:  # two batches committed, the third in flight
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert lines == ["inserted", "committed", "inserted", "committed", "inserted"]
+    with DuckDBStore(data_dir) as store:
+        assert count(store) == 50  # the two committed batches, nothing of the third
+        assert len(spool_names(data_dir)) < 12  # and their finished segments are gone
+        rep = store.ingest()
+        assert rep.requests == 190
+        assert trace_ids(store) == ids
+        assert count(store, "calls") == 480
+        assert spool_names(data_dir) == []
+
+
+def test_finished_segment_left_behind_is_never_reingested(data_dir: str) -> None:
+    class CrashAfterCommit(DuckDBStore):
+        def _retire(self, *args: Any, **kwargs: Any) -> None:
+            pass  # as if the process died right after the commit
+
+    ids = write_segments(data_dir, 2, 10)
+    with CrashAfterCommit(data_dir) as s:
+        s.ingest()
+    assert len(spool_names(data_dir)) == 2
+    with DuckDBStore(data_dir) as store:
+        rep = store.ingest()
+        assert rep.requests == 0 and rep.segments_done == 2
+        assert trace_ids(store) == ids
+        assert spool_names(data_dir) == []
+
+
+def test_open_segment_is_read_incrementally_as_it_grows(data_dir: str, store: DuckDBStore) -> None:
+    w = SegmentWriter(data_dir, pid=os.getpid())  # a live writer: this process
+    for i in range(10):
+        w.request("GET /a", dur_ms=i + 1, calls=[call()])
+    assert store.ingest().requests == 10
+    assert spool_names(data_dir) == [w.name]  # still open: kept
+    for i in range(5):
+        w.request("GET /b", dur_ms=i + 1, calls=[call()])
+    rec = encode_record(
+        REQUEST,
+        {
+            "id": "f" * 16,
+            "ts": w.requests[0]["ts"],
+            "dur": MS,
+            "kind": "web",
+            "endpoint": "GET /c",
+            "calls": [],
+        },
+    )
+    w.write(rec[:20])  # a record being written right now
+    rep = store.ingest()
+    assert rep.requests == 5 and not rep.damaged and not rep.truncated_tails
+    assert store.ingest().requests == 0
+    w.write(rec[20:])
+    w.close()
+    rep = store.ingest()
+    assert (rep.requests, rep.segments_done) == (1, 1) and not rep.truncated_tails
+    assert trace_ids(store) == sorted([r["id"] for r in w.requests] + ["f" * 16])
+    assert count(store, "calls") == 15
+    assert spool_names(data_dir) == []
+    # the header was read in the first pass only; later passes still know the service
+    assert store.sql("SELECT DISTINCT service, host, pid FROM requests")[1] == [
+        ("shop", "testbox", os.getpid())
+    ]
+
+
+def test_open_segment_of_dead_writer_is_finished_once_idle(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    w = SegmentWriter(data_dir, pid=dead_pid())
+    for _ in range(3):
+        w.request("GET /a")
+    w.write(encode_record(REQUEST, {"id": "0" * 16, "calls": []})[:-3])  # torn by the crash
+    rep = store.ingest()  # changed just now: maybe the writer is only slow
+    assert rep.requests == 3 and spool_names(data_dir) == [w.name]
+    store.open_idle_seconds = 0
+    rep = store.ingest()
+    assert (rep.requests, rep.segments_done, rep.truncated_tails) == (0, 1, [w.name])
+    assert spool_names(data_dir) == [] and count(store) == 3
+
+
+def test_truncated_tail_of_closed_segment_is_reported(data_dir: str, store: DuckDBStore) -> None:
+    w = SegmentWriter(data_dir)
+    for _ in range(4):
+        w.request("GET /a")
+    w.write(encode_record(REQUEST, {"id": "1" * 16, "calls": []})[:15])
+    w.close()
+    rep = store.ingest()
+    assert rep.requests == 4 and rep.truncated_tails == [os.path.basename(w.path)]
+    assert not rep.damaged and spool_names(data_dir) == []
+
+
+# -------------------------------------------------------------------- damage, garbage
+
+
+def test_corrupt_segment_keeps_good_records_and_is_quarantined(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    w = SegmentWriter(data_dir)
+    ends = []
+    for i in range(30):
+        w.request("GET /a", dur_ms=i + 1, calls=[call(stack=STACK)])
+        ends.append(os.path.getsize(w.path))
+    path = w.close()
+    with open(path, "r+b") as fh:  # flip bytes inside the 16th request record
+        fh.seek(ends[14] + 40)
+        b = fh.read(4)
+        fh.seek(ends[14] + 40)
+        fh.write(bytes(x ^ 0xFF for x in b))
+    with open(path, "rb") as fh:
+        original = fh.read()
+    rep = store.ingest()
+    name = os.path.basename(path)
+    assert rep.requests == 29
+    assert [(d.segment, d.offset, d.reason) for d in rep.damaged] == [
+        (name, ends[14], "checksum mismatch")
+    ]
+    assert rep.quarantined == [name] and spool_names(data_dir) == []
+    with open(os.path.join(data_dir, "spool", "corrupt", name), "rb") as fh:
+        assert fh.read() == original  # nothing lost: kept for inspection
+    lost = w.requests[15]["id"]
+    assert trace_ids(store) == sorted(r["id"] for r in w.requests if r["id"] != lost)
+    rep = store.ingest()
+    assert rep.requests == 0 and not rep.damaged and count(store) == 29
+
+
+def test_damage_in_open_segment_is_reported_once_and_quarantined_when_closed(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    w = SegmentWriter(data_dir, pid=os.getpid())
+    w.request("GET /a")
+    w.write(b"\xa5\x5aRnonsense bytes here")
+    w.request("GET /b")
+    rep = store.ingest()
+    assert rep.requests == 2 and len(rep.damaged) == 1 and not rep.quarantined
+    w.request("GET /c")
+    rep = store.ingest()
+    assert rep.requests == 1 and not rep.damaged
+    w.close()
+    rep = store.ingest()
+    assert rep.quarantined == [os.path.basename(w.path)] and count(store) == 3
+
+
+def test_garbage_files_are_reported_and_quarantined(data_dir: str, store: DuckDBStore) -> None:
+    write_segments(data_dir, 1, 5)
+    spool = os.path.join(data_dir, "spool")
+    with open(os.path.join(spool, "garbage.seg"), "wb") as fh:
+        fh.write(os.urandom(5000))
+    with open(os.path.join(spool, "junk.open"), "wb") as fh:  # no writer named: final when idle
+        fh.write(b"PSLSEG\x00\x01" + b"\x00" * 100)
+    with open(os.path.join(spool, "empty.seg"), "wb"):
+        pass  # created by a writer that died at once: nothing to say
+    with open(os.path.join(spool, "short.seg"), "wb") as fh:
+        fh.write(b"PSL")
+    with open(os.path.join(spool, "notes.txt"), "w") as fh:
+        fh.write("not ours: left alone")
+    store.open_idle_seconds = 0
+    rep = store.ingest()
+    assert rep.requests == 5
+    assert {d.segment for d in rep.damaged} == {"garbage.seg", "junk.open"}
+    assert sorted(rep.quarantined) == ["garbage.seg", "junk.open"]
+    assert rep.truncated_tails == ["short.seg"]
+    assert spool_names(data_dir) == ["notes.txt"]
+    assert sorted(os.listdir(os.path.join(spool, "corrupt"))) == ["garbage.seg", "junk.open"]
+    assert store.ingest() == IngestReport()
+
+
+def test_undecodable_payload_with_valid_checksum_is_damage(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    w = SegmentWriter(data_dir)
+    w.request("GET /a")
+    at = os.path.getsize(w.path)
+    w.write(raw_record(REQUEST, b'{"id": "broken'))
+    w.request("GET /b")
+    w.close()
+    rep = store.ingest()
+    assert rep.requests == 2
+    assert [(d.offset, d.reason) for d in rep.damaged] == [(at, "undecodable payload")]
+    assert rep.quarantined == [os.path.basename(w.path)]
+
+
+def test_odd_values_are_coerced_not_fatal(data_dir: str, store: DuckDBStore) -> None:
+    w = SegmentWriter(data_dir)
+    good = w.request("GET /a", calls=[call()])
+    odd = w.request(
+        "GET /b",
+        status="503",  # a string where a number belongs
+        user=42,
+        calls=[call(rows="many", fields_ignored=True), call("http", "GET x/y", status=True)],
+    )
+    w.write(
+        encode_record(
+            REQUEST,
+            {
+                "id": "2" * 16,
+                "ts": good["ts"],
+                "endpoint": "GET /c",
+                "calls": [{"kind": "db", "fp": 2**64 - 1}, None, 5],
+            },
+        )
+    )
+    at = os.path.getsize(w.path)
+    w.write(encode_record(REQUEST, ["not", "a", "request"]))
+    w.close()
+    rep = store.ingest()
+    assert rep.requests == 3
+    assert [(d.offset, d.reason) for d in rep.damaged] == [(at, "not a request object")]
+    _, rows = store.sql('SELECT endpoint, status, "user" FROM requests ORDER BY endpoint')
+    assert rows == [("GET /a", 200, None), ("GET /b", 503, "42"), ("GET /c", None, None)]
+    _, rows = store.sql(
+        "SELECT endpoint, seq, rows, status, fingerprint_id FROM calls ORDER BY endpoint, seq"
+    )
+    assert rows[0][0] == "GET /a"
+    assert rows[1:3] == [
+        ("GET /b", 0, None, None, odd["calls"][0]["fp"]),
+        ("GET /b", 1, None, 1, odd["calls"][1]["fp"]),
+    ]
+    assert rows[3] == ("GET /c", 0, None, None, (2**64 - 1) & (2**63 - 1))
+
+
+def test_requests_are_split_into_day_tables(data_dir: str, store: DuckDBStore) -> None:
+    w = SegmentWriter(data_dir)
+    day = 86_400 * 10**9
+    base = w.request("GET /a", calls=[call()])["ts"]
+    w.request("GET /a", ts_ns=base - 3 * day, calls=[call(), call()], attrs={"k": 1})
+    w.request("GET /a", ts_ns=base - 3 * day + 1, calls=[call()])
+    w.close()
+    store.ingest()
+    _, rows = store.sql(
+        "SELECT table_name FROM duckdb_tables() WHERE table_name LIKE 'calls_d%' ORDER BY 1"
+    )
+    assert len(rows) == 2
+    _, per_table = store.sql(
+        f"SELECT (SELECT count(*) FROM {rows[0][0]}), (SELECT count(*) FROM {rows[1][0]})"
+    )
+    assert per_table == [(3, 1)]
+    assert count(store, "attributes") == 1
+
+
+# ------------------------------------------------------------------ the real agent
+
+
+AGENT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import perfsleuth.agent as ps
+    from perfsleuth.agent import recorder
+
+    assert ps.start(sys.argv[1], service="agent-it", instrument=False, flush_seconds=0.05)
+
+    def load(i):
+        c = recorder.start_call("db", "sqlite", f"SELECT * FROM t WHERE id = {i}", (i,))
+        c.rows = 1
+        c.finish()
+
+    for i in range(20):
+        with ps.task("job"):
+            ps.attr("n", i)
+            load(i)
+    """
+)
+
+
+def test_segments_of_the_real_agent(data_dir: str) -> None:
+    pytest.importorskip("perfsleuth.wire.fingerprint")
+    from spoolread import read_spool
+
+    subprocess.run([sys.executable, "-c", AGENT_SCRIPT, data_dir], check=True, timeout=60)
+    sent = read_spool(data_dir)
+    assert len(sent) == 20
+    with DuckDBStore(data_dir) as store:
+        rep = store.ingest()
+        assert (rep.requests, rep.calls) == (20, 20) and not rep.damaged
+        for req in sent:
+            got = store.trace(req["id"])
+            assert got["endpoint"] == "job" and got["kind"] == "background"
+            assert got["service"] == "agent-it"
+            assert got["attributes"] == req["attrs"]
+            (c,) = got["calls"]
+            want = req["calls"][0]
+            assert (c["fingerprint"], c["op"], c["rows"]) == (want["fingerprint"], want["op"], 1)
+            assert c["site"]["file"] == want["site_loc"]["file"]
+            assert c["site"]["line"] == want["site_loc"]["line"]
+            assert [f["function"] for f in c["stack"]] == [
+                loc["func"] for loc in want["stack_locs"]
+            ]
