@@ -12,8 +12,8 @@
 - PERFSLEUTH_FSYNC (rotate): rotate fsyncs when a segment closes; always after every write
   batch; never leaves it to the OS
 - PERFSLEUTH_SPOOL_MAX_BYTES (1000000000): spool size cap; past it new requests are dropped
-- PERFSLEUTH_STACKS_PER_SITE (2): full stacks captured per (statement, call site) and
-  request; later repeats reuse the last one captured
+- PERFSLEUTH_STACKS_PER_SITE (1): full stacks captured per (statement, call site) and
+  request; later repeats reuse the last one captured (an N+1 loop has one stack)
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Config:
     flush_seconds: float = 0.2
     fsync: str = "rotate"
     spool_max_bytes: int = 1_000_000_000
-    stacks_per_site: int = 2
+    stacks_per_site: int = 1
     # Test-only fault injection: "writer_crash" makes the writer thread die on every batch.
     fault: str = ""
 

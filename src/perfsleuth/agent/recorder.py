@@ -52,7 +52,7 @@ MAX_ATTR_CHARS = 1024
 # Set by the shipper when the agent starts; None means "agent not started": record nothing.
 _sink: Callable[[ActiveRequest], None] | None = None
 _max_calls = 20000
-_stacks_per_site = 2
+_stacks_per_site = 1
 
 
 def configure(

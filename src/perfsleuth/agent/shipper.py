@@ -203,6 +203,8 @@ class _Encoder:
         self._bounded()
         out: list[bytes] = []
         calls = []
+        # Calls of one site share one stack tuple (recorder.start_call): resolve it once.
+        stack_of: dict[int, int] = {}
         for c in req.calls:
             rec: dict[str, Any] = {
                 "kind": c.kind,
@@ -212,7 +214,10 @@ class _Encoder:
                 "dur": max(0, (c.end or req.end) - c.start),
             }
             if c.stack:
-                rec["stack"] = self.stack(seg, out, c.stack)
+                sid = stack_of.get(id(c.stack))
+                if sid is None:
+                    sid = stack_of[id(c.stack)] = self.stack(seg, out, c.stack)
+                rec["stack"] = sid
             if c.site is not None:
                 rec["site"] = self.location(seg, out, c.site)
             if c.params is not None:

@@ -87,12 +87,15 @@ def site_key(frame: FrameType | None) -> tuple[CodeType, int] | None:
 
 
 def capture(frame: FrameType | None) -> tuple[tuple[CodeType, int], ...]:
-    """The stack above ``frame``, innermost first, agent frames skipped, at most MAX_DEPTH."""
-    out: list[tuple[CodeType, int]] = []
+    """The stack above ``frame``, innermost first, at most MAX_DEPTH frames; the agent's own
+    frames (only ever the innermost ones: its wrappers) are skipped."""
     f = frame
-    while f is not None and len(out) < MAX_DEPTH:
-        code = f.f_code
-        if classify(code) is not None:
-            out.append((code, f.f_lineno))
+    while f is not None and classify(f.f_code) is None:
         f = f.f_back
+    out: list[tuple[CodeType, int]] = []
+    n = 0
+    while f is not None and n < MAX_DEPTH:
+        out.append((f.f_code, f.f_lineno))
+        f = f.f_back
+        n += 1
     return tuple(out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import zlib
 
 __all__ = [
     "cache_key_template",
@@ -163,4 +164,6 @@ def params_hash(params: object) -> int | None:
             text = repr(params)
     except Exception:
         text = type(params).__name__
-    return stable_id(text)
+    # crc32: this runs for every statement on the writer thread, and the hash is only
+    # compared between the calls of one request (same statement, same values).
+    return zlib.crc32(text.encode("utf-8", "replace"))
