@@ -42,21 +42,8 @@ def _tail(path: str, n: int = LOG_TAIL_LINES) -> list[str]:
         return []
 
 
-def _logs(servers: Any) -> dict[str, str]:
-    """name -> log file of each demo server (whatever the servers object exposes)."""
-    logs = getattr(servers, "logs", None)
-    if isinstance(logs, dict):
-        return {str(k): str(v) for k, v in logs.items()}
-    out = {}
-    for name in ("shop", "legacy"):
-        p = getattr(servers, f"{name}_log", None)
-        if p:
-            out[name] = str(p)
-    return out
-
-
 def _show_logs(console: Console, servers: Any, only: str | None = None) -> None:
-    for name, path in _logs(servers).items():
+    for name, path in servers.logs.items():
         if only is not None and name != only:
             continue
         lines = _tail(path)
@@ -70,7 +57,7 @@ def _drive(
 ) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"concurrency": 8, "seed": 7}
     if not interactive:
-        return dict(traffic.drive(servers.shop_url, servers.legacy_url, seconds, **kwargs) or {})
+        return traffic.drive(servers.shop_url, servers.legacy_url, seconds, **kwargs)
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     with Progress(
@@ -83,21 +70,11 @@ def _drive(
     ) as bar:
         task = bar.add_task("traffic", total=seconds, requests=0)
 
-        def on_progress(elapsed: float, requests: int = 0, *_: Any, **__: Any) -> None:
+        def on_progress(elapsed: float, requests: int) -> None:
             bar.update(task, completed=min(float(elapsed), seconds), requests=f"{requests:,}")
 
         kwargs["on_progress"] = on_progress
-        return dict(traffic.drive(servers.shop_url, servers.legacy_url, seconds, **kwargs) or {})
-
-
-def _seed(db_path: str) -> Any:
-    from perfsleuth.demo import db as demo_db
-
-    for name in ("seed", "create", "build"):
-        fn = getattr(demo_db, name, None)
-        if callable(fn):
-            return fn(db_path)
-    raise CLIError("the demo database module has no seed function", EXIT_STATE)
+        return traffic.drive(servers.shop_url, servers.legacy_url, seconds, **kwargs)
 
 
 def run_demo(data: str, seconds: float, *, as_json: bool) -> int:
@@ -118,9 +95,23 @@ def run_demo(data: str, seconds: float, *, as_json: bool) -> int:
     db_path = os.path.join(data, "demo.sqlite3")
 
     _status(err, f"Seeding the demo database ({db_path})")
-    _seed(db_path)
+    from perfsleuth.demo import db as demo_db
 
-    wrap = [sys.executable, "-m", "perfsleuth", "run", "--data", data, "--"]
+    demo_db.seed(db_path)
+
+    def wrap(service: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "perfsleuth",
+            "run",
+            "--data",
+            data,
+            "--service",
+            service,
+            "--",
+        ]
+
     _status(err, "Starting the demo services under the agent (`perfsleuth run`)")
     servers = demo_servers.start_servers(db_path, data, wrap=wrap)
     traffic_stats: dict[str, Any] = {}
