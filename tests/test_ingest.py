@@ -143,7 +143,7 @@ def test_ingest_rows_content_and_removes_closed_segments(data_dir: str, store: D
     assert (r["req_bytes"], r["resp_bytes"], r["pid"], r["calls_dropped"]) == (100, 2000, 4242, 0)
     assert (r["db_calls"], r["db_ms"], r["http_calls"], r["http_ms"]) == (2, 5.0, 1, 20.0)
     assert (r["cache_calls"], r["cache_ms"]) == (1, 0.25)
-    assert r["ts"].timestamp() == pytest.approx(sent["ts"] / 1e9, abs=1e-6)
+    assert r["ts"].timestamp() == pytest.approx(sent["ts"] / 1e9, abs=2e-6)  # µs truncation
     cols, rows = store.sql("SELECT * FROM calls ORDER BY seq")
     calls = [dict(zip(cols, row, strict=True)) for row in rows]
     assert [c["seq"] for c in calls] == [0, 1, 2, 3]
@@ -531,3 +531,71 @@ def test_segments_of_the_real_agent(data_dir: str) -> None:
             assert [f["function"] for f in c["stack"]] == [
                 loc["func"] for loc in want["stack_locs"]
             ]
+
+
+BINARY_SCRIPT = textwrap.dedent(
+    """
+    import sqlite3, sys
+    import perfsleuth.agent as ps
+    from perfsleuth.agent import recorder
+    ps.start(sys.argv[1], service="bin")
+    con = sqlite3.connect(":memory:")
+    con.execute("create table t (id integer primary key, v text)")
+    req = recorder.begin("web", "GET", "/b")
+    req.endpoint = "GET /b"
+    con.executemany("insert into t values (?, ?)", [(i, "x") for i in range(5)])
+    for i in range(3):
+        con.execute("select v from t where id = ?", (1,)).fetchall()
+    try:
+        con.execute("select nope from t")
+    except sqlite3.OperationalError:
+        pass
+    recorder.end(req)
+    ps.flush()
+    """
+)
+
+
+def test_binary_and_json_request_records_ingest_together(data_dir: str) -> None:
+    """The agent's REQUEST_BIN records (calls as binary rows) and JSON REQUEST records from
+    another writer land in one batch, each call with its values."""
+    subprocess.run([sys.executable, "-c", BINARY_SCRIPT, data_dir], check=True, timeout=60)
+    w = SegmentWriter(data_dir, service="json-writer")
+    body = w.request("GET /j", dur_ms=3, calls=[call(dur_ms=1, rows=2), call("cache", "GET k")])
+    w.close()
+    with DuckDBStore(data_dir) as store:
+        rep = store.ingest()
+        assert (rep.requests, rep.calls) == (2, 2 + 5) and not rep.damaged
+        (b,) = store.traces(endpoint="GET /b")
+        got = store.trace(b["trace_id"])
+        calls = got["calls"]
+        assert [c["seq"] for c in calls] == [0, 1, 2, 3, 4]
+        assert [c["op"] for c in calls] == ["INSERT", "SELECT", "SELECT", "SELECT", "SELECT"]
+        assert calls[0]["rows"] == 5 and calls[0]["error"] is None
+        assert [c["rows"] for c in calls[1:4]] == [1, 1, 1]
+        # the same values three times: one parameter hash
+        assert len({c["params_hash"] for c in calls[1:4]}) == 1
+        assert calls[1]["params_hash"] is not None
+        assert calls[4]["error"] == "OperationalError" and calls[4]["hit"] is None
+        assert all(c["system"] == "sqlite" and c["kind"] == "db" for c in calls)
+        assert all(c["site"]["function"] == "<module>" for c in calls)
+        assert {c["unfinished"] for c in calls} == {None}
+        j = store.trace(body["id"])
+        assert [(c["kind"], c["rows"]) for c in j["calls"]] == [("db", 2), ("cache", None)]
+        assert (got["db_calls"], j["db_calls"], j["cache_calls"]) == (5, 1, 1)
+
+
+def test_torn_binary_calls_are_damage_not_rows(data_dir: str, store: DuckDBStore) -> None:
+    from perfsleuth.wire import REQUEST_BIN
+    from perfsleuth.wire.calls import CALL
+
+    w = SegmentWriter(data_dir)
+    w.request("GET /ok", dur_ms=1, calls=[])
+    # valid checksum, but the call rows stop mid-row
+    w.write(
+        raw_record(REQUEST_BIN, b'{"id": "' + b"2" * 16 + b'"}\x00' + b"\x01" * (CALL.size - 3))
+    )
+    w.close()
+    rep = store.ingest()
+    assert rep.requests == 1 and rep.damaged
+    assert len(trace_ids(store)) == 1 and count(store, "calls") == 0

@@ -12,6 +12,7 @@ import os
 import sys
 import sysconfig
 from types import CodeType, FrameType
+from typing import Any
 
 MAX_DEPTH = 64
 _AGENT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -86,16 +87,18 @@ def site_key(frame: FrameType | None) -> tuple[CodeType, int] | None:
     return leaf
 
 
-def capture(frame: FrameType | None) -> tuple[tuple[CodeType, int], ...]:
-    """The stack above ``frame``, innermost first, at most MAX_DEPTH frames; the agent's own
-    frames (only ever the innermost ones: its wrappers) are skipped."""
+def capture(frame: FrameType | None) -> tuple[Any, ...]:
+    """The stack above ``frame``, innermost first, at most MAX_DEPTH frames, as a flat tuple
+    ``(code, line, code, line, ...)`` (flat so the writer can key it with two slices); the
+    agent's own frames (only ever the innermost ones: its wrappers) are skipped."""
     f = frame
     while f is not None and classify(f.f_code) is None:
         f = f.f_back
-    out: list[tuple[CodeType, int]] = []
+    out: list[Any] = []
     n = 0
     while f is not None and n < MAX_DEPTH:
-        out.append((f.f_code, f.f_lineno))
+        out.append(f.f_code)
+        out.append(f.f_lineno)
         f = f.f_back
         n += 1
     return tuple(out)

@@ -6,7 +6,7 @@ Rows are plain dicts with the documented keys (JSON-ready: str, int, float, bool
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -89,6 +89,11 @@ class Store(Protocol):
 
     def sql(self, query: str, limit: int = 10_000) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run one read-only statement; StoreError with the engine's message otherwise."""
+        ...
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """Rows (as dicts) of one parameterised statement over the logical tables; for the
+        analysis layer, which writes its SQL against the schema in ``store.schema``."""
         ...
 
     def agent_drops(self) -> dict[str, Any]:

@@ -198,7 +198,7 @@ class DuckDBStore:
             for rtype, payload, rstart, rend in rd.raw:
                 batch.add_raw(seg, rtype, payload, rstart, rend)
                 seg.offset = rend
-                if rtype == ing.REQUEST and self._full(batch):
+                if rtype in (ing.REQUEST, ing.REQUEST_BIN) and self._full(batch):
                     flush(rend - start)
             for rtype, obj in rd.decoded:
                 batch.add(seg, rtype, obj)
@@ -382,6 +382,9 @@ class DuckDBStore:
         cutoff = _utcnow() - since
         days = [d for d in self._days() if d >= cutoff.date()]
         return f"({schema.duckdb_union(schema.REQUESTS, days)})", cutoff
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        return self._query(sql, params)
 
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         cur = self._con.execute(sql, list(params))

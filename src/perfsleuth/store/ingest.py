@@ -41,9 +41,11 @@ from perfsleuth.wire import (
     OPEN_SUFFIX,
     RECORD_TYPES,
     REQUEST,
+    REQUEST_BIN,
     STACK,
     STATS,
 )
+from perfsleuth.wire import calls as wcalls
 from perfsleuth.wire.segment import FILE_MAGIC, HEAD_SIZE, MAX_RECORD, REC_MAGIC, read_segment
 
 NS_PER_DAY = 86_400 * 10**9
@@ -280,7 +282,8 @@ class Batch:
         self.seen: set[bytes] = set() if seen is None else seen
         self.segments: list[SegmentState] = []
         self._seg_index: dict[int, int] = {}
-        self.raw_requests: list[bytes] = []
+        self.raw_requests: list[bytes] = []  # JSON objects, one per request
+        self.raw_calls: list[bytes | None] = []  # their binary call rows (REQUEST_BIN)
         self.raw_meta: list[tuple[int, int, int]] = []  # (segment index, start, end)
         self.dict_requests: list[Any] = []
         self.dict_src: list[int] = []
@@ -307,8 +310,16 @@ class Batch:
     def add_raw(
         self, seg: SegmentState, rtype: bytes, payload: bytes, start: int, end: int
     ) -> None:
-        if rtype == REQUEST:
+        if rtype in (REQUEST, REQUEST_BIN):
+            rows = None
+            if rtype == REQUEST_BIN:
+                try:
+                    payload, rows = wcalls.split(payload)
+                except ValueError:
+                    self.add_damage(seg, start, end - start, "undecodable payload")
+                    return
             self.raw_requests.append(payload)
+            self.raw_calls.append(rows)
             self.raw_meta.append((self.touch(seg), start, end))
             self.requests += 1
             self.request_bytes += len(payload)
@@ -326,7 +337,7 @@ class Batch:
 
     def add(self, seg: SegmentState, rtype: bytes, obj: Any) -> None:
         """A decoded record."""
-        if rtype == REQUEST:
+        if rtype in (REQUEST, REQUEST_BIN):
             self.dict_requests.append(obj)
             self.dict_src.append(self.touch(seg))
             self.requests += 1
@@ -526,6 +537,8 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
     that carry attributes or tags)."""
     parts: list[pa.Table] = []
     src: list[int] = []
+    blobs: list[bytes | None] = []  # binary call rows per wire row (None: calls in the JSON)
+    ext_rows: list[tuple[int, Any]] = []  # (row, object) of rows with per-call strings
     attr_objs: list[tuple[int, Any]] = []
     slow: list[tuple[int, Any, int, int]] = []  # (segment index, object, start, end)
     raw = batch.raw_requests
@@ -551,7 +564,10 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
             p = raw[i]
             if b'"attrs"' in p or b'"tags"' in p:
                 attr_objs.append((rows + i - lo, p))
+            if b'"cx"' in p:
+                ext_rows.append((rows + i - lo, p))
             src.append(meta[i][0])
+            blobs.append(batch.raw_calls[i])
         rows += hi - lo
         return True
 
@@ -563,7 +579,13 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
             for i in range(lo, hi):
                 seg, start, end = meta[i]
                 try:
-                    slow.append((seg, json.loads(raw[i]), start, end))
+                    blob = batch.raw_calls[i]
+                    obj = (
+                        json.loads(raw[i])
+                        if blob is None
+                        else wcalls.decode_request(raw[i] + wcalls.SEPARATOR + blob)
+                    )
+                    slow.append((seg, obj, start, end))
                 except ValueError:
                     batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
     # Records read past damage come decoded, without their offsets (-1: the segment is
@@ -582,9 +604,12 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
             attr_objs.append((rows + len(objs), obj))
         objs.append(req)
         src.append(seg_i)
+        blobs.append(None)
     if objs:
         parts.append(pa.Table.from_pylist(objs, schema=REQUEST_WIRE))
     wire = pa.concat_tables(parts) if parts else REQUEST_WIRE.empty_table()
+    if any(b is not None for b in blobs):
+        wire = _with_binary_calls(wire, blobs, ext_rows)
     # Raw payloads of requests with attributes are decoded only now, for those only.
     decoded = []
     for row, p in attr_objs:
@@ -595,6 +620,99 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
                 continue
         decoded.append((row, p))
     return wire, np.asarray(src, dtype=np.int64), decoded
+
+
+_CALL_DTYPE = np.dtype([(name, "<" + code) for name, code in wcalls.FIELDS])
+assert _CALL_DTYPE.itemsize == wcalls.CALL.size
+
+
+def _with_binary_calls(
+    wire: pa.Table, blobs: list[bytes | None], ext_rows: list[tuple[int, Any]]
+) -> pa.Table:
+    """``wire`` with its ``calls`` column built from the binary rows of REQUEST_BIN records
+    (one ``frombuffer`` for the batch), keeping the JSON calls of the other rows in place."""
+    n = wire.num_rows
+    has = np.fromiter((b is not None for b in blobs), dtype=bool, count=n)
+    bin_counts = np.fromiter(
+        (len(b) // wcalls.CALL.size if b is not None else 0 for b in blobs), np.int64, count=n
+    )
+    arr = np.frombuffer(b"".join(b for b in blobs if b is not None), dtype=_CALL_DTYPE)
+    bin_starts = np.cumsum(bin_counts) - bin_counts
+    bin_flat = _binary_struct(arr, bin_starts, ext_rows)
+
+    json_calls = wire["calls"].combine_chunks()
+    json_counts = _np(pc.list_value_length(json_calls), 0).astype(np.int64)
+    json_counts[has] = 0  # (REQUEST_BIN rows have no JSON calls)
+    json_flat = pc.list_flatten(json_calls)
+    json_starts = np.cumsum(json_counts) - json_counts
+
+    counts = np.where(has, bin_counts, json_counts)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    src_start = np.where(has, len(json_flat) + bin_starts, json_starts)
+    total = int(offsets[-1])
+    idx = np.repeat(src_start - offsets[:-1], counts) + np.arange(total, dtype=np.int64)
+    both = pa.concat_arrays([json_flat.cast(_CALL_WIRE), bin_flat])
+    merged = pa.ListArray.from_arrays(pa.array(offsets), both.take(pa.array(idx)))
+    return wire.set_column(wire.schema.get_field_index("calls"), "calls", merged)
+
+
+def _binary_struct(
+    arr: np.ndarray, row_starts: np.ndarray, ext_rows: list[tuple[int, Any]]
+) -> pa.StructArray:
+    """Binary call rows as the _CALL_WIRE struct (sentinels to NULL, codes to names)."""
+
+    def ints(name: str, null: int) -> pa.Array:
+        col = arr[name]
+        return pa.array(col.astype(np.int64), mask=col == null)
+
+    kinds = np.array([*wcalls.KINDS, None], dtype=object)
+    systems = np.array([*wcalls.SYSTEMS, None], dtype=object)
+    kind = kinds[np.minimum(arr["kind"], len(wcalls.KINDS))]
+    system = systems[np.minimum(arr["system"], len(wcalls.SYSTEMS))]
+    error = np.full(len(arr), None, dtype=object)
+    host = np.full(len(arr), None, dtype=object)
+    for row, obj in ext_rows:  # rare: errors, HTTP hosts, unlisted kinds
+        if isinstance(obj, bytes):
+            try:
+                obj = json.loads(obj)
+            except ValueError:
+                continue
+        cx = obj.get("cx") if isinstance(obj, dict) else None
+        if not isinstance(cx, dict) or row >= len(row_starts):
+            continue
+        base = int(row_starts[row])
+        for key, x in cx.items():
+            i = as_int(key)
+            if i is None or not isinstance(x, dict) or not 0 <= base + i < len(arr):
+                continue
+            j = base + i
+            error[j] = _str(x.get("error"))
+            host[j] = _str(x.get("host"))
+            if "kind" in x:
+                kind[j] = _str(x.get("kind"))
+            if "system" in x:
+                system[j] = _str(x.get("system"))
+    hit = arr["hit"]
+    unfinished = (arr["flags"] & wcalls.FLAG_UNFINISHED) != 0
+    cols = {
+        "kind": pa.array(kind, pa.string()),
+        "system": pa.array(system, pa.string()),
+        "fp": ints("fp", wcalls.NULL),
+        "off": ints("off", wcalls.NULL),
+        "dur": ints("dur", wcalls.NULL),
+        "stack": ints("stack", wcalls.NULL),
+        "site": ints("site", wcalls.NULL),
+        "ph": ints("ph", wcalls.NULL),
+        "rows": ints("rows", wcalls.NULL),
+        "bytes": ints("bytes", wcalls.NULL),
+        "status": ints("status", wcalls.NULL_32),
+        "hit": pa.array(hit == 1, mask=hit < 0),
+        "wait": ints("wait", wcalls.NULL),
+        "error": pa.array(error, pa.string()),
+        "host": pa.array(host, pa.string()),
+        "unfinished": pa.array(unfinished, mask=~unfinished),
+    }
+    return pa.StructArray.from_arrays([cols[f.name] for f in _CALL_WIRE], fields=list(_CALL_WIRE))
 
 
 def _ms(arr: pa.Array | pa.ChunkedArray) -> pa.Array:

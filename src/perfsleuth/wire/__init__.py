@@ -12,10 +12,11 @@ HEADER = b"H"  # {"v", "host", "pid", "service", "agent", "started_ns", "argv0"}
 LOCATION = b"L"  # {"id", "file", "line", "func", "app"}: one interned code location
 STACK = b"S"  # {"id", "frames": [location ids, outermost first]}
 FINGERPRINT = b"F"  # {"id", "kind", "text", "op"}: a normalised statement / URL / command
-REQUEST = b"R"  # one finished request or background task, with its calls
+REQUEST = b"R"  # one finished request or background task, with its calls as JSON objects
+REQUEST_BIN = b"Q"  # the same, its calls as binary rows (wire.calls): what the agent writes
 STATS = b"T"  # cumulative agent counters of this process (drops, errors)
 
-RECORD_TYPES = frozenset({HEADER, LOCATION, STACK, FINGERPRINT, REQUEST, STATS})
+RECORD_TYPES = frozenset({HEADER, LOCATION, STACK, FINGERPRINT, REQUEST, REQUEST_BIN, STATS})
 
 # Segment file names: "<host>-<pid>-<started_ns>-<seq>" + OPEN_SUFFIX while written,
 # renamed to + CLOSED_SUFFIX once complete (rename is atomic on POSIX).

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from perfsleuth.wire import FORMAT_VERSION, RECORD_TYPES
+from perfsleuth.wire import FORMAT_VERSION, RECORD_TYPES, REQUEST_BIN, calls
 
 FILE_MAGIC = b"PSLSEG" + bytes([0, FORMAT_VERSION])
 REC_MAGIC = b"\xa5\x5a"
@@ -31,7 +31,15 @@ _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=str
 
 def encode_record(rtype: bytes, obj: Any) -> bytes:
     """One record as bytes. ``default=str`` keeps odd attribute values from failing the write."""
-    payload = _dumps(obj).encode("utf-8")
+    return encode_payload(rtype, _dumps(obj).encode("utf-8"))
+
+
+def encode_json(obj: Any) -> bytes:
+    return _dumps(obj).encode("utf-8")
+
+
+def encode_payload(rtype: bytes, payload: bytes) -> bytes:
+    """One record from an already encoded payload."""
     crc = zlib.crc32(payload, zlib.crc32(rtype))
     return _HEAD.pack(REC_MAGIC, rtype, len(payload), crc) + payload
 
@@ -98,7 +106,7 @@ def read_segment(data: bytes, start: int = 0) -> ReadResult:
                 reason = "checksum mismatch"
             else:
                 try:
-                    obj = json.loads(payload)
+                    obj = decode_payload(rtype, payload)
                 except ValueError:
                     reason = "undecodable payload"
                 else:
@@ -117,6 +125,13 @@ def read_segment(data: bytes, start: int = 0) -> ReadResult:
         res.end = pos
     res.incomplete_tail = n - res.end
     return res
+
+
+def decode_payload(rtype: bytes, payload: bytes) -> Any:
+    """The object a record carries (ValueError when it cannot be decoded)."""
+    if rtype == REQUEST_BIN:
+        return calls.decode_request(payload)
+    return json.loads(payload)
 
 
 def _resync(data: bytes, pos: int) -> int:

@@ -1,0 +1,77 @@
+"""SQL / URL / cache-key normalisation, stable ids and the parameter hash (wire.fingerprint)."""
+
+from __future__ import annotations
+
+import pytest
+
+from perfsleuth.wire import fingerprint as fpr
+
+
+@pytest.mark.parametrize(
+    ("sql", "normalized", "op"),
+    [
+        ("SELECT * FROM t WHERE id = 5 AND name = 'bob'",
+         "SELECT * FROM t WHERE id = ? AND name = ?", "SELECT"),
+        ("select a from t where id in (1, 2, 3)", "select a from t where id in (...)", "SELECT"),
+        ("SELECT a  FROM\n t WHERE x = $1", "SELECT a FROM t WHERE x = ?", "SELECT"),
+        ("INSERT INTO t (a,b) VALUES (1,'x'), (2,'y')", "INSERT INTO t (a,b) VALUES (...)",
+         "INSERT"),
+        ("select 1.5e3, -2, x'ff' from t -- secret 42", "select ?, ?, ? from t", "SELECT"),
+        ("update t set a = %s where id = %(id)s", "update t set a = ? where id = ?", "UPDATE"),
+    ],
+)  # fmt: skip
+def test_sql_literals_become_placeholders(sql: str, normalized: str, op: str) -> None:
+    assert fpr.normalize_sql(sql) == normalized
+    assert fpr.sql_operation(fpr.normalize_sql(sql)) == op
+
+
+def test_sql_values_never_survive_normalisation() -> None:
+    text = fpr.normalize_sql("SELECT * FROM users WHERE email = 'alice@example.com' AND pin = 4711")
+    assert "alice" not in text and "4711" not in text
+
+
+def test_same_statement_shape_same_fingerprint_id() -> None:
+    a = fpr.sql_fingerprint_id(fpr.normalize_sql("select * from t where id in (1,2)"))
+    b = fpr.sql_fingerprint_id(fpr.normalize_sql("SELECT * FROM t WHERE id IN (7, 8, 9, 10)"))
+    c = fpr.sql_fingerprint_id(fpr.normalize_sql("select * from u where id in (1,2)"))
+    assert a != c
+    # keyword case is kept as written, so only same-case statements share an id
+    assert a == fpr.sql_fingerprint_id(fpr.normalize_sql("select * from t where id in (3)"))
+    assert b != a
+
+
+def test_url_and_cache_key_templates() -> None:
+    assert (
+        fpr.url_template("/users/123/orders/550e8400-e29b-41d4-a716-446655440000")
+        == "/users/{id}/orders/{uuid}"
+    )
+    assert fpr.url_template("/a/deadbeefdeadbeef/x?y=1") == "/a/{hex}/x"
+    assert fpr.cache_key_template("user:123:profile") == "user:{id}:profile"
+    assert fpr.cache_key_template("session:abcdef0123456789abcdef") == "session:{hex}"
+
+
+def test_stable_id_is_deterministic_and_63_bit() -> None:
+    ids = {fpr.stable_id("a", i) for i in range(1000)}
+    assert len(ids) == 1000
+    assert all(0 <= i < 2**63 for i in ids)
+    assert fpr.stable_id("x", 1, "f") == fpr.stable_id("x", 1, "f")
+
+
+def test_params_hash_same_values_same_hash() -> None:
+    assert fpr.params_hash((1, "a")) == fpr.params_hash((1, "a"))
+    assert fpr.params_hash([1, "a"]) == fpr.params_hash((1, "a"))  # drivers pass either
+    assert fpr.params_hash((1, "a")) != fpr.params_hash((2, "a"))
+    assert fpr.params_hash({"b": 2, "a": 1}) == fpr.params_hash({"a": 1, "b": 2})
+    assert fpr.params_hash({"a": 1}) != fpr.params_hash({"a": 2})
+
+
+def test_params_hash_absent_and_unhashable() -> None:
+    assert fpr.params_hash(None) is None
+    assert fpr.params_hash(()) is None
+    assert fpr.params_hash([]) is None
+    assert fpr.params_hash({}) is None
+    nested = ([1, 2], {"x": [3]})  # unhashable inside: hashed through its text
+    assert fpr.params_hash(nested) == fpr.params_hash(([1, 2], {"x": [3]}))
+    assert fpr.params_hash(nested) != fpr.params_hash(([1, 3], {"x": [3]}))
+    h = fpr.params_hash((1,))
+    assert h is not None and 0 <= h < 2**63
