@@ -599,3 +599,26 @@ def test_torn_binary_calls_are_damage_not_rows(data_dir: str, store: DuckDBStore
     rep = store.ingest()
     assert rep.requests == 1 and rep.damaged
     assert len(trace_ids(store)) == 1 and count(store, "calls") == 0
+
+
+def test_binary_rows_win_over_json_calls_in_the_same_record(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    """A REQUEST_BIN record whose JSON also says "calls" (a confused writer) keeps its binary
+    rows only, and the JSON calls of a neighbouring REQUEST record stay with that record."""
+    from perfsleuth.wire import REQUEST_BIN
+    from perfsleuth.wire.calls import CALL, NULL, NULL_32
+
+    w = SegmentWriter(data_dir)
+    row = CALL.pack(0, 2_000_000, 7, NULL, NULL, NULL, 3, NULL, NULL, NULL_32, 0, 0, -1, 0)
+    head = b'{"id": "' + b"3" * 16 + b'", "endpoint": "GET /bin", "calls": [{"kind": "http"}]}'
+    w.write(raw_record(REQUEST_BIN, head + b"\x00" + row))
+    body = w.request("GET /json", dur_ms=1, calls=[call(rows=9), call(rows=8)])
+    w.close()
+    rep = store.ingest()
+    assert (rep.requests, rep.calls) == (2, 3) and not rep.damaged
+    b = store.trace("3" * 16)
+    assert [(c["kind"], c["system"], c["rows"], c["duration_ms"]) for c in b["calls"]] == [
+        ("db", "sqlite", 3, 2.0)
+    ]
+    assert [c["rows"] for c in store.trace(body["id"])["calls"]] == [9, 8]

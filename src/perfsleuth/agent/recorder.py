@@ -176,7 +176,7 @@ class ActiveRequest:
         self.tags: dict[str, Any] | None = None
         self.calls: list[Call] = []
         self.calls_dropped = 0
-        # (target, site code, site line) -> [stack, times captured]
+        # (target, id(site code), site line) -> (stack, times captured)
         self.sites: dict[Any, tuple[Any, int]] = {}
         self.token: contextvars.Token[ActiveRequest | None] | None = None
 
@@ -235,8 +235,9 @@ def start_call(kind: str, system: str, target: Any, params: Any = None) -> Call 
             stats["calls_dropped"] += 1
             return None
         call = Call(kind, system, target, params)
-        # The call site: the first application frame above us. This is stacks.site_key
-        # inlined, because it runs for every call and a Python function call costs ~80 ns.
+        # The call site: the first application frame above us (else the first frame that is
+        # not the agent's). Inlined, because it runs for every call and a Python function
+        # call costs ~80 ns.
         frame = _getframe(1)
         f: Any = frame
         kinds = _code_kinds
@@ -258,7 +259,7 @@ def start_call(kind: str, system: str, target: Any, params: Any = None) -> Call 
         # The stack of a call site is captured for its first occurrences in the request only:
         # an N+1 loop repeats the same stack thousands of times.
         # ids, not code objects: hashing a code object is not cached (see stacks.classify);
-        # the site tuple on the call keeps the code alive for the request's lifetime.
+        # the stack kept in the entry holds the code, so its id stays unique while cached.
         key = (
             target if type(target) is str else kind,
             id(site[0]) if site else 0,

@@ -69,24 +69,6 @@ def is_app_file(filename: str) -> bool:
     return not (filename.startswith("<") or filename.startswith(_LIB))
 
 
-def site_key(frame: FrameType | None) -> tuple[CodeType, int] | None:
-    """The first application frame above ``frame`` as (code, line): the call site."""
-    f = frame
-    depth = 0
-    leaf = None
-    while f is not None and depth < MAX_DEPTH:
-        code = f.f_code
-        k = classify(code)
-        if k is not None:
-            if k:
-                return (code, f.f_lineno)
-            if leaf is None:
-                leaf = (code, f.f_lineno)
-        f = f.f_back
-        depth += 1
-    return leaf
-
-
 def capture(frame: FrameType | None) -> tuple[Any, ...]:
     """The stack above ``frame``, innermost first, at most MAX_DEPTH frames, as a flat tuple
     ``(code, line, code, line, ...)`` (flat so the writer can key it with two slices); the

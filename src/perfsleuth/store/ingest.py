@@ -642,8 +642,11 @@ def _with_binary_calls(
 
     json_calls = wire["calls"].combine_chunks()
     json_counts = _np(pc.list_value_length(json_calls), 0).astype(np.int64)
-    json_counts[has] = 0  # (REQUEST_BIN rows have no JSON calls)
+    json_counts[has] = 0  # a REQUEST_BIN row's calls are its binary rows, whatever its JSON says
     json_flat = pc.list_flatten(json_calls)
+    if len(json_flat):
+        parents = _np(pc.list_parent_indices(json_calls), 0).astype(np.int64)
+        json_flat = json_flat.filter(pa.array(~has[parents]))
     json_starts = np.cumsum(json_counts) - json_counts
 
     counts = np.where(has, bin_counts, json_counts)
