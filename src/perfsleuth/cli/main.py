@@ -433,3 +433,6 @@ def demo(
 
 def main() -> None:
     app(prog_name="perfsleuth")
+
+
+from perfsleuth.cli import analysis as _analysis  # noqa: E402, F401  (findings, explain, calltree)

@@ -1,0 +1,220 @@
+"""Detector settings: every threshold in one table, with where its default comes from.
+
+Overrides, later ones winning:
+
+1. a TOML file (``--config FILE``, else ``$PERFSLEUTH_CONFIG``, else ``./perfsleuth.toml``
+   when it exists) with a ``[findings]`` table::
+
+       [findings]
+       ignore = ["3f2a9c1d0e4b"]          # finding ids to silence (one call site, one query)
+
+       [findings.n_plus_one]
+       min_repeats = 10
+
+       [findings.slow_query]
+       enabled = false
+
+2. ``--set detector.name=value`` on the command line (``--set slow_query.enabled=false``).
+
+Times are milliseconds, sizes bytes, shares fractions (0..1).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+CONFIG_ENV = "PERFSLEUTH_CONFIG"
+CONFIG_FILE = "perfsleuth.toml"
+
+# kind -> setting -> default. Every detector also takes ``enabled`` (default true).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "n_plus_one": {
+        # Sentry's N+1 DB detector wants >= 5 repeated spans; fewer is usually a 1+1 load or a
+        # short fixed list (nplusone's documented source of false positives).
+        "min_repeats": 5,
+        # DB and HTTP loops always; cache loops only when a loop in the source is found
+        # (peers' users complain about Redis N+1 noise).
+        "kinds": ["db", "http", "cache"],
+        # The pattern must cost something: on average per affected request either this many
+        # ms (Sentry: 50 ms for DB, 300 ms for HTTP) ...
+        "min_ms_per_request": 50.0,
+        # ... or this share of those requests' time (sub-ms SQLite calls still add up: the
+        # lessons' Jira case is ~1 ms per call, 90,000 calls per export).
+        "min_time_share": 0.10,
+        # In a meaningful part of the endpoint's traffic, and seen more than once or twice
+        # (Sentry reports an N+1 only after seeing it several times).
+        "min_request_share": 0.05,
+        "min_requests": 3,
+    },
+    "repeated_query": {
+        # django-debug-toolbar's "duplicate": same SQL and same parameters, >= 2 times.
+        "min_repeats": 2,
+        "kinds": ["db", "cache"],
+        # Only reads: a request-scoped cache can remove a repeated read, not a repeated write.
+        "read_ops": ["SELECT", "WITH", "SHOW", "GET", "MGET", "HGET", "HGETALL", "EXISTS"],
+        "min_request_share": 0.05,
+        "min_requests": 3,
+    },
+    "oversized_result": {
+        # JDBC row-count alerts (FusionReactor) and the lessons: a query returning over a
+        # million rows took a database to 100 % CPU; ORM parsing of results of 3 MB or more
+        # blocked an event loop. 10,000 rows / 1 MB is far beyond any page a user can read.
+        "max_rows": 10_000,
+        "max_bytes": 1_000_000,
+        "min_calls": 1,
+        # Attribute keys an app may set with the number of rows it actually returned.
+        "returned_rows_keys": ["rows_returned", "returned_rows", "result_rows", "items_returned"],
+    },
+    "slow_query": {
+        # Peers flag single queries at 500-1000 ms (Sentry, debug-toolbar, Glowroot); a p95
+        # is already an aggregate of many calls, and a typical DB call costs ~1 ms, so a
+        # p95 of 100 ms is two orders of magnitude off.
+        "p95_ms": 100.0,
+        "min_calls": 5,
+        # ... and it must matter to its endpoint.
+        "min_time_share": 0.05,
+        "kinds": ["db"],
+    },
+    "upstream_latency": {
+        # An endpoint is "dominated" by a host when over half its time is spent waiting on it.
+        "min_time_share": 0.5,
+        # Typical wait per calling request (Sentry's N+1 API threshold is 300 ms in total;
+        # anything under ~20 ms per request is not worth a finding of its own).
+        "min_ms_per_request": 20.0,
+        "min_requests": 5,
+    },
+    "outlier_tenant": {
+        # Graphite's lesson: one customer's slow upstream moved the site-wide P95.
+        "dimensions": ["tenant", "user"],
+        "min_endpoint_requests": 30,
+        "min_requests": 5,
+        # Their share of the endpoint's time is this many times their share of its requests,
+        "min_ratio": 2.0,
+        # and large enough to matter,
+        "min_time_share": 0.10,
+        # and the endpoint's p95 falls by at least this share without them.
+        "min_p95_drop": 0.20,
+    },
+    "chatty_endpoint": {
+        # Many calls per request (median), the lessons' Jira case at the extreme (90,000).
+        "min_calls_per_request": 30,
+        # ... spread over many statements: when one fingerprint makes up most of them it is
+        # an N+1, reported by n_plus_one.
+        "max_top_fingerprint_share": 0.5,
+        # ... and the calls are a big part of the endpoint's time ("DB-dominated").
+        "min_call_time_share": 0.3,
+        # Calls per request considered healthy; the time of the calls beyond it is the impact.
+        "baseline_calls": 10,
+        "min_requests": 3,
+    },
+    "large_request_body": {
+        # Sentry's large-payload threshold (300 KB); the lessons' decisive find was a huge
+        # form field re-parsed per thread.
+        "min_bytes": 300_000,
+        # ... whose size drives latency: Pearson r over the endpoint's requests.
+        "min_correlation": 0.5,
+        "min_requests": 5,
+    },
+}
+
+
+class ConfigError(ValueError):
+    """A setting that does not exist or has the wrong type; the message is one sentence."""
+
+
+@dataclass
+class Config:
+    settings: dict[str, dict[str, Any]] = field(default_factory=lambda: copy.deepcopy(DEFAULTS))
+    enabled: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(DEFAULTS, True))
+    ignore: set[str] = field(default_factory=set)  # finding ids to silence
+
+    def get(self, kind: str, name: str) -> Any:
+        return self.settings[kind][name]
+
+    def set(self, kind: str, name: str, value: Any) -> None:
+        """Set one setting, converting ``value`` (str from the CLI) to the default's type."""
+        if kind not in DEFAULTS:
+            raise ConfigError(f"unknown detector {kind!r}; known: {', '.join(DEFAULTS)}")
+        if name == "enabled":
+            self.enabled[kind] = _convert(True, value, f"{kind}.enabled")
+            return
+        if name not in DEFAULTS[kind]:
+            known = ", ".join(["enabled", *DEFAULTS[kind]])
+            raise ConfigError(f"unknown setting {kind}.{name}; {kind} has: {known}")
+        self.settings[kind][name] = _convert(DEFAULTS[kind][name], value, f"{kind}.{name}")
+
+    def apply(self, assignment: str) -> None:
+        """``detector.name=value`` (lists comma-separated)."""
+        key, sep, value = assignment.partition("=")
+        kind, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(
+                f"invalid setting {assignment!r}: use detector.name=value, "
+                "e.g. n_plus_one.min_repeats=10"
+            )
+        self.set(kind, name.strip(), value.strip())
+
+    def load_toml(self, path: str) -> None:
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except OSError as e:
+            raise ConfigError(f"cannot read the config file {path}: {e.strerror or e}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"the config file {path} is not valid TOML: {e}") from e
+        table = doc.get("findings", {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"[findings] in {path} must be a table")
+        for kind, body in table.items():
+            if kind == "ignore":
+                if not isinstance(body, list):
+                    raise ConfigError(f"findings.ignore in {path} must be a list of finding ids")
+                self.ignore.update(str(x) for x in body)
+                continue
+            if not isinstance(body, dict):
+                raise ConfigError(f"findings.{kind} in {path} must be a table")
+            for name, value in body.items():
+                self.set(kind, name, value)
+
+
+def _convert(default: Any, value: Any, where: str) -> Any:
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, bool):
+                return value
+            low = str(value).strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, list):
+            if isinstance(value, list):
+                return [str(v) for v in value]
+            return [v.strip() for v in str(value).split(",") if v.strip()]
+        return str(value)
+    except (TypeError, ValueError) as e:
+        kind = type(default).__name__ if not isinstance(default, list) else "list"
+        raise ConfigError(f"invalid value {value!r} for {where}: expected a {kind}") from e
+
+
+def load_config(path: str | None = None, assignments: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the TOML file (explicit, ``$PERFSLEUTH_CONFIG`` or ``./perfsleuth.toml``),
+    then ``detector.name=value`` assignments."""
+    cfg = Config()
+    path = path or os.environ.get(CONFIG_ENV) or None
+    if path is None and os.path.isfile(CONFIG_FILE):
+        path = CONFIG_FILE
+    if path is not None:
+        cfg.load_toml(path)
+    for a in assignments:
+        cfg.apply(a)
+    return cfg

@@ -1,0 +1,53 @@
+"""Numbers and statements as they appear in finding titles."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def ms(v: float | None) -> str:
+    if v is None:
+        return "?"
+    if v >= 10_000:
+        return f"{v / 1000:,.1f} s"
+    if v >= 10:
+        return f"{v:,.0f} ms"
+    if v >= 1:
+        return f"{v:.1f} ms"
+    return f"{v:.2f} ms"
+
+
+def pct(share: float | None) -> str:
+    if share is None:
+        return "?"
+    v = share * 100
+    return f"{v:.1f}%" if v < 10 else f"{v:.0f}%"
+
+
+def count(v: float | None) -> str:
+    if v is None:
+        return "?"
+    return f"{v:,.0f}" if float(v).is_integer() or v >= 100 else f"{v:,.1f}"
+
+
+def size(b: float | None) -> str:
+    if b is None:
+        return "?"
+    if b >= 1_000_000:
+        return f"{b / 1_000_000:.1f} MB"
+    if b >= 1_000:
+        return f"{b / 1_000:.0f} KB"
+    return f"{b:.0f} bytes"
+
+
+def statement(text: str | None, n: int = 80) -> str:
+    t = " ".join(str(text or "?").split())
+    return t if len(t) <= n else t[: n - 1] + "…"
+
+
+def where(site: dict[str, Any] | None) -> str:
+    if not site:
+        return "?"
+    f = os.path.basename(site.get("file") or "?")
+    return f"{site.get('function') or '?'} ({f}:{site.get('line') or '?'})"
