@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint format bench bench-ingest clean
+.PHONY: setup demo test lint format bench bench-ingest bench-accuracy clean
 
 setup:
 	@bash scripts/setup.sh
@@ -27,6 +27,9 @@ bench: setup
 
 bench-ingest: setup
 	$(BIN)/python benchmarks/ingest.py
+
+bench-accuracy: setup
+	$(BIN)/python benchmarks/accuracy.py
 
 clean:
 	rm -rf $(VENV) .perfsleuth .perfsleuth-demo build dist src/*.egg-info
