@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from perfsleuth.analysis import frames
 from perfsleuth.analysis.config import DEFAULTS, Config, ConfigError, load_config
 from perfsleuth.store.base import Store
 
@@ -141,6 +142,19 @@ class Context:
             "SELECT id, text FROM fingerprints WHERE list_contains(?, id)", [sorted(ids)]
         )
         return {r["id"]: r["text"] for r in rows}
+
+    def with_statements(
+        self, rows: list[dict[str, Any]]
+    ) -> list[tuple[dict[str, Any], str | None, dict[str, Any] | None]]:
+        """(row, statement text, call site) of detector rows keyed by fingerprint_id and
+        site_id: the two dictionary lookups every per-statement detector makes."""
+        sites = frames.locations(self.store, (r["site_id"] for r in rows))
+        fps = self.fingerprints({r["fingerprint_id"] for r in rows})
+        out = []
+        for r in rows:
+            site = sites.get(r["site_id"])
+            out.append((r, fps.get(r["fingerprint_id"]), site.site() if site is not None else None))
+        return out
 
 
 def find(

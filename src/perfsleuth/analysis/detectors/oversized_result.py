@@ -9,7 +9,7 @@ an upper bound, the honest one when the result is what the request spends its ti
 
 from __future__ import annotations
 
-from perfsleuth.analysis import frames, text
+from perfsleuth.analysis import text
 from perfsleuth.analysis.detectors import register
 from perfsleuth.analysis.findings import Context, Finding, iso, stable_id
 
@@ -63,13 +63,8 @@ def detect(ctx: Context) -> list[Finding]:
     )
     if not rows:
         return []
-    sites = frames.locations(ctx.store, (r["site_id"] for r in rows))
-    fps = ctx.fingerprints({r["fingerprint_id"] for r in rows})
     out = []
-    for r in rows:
-        fp = fps.get(r["fingerprint_id"])
-        site = sites.get(r["site_id"])
-        callsite = site.site() if site is not None else None
+    for r, fp, callsite in ctx.with_statements(rows):
         returned = r["returned"]
         by_rows = r["rows_p50"] is not None and r["rows_p50"] >= max_rows
         loaded = f"{text.count(r['rows_p50'])} rows" if by_rows else text.size(r["bytes_p50"])

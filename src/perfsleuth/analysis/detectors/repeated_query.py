@@ -8,7 +8,7 @@ remove them.
 
 from __future__ import annotations
 
-from perfsleuth.analysis import frames, text
+from perfsleuth.analysis import text
 from perfsleuth.analysis.detectors import register
 from perfsleuth.analysis.findings import Context, Finding, file_key, iso, stable_id
 
@@ -65,13 +65,8 @@ def detect(ctx: Context) -> list[Finding]:
     )
     if not rows:
         return []
-    sites = frames.locations(ctx.store, (r["site_id"] for r in rows))
-    fps = ctx.fingerprints({r["fingerprint_id"] for r in rows})
     out = []
-    for r in rows:
-        fp = fps.get(r["fingerprint_id"])
-        site = sites.get(r["site_id"])
-        callsite = site.site() if site is not None else None
+    for r, fp, callsite in ctx.with_statements(rows):
         typical = float(r["typical"])
         share_req = r["requests_hit"] / max(r["ep_requests"], 1)
         noun = "query" if r["kind"] == "db" else "cache read"

@@ -6,7 +6,7 @@ first), so the quantiles are computed over a few groups, not over every call.
 
 from __future__ import annotations
 
-from perfsleuth.analysis import frames, text
+from perfsleuth.analysis import text
 from perfsleuth.analysis.detectors import register
 from perfsleuth.analysis.findings import Context, Finding, iso, stable_id
 
@@ -48,13 +48,8 @@ def detect(ctx: Context) -> list[Finding]:
     )
     if not rows:
         return []
-    sites = frames.locations(ctx.store, (r["site_id"] for r in rows))
-    fps = ctx.fingerprints({r["fingerprint_id"] for r in rows})
     out = []
-    for r in rows:
-        fp = fps.get(r["fingerprint_id"])
-        site = sites.get(r["site_id"])
-        callsite = site.site() if site is not None else None
+    for r, fp, callsite in ctx.with_statements(rows):
         share = r["ms"] / r["ep_total_ms"] if r["ep_total_ms"] else 0.0
         title = (
             f"`{text.statement(fp, 70)}` in {r['endpoint']} takes {text.ms(r['p95'])} at p95 "
