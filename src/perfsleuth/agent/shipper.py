@@ -41,11 +41,10 @@ from perfsleuth.wire import (
 from perfsleuth.wire import calls as wcalls
 from perfsleuth.wire import fingerprint as fpr
 from perfsleuth.wire.calls import KIND_CODE, NULL, SYSTEM_CODE
-from perfsleuth.wire.fingerprint import params_hash
+from perfsleuth.wire.fingerprint import MASK63, params_hash
 from perfsleuth.wire.segment import FILE_MAGIC, encode_json, encode_payload, encode_record
 
 AGENT_VERSION = "0.1.0"
-_MASK63 = (1 << 63) - 1
 MAX_WRITER_RESTARTS = 3
 # The writer also wakes when this many requests wait: queued requests keep their objects alive,
 # and every live object brings the application's next garbage collection closer (measured:
@@ -246,7 +245,7 @@ class _Encoder:
                 sid = site = NULL
             ph = NULL
             if c.ph is not None:
-                ph = c.ph & _MASK63
+                ph = c.ph & MASK63
             elif c.params is not None:
                 h = params_hash(c.params)
                 if h is not None:

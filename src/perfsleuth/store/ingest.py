@@ -580,11 +580,7 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
                 seg, start, end = meta[i]
                 try:
                     blob = batch.raw_calls[i]
-                    obj = (
-                        json.loads(raw[i])
-                        if blob is None
-                        else wcalls.decode_request(raw[i] + wcalls.SEPARATOR + blob)
-                    )
+                    obj = json.loads(raw[i]) if blob is None else wcalls.decode_parts(raw[i], blob)
                     slow.append((seg, obj, start, end))
                 except ValueError:
                     batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")

@@ -59,7 +59,11 @@ def split(payload: bytes) -> tuple[bytes, bytes]:
 def decode_request(payload: bytes) -> dict[str, Any]:
     """A REQUEST_BIN payload as the JSON-shaped request (``calls``: one dict per call, absent
     values left out): for tools, tests and the store's slow path. ValueError if malformed."""
-    head, rows = split(payload)
+    return decode_parts(*split(payload))
+
+
+def decode_parts(head: bytes, rows: bytes) -> dict[str, Any]:
+    """:func:`decode_request` of a payload already :func:`split` into JSON object and rows."""
     obj = json.loads(head)
     if not isinstance(obj, dict):
         raise ValueError("a request record that is not a JSON object")

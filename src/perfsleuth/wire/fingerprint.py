@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 MAX_SQL = 4000
-_MASK63 = (1 << 63) - 1
+MASK63 = (1 << 63) - 1
 
 # One scanner over the statement; the first matching alternative wins.
 _SQL_TOKEN = re.compile(
@@ -99,7 +99,7 @@ def sql_operation(normalized: str) -> str:
 def stable_id(*parts: str | int) -> int:
     """A 63-bit id that is the same in every process and on every machine."""
     h = hashlib.blake2b("\x1f".join(map(str, parts)).encode("utf-8", "replace"), digest_size=8)
-    return int.from_bytes(h.digest(), "big") & _MASK63
+    return int.from_bytes(h.digest(), "big") & MASK63
 
 
 def sql_fingerprint_id(normalized: str) -> int:
@@ -160,12 +160,12 @@ def params_hash(params: object) -> int | None:
         if isinstance(params, dict):
             if not params:
                 return None
-            return hash(tuple(sorted(params.items(), key=lambda kv: str(kv[0])))) & _MASK63
+            return hash(tuple(sorted(params.items(), key=lambda kv: str(kv[0])))) & MASK63
         if isinstance(params, list):
             params = tuple(params)
         if isinstance(params, tuple) and not params:
             return None
-        return hash(params) & _MASK63
+        return hash(params) & MASK63
     except Exception:
         pass  # unhashable values (lists inside, arrays): fall back to their text
     try:
@@ -173,6 +173,3 @@ def params_hash(params: object) -> int | None:
     except Exception:
         text = type(params).__name__
     return zlib.crc32(text.encode("utf-8", "replace"))
-
-
-_MASK63 = (1 << 63) - 1
