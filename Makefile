@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint format bench bench-ingest bench-accuracy clean
+.PHONY: setup demo test lint format bench bench-ingest bench-accuracy bench-findings clean
 
 setup:
 	@bash scripts/setup.sh
@@ -30,6 +30,9 @@ bench-ingest: setup
 
 bench-accuracy: setup
 	$(BIN)/python benchmarks/accuracy.py
+
+bench-findings: setup
+	$(BIN)/python benchmarks/findings.py
 
 clean:
 	rm -rf $(VENV) .perfsleuth .perfsleuth-demo build dist src/*.egg-info

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -569,6 +570,12 @@ def test_demo_smoke(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
     assert "What to look at next" in r.stdout
     assert "perfsleuth traces --endpoint" in r.stdout and "perfsleuth trace " in r.stdout
+    # the detectors' verdict comes first, with a finding id that `explain` knows
+    assert "perfsleuth findings --data" in r.stdout
+    explain = re.search(r"perfsleuth explain (\S+)", r.stdout)
+    assert explain, r.stdout
+    shown = py_m("explain", explain.group(1), "--data", data)
+    assert shown.returncode == 0, shown.stderr
     top = json.loads(py_m("top", "--data", data, "--json").stdout)
     seen = {row["endpoint"] for row in top["rows"]}
     missing = set(ENDPOINTS) - seen

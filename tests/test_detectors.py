@@ -569,6 +569,27 @@ def test_upstream_latency(synth: Any) -> None:
     assert f.impact_ms_per_min == pytest.approx(10 * 400 + 10 * 100)
 
 
+def test_many_fast_calls_to_a_host_are_not_upstream_latency(synth: Any) -> None:
+    """25 avatar fetches of 2 ms each: most of the endpoint's time, but an N+1 of a fast
+    upstream (n_plus_one's business), not a slow one."""
+
+    def fill(w: SegmentWriter) -> None:
+        for _ in range(20):
+            calls = [
+                call("http", "GET avatars.example/avatars/{id}", dur_ms=2.0, off_ms=2.0 * j,
+                     host="avatars.example", status=200, site=None)
+                for j in range(25)
+            ]  # fmt: skip
+            w.request("GET /team", dur_ms=55.0, calls=calls)
+
+    assert [f for f in find(synth(fill), config=Config()) if f.kind == "upstream_latency"] == []
+    # with the per-call floor lowered, the same traffic is reported
+    tuned = Config()
+    tuned.apply("upstream_latency.min_ms_per_call=1")
+    [f] = [f for f in find(synth(fill), config=tuned) if f.kind == "upstream_latency"]
+    assert f.endpoint == "GET /team" and f.count_per_request == 25
+
+
 def test_outlier_tenant(synth: Any) -> None:
     def fill(w: SegmentWriter) -> None:
         for i in range(100):
@@ -591,6 +612,22 @@ def test_outlier_tenant(synth: Any) -> None:
     assert ev["endpoint_p95_ms"] == pytest.approx(500.0)
     # the time beyond everyone else's average: 10 x (500 - 20)
     assert found[0].impact_ms_per_min == pytest.approx(4800.0)
+
+
+def test_outlier_tenant_needs_an_absolute_effect(synth: Any) -> None:
+    """The shape of test_outlier_tenant, on a sub-millisecond endpoint: same shares, a p95 drop
+    of 0.4 ms, which is no finding."""
+
+    def fill(w: SegmentWriter) -> None:
+        for i in range(100):
+            big = i % 10 == 0
+            w.request("GET /ping", dur_ms=0.5 if big else 0.1,
+                      tenant="megacorp" if big else f"t{i % 3}")  # fmt: skip
+
+    assert find(synth(fill), config=Config()) == []
+    tuned = Config()
+    tuned.apply("outlier_tenant.min_p95_drop_ms=0.1")
+    assert kinds_of(find(synth(fill), config=tuned)) == [("outlier_tenant", "GET /ping")]
 
 
 def test_chatty_endpoint_but_not_for_an_n_plus_one(synth: Any, src: dict) -> None:

@@ -85,6 +85,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # Typical wait per calling request (Sentry's N+1 API threshold is 300 ms in total;
         # anything under ~20 ms per request is not worth a finding of its own).
         "min_ms_per_request": 20.0,
+        # ... and per call: many fast calls per request are an N+1 (n_plus_one reports it),
+        # not a slow upstream. Sentry's slow-HTTP checks start at 500 ms a call; 20 ms is lenient.
+        "min_ms_per_call": 20.0,
         "min_requests": 5,
     },
     "outlier_tenant": {
@@ -98,6 +101,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "min_time_share": 0.10,
         # and the endpoint's p95 falls by at least this share without them.
         "min_p95_drop": 0.20,
+        # ... and by at least this many ms: 0.8 -> 0.5 ms is a large share of nothing.
+        "min_p95_drop_ms": 10.0,
     },
     "chatty_endpoint": {
         # Many calls per request (median), the lessons' Jira case at the extreme (90,000).

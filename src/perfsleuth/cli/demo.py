@@ -192,6 +192,28 @@ def _next_steps(
     d = ("--data", rel)
     steps: list[dict[str, str]] = []
 
+    # What the detectors say comes first: the point of perfsleuth is naming the problem.
+    from perfsleuth.analysis import find
+
+    found = find(store, since=window)
+    if found:
+        top = found[0]
+        steps.append(
+            {
+                "why": (
+                    f"{len(found)} problems found, ranked by the time they cost; the first: "
+                    f"{top.title}"
+                ),
+                "command": _cmd("perfsleuth", "findings", *d),
+            }
+        )
+        steps.append(
+            {
+                "why": "its evidence, the line of code and example requests",
+                "command": _cmd("perfsleuth", "explain", top.id, *d),
+            }
+        )
+
     # The N+1 endpoint: the most DB calls per request (the demo's customer orders page).
     endpoints = {str(r.get("endpoint")): r for r in rows}
     n1 = endpoints.get(N_PLUS_ONE_HINT) or max(

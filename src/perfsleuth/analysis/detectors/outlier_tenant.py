@@ -3,8 +3,9 @@ share of its requests, and without whom the endpoint's p95 drops a lot.
 
 Per endpoint and tenant (then per user): share of requests, of time and of the slow requests
 (over the endpoint's p95); kept when the time share is ``min_ratio`` times the request share,
-large in itself, and the endpoint's p95 without them is ``min_p95_drop`` lower. A user whose
-tenant is already reported for the endpoint is not reported again.
+large in itself, and the endpoint's p95 without them is ``min_p95_drop`` lower, and at
+least ``min_p95_drop_ms`` lower (sub-millisecond endpoints vary by large shares of nothing).
+A user whose tenant is already reported for the endpoint is not reported again.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def detect(ctx: Context) -> list[Finding]:
                 continue
             drop = 1.0 - r["p95_without"] / r["ep_p95"]
             if drop < float(ctx.t(KIND, "min_p95_drop")):
+                continue
+            if r["ep_p95"] - r["p95_without"] < float(ctx.t(KIND, "min_p95_drop_ms")):
                 continue
             if dim == "user" and (r["endpoint"], r["tenant"]) in flagged:
                 continue

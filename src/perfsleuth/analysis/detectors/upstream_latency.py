@@ -41,7 +41,7 @@ SELECT r.endpoint, h.host, count(*) AS requests_calling, sum(h.n) AS calls,
 FROM h JOIN r USING (trace_id) JOIN ep ON ep.endpoint = r.endpoint
 GROUP BY r.endpoint, h.host
 HAVING count(*) >= ? AND sum(h.ms) >= ? * any_value(ep.total_ms)
-    AND quantile_cont(h.ms, 0.5) >= ?
+    AND quantile_cont(h.ms, 0.5) >= ? AND sum(h.ms) / sum(h.n) >= ?
 """
 
 # The endpoint's and the site's p95 with this host's waiting taken out; its top tenants.
@@ -70,6 +70,7 @@ def detect(ctx: Context) -> list[Finding]:
             int(ctx.t(KIND, "min_requests")),
             float(ctx.t(KIND, "min_time_share")),
             float(ctx.t(KIND, "min_ms_per_request")),
+            float(ctx.t(KIND, "min_ms_per_call")),
         ],
     )
     if not rows:
