@@ -35,6 +35,7 @@ import pyarrow.json as pajson
 from perfsleuth.store import schema
 from perfsleuth.wire import (
     CLOSED_SUFFIX,
+    EVENT_TYPES,
     FINGERPRINT,
     HEADER,
     LOCATION,
@@ -291,6 +292,8 @@ class Batch:
         self.stacks: dict[int, list[int]] = {}
         self.fingerprints: dict[int, tuple[Any, ...]] = {}
         self.stats: list[tuple[Any, ...]] = []
+        # Runtime-evidence records (wire.EVENT_TYPES) by type: (segment index, object).
+        self.events: dict[bytes, list[tuple[int, dict[str, Any]]]] = {}
         self.damage: list[BatchDamage] = []
         self.requests = 0
         self.request_bytes = 0
@@ -344,7 +347,9 @@ class Batch:
             return
         if not isinstance(obj, dict):
             return
-        if rtype == HEADER:
+        if rtype in EVENT_TYPES:
+            self.events.setdefault(rtype, []).append((self.touch(seg), obj))
+        elif rtype == HEADER:
             seg.service = _str(obj.get("service")) or seg.service
             seg.host = _str(obj.get("host")) or seg.host
             pid = as_int(obj.get("pid"))

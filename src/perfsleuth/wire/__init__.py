@@ -15,8 +15,15 @@ FINGERPRINT = b"F"  # {"id", "kind", "text", "op"}: a normalised statement / URL
 REQUEST = b"R"  # one finished request or background task, with its calls as JSON objects
 REQUEST_BIN = b"Q"  # the same, its calls as binary rows (wire.calls): what the agent writes
 STATS = b"T"  # cumulative agent counters of this process (drops, errors)
+# Runtime evidence, one JSON object per event (collected by the store as ``Batch.events``):
+SAMPLES = b"P"  # stack samples of one slow request
+BLOCKER = b"B"  # one event-loop blocker
+GC = b"G"  # GC pauses
+CAPTURE = b"C"  # a replayable request capture
 
+EVENT_TYPES = frozenset({SAMPLES, BLOCKER, GC, CAPTURE})
 RECORD_TYPES = frozenset({HEADER, LOCATION, STACK, FINGERPRINT, REQUEST, REQUEST_BIN, STATS})
+RECORD_TYPES |= EVENT_TYPES
 
 # Segment file names: "<host>-<pid>-<started_ns>-<seq>" + OPEN_SUFFIX while written,
 # renamed to + CLOSED_SUFFIX once complete (rename is atomic on POSIX).
