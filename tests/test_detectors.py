@@ -630,6 +630,31 @@ def test_outlier_tenant_needs_an_absolute_effect(synth: Any) -> None:
     assert kinds_of(find(synth(fill), config=tuned)) == [("outlier_tenant", "GET /ping")]
 
 
+def test_outlier_tenant_needs_to_be_slow_as_a_rule(synth: Any) -> None:
+    """A tenant whose requests met a busy moment of the machine (5 of its 12 at 60 ms, the rest
+    as fast as everyone's): large shares and a large p95 drop, but their median is everyone's
+    median, so it is noise, not an outlier (seen on the demo's GET /health)."""
+
+    def fill(w: SegmentWriter, spikes: int) -> None:
+        for i in range(60):
+            odd = i % 5 == 0  # 12 requests
+            slow = odd and i // 5 < spikes
+            w.request("GET /health", dur_ms=60.0 if slow else 2.0 + (i % 3) * 0.1,
+                      tenant="t-odd" if odd else f"t{i % 3}")  # fmt: skip
+
+    assert find(synth(lambda w: fill(w, 5)), config=Config()) == []
+    # it is the median rule that tells them apart
+    lax = Config()
+    lax.apply("outlier_tenant.min_median_ratio=0")
+    assert kinds_of(find(synth(lambda w: fill(w, 5)), config=lax)) == [
+        ("outlier_tenant", "GET /health")
+    ]
+    # the same tenant slow on most of its requests is an outlier
+    [f] = find(synth(lambda w: fill(w, 9)), config=Config())
+    assert (f.kind, f.evidence["tenant"]) == ("outlier_tenant", "t-odd")
+    assert f.evidence["their_median_ms"] == pytest.approx(60.0)
+
+
 def test_chatty_endpoint_but_not_for_an_n_plus_one(synth: Any, src: dict) -> None:
     def fill(w: SegmentWriter) -> None:
         for _ in range(5):

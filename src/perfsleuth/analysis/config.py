@@ -103,6 +103,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "min_p95_drop": 0.20,
         # ... and by at least this many ms: 0.8 -> 0.5 ms is a large share of nothing.
         "min_p95_drop_ms": 10.0,
+        # ... and their median is this many times everyone else's (slow as a rule, not by
+        # the chance of a few requests meeting a busy machine).
+        "min_median_ratio": 2.0,
     },
     "chatty_endpoint": {
         # Many calls per request (median), the lessons' Jira case at the extreme (90,000).

@@ -4,7 +4,9 @@ share of its requests, and without whom the endpoint's p95 drops a lot.
 Per endpoint and tenant (then per user): share of requests, of time and of the slow requests
 (over the endpoint's p95); kept when the time share is ``min_ratio`` times the request share,
 large in itself, and the endpoint's p95 without them is ``min_p95_drop`` lower, and at
-least ``min_p95_drop_ms`` lower (sub-millisecond endpoints vary by large shares of nothing).
+least ``min_p95_drop_ms`` lower (sub-millisecond endpoints vary by large shares of nothing),
+and their median is ``min_median_ratio`` times everyone else's: an outlier tenant is slow as a
+rule, while a tenant whose few requests met a noisy moment of the machine is slow by exception.
 A user whose tenant is already reported for the endpoint is not reported again.
 """
 
@@ -27,6 +29,7 @@ WITH ep AS (
 g AS (
     SELECT r.endpoint, r.{dim} AS who, mode(r.tenant) AS tenant, count(*) AS n,
         sum(r.duration_ms) AS ms, quantile_cont(r.duration_ms, 0.95) AS p95,
+        quantile_cont(r.duration_ms, 0.5) AS p50,
         count(*) FILTER (WHERE r.duration_ms > ep.p95) AS slow,
         min(r.ts) AS first_ts, max(r.ts) AS last_ts,
         max_by(r.trace_id, (r.duration_ms, r.trace_id), 3) AS examples
@@ -42,8 +45,8 @@ cand AS (
 SELECT cand.*,
     (SELECT count(*) FROM r x
      WHERE x.endpoint = cand.endpoint AND x.duration_ms > cand.ep_p95) AS ep_slow,
-    (SELECT quantile_cont(x.duration_ms, 0.95) FROM r x
-     WHERE x.endpoint = cand.endpoint AND x.{dim} IS DISTINCT FROM cand.who) AS p95_without
+    (SELECT quantile_cont(x.duration_ms, [0.95, 0.5]) FROM r x
+     WHERE x.endpoint = cand.endpoint AND x.{dim} IS DISTINCT FROM cand.who) AS without
 FROM cand
 """
 
@@ -65,7 +68,10 @@ def detect(ctx: Context) -> list[Finding]:
             ],
         )
         for r in rows:
-            if r["p95_without"] is None or not r["ep_p95"]:
+            if r["without"] is None or not r["ep_p95"]:
+                continue
+            r["p95_without"], r["p50_without"] = r["without"]
+            if r["p50"] < float(ctx.t(KIND, "min_median_ratio")) * r["p50_without"]:
                 continue
             drop = 1.0 - r["p95_without"] / r["ep_p95"]
             if drop < float(ctx.t(KIND, "min_p95_drop")):
@@ -118,6 +124,8 @@ def _finding(ctx: Context, dim: str, r: dict[str, Any], drop: float) -> Finding:
             "time_share": time_share,
             "slow_request_share": slow_share,
             "their_p95_ms": r["p95"],
+            "their_median_ms": r["p50"],
+            "median_ms_of_others": r["p50_without"],
             "endpoint_p95_ms": r["ep_p95"],
             "endpoint_p95_ms_without_them": r["p95_without"],
             "p95_drop": drop,
