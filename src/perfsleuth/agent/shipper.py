@@ -227,6 +227,7 @@ class _Encoder:
         # Calls of one site share one stack tuple (recorder.start_call): resolve it once.
         stack_of: dict[int, tuple[int, int]] = {}  # id(stack tuple) -> (stack id, site id)
         start, end = req.start, req.end
+        codes = _CODES
         for i, c in enumerate(req.calls):
             kind = c.kind
             target = c.target
@@ -243,37 +244,32 @@ class _Encoder:
                 sid, site = ids
             else:
                 sid = site = NULL
-            ph = NULL
-            if c.ph is not None:
-                ph = c.ph & MASK63
-            elif c.params is not None:
-                h = params_hash(c.params)
-                if h is not None:
-                    ph = h
-            flags = 0 if c.end else wcalls.FLAG_UNFINISHED
-            kcode = KIND_CODE.get(kind, wcalls.OTHER)
-            scode = SYSTEM_CODE.get(c.system, wcalls.OTHER)
-            x: dict[str, Any] | None = None
-            if c.error is not None:
-                x = {"error": str(c.error)[:200]}
-            if kind == "http" and isinstance(target, tuple) and len(target) >= 2:
-                x = x or {}
-                x["host"] = _host_of(str(target[1]))
-            if c.extra:
-                x = x or {}
-                x["extra"] = c.extra
-            if kcode == wcalls.OTHER or scode == wcalls.OTHER:
-                x = x or {}
-                x["kind"], x["system"] = str(kind), str(c.system)
-            if x is not None:
-                ext[str(i)] = x
-                flags |= wcalls.FLAG_EXT
+            ph = c.ph
+            if ph is not None:
+                ph &= MASK63
+            elif c.params is None or (ph := params_hash(c.params)) is None:
+                ph = NULL
+            code = codes.get((kind, c.system))
+            cend = c.end
+            flags = 0 if cend else wcalls.FLAG_UNFINISHED
+            # Rare values (errors, HTTP hosts, driver extras, unlisted kinds) go to ``cx``.
+            if code is None or kind == "http" or c.error is not None or c.extra:
+                x = _call_ext(c)
+                if x:
+                    ext[str(i)] = x
+                    flags |= wcalls.FLAG_EXT
+                code = code or (
+                    KIND_CODE.get(kind, wcalls.OTHER),
+                    SYSTEM_CODE.get(c.system, wcalls.OTHER),
+                )
             v = c.status
             hv = c.hit
+            cstart = c.start
+            dur = (cend or end) - cstart
             rows.append(
                 pack(
-                    c.start - start,
-                    max(0, (c.end or end) - c.start),
+                    cstart - start,
+                    dur if dur > 0 else 0,
                     fp,
                     sid,
                     site,
@@ -282,8 +278,8 @@ class _Encoder:
                     NULL if c.bytes is None else c.bytes,
                     NULL if c.wait is None else c.wait,
                     wcalls.NULL_32 if v is None else v,
-                    kcode,
-                    scode,
+                    code[0],
+                    code[1],
                     -1 if hv is None else (1 if hv else 0),
                     flags,
                 )
@@ -314,6 +310,30 @@ class _Encoder:
             encode_payload(REQUEST_BIN, encode_json(body) + wcalls.SEPARATOR + b"".join(rows))
         )
         return out
+
+
+# (kind, system) -> (kind code, system code) of the calls whose row needs no ``cx`` entry.
+_CODES = {
+    (k, sy): (kc, sc)
+    for k, kc in KIND_CODE.items()
+    for sy, sc in SYSTEM_CODE.items()
+    if k != "http"
+}
+
+
+def _call_ext(c: recorder.Call) -> dict[str, Any]:
+    """The ``cx`` entry of a call (see wire.calls): what does not fit its binary row."""
+    x: dict[str, Any] = {}
+    if c.error is not None:
+        x["error"] = str(c.error)[:200]
+    target = c.target
+    if c.kind == "http" and isinstance(target, tuple) and len(target) >= 2:
+        x["host"] = _host_of(str(target[1]))
+    if c.extra:
+        x["extra"] = c.extra
+    if c.kind not in KIND_CODE or c.system not in SYSTEM_CODE:
+        x["kind"], x["system"] = str(c.kind), str(c.system)
+    return x
 
 
 def _scalar(v: Any) -> Any:
