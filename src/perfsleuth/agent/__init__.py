@@ -56,6 +56,9 @@ def start(
             if cfg.disabled:
                 return False
             shipper.start(cfg)
+            from perfsleuth.agent import evidence  # after shipper: its atexit flush runs first
+
+            evidence.start(cfg)
             if instrument:
                 from perfsleuth.agent import instrument as _instrument
 
@@ -73,8 +76,9 @@ def started() -> bool:
 def flush(timeout: float = 5.0) -> None:
     """Write all finished requests to the spool now."""
     try:
-        from perfsleuth.agent import shipper
+        from perfsleuth.agent import evidence, shipper
 
+        evidence.flush()
         shipper.flush(timeout)
     except Exception:
         pass

@@ -14,6 +14,14 @@
 - PERFSLEUTH_SPOOL_MAX_BYTES (1000000000): spool size cap; past it new requests are dropped
 - PERFSLEUTH_STACKS_PER_SITE (1): full stacks captured per (statement, call site) and
   request; later repeats reuse the last one captured (an N+1 loop has one stack)
+- PERFSLEUTH_EVIDENCE (1): 0 turns off the runtime-evidence thread (stack samples of slow
+  requests, event-loop blockers, GC pauses)
+- PERFSLEUTH_SAMPLE_AFTER_MS (300): a request in flight this long gets its stack sampled...
+- PERFSLEUTH_SAMPLE_INTERVAL_MS (10): ...every this often until it ends...
+- PERFSLEUTH_SAMPLES_PER_REQUEST (500): ...at most this many times (the rest are counted)
+- PERFSLEUTH_LOOP_BLOCK_MS (100): an asyncio loop that runs no callback for this long is blocked
+- PERFSLEUTH_GC_EVENT_MS (1): collections at least this long are stored as GC pause events
+  (every collection's time is added to the requests in flight either way)
 """
 
 from __future__ import annotations
@@ -42,6 +50,12 @@ class Config:
     fsync: str = "rotate"
     spool_max_bytes: int = 1_000_000_000
     stacks_per_site: int = 1
+    evidence: bool = True
+    sample_after_ms: float = 300.0
+    sample_interval_ms: float = 10.0
+    samples_per_request: int = 500
+    loop_block_ms: float = 100.0
+    gc_event_ms: float = 1.0
     # Test-only fault injection: "writer_crash" makes the writer thread die on every batch.
     fault: str = ""
 

@@ -25,6 +25,7 @@ import contextvars
 import functools
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +37,11 @@ _perf = time.perf_counter_ns
 _getframe = sys._getframe
 _code_kinds = stacks._kind
 _getrandbits = random.getrandbits  # reseeded in forked children by the random module itself
+_get_ident = threading.get_ident
+
+# Requests in flight, by id(request): read by the sampler, the loop watchdog and the GC hook
+# on their own threads (iterate over a list() copy: the dict changes under them).
+inflight: dict[int, ActiveRequest] = {}
 
 _current: contextvars.ContextVar[ActiveRequest | None] = contextvars.ContextVar(
     "perfsleuth_request", default=None
@@ -137,6 +143,8 @@ class ActiveRequest:
         "end",
         "endpoint",
         "error",
+        "gc_count",
+        "gc_ns",
         "kind",
         "method",
         "path",
@@ -147,10 +155,13 @@ class ActiveRequest:
         "start_wall",
         "status",
         "tags",
+        "task",
         "tenant",
+        "thread",
         "token",
         "trace_id",
         "user",
+        "worker",
     )
 
     def __init__(self, kind: str, method: str, path: str) -> None:
@@ -179,6 +190,14 @@ class ActiveRequest:
         # (target, id(site code), site line) -> (stack, times captured)
         self.sites: dict[Any, tuple[Any, int]] = {}
         self.token: contextvars.Token[ActiveRequest | None] | None = None
+        # Where the request's code runs, for the sampler and the loop watchdog: its thread
+        # (the event loop's for async requests), its asyncio task, and a worker thread while
+        # a sync endpoint runs in a thread pool.
+        self.thread = _get_ident()
+        self.task: Any = None
+        self.worker: int | None = None
+        self.gc_ns = 0  # time in garbage collections while in flight (agent.gcwatch)
+        self.gc_count = 0
 
 
 def current() -> ActiveRequest | None:
@@ -197,6 +216,7 @@ def begin(
         if cpu:
             req.cpu_start = time.thread_time_ns()
         req.token = _current.set(req)
+        inflight[id(req)] = req
         return req
     except Exception:
         internal_error()
@@ -207,6 +227,7 @@ def end(req: ActiveRequest) -> None:
     """Finish ``req``: duration, context reset, hand-off to the writer. Never raises."""
     try:
         req.end = _perf()
+        inflight.pop(id(req), None)
         if req.cpu_start is not None:
             req.cpu_ns = time.thread_time_ns() - req.cpu_start
         if req.token is not None:

@@ -1,7 +1,9 @@
 """The writer half of the agent: a bounded queue and one background thread writing segments.
 
 Request path: ``enqueue(req)`` appends to a deque if it holds fewer than ``queue_size``
-requests, else counts a drop. Nothing else happens on the request path.
+requests, else counts a drop. Nothing else happens on the request path. Runtime evidence
+(stack samples, loop blockers, GC pauses, captures) goes through ``emit``, a second bounded
+queue of records built on the writer thread.
 
 Writer thread: every ``flush_seconds`` it drains the queue, turns references into records
 (code locations, stacks and fingerprints are interned once per segment), appends them to the
@@ -24,6 +26,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from perfsleuth.agent import recorder, stacks
@@ -62,12 +65,20 @@ stats.update(
         "write_errors": 0,
         "writer_restarts": 0,
         "segments_written": 0,
+        "events_written": 0,
+        "dropped_events": 0,
     }
 )
 last_error = ""
 
 _cfg: Config | None = None
 _queue: collections.deque[recorder.ActiveRequest] = collections.deque()
+# (record type, build): ``build(intern)`` returns the record's JSON body on the writer thread;
+# ``intern(flat_stack)`` gives the stack id of a stacks.capture()-style tuple.
+Intern = Callable[[tuple[Any, ...]], int | None]
+_events: collections.deque[tuple[bytes, Callable[[Intern], dict[str, Any] | None]]] = (
+    collections.deque()
+)
 _wake = threading.Event()
 _lock = threading.Lock()  # serialises writing (writer thread vs. flush at exit)
 _thread: threading.Thread | None = None
@@ -85,6 +96,20 @@ def enqueue(req: recorder.ActiveRequest) -> None:
     _queue.append(req)
     if len(_queue) == WAKE_AT:
         _wake.set()
+
+
+def emit(rtype: bytes, build: Callable[[Intern], dict[str, Any] | None]) -> bool:
+    """Queue one event record (a wire.EVENT_TYPES type); never blocks. ``build`` runs on the
+    writer thread, so the caller hands over references and does no encoding. Returns False
+    (and counts ``dropped_events``) when the agent is off or the queue is full."""
+    cfg = _cfg
+    if cfg is None:
+        return False
+    if len(_events) >= cfg.queue_size:
+        stats["dropped_events"] += 1
+        return False
+    _events.append((rtype, build))
+    return True
 
 
 def _check_writer() -> None:
@@ -304,6 +329,9 @@ class _Encoder:
             body["tags"] = req.tags
         if req.calls_dropped:
             body["calls_dropped"] = req.calls_dropped
+        if req.gc_count:
+            body["gc_ns"] = req.gc_ns
+            body["gc_count"] = req.gc_count
         if ext:
             body["cx"] = ext
         out.append(
@@ -345,6 +373,11 @@ def _scalar(v: Any) -> Any:
 def _host_of(url: str) -> str:
     rest = url.split("://", 1)[-1]
     return rest.split("/", 1)[0].rsplit("@", 1)[-1]
+
+
+def call_text(call: recorder.Call) -> str:
+    """The fingerprint text of a call (normalised SQL, URL template, cache command)."""
+    return _fingerprint_text(call)[0]
 
 
 def _fingerprint_text(call: recorder.Call) -> tuple[str, str]:
@@ -422,6 +455,8 @@ class _Writer:
             batch.append(_queue.popleft())
         if batch:
             self._write_batch(batch)
+        if _events:
+            self._write_events()
         if self.seg is not None and self.seg.due():
             self._rotate()
         now = time.monotonic()
@@ -461,6 +496,33 @@ class _Writer:
             landed = sum(1 for end in ends if end <= seg.partial)
             stats["requests_written"] += landed
             stats["dropped_write_error"] += len(ends) - landed
+            self._failed(e)
+
+    def _write_events(self) -> None:
+        events = []
+        while _events:
+            events.append(_events.popleft())
+        seg = self._open()
+        if seg is None or self._spool_full():
+            stats["dropped_events"] += len(events)
+            return
+        out: list[bytes] = []
+        written = 0
+        for rtype, build in events:
+            try:
+                body = build(lambda flat: self.enc.stack(seg, out, flat)[0] if flat else None)
+                if body is None:
+                    continue
+                out.append(encode_record(rtype, body))
+                written += 1
+            except Exception:  # records it interned stay: the segment's sets now name them
+                stats["dropped_events"] += 1
+                recorder.internal_error()
+        try:
+            seg.write(b"".join(out))
+            stats["events_written"] += written
+        except OSError as e:
+            stats["dropped_events"] += written
             self._failed(e)
 
     def _rotate(self) -> None:
@@ -600,6 +662,7 @@ def _after_fork_in_child() -> None:
     """
     global _lock, _wake, _writer
     _queue.clear()
+    _events.clear()
     _lock = threading.Lock()
     _wake = threading.Event()
     for k in stats:

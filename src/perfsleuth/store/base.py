@@ -63,7 +63,7 @@ class Store(Protocol):
         """One row per group (``by`` among endpoint, user, tenant), busiest first, with keys:
         the group columns, count, rate_per_min, p50_ms, p95_ms, p99_ms, max_ms, error_rate,
         db_calls_per_request, http_calls_per_request, cache_calls_per_request, db_share,
-        http_share, cache_share (share of request time, 0..1), total_ms."""
+        http_share, cache_share, gc_share (share of request time, 0..1), total_ms."""
         ...
 
     def traces(
@@ -82,7 +82,26 @@ class Store(Protocol):
         """One request (id or unique prefix) with its attributes, tags and ``calls``: list of
         {seq, kind, system, offset_ms, duration_ms, fingerprint, op, rows, bytes, host, status,
         hit, wait_ms, error, site: {file, line, function} | None,
-        stack: [{file, line, function, app}] outermost first}. StoreError if not found."""
+        stack: [{file, line, function, app}] outermost first}, and ``samples`` / ``blockers``:
+        how many stack samples and loop blockers it has. StoreError if not found."""
+        ...
+
+    def samples(self, trace_id: str) -> list[dict[str, Any]]:
+        """Stack samples of one slow request (id or unique prefix), in time order:
+        {offset_ms, state ('cpu' | 'wait'), stack: [{file, line, function, app}] outermost
+        first}."""
+        ...
+
+    def blockers(
+        self,
+        since: timedelta | None = None,
+        endpoint: str | None = None,
+        trace_id: str | None = None,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
+        """Event-loop blockers, longest first: {ts, trace_id, endpoint, duration_ms, delayed,
+        stack_samples, samples, last_kind, last_call, last_rows, last_bytes, last_ms, pid,
+        stack: [...] (the most common stack while blocked)}."""
         ...
 
     def endpoints(self) -> list[str]: ...

@@ -98,8 +98,32 @@ class DuckDBStore:
         con.begin()
         for t in schema.GLOBAL_TABLES:
             con.execute(schema.duckdb_create(t))
-        self._create_views(self._days())
+        days = self._days()
+        self._migrate(days)
+        self._create_views(days)
         con.commit()
+
+    def _migrate(self, days: list[date]) -> None:
+        """Bring day tables written by an older version up to the schema: missing event tables
+        are created, missing columns added (NULL in old rows)."""
+        have: dict[str, set[str]] = {}
+        for table, column in self._con.execute(
+            "SELECT table_name, column_name FROM duckdb_columns() WHERE schema_name = 'main' "
+            "AND database_name = current_database()"
+        ).fetchall():
+            have.setdefault(table, set()).add(column)
+        for d in days:
+            for t in schema.EVENT_TABLES:
+                name = schema.day_table(t, d)
+                if name not in have:
+                    self._con.execute(schema.duckdb_create(t, name))
+                    continue
+                for c in t.columns:
+                    if c.name not in have[name]:
+                        self._con.execute(
+                            f"ALTER TABLE {quote(name)} ADD COLUMN {quote(c.name)} "
+                            f"{schema.duckdb_type(c)}"
+                        )
 
     def close(self) -> None:
         con = getattr(self, "_con", None)
@@ -117,22 +141,29 @@ class DuckDBStore:
         if self.read_only:
             raise StoreError(f"the store was opened read-only; {what} needs a writable store")
 
-    def _days(self) -> list[date]:
-        """Days for which the event tables exist (requests is the reference)."""
+    def _day_tables(self) -> dict[str, set[date]]:
+        """Days for which each event table exists."""
         rows = self._con.execute(
             "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' "
             "AND database_name = current_database()"
         ).fetchall()
-        days = set()
+        out: dict[str, set[date]] = {t.name: set() for t in schema.EVENT_TABLES}
         for (name,) in rows:
             parsed = schema.parse_day_table(name)
-            if parsed is not None and parsed[0] == "requests":
-                days.add(parsed[1])
-        return sorted(days)
+            if parsed is not None:
+                out[parsed[0]].add(parsed[1])
+        return out
+
+    def _days(self) -> list[date]:
+        """Days for which the event tables exist (requests is the reference)."""
+        return sorted(self._day_tables()["requests"])
 
     def _create_views(self, days: list[date]) -> None:
+        # A store written by an older version, opened read-only, may lack a newer table on
+        # some days: each view covers the days its table exists.
+        have = self._day_tables()
         for t in schema.EVENT_TABLES:
-            self._con.execute(schema.duckdb_view(t, days))
+            self._con.execute(schema.duckdb_view(t, [d for d in days if d in have[t.name]]))
 
     # ---------------------------------------------------------------------------- ingest
 
@@ -257,7 +288,8 @@ class DuckDBStore:
                 self._create_views(sorted(days | set(new_days)))
             for d, parts in tables.days.items():
                 for t in schema.EVENT_TABLES:
-                    self._insert(schema.day_table(t, d), parts[t.name])
+                    if t.name in parts:
+                        self._insert(schema.day_table(t, d), parts[t.name])
             for name, tbl in (
                 ("fingerprints", tables.fingerprints),
                 ("locations", tables.locations),
@@ -419,6 +451,7 @@ class DuckDBStore:
                 sum(db_calls) AS db_calls, sum(http_calls) AS http_calls,
                 sum(cache_calls) AS cache_calls,
                 sum(db_ms) AS db_ms, sum(http_ms) AS http_ms, sum(cache_ms) AS cache_ms,
+                coalesce(sum(gc_ms), 0) AS gc_ms,
                 coalesce(sum(duration_ms), 0) AS total_ms,
                 min(ts) AS first_ts, max(ts) AS last_ts
             FROM {src} WHERE {where}
@@ -455,6 +488,7 @@ class DuckDBStore:
                 db_share=min(1.0, r["db_ms"] / total) if total > 0 else 0.0,
                 http_share=min(1.0, r["http_ms"] / total) if total > 0 else 0.0,
                 cache_share=min(1.0, r["cache_ms"] / total) if total > 0 else 0.0,
+                gc_share=min(1.0, r["gc_ms"] / total) if total > 0 else 0.0,
                 total_ms=total,
             )
             out.append(row)
@@ -576,7 +610,87 @@ class DuckDBStore:
         req["attributes"] = {k: _attr_value(v, n) for kind, k, v, n in attrs if kind == "attr"}
         req["tags"] = {k: v for kind, k, v, _ in attrs if kind == "tag"}
         req["calls"] = calls
+        req["samples"] = self._count("samples", day, tid)
+        req["blockers"] = self._count("blockers", day, tid)
         return req
+
+    def _count(self, table: str, day: date, trace_id: str) -> int:
+        name = schema.day_table(schema.TABLES[table], day)
+        if name not in self._table_names():
+            return 0
+        row = self._con.execute(
+            f"SELECT count(*) FROM {quote(name)} WHERE trace_id = ?", [trace_id]
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    def _table_names(self) -> set[str]:
+        return {
+            r[0]
+            for r in self._con.execute(
+                "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' "
+                "AND database_name = current_database()"
+            ).fetchall()
+        }
+
+    def samples(self, trace_id: str) -> list[dict[str, Any]]:
+        """See :meth:`Store.samples`."""
+        rows = self._query(
+            "SELECT offset_ms, state, stack_id FROM samples WHERE trace_id = ? ORDER BY offset_ms",
+            [self._trace_id(trace_id)],
+        )
+        stacks = self._stacks({r["stack_id"] for r in rows if r["stack_id"] is not None})
+        for r in rows:
+            r["stack"] = stacks.get(r.pop("stack_id"), [])
+        return rows
+
+    def blockers(
+        self,
+        since: timedelta | None = None,
+        endpoint: str | None = None,
+        trace_id: str | None = None,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
+        """See :meth:`Store.blockers`."""
+        conds: list[str] = ["true"]
+        params: list[Any] = []
+        if since is not None:
+            conds.append("b.ts >= ?")
+            params.append(_utcnow() - since)
+        if trace_id is not None:
+            conds.append("b.trace_id = ?")
+            params.append(self._trace_id(trace_id))
+        ep = "coalesce(nullif(b.endpoint, ''), r.endpoint, '<no request>')"
+        if endpoint is not None:
+            conds.append(f"{ep} = ?")
+            params.append(endpoint)
+        rows = self._query(
+            f"""
+            SELECT b.ts, b.trace_id, {ep} AS endpoint, b.duration_ms, b.delayed, b.stack_id,
+                b.stack_samples, b.samples, b.last_kind, b.last_call, b.last_rows,
+                b.last_bytes, b.last_ms, b.pid
+            FROM blockers b LEFT JOIN requests r ON r.trace_id = b.trace_id
+            WHERE {" AND ".join(conds)}
+            ORDER BY b.duration_ms DESC LIMIT ?
+            """,
+            [*params, int(limit)],
+        )
+        stacks = self._stacks({r["stack_id"] for r in rows if r["stack_id"] is not None})
+        for r in rows:
+            r["ts"] = _iso(r["ts"])
+            r["stack"] = stacks.get(r.pop("stack_id"), [])
+        return rows
+
+    def _trace_id(self, trace_id: str) -> str:
+        """The full id of a trace given by id or unique prefix (as ``trace``), else as given."""
+        prefix = trace_id.strip().lower()
+        ids = [
+            r[0]
+            for r in self._con.execute(
+                "SELECT DISTINCT trace_id FROM requests WHERE starts_with(trace_id, ?) LIMIT 2",
+                [prefix],
+            ).fetchall()
+        ]
+        return ids[0] if len(ids) == 1 else prefix
 
     def _stacks(self, ids: set[int]) -> dict[int, list[dict[str, Any]]]:
         if not ids:

@@ -94,6 +94,8 @@ REQUEST_WIRE = pa.schema(
         ("user", pa.string()),
         ("tenant", pa.string()),
         ("calls_dropped", pa.int64()),
+        ("gc_ns", pa.int64()),
+        ("gc_count", pa.int64()),
         ("calls", pa.list_(_CALL_WIRE)),
     ]
 )
@@ -501,6 +503,11 @@ def build_tables(batch: Batch, now_ns: int) -> Tables:
     wire, src, attr_objs = _parse_requests(batch)
     if wire.num_rows:
         _event_tables(out, wire, src, attr_objs, batch, now_ns)
+    if batch.events:
+        from perfsleuth.store import evidence  # it builds on this module's coercions
+
+        for d, parts in evidence.tables(batch, now_ns).items():
+            out.days.setdefault(d, {}).update(parts)
     if batch.fingerprints:
         ids = list(batch.fingerprints)
         kind, op, text = zip(*batch.fingerprints.values(), strict=True)
@@ -791,6 +798,8 @@ def _event_tables(
             "tenant": wire["tenant"],
             **agg,
             "calls_dropped": _int32_col(pc.fill_null(wire["calls_dropped"], 0)),
+            "gc_ms": _ms(wire["gc_ns"]),
+            "gc_count": _int32_col(wire["gc_count"]),
         },
         schema=schema.REQUESTS.arrow_schema(),
     )

@@ -78,7 +78,8 @@ REQUESTS = Table(
         " kind string!~, method string~, endpoint string!~, path string, status int32,"
         " error string, duration_ms float64, cpu_ms float64, req_bytes int64, resp_bytes int64,"
         " user string, tenant string~, db_calls int32!, db_ms float64!, http_calls int32!,"
-        " http_ms float64!, cache_calls int32!, cache_ms float64!, calls_dropped int32!"
+        " http_ms float64!, cache_calls int32!, cache_ms float64!, calls_dropped int32!,"
+        " gc_ms float64, gc_count int32"
     ),
     by_day=True,
     order_by=EVENT_ORDER,
@@ -102,6 +103,43 @@ ATTRIBUTES = Table(
     _c(
         "ts timestamp!, trace_id string!, service string!~, endpoint string!~, kind string!~,"
         " key string!~, value string, num float64"
+    ),
+    by_day=True,
+    order_by=EVENT_ORDER,
+)
+
+# Runtime evidence (agent.sampler, agent.watchdog, agent.gcwatch). A sample's endpoint is ''
+# when it was shipped while its request was still running: join requests on trace_id.
+SAMPLES = Table(
+    "samples",
+    _c(
+        "ts timestamp!, trace_id string!, service string!~, endpoint string!~, method string~,"
+        " path string, offset_ms float64, state string~, stack_id id"
+    ),
+    by_day=True,
+    order_by=EVENT_ORDER,
+)
+
+# One row per event-loop blocker: its most common stack, the request whose code ran, how many
+# other requests in flight on that loop it delayed, and the last call that request finished.
+BLOCKERS = Table(
+    "blockers",
+    _c(
+        "ts timestamp!, trace_id string, service string!~, host string~, pid int32,"
+        " endpoint string!~, method string~, path string, duration_ms float64, stack_id id,"
+        " stack_samples int32, samples int32, delayed int32, last_kind string~, last_call string,"
+        " last_rows int64, last_bytes int64, last_ms float64"
+    ),
+    by_day=True,
+    order_by=EVENT_ORDER,
+)
+
+# Garbage-collection pauses of at least PERFSLEUTH_GC_EVENT_MS, with the requests in flight.
+GC_PAUSES = Table(
+    "gc_pauses",
+    _c(
+        "ts timestamp!, service string!~, host string~, pid int32, endpoint string!~,"
+        " generation int32, duration_ms float64, collected int64, trace_ids string"
     ),
     by_day=True,
     order_by=EVENT_ORDER,
@@ -139,7 +177,7 @@ INGEST_OFFSETS = Table(
     key=("segment",),
 )
 
-EVENT_TABLES = (REQUESTS, CALLS, ATTRIBUTES)
+EVENT_TABLES = (REQUESTS, CALLS, ATTRIBUTES, SAMPLES, BLOCKERS, GC_PAUSES)
 GLOBAL_TABLES = (FINGERPRINTS, LOCATIONS, STACKS, AGENT_STATS, INGEST_OFFSETS)
 TABLES = {t.name: t for t in EVENT_TABLES + GLOBAL_TABLES}
 
@@ -178,6 +216,10 @@ def duckdb_create(table: Table, physical: str | None = None) -> str:
     if table.key:
         cols.append(f"PRIMARY KEY ({', '.join(quote(k) for k in table.key)})")
     return f"CREATE TABLE IF NOT EXISTS {quote(physical or table.name)} ({', '.join(cols)})"
+
+
+def duckdb_type(column: Column) -> str:
+    return _TYPES[column.type][0]
 
 
 def duckdb_empty(table: Table) -> str:

@@ -24,6 +24,7 @@ top of the patch do not double-record: an inner recorder sees a request in progr
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import re
@@ -31,7 +32,7 @@ from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from types import ModuleType
 from typing import Any
 
-from perfsleuth.agent import recorder
+from perfsleuth.agent import recorder, watchdog
 from perfsleuth.agent.frameworks.wsgi import (
     content_length,
     endpoint,
@@ -139,6 +140,11 @@ async def record_asgi(app: Any, scope: Scope, receive: Receive, send: Send) -> N
     if req is None:
         await app(scope, receive, send)
         return
+    try:  # for the sampler and the loop watchdog
+        req.task = asyncio.current_task()
+        watchdog.watch_current_loop()
+    except Exception:
+        recorder.internal_error()
     ex = _Exchange(req, receive, send)
     try:
         _read_headers(req, scope)

@@ -27,6 +27,10 @@ register("aiohttp", f"{P}.http:patch_aiohttp")
 register("redis", f"{P}.cache:patch_redis")
 register("pymemcache", f"{P}.cache:patch_pymemcache")
 
+# Thread pools: which thread runs a request's sync code (for the stack sampler)
+register("anyio.to_thread", f"{P}.threads:patch_anyio")
+register("asyncio.threads", f"{P}.threads:patch_asyncio_threads")
+
 # Frameworks: endpoint names come from their routers
 register("starlette.applications", f"{F}.asgi:patch_starlette")
 register("flask.app", f"{F}.wsgi:patch_flask")

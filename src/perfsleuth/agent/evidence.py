@@ -1,0 +1,105 @@
+"""The evidence thread: stack samples of slow requests, event-loop blockers and GC pauses.
+
+One daemon thread ticks every ``sample_interval_ms`` while a request is slow or a loop is
+watched (otherwise every 25 ms, enough to see a 100 ms block), reads all threads' frames once
+per tick and hands them to the sampler and the watchdog. Everything it produces goes through
+``shipper.emit``; it never touches application objects beyond reading frames and tasks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+
+from perfsleuth.agent import gcwatch, recorder, watchdog
+from perfsleuth.agent.config import Config
+from perfsleuth.agent.sampler import Sampler
+
+IDLE_TICK = 0.025
+
+_cfg: Config | None = None
+_sampler: Sampler | None = None
+_watchdog: watchdog.Watchdog | None = None
+_thread: threading.Thread | None = None
+_lock = threading.Lock()
+last_error = ""
+
+
+def start(cfg: Config) -> None:
+    global _cfg
+    if not cfg.evidence:
+        return
+    _cfg = cfg
+    gcwatch.install(cfg.gc_event_ms)
+    watchdog.enable()
+    _start_thread()
+
+
+def _start_thread() -> None:
+    global _sampler, _watchdog, _thread
+    if _cfg is None:
+        return
+    _sampler = Sampler(_cfg)
+    _watchdog = watchdog.Watchdog(_cfg)
+    t = threading.Thread(target=_run, name="perfsleuth-evidence", daemon=True)
+    t.start()
+    _thread = t
+
+
+def _run() -> None:
+    global last_error
+    cfg = _cfg
+    if cfg is None:
+        return
+    interval = max(0.001, cfg.sample_interval_ms / 1000)
+    last_gc = time.monotonic()
+    while True:
+        try:
+            busy = tick()
+            now = time.monotonic()
+            if now - last_gc >= 0.5:
+                last_gc = now
+                gcwatch.ship()
+        except Exception as e:  # keep ticking: one bad frame must not end the evidence
+            recorder.internal_error()
+            last_error = f"{type(e).__name__}: {e}"
+            busy = False
+        time.sleep(interval if busy else IDLE_TICK)
+
+
+def tick() -> bool:
+    """One look at the process; returns whether something needs the fast tick."""
+    s, w = _sampler, _watchdog
+    if s is None or w is None:
+        return False
+    with _lock:
+        frames = w.tick()
+        s.tick(frames)
+        return bool(s.tracked) or bool(recorder.inflight)
+
+
+def flush() -> None:
+    """Ship what finished requests and past collections left behind (exit, tests)."""
+    try:
+        with _lock:
+            if _sampler is not None:
+                _sampler.flush()
+        gcwatch.ship()
+    except Exception:
+        recorder.internal_error()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+    recorder.inflight.clear()
+    gcwatch.after_fork()
+    watchdog.after_fork()
+    if _cfg is not None:
+        _start_thread()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(flush)

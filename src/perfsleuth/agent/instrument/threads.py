@@ -1,0 +1,66 @@
+"""Thread-pool hand-offs: mark the worker thread that runs a request's sync code.
+
+FastAPI/Starlette run sync endpoints and dependencies with ``anyio.to_thread.run_sync``;
+``asyncio.to_thread`` does the same for plain asyncio code. The request is in the copied
+context, so the wrapper only notes ``req.worker`` (the thread ident) while the function runs:
+the sampler then samples that thread instead of the loop, where the request only awaits.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from perfsleuth.agent import recorder
+
+_get_ident = threading.get_ident
+
+
+def _marking(func: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        req = recorder.current()
+        if req is None:
+            return func(*args, **kwargs)
+        prev, req.worker = req.worker, _get_ident()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            req.worker = prev
+
+    return run
+
+
+def _wrap_async(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    async def wrapper(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if recorder.current() is not None:
+            try:
+                func = _marking(func)
+            except Exception:
+                recorder.internal_error()
+        return await original(func, *args, **kwargs)
+
+    wrapper.__perfsleuth__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def patch_anyio(module: ModuleType) -> None:
+    run_sync = getattr(module, "run_sync", None)
+    if run_sync is not None and not getattr(run_sync, "__perfsleuth__", False):
+        module.run_sync = _wrap_async(run_sync)  # type: ignore[attr-defined]
+
+
+def patch_asyncio_threads(module: ModuleType) -> None:
+    to_thread = getattr(module, "to_thread", None)
+    if to_thread is None or getattr(to_thread, "__perfsleuth__", False):
+        return
+    wrapped = _wrap_async(to_thread)
+    module.to_thread = wrapped  # type: ignore[attr-defined]
+    import asyncio
+
+    if getattr(asyncio, "to_thread", None) is to_thread:
+        asyncio.to_thread = wrapped  # type: ignore[attr-defined]
