@@ -8,8 +8,10 @@ its code is:
 - an async request whose task is running on the loop right now: the loop thread's stack;
 - an async request that is awaiting: its coroutine chain (``cr_await``), outermost first.
 
-Each sample says ``cpu`` or ``wait``: for a thread, whether it used at least half of the wall
-time since the previous tick on the CPU (its own CPU clock, ``pthread_getcpuclockid``); an
+Each sample says ``cpu``, ``wait`` or ``call``: ``call`` while the request is inside a recorded
+DB / HTTP / cache call (the call's own timing explains that time); otherwise, for a thread,
+``cpu`` when it used at least half of the wall time since the previous tick on the CPU (its
+own CPU clock, ``pthread_getcpuclockid``; waiting for the GIL counts as ``wait``), and an
 awaiting coroutine is ``wait``. Samples are kept per request up to ``samples_per_request``
 (more are counted in ``samples_dropped``) and shipped as one SAMPLES record when the request
 ends, or in chunks while a very long request is still running, so a request stuck for minutes
@@ -163,6 +165,9 @@ class Sampler:
             return
         if state is None or not flat:
             return  # the first look at a thread only sets its CPU baseline
+        calls = req.calls
+        if calls and not calls[-1].end:
+            state = "call"  # inside a recorded DB / HTTP / cache call: the call explains it
         t.taken += 1
         if len(t.samples) + t.sent >= self.limit:
             recorder.stats["samples_dropped"] += 1

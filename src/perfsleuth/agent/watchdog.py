@@ -31,7 +31,26 @@ _perf = time.perf_counter_ns
 BEAT = 0.02  # seconds between heartbeats
 MAX_STACKS = 16  # distinct stacks kept per blocker
 
-recorder.stats.update({"loop_blockers": 0})
+recorder.stats.update({"loop_blockers": 0, "loop_starved": 0})
+
+# Innermost frames of a loop that is not running a callback: waiting in select, or between
+# callbacks (asyncio; uvloop's loop is C, so only the frame that started it is left).
+_IDLE = {
+    ("selectors.py", None),
+    ("base_events.py", "_run_once"),
+    ("base_events.py", "run_forever"),
+    ("base_events.py", "run_until_complete"),
+    ("selector_events.py", "_read_from_self"),
+    ("runners.py", "run"),
+}
+
+
+def _idle(flat: tuple[Any, ...]) -> bool:
+    if not flat:
+        return True
+    code = flat[0]
+    base = code.co_filename.rsplit("/", 1)[-1]
+    return (base, None) in _IDLE or (base, code.co_name) in _IDLE
 
 
 class _Block:
@@ -147,6 +166,12 @@ class Watchdog:
         duration = max(e.lag, e.last - b.start)
         if duration < self.threshold:
             return
+        stacks = b.stacks.most_common(MAX_STACKS)
+        if stacks and _idle(stacks[0][0]):
+            # The loop sat in its own select/run machinery: no callback ran long, the loop
+            # thread could not get the GIL or the CPU back (other threads, a busy machine).
+            recorder.stats["loop_starved"] += 1
+            return
         recorder.stats["loop_blockers"] += 1
         req = b.req
         delayed = len(b.delayed - {id(req)}) if req is not None else len(b.delayed)
@@ -156,7 +181,6 @@ class Watchdog:
                 if c.end and c.end <= b.start:
                     last = c
                     break
-        stacks = b.stacks.most_common(MAX_STACKS)
 
         def build(intern: shipper.Intern) -> dict[str, Any]:
             body: dict[str, Any] = {

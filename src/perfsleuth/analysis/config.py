@@ -127,6 +127,29 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "min_correlation": 0.5,
         "min_requests": 5,
     },
+    "slow_request_hotspot": {
+        # One application line holds this share of an endpoint's slow-request samples (the
+        # lessons' stuck-in-URL-decoding thread: one frame in nearly every sample).
+        "min_share": 0.3,
+        # ... over enough evidence: 20 samples are 0.2 s of sampling at the default 10 ms.
+        "min_samples": 20,
+        "min_requests": 2,
+    },
+    "event_loop_blocker": {
+        # The agent records blocks of PERFSLEUTH_LOOP_BLOCK_MS (100 ms, the Graphite/Ashby
+        # watchdogs' threshold) and more; one block can be a cold start, two are a pattern.
+        "min_count": 2,
+        # ... or a single block this long is reported anyway.
+        "single_ms": 1000.0,
+    },
+    "gc_pressure": {
+        # JVM tuning guides treat > 5-10 % of time in GC as a problem; collections must take
+        # a notable share of the endpoint's time ...
+        "min_time_share": 0.10,
+        # ... and cost something per request on average,
+        "min_ms_per_request": 5.0,
+        "min_requests": 10,
+    },
 }
 
 

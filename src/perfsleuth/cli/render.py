@@ -123,6 +123,7 @@ def top_table(rows: list[dict[str, Any]], by: tuple[str, ...], title: str | None
     t.add_column("DB time", justify="right", no_wrap=True)
     t.add_column("HTTP time", justify="right", no_wrap=True)
     t.add_column("cache time", justify="right", no_wrap=True)
+    t.add_column("GC time", justify="right", no_wrap=True)
     for r in rows:
         cells: list[RenderableType] = []
         for g in by:
@@ -142,6 +143,7 @@ def top_table(rows: list[dict[str, Any]], by: tuple[str, ...], title: str | None
             Text(pct(r.get("db_share"), zero="-")),
             Text(pct(r.get("http_share"), zero="-")),
             Text(pct(r.get("cache_share"), zero="-")),
+            Text(pct(r.get("gc_share"), zero="-")),
         ]
         t.add_row(*cells)
     return t
@@ -314,6 +316,15 @@ def trace_header(t: dict[str, Any]) -> RenderableType:
             summary.append(f"{label} {len(ks):,} calls, {ms(spent)} ms{share}")
     if summary:
         lines.append(Text("  " + " · ".join(summary)))
+    evidence = []
+    if t.get("gc_ms"):
+        evidence.append(f"GC {ms(t['gc_ms'])} ms in {t.get('gc_count') or 0} collections")
+    if t.get("samples"):
+        evidence.append(f"{t['samples']} stack samples")
+    if t.get("blockers"):
+        evidence.append(f"blocked the event loop {t['blockers']} time(s)")
+    if evidence:
+        lines.append(Text("  " + " · ".join(evidence)))
     if t.get("calls_dropped"):
         lines.append(
             Text(f"  {t['calls_dropped']:,} more calls were only counted (limit)", style="dim")

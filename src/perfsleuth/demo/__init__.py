@@ -12,7 +12,7 @@ The planted problems, each at a known place (the finding tests rely on these nam
 ``GET /products/{product_id}``      the same product row fetched three times per request
 ``GET /reports/top-customers``      loads every order (60k rows) to show 20
 ``GET /shipping/quote``             waits for the slow upstream carrier API
-``POST /catalog/import``            parses a ~3 MB JSON feed on the event loop (async endpoint)
+``POST /catalog/import``            parses a ~10 MB JSON feed on the event loop (async endpoint)
 ``GET /search``                     pure-Python fuzzy matching: a CPU hotspot
 ``GET /admin/export.csv``           one query per customer for a CSV export (Flask)
 ``POST /admin/notes``               a 1 MB form body re-parsed once per field (Flask)
@@ -53,7 +53,7 @@ PLANTED = {
     "GET /reports/top-customers": "oversized_result",
     "GET /shipping/quote": "upstream_latency",
     "POST /catalog/import": "event_loop_blocker",
-    "GET /search": "cpu_hotspot",
+    "GET /search": "slow_request_hotspot",
     "GET /admin/export.csv": "n_plus_one",
     "POST /admin/notes": "large_request_body",
 }

@@ -127,7 +127,7 @@ def seed(db_path: str) -> dict[str, int]:
 
 
 def _write_feed(path: str, products: list[tuple], rng: random.Random) -> None:
-    # ~3 MB: every product with a long variant list, as a supplier's catalog export looks.
+    # ~10 MB: every product with a long variant list, as a supplier's catalog export looks.
     feed = {
         "supplier": "northwind-wholesale",
         "products": [
@@ -138,7 +138,7 @@ def _write_feed(path: str, products: list[tuple], rng: random.Random) -> None:
                 "variants": [
                     {"color": rng.choice(_WORDS), "size": rng.choice("SMLX"),
                      "stock": rng.randrange(99)}
-                    for _ in range(120)
+                    for _ in range(400)
                 ],
                 "description": p[4],
             }

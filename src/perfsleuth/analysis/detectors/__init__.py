@@ -26,12 +26,15 @@ def register(kind: str) -> Callable[[Detector], Detector]:
 # Imported for their registration (order = the order they run in; ranking is by impact).
 from perfsleuth.analysis.detectors import (  # noqa: E402
     chatty_endpoint,
+    event_loop_blocker,
+    gc_pressure,
     large_request_body,
     n_plus_one,
     outlier_tenant,
     oversized_result,
     repeated_query,
     slow_query,
+    slow_request_hotspot,
     upstream_latency,
 )
 
@@ -39,6 +42,8 @@ __all__ = [
     "DETECTORS",
     "Detector",
     "chatty_endpoint",
+    "event_loop_blocker",
+    "gc_pressure",
     "large_request_body",
     "n_plus_one",
     "outlier_tenant",
@@ -46,5 +51,6 @@ __all__ = [
     "register",
     "repeated_query",
     "slow_query",
+    "slow_request_hotspot",
     "upstream_latency",
 ]

@@ -1,0 +1,108 @@
+"""event_loop_blocker: code that kept an asyncio event loop from running anything else.
+
+The agent's watchdog records every block of PERFSLEUTH_LOOP_BLOCK_MS or more with the loop
+thread's most common stack, the request whose code ran and the other requests it delayed.
+Blockers are grouped by endpoint and the application function that ran the blocking code (the
+outermost application frame of the blocking stack: the handler, whose parse and loop may be
+sampled on different lines); the finding points at the most common innermost application line
+and lists the others, with count, total and longest block, requests delayed, and what the last
+call before the block returned (a large result parsed on the loop).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from perfsleuth.analysis import frames, text
+from perfsleuth.analysis.detectors import register
+from perfsleuth.analysis.findings import Context, Finding, file_key, iso, stable_id
+
+KIND = "event_loop_blocker"
+
+_ENDPOINT = "coalesce(nullif(b.endpoint, ''), r.endpoint, '<event loop>')"
+_SQL = f"""
+SELECT {_ENDPOINT} AS endpoint, b.stack_id, b.trace_id, b.ts, b.duration_ms, b.delayed,
+    b.last_call, b.last_rows, b.last_bytes
+FROM blockers b LEFT JOIN requests r USING (trace_id)
+WHERE (? IS NULL OR b.ts >= ?) AND (? IS NULL OR {_ENDPOINT} = ?)
+"""
+
+
+@register(KIND)
+def detect(ctx: Context) -> list[Finding]:
+    rows = ctx.store.query(_SQL, [ctx.cutoff, ctx.cutoff, ctx.endpoint, ctx.endpoint])
+    if not rows:
+        return []
+    min_count = int(ctx.t(KIND, "min_count"))
+    single_ms = float(ctx.t(KIND, "single_ms"))
+    stacks = frames.stacks(ctx.store, (r["stack_id"] for r in rows))
+    groups: dict[tuple[str, str | None, str | None], list[dict[str, Any]]] = {}
+    leaves: dict[tuple[str, str | None, str | None], Counter[frames.Frame]] = {}
+    for r in rows:
+        st = stacks.get(r["stack_id"], [])
+        app = [f for f in st if f.app]
+        f = app[-1] if app else (st[-1] if st else frames.UNKNOWN)
+        outer = app[0] if app else f
+        key = (r["endpoint"], outer.file, outer.function)
+        groups.setdefault(key, []).append(r)
+        leaves.setdefault(key, Counter())[f] += 1
+    out = []
+    for key, rs in groups.items():
+        ep = key[0]
+        leaf: frames.Frame | None = leaves[key].most_common(1)[0][0]
+        if leaf is frames.UNKNOWN:
+            leaf = None
+        total = sum(float(r["duration_ms"] or 0) for r in rs)
+        longest = max(float(r["duration_ms"] or 0) for r in rs)
+        if len(rs) < min_count and longest < single_ms:
+            continue
+        delayed = sum(int(r["delayed"] or 0) for r in rs)
+        where = f"{file_key(leaf.file)}:{leaf.line}" if leaf is not None else "an unknown line"
+        func = key[2] or (leaf.function if leaf is not None else None) or "?"
+        big = max(rs, key=lambda r: r["last_bytes"] or r["last_rows"] or 0)
+        parsed = ""
+        if big["last_rows"] or big["last_bytes"]:
+            size = (
+                f"{text.size(big['last_bytes'])}"
+                if big["last_bytes"]
+                else f"{big['last_rows']:,} rows"
+            )
+            parsed = f" right after `{text.statement(big['last_call'], 50)}` returned {size}"
+        title = (
+            f"{func} ({where}) blocked the event loop in {ep} {len(rs):,} time(s), "
+            f"{text.ms(total)} in all, up to {text.ms(longest)}{parsed}; "
+            f"{delayed:,} other in-flight request(s) waited."
+        )
+        examples = [r["trace_id"] for r in sorted(rs, key=lambda r: -float(r["duration_ms"] or 0))]
+        out.append(
+            Finding(
+                id=stable_id(KIND, ep, (file_key(key[1]), key[2])),
+                kind=KIND,
+                endpoint=ep,
+                title=title,
+                impact_ms_per_min=ctx.per_min(total),
+                callsite=leaf.site() if leaf is not None else None,
+                count_per_request=None,
+                example_trace_ids=[t for t in examples if t][:3],
+                first_seen=iso(min(r["ts"] for r in rs)),
+                last_seen=iso(max(r["ts"] for r in rs)),
+                suggestion=(
+                    "Move this work off the loop (`await asyncio.to_thread(...)` or a process "
+                    "pool), make it smaller (fetch fewer rows, stream the parse), or make the "
+                    "endpoint sync so the server runs it in a thread. `perfsleuth replay` "
+                    "re-sends the request that blocked."
+                ),
+                evidence={
+                    "blocks": len(rs),
+                    "blocked_ms": total,
+                    "longest_ms": longest,
+                    "delayed_requests": delayed,
+                    "last_call": big["last_call"],
+                    "last_rows": big["last_rows"],
+                    "last_bytes": big["last_bytes"],
+                    "lines": [{**f.site(), "blocks": n} for f, n in leaves[key].most_common(5)],
+                },
+            )
+        )
+    return out

@@ -1,0 +1,147 @@
+"""slow_request_hotspot: the application line where an endpoint's slow requests spend their
+time, from the agent's stack samples (requests running longer than PERFSLEUTH_SAMPLE_AFTER_MS).
+
+Each sample is attributed to its innermost application frame (the app's own line that led to
+whatever library code was running); the finding is the line holding the largest share of the
+endpoint's samples, when that share is high enough to be "the" hotspot.
+
+Time the call-based detectors already explain is left out: samples taken inside a recorded
+DB / HTTP / cache call (state ``call``), and samples at a recorded call site of the endpoint
+(within a few lines: a statement spans lines, and fetching its rows happens right after it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import datetime
+from typing import Any
+
+from perfsleuth.analysis import frames, profile, text
+from perfsleuth.analysis.detectors import register
+from perfsleuth.analysis.findings import Context, Finding, file_key, iso, stable_id
+
+KIND = "slow_request_hotspot"
+
+_SQL = f"""
+SELECT {profile.ENDPOINT_OF_SAMPLE} AS endpoint, s.stack_id, s.state, count(*) AS n,
+    min(s.ts) AS first_ts, max(s.ts) AS last_ts
+FROM samples s LEFT JOIN requests r USING (trace_id)
+WHERE (? IS NULL OR s.ts >= ?) AND (? IS NULL OR {profile.ENDPOINT_OF_SAMPLE} = ?)
+GROUP BY ALL
+"""
+
+_REQS = f"""
+SELECT {profile.ENDPOINT_OF_SAMPLE} AS endpoint, s.trace_id, count(*) AS n,
+    any_value(r.duration_ms) AS duration_ms
+FROM samples s LEFT JOIN requests r USING (trace_id)
+WHERE (? IS NULL OR s.ts >= ?) AND (? IS NULL OR {profile.ENDPOINT_OF_SAMPLE} = ?)
+GROUP BY ALL
+"""
+
+
+@register(KIND)
+def detect(ctx: Context) -> list[Finding]:
+    scope = [ctx.cutoff, ctx.cutoff, ctx.endpoint, ctx.endpoint]
+    rows = ctx.store.query(_SQL, scope)
+    if not rows:
+        return []
+    min_share = float(ctx.t(KIND, "min_share"))
+    min_samples = int(ctx.t(KIND, "min_samples"))
+    min_requests = int(ctx.t(KIND, "min_requests"))
+    stacks = frames.stacks(ctx.store, (r["stack_id"] for r in rows))
+    per_ep: dict[str, Counter[frames.Frame]] = {}
+    states: dict[tuple[str, frames.Frame], Counter[str]] = {}
+    totals: Counter[str] = Counter()
+    seen: dict[str, tuple[datetime, datetime]] = {}
+    for r in rows:
+        ep = r["endpoint"]
+        totals[ep] += r["n"]
+        first, last = seen.get(ep, (r["first_ts"], r["last_ts"]))
+        seen[ep] = (min(first, r["first_ts"]), max(last, r["last_ts"]))
+        app = [f for f in stacks.get(r["stack_id"], []) if f.app]
+        if not app or r["state"] == "call":
+            continue
+        per_ep.setdefault(ep, Counter())[app[-1]] += r["n"]
+        states.setdefault((ep, app[-1]), Counter())[r["state"] or "?"] += r["n"]
+    near_calls = _call_sites(ctx)
+    reqs: dict[str, list[dict[str, Any]]] = {}
+    for r in ctx.store.query(_REQS, scope):
+        reqs.setdefault(r["endpoint"], []).append(r)
+    out = []
+    for ep, counter in per_ep.items():
+        total = totals[ep]
+        ep_reqs = reqs.get(ep, [])
+        if total < min_samples or len(ep_reqs) < min_requests:
+            continue
+        sites = near_calls.get(ep, set())
+        ranked = [(f, k) for f, k in counter.most_common() if not _near(f, sites)]
+        if not ranked:
+            continue
+        hot, n = ranked[0]
+        share = n / total
+        if share < min_share:
+            continue
+        slow_ms = sum(float(r["duration_ms"] or 0) for r in ep_reqs)
+        st = states[(ep, hot)]
+        cpu = st.get("cpu", 0) / n
+        examples = [str(r["trace_id"]) for r in sorted(ep_reqs, key=lambda r: -int(r["n"]))[:3]]
+        first, last = seen[ep]
+        where = f"{file_key(hot.file)}:{hot.line}"
+        title = (
+            f"Slow requests of {ep} spend {text.pct(share)} of their sampled time in "
+            f"{hot.function} ({where}), {text.pct(cpu)} of it on the CPU "
+            f"({n:,} of {total:,} samples over {len(ep_reqs):,} slow requests)."
+        )
+        out.append(
+            Finding(
+                id=stable_id(KIND, ep, (file_key(hot.file), hot.function, hot.line)),
+                kind=KIND,
+                endpoint=ep,
+                title=title,
+                impact_ms_per_min=ctx.per_min(share * slow_ms),
+                callsite=hot.site(),
+                example_trace_ids=examples,
+                first_seen=iso(first),
+                last_seen=iso(last),
+                suggestion=(
+                    "Profile this line: on the CPU, make the work smaller (cache, index, a "
+                    "better algorithm) or move it off the request; waiting, find what it "
+                    "waits on (a lock, a socket without timeout). `perfsleuth profile` shows "
+                    "the flame graph."
+                    if cpu >= 0.5
+                    else "The time here is spent waiting, not computing: find what it waits "
+                    "on (a lock, a slow socket, a sleep) and give it a timeout or move it off "
+                    "the request. `perfsleuth profile --state wait` shows where."
+                ),
+                evidence={
+                    "samples": total,
+                    "hotspot_samples": n,
+                    "share": share,
+                    "cpu_share": cpu,
+                    "slow_requests": len(ep_reqs),
+                    "slow_requests_ms": slow_ms,
+                },
+            )
+        )
+    return out
+
+
+SITE_LINES = 3  # a call site "covers" this many lines after it (multi-line statement, fetch)
+
+
+def _call_sites(ctx: Context) -> dict[str, set[tuple[str | None, str | None, int]]]:
+    """endpoint -> (file, function, line) of its recorded call sites."""
+    rows = ctx.query("SELECT DISTINCT endpoint, site_id FROM c WHERE site_id IS NOT NULL")
+    locs = frames.locations(ctx.store, (r["site_id"] for r in rows))
+    out: dict[str, set[tuple[str | None, str | None, int]]] = {}
+    for r in rows:
+        f = locs.get(r["site_id"])
+        if f is not None and f.line is not None:
+            out.setdefault(r["endpoint"], set()).add((f.file, f.function, f.line))
+    return out
+
+
+def _near(f: frames.Frame, sites: set[tuple[str | None, str | None, int]]) -> bool:
+    if f.line is None:
+        return False
+    return any((f.file, f.function, f.line - d) in sites for d in range(SITE_LINES + 1))
