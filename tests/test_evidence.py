@@ -58,6 +58,7 @@ def drive_async_app(srv: Any) -> None:
     assert srv.request("POST", "/parse")[0] == 200
     waiting.join()
     assert srv.request("POST", "/parse")[0] == 200
+    assert srv.request("POST", "/import-rows")[0] == 200
     for _ in range(3):
         assert srv.get("/hot")[0] == 200
     for _ in range(3):
@@ -95,7 +96,9 @@ def test_blocker_names_the_line_and_the_request_and_counts_the_delayed(
 ) -> None:
     with DuckDBStore(str(asyncio_store), read_only=True) as store:
         blockers = store.blockers(endpoint="POST /parse")
-        others = [b for b in store.blockers() if b["endpoint"] != "POST /parse"]
+        others = [
+            b for b in store.blockers() if b["endpoint"] not in ("POST /parse", "POST /import-rows")
+        ]
         parse_ids = {t["trace_id"] for t in store.traces(endpoint="POST /parse")}
     assert len(blockers) == 2
     planted = line_of(APP, "PLANTED-BLOCK")
@@ -109,10 +112,30 @@ def test_blocker_names_the_line_and_the_request_and_counts_the_delayed(
     assert max(b["delayed"] for b in blockers) >= 1
     assert others == []  # /hot runs in the thread pool: it never blocks the loop
 
-    found = [f for f in _findings(asyncio_store) if f.kind == "event_loop_blocker"]
+    found = [
+        f
+        for f in _findings(asyncio_store, event_loop_blocker__min_count=2)
+        if f.kind == "event_loop_blocker"
+    ]
     assert [(f.endpoint, f.callsite["line"]) for f in found] == [("POST /parse", planted)]
     assert found[0].evidence["blocks"] == 2
     assert set(found[0].example_trace_ids) == parse_ids
+
+
+def test_a_large_result_handled_on_the_loop_shows_with_the_blocker(asyncio_store: Path) -> None:
+    with DuckDBStore(str(asyncio_store), read_only=True) as store:
+        (b,) = store.blockers(endpoint="POST /import-rows")
+    assert b["duration_ms"] >= 200
+    assert [f for f in b["stack"] if f["app"]][-1]["line"] == line_of(APP, "PLANTED-ROWS")
+    assert b["last_kind"] == "db" and "FROM items" in b["last_call"]
+    assert b["last_rows"] == 50_000
+    # One block is below the detector's min_count; with 1 it is reported, with the rows.
+    (f,) = [
+        f
+        for f in _findings(asyncio_store, event_loop_blocker__min_count=1)
+        if f.kind == "event_loop_blocker" and f.endpoint == "POST /import-rows"
+    ]
+    assert "50,000 rows" in f.title and f.evidence["last_rows"] == 50_000
 
 
 def test_hotspot_in_a_thread_pool_endpoint_is_named(asyncio_store: Path) -> None:
@@ -196,7 +219,7 @@ def test_profile_and_blockers_commands(asyncio_store: Path, tmp_path: Path) -> N
 
     b = cli(asyncio_store, "blockers", "--json")
     assert b.returncode == 0
-    assert {r["endpoint"] for r in json.loads(b.stdout)} == {"POST /parse"}
+    assert {r["endpoint"] for r in json.loads(b.stdout)} == {"POST /parse", "POST /import-rows"}
 
 
 def test_blockers_on_a_uvloop_loop(tmp_path: Path) -> None:
@@ -257,6 +280,24 @@ def test_evidence_off_records_requests_only(tmp_path: Path) -> None:
         assert store.query("SELECT count(*) AS n FROM requests")[0]["n"] >= 3
         for table in ("samples", "blockers", "gc_pauses"):
             assert store.query(f"SELECT count(*) AS n FROM {table}")[0]["n"] == 0
+
+
+def test_a_crashing_evidence_thread_costs_evidence_not_answers(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with launched(tmp_path, data, uvicorn("evidence_app:app"), service="crash", ready="/fast",
+                  PERFSLEUTH_FAULT="evidence_crash", **FAST_SAMPLING) as srv:  # fmt: skip
+        assert json.loads(srv.get("/hot")[1])["n"] > 0
+        assert json.loads(srv.request("POST", "/parse")[1])["rows"] > 0
+        assert json.loads(srv.get("/alloc")[1])["n"] == 400_000
+        assert srv.get("/fast")[0] == 200
+        answered = srv.answered
+        assert srv.stop() in (0, -15)
+    (status,) = [json.loads(p.read_text()) for p in (data / "agents").glob("*.json")]
+    assert status["internal_errors"] > 0
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+        assert store.query("SELECT count(*) AS n FROM requests") == [{"n": answered}]
+        assert store.query("SELECT count(*) AS n FROM samples") == [{"n": 0}]
 
 
 # ------------------------------------------------------------------ the store side, no server

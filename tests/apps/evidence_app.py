@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 from typing import Any
 
@@ -44,6 +45,22 @@ async def parse() -> dict[str, Any]:
     while time.perf_counter() - t0 < 0.3:
         rows += len(json.loads(PAYLOAD)["rows"])  # PLANTED-BLOCK
     return {"rows": rows}
+
+
+_db = sqlite3.connect(":memory:", check_same_thread=False)
+_db.execute("CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT)")
+_db.executemany("INSERT INTO items VALUES (?, ?)", ((i, f"item {i}") for i in range(50_000)))
+
+
+@app.post("/import-rows")
+async def import_rows() -> dict[str, Any]:
+    """Loads 50,000 rows, then turns them into objects on the loop for 300 ms."""
+    rows = _db.execute("SELECT id, name FROM items").fetchall()
+    t0 = time.perf_counter()
+    out: list[dict[str, Any]] = []
+    while time.perf_counter() - t0 < 0.3:
+        out = [{"id": i, "name": n.upper()} for i, n in rows]  # PLANTED-ROWS
+    return {"rows": len(out)}
 
 
 @app.get("/slow-wait")

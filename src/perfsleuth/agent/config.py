@@ -57,7 +57,8 @@ class Config:
     samples_per_request: int = 500
     loop_block_ms: float = 100.0
     gc_event_ms: float = 1.0
-    # Test-only fault injection: "writer_crash" makes the writer thread die on every batch.
+    # Test-only fault injection: "writer_crash" makes the writer thread die on every batch;
+    # "evidence_crash" makes every evidence tick and GC callback raise.
     fault: str = ""
 
     @property

@@ -35,7 +35,7 @@ def start(cfg: Config) -> None:
     if not cfg.evidence:
         return
     _cfg = cfg
-    gcwatch.install(cfg.gc_event_ms)
+    gcwatch.install(cfg.gc_event_ms, fault=cfg.fault == "evidence_crash")
     watchdog.enable()
     _start_thread()
 
@@ -77,6 +77,8 @@ def tick() -> bool:
     s, w = _sampler, _watchdog
     if s is None or w is None:
         return False
+    if _cfg is not None and _cfg.fault == "evidence_crash":
+        raise RuntimeError("injected evidence crash")
     with _lock:
         frames = w.tick()
         s.tick(frames)
