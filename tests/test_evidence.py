@@ -208,6 +208,16 @@ def test_profile_and_blockers_commands(asyncio_store: Path, tmp_path: Path) -> N
     text = cli(asyncio_store, "profile", "GET /hot")
     assert text.returncode == 0 and "Hotspot: crunch" in text.stdout
 
+    with DuckDBStore(str(asyncio_store), read_only=True) as store:
+        one = store.traces(endpoint="GET /hot", limit=1)[0]["trace_id"]
+    single = cli(asyncio_store, "profile", "--trace", one[:8], "--json")
+    assert single.returncode == 0, single.stderr
+    body1 = json.loads(single.stdout)
+    assert body1["endpoint"] == "GET /hot" and body1["requests"] == 1
+    assert 0 < body1["samples"] < body["samples"]
+    missing = cli(asyncio_store, "profile")
+    assert missing.returncode != 0 and "--trace" in missing.stderr
+
     none = cli(asyncio_store, "profile", "GET /fast")
     assert none.returncode == 0 and "No stack samples" in none.stdout
     bad = cli(asyncio_store, "profile", "GET /nope")
