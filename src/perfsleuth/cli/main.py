@@ -422,11 +422,15 @@ def demo(
         str, typer.Option("--data", metavar="DIR", help="Data directory for the demo.")
     ] = ".perfsleuth-demo",
     json: JsonOpt = False,
+    no_ui: Annotated[
+        bool, typer.Option("--no-ui", help="Do not serve the web UI at the end (for scripts).")
+    ] = False,
 ) -> None:
-    """Start two demo services under the agent, drive traffic, then show what was found."""
+    """Start two demo services under the agent, drive traffic, show what was found, then serve
+    the web UI on the demo's data (not with --no-ui or --json)."""
     from perfsleuth.cli.demo import run_demo
 
-    code = run_demo(data, seconds, as_json=json)
+    code = run_demo(data, seconds, as_json=json, ui=not (no_ui or json))
     if code:
         raise typer.Exit(code)
 
