@@ -49,6 +49,7 @@ let generation = 0;
 
 async function render(): Promise<void> {
   const { page, params } = parse();
+  const hash = location.hash;
   const since = params.get("since") || DEFAULT_SINCE;
   const refresh = params.get("refresh") ?? DEFAULT_REFRESH;
   const ctx: Ctx = {
@@ -95,10 +96,12 @@ async function render(): Promise<void> {
     if (mine !== generation) return; // a newer render took over
     app.replaceChildren(content);
     app.dataset.ready = page;
+    app.dataset.hash = hash; // what is shown (tests wait for it)
   } catch (e) {
     if (mine !== generation) return;
-    app.replaceChildren(h("div", { class: "page" }, errorBox(e)));
+    app.replaceChildren(h("div", { class: "page", "data-page": page }, errorBox(e)));
     app.dataset.ready = page;
+    app.dataset.hash = hash;
   }
   status();
   const secs = Number(refresh);

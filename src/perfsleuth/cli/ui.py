@@ -28,8 +28,8 @@ def port_free(host: str, port: int) -> bool:
 
 
 def free_port(host: str, preferred: int) -> int:
-    """``preferred`` if it is free, else one the OS picks."""
-    if port_free(host, preferred):
+    """``preferred`` if it is free (and not 0), else one the OS picks."""
+    if preferred > 0 and port_free(host, preferred):
         return preferred
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:

@@ -34,12 +34,18 @@ def data_span(store: Store) -> tuple[datetime | None, datetime | None]:
 
 
 def _bounds(store: Store, w: Window) -> tuple[datetime, datetime, int]:
+    """The charts' time axis: the window, but starting at its first request (a service that
+    started ten minutes ago gets ten minutes of fine buckets, not one point in an hour)."""
     first = last = None
     if w.since is None:
         first, last = data_span(store)
         if last is not None:
             last = last + timedelta(seconds=1)
     start, end = w.bounds(first, last)
+    if w.start is not None:
+        r = store.query("SELECT min(ts) AS a FROM requests WHERE ts >= ?", [w.start])[0]
+        if r["a"] is not None and r["a"] > start:
+            start = r["a"]
     return start, end, step_seconds(start, end)
 
 

@@ -41,7 +41,7 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
           ...(
             [
               ["count", fmtInt(s.count)],
-              ["rate/min", fmtNum(s.rate_per_min)],
+              ["rate/min", fmtNum(s.rate_per_min, s.rate_per_min < 1 ? 2 : 1)],
               ["p50 ms", fmtMs(s.p50_ms)],
               ["p95 ms", fmtMs(s.p95_ms)],
               ["p99 ms", fmtMs(s.p99_ms)],

@@ -64,7 +64,7 @@ export async function overviewPage(root: HTMLElement, ctx: Ctx): Promise<void> {
   const cols: Col<TopRow>[] = [
     { key: "endpoint", label: "endpoint", render: (r) => link(ctx.href("endpoint", { name: r.endpoint }), r.endpoint, { class: "endpoint-link" }) },
     { key: "count", label: "count", num: true, render: (r) => fmtInt(r.count) },
-    { key: "rate_per_min", label: "rate/min", num: true, render: (r) => fmtNum(r.rate_per_min) },
+    { key: "rate_per_min", label: "rate/min", num: true, render: (r) => fmtNum(r.rate_per_min, r.rate_per_min < 1 ? 2 : 1) },
     { key: "p50_ms", label: "p50 ms", num: true, render: (r) => fmtMs(r.p50_ms) },
     { key: "p95_ms", label: "p95 ms", num: true, render: (r) => fmtMs(r.p95_ms) },
     { key: "p99_ms", label: "p99 ms", num: true, render: (r) => fmtMs(r.p99_ms) },
