@@ -147,6 +147,10 @@ class SegmentWriter:
         self.requests.append(body)
         return body
 
+    def event(self, rtype: bytes, body: Any) -> None:
+        """Append one runtime-evidence record (samples, blocker, GC, capture) as given."""
+        self.write(encode_record(rtype, body))
+
     def stats(self, counters: dict[str, int]) -> None:
         self.write(encode_record(STATS, dict(counters, ts=time.time_ns())))
 

@@ -27,6 +27,7 @@ _start = [0]
 _min_ns = 1_000_000
 _pending: deque[tuple[int, int, int, int, list[str]]] = deque()
 _installed = False
+_fault = False  # test-only: the callback raises (PERFSLEUTH_FAULT=evidence_crash)
 
 
 def _callback(phase: str, info: dict[str, Any]) -> None:
@@ -34,6 +35,8 @@ def _callback(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             _start[0] = _perf()
             return
+        if _fault:
+            raise RuntimeError("injected GC callback crash")
         dur = _perf() - _start[0]
         recorder.stats["gc_collections"] += 1
         reqs = list(recorder.inflight.values())
@@ -51,9 +54,10 @@ def _callback(phase: str, info: dict[str, Any]) -> None:
         recorder.internal_error()
 
 
-def install(min_ms: float) -> None:
-    global _installed, _min_ns
+def install(min_ms: float, *, fault: bool = False) -> None:
+    global _fault, _installed, _min_ns
     _min_ns = int(min_ms * 1e6)
+    _fault = fault
     if not _installed:
         gc.callbacks.append(_callback)
         _installed = True

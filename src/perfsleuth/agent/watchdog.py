@@ -143,6 +143,9 @@ class Watchdog:
                 self._observe(e, b, frames)
         return frames
 
+    def blocked(self) -> bool:
+        return any(e.block is not None for e in list(_loops.values()))
+
     def _observe(self, e: _Loop, b: _Block, frames: dict[int, FrameType]) -> None:
         frame = frames.get(e.thread)
         if frame is not None:

@@ -56,7 +56,12 @@ def _write(path: str, text: str) -> None:
 @app.command()
 @handle_errors
 def profile(
-    endpoint: Annotated[str, typer.Argument(help='The endpoint, e.g. "GET /search".')],
+    endpoint: Annotated[
+        str | None, typer.Argument(help='The endpoint, e.g. "GET /search".')
+    ] = None,
+    trace_id: Annotated[
+        str | None, typer.Option("--trace", metavar="ID", help="Only this trace (or prefix).")
+    ] = None,
     data: DataOpt = DEFAULT_DATA,
     since: SinceOpt = None,
     state: Annotated[
@@ -85,11 +90,19 @@ def profile(
     positive(limit, "--limit")
     if state is not None and state not in ("cpu", "wait"):
         raise CLIError(f"invalid --state {state!r}: use cpu or wait")
+    if endpoint is None and trace_id is None:
+        raise CLIError('give an endpoint (e.g. "GET /search") or --trace ID')
     window = parse_since(since)
     with store_for_reading(data, ingest=not no_ingest) as store:
         ensure_not_empty(store, data)
+        full_id = None
+        if trace_id is not None:
+            tr = store.trace(trace_id)  # StoreError (unknown, ambiguous) -> one sentence
+            full_id = tr["trace_id"]
+            endpoint = endpoint or tr["endpoint"]
+        assert endpoint is not None
         _check_endpoint(store, endpoint, data)
-        p = prof.load(store, endpoint, since=window, state=state)
+        p = prof.load(store, endpoint, since=window, state=state, trace_id=full_id)
     if svg:
         _write(svg, p.svg())
     if speedscope:

@@ -73,6 +73,10 @@ class DuckDBStore:
         self._con = self._connect(read_only)
         if not read_only:
             self._create_schema()
+        else:
+            # A store written by an older version lacks newer tables (or has views naming
+            # day tables it never made): readers get views over what is there, in memory.
+            self._create_views(self._days(), temp=True)
 
     # ----------------------------------------------------------------------- connection
 
@@ -158,12 +162,14 @@ class DuckDBStore:
         """Days for which the event tables exist (requests is the reference)."""
         return sorted(self._day_tables()["requests"])
 
-    def _create_views(self, days: list[date]) -> None:
+    def _create_views(self, days: list[date], *, temp: bool = False) -> None:
         # A store written by an older version, opened read-only, may lack a newer table on
         # some days: each view covers the days its table exists.
         have = self._day_tables()
         for t in schema.EVENT_TABLES:
-            self._con.execute(schema.duckdb_view(t, [d for d in days if d in have[t.name]]))
+            self._con.execute(
+                schema.duckdb_view(t, [d for d in days if d in have[t.name]], temp=temp)
+            )
 
     # ---------------------------------------------------------------------------- ingest
 

@@ -233,13 +233,14 @@ def duckdb_union(table: Table, days: list[date]) -> str:
     column still line up), or the typed empty SELECT."""
     if not days:
         return duckdb_empty(table)
-    return " UNION ALL BY NAME ".join(
-        f"SELECT * FROM {quote(day_table(table, d))}" for d in sorted(days)
-    )
+    # The typed empty SELECT last: a day written before a column existed gets it as NULL.
+    selects = [f"SELECT * FROM {quote(day_table(table, d))}" for d in sorted(days)]
+    return " UNION ALL BY NAME ".join([*selects, duckdb_empty(table)])
 
 
-def duckdb_view(table: Table, days: list[date]) -> str:
-    return f"CREATE OR REPLACE VIEW {quote(table.name)} AS {duckdb_union(table, days)}"
+def duckdb_view(table: Table, days: list[date], *, temp: bool = False) -> str:
+    kind = "TEMP VIEW" if temp else "VIEW"
+    return f"CREATE OR REPLACE {kind} {quote(table.name)} AS {duckdb_union(table, days)}"
 
 
 # ------------------------------------------------------------------------------ ClickHouse

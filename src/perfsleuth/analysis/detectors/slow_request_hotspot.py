@@ -5,9 +5,10 @@ Each sample is attributed to its innermost application frame (the app's own line
 whatever library code was running); the finding is the line holding the largest share of the
 endpoint's samples, when that share is high enough to be "the" hotspot.
 
-Time the call-based detectors already explain is left out: samples taken inside a recorded
-DB / HTTP / cache call (state ``call``), and samples at a recorded call site of the endpoint
-(within a few lines: a statement spans lines, and fetching its rows happens right after it).
+Time other detectors already explain is left out: samples taken inside a recorded DB / HTTP /
+cache call (state ``call``), samples at a recorded call site of the endpoint (within a few
+lines: a statement spans lines, and fetching its rows happens right after it), and samples at
+a line that blocked the endpoint's event loop (event_loop_blocker).
 """
 
 from __future__ import annotations
@@ -129,8 +130,16 @@ def detect(ctx: Context) -> list[Finding]:
 SITE_LINES = 3  # a call site "covers" this many lines after it (multi-line statement, fetch)
 
 
+_BLOCKER_STACKS = """
+SELECT DISTINCT coalesce(nullif(b.endpoint, ''), r.endpoint) AS endpoint, b.stack_id
+FROM blockers b LEFT JOIN requests r USING (trace_id)
+WHERE b.stack_id IS NOT NULL AND (? IS NULL OR b.ts >= ?)
+"""
+
+
 def _call_sites(ctx: Context) -> dict[str, set[tuple[str | None, str | None, int]]]:
-    """endpoint -> (file, function, line) of its recorded call sites."""
+    """endpoint -> (file, function, line) of what other detectors explain: its recorded call
+    sites, and the lines that blocked its event loop (event_loop_blocker reports those)."""
     rows = ctx.query("SELECT DISTINCT endpoint, site_id FROM c WHERE site_id IS NOT NULL")
     locs = frames.locations(ctx.store, (r["site_id"] for r in rows))
     out: dict[str, set[tuple[str | None, str | None, int]]] = {}
@@ -138,6 +147,12 @@ def _call_sites(ctx: Context) -> dict[str, set[tuple[str | None, str | None, int
         f = locs.get(r["site_id"])
         if f is not None and f.line is not None:
             out.setdefault(r["endpoint"], set()).add((f.file, f.function, f.line))
+    blocked = ctx.store.query(_BLOCKER_STACKS, [ctx.cutoff, ctx.cutoff])
+    stacks = frames.stacks(ctx.store, (r["stack_id"] for r in blocked))
+    for r in blocked:
+        app = [f for f in stacks.get(r["stack_id"], []) if f.app]
+        if app and app[-1].line is not None and r["endpoint"]:
+            out.setdefault(r["endpoint"], set()).add((app[-1].file, app[-1].function, app[-1].line))
     return out
 
 
