@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 need_apt=()
 command -v memcached >/dev/null 2>&1 || need_apt+=(memcached)
+# The web UI is built with Node.js (v18+) and tested in Debian's Chromium (no browser download).
+command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
+command -v npm >/dev/null 2>&1 || need_apt+=(npm)
+[ -x /usr/bin/chromium ] || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]} with apt"
   export DEBIAN_FRONTEND=noninteractive
@@ -51,5 +55,19 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[dev]'
   touch "$stamp"
+fi
+# The web UI: npm ci and a build into the package (src/perfsleuth/server/static), only when the
+# web sources changed since the last build (a hash of them in the stamp file).
+static=src/perfsleuth/server/static
+web_hash=$(cd web && find package.json package-lock.json index.html vite.config.ts tsconfig.json src \
+  -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+web_stamp=.perfsleuth-web-stamp
+if [ ! -f "$static/index.html" ] || [ "$(cat "$web_stamp" 2>/dev/null)" != "$web_hash" ]; then
+  echo "setup: building the web UI (npm ci, npm run build)"
+  if [ ! -d web/node_modules ] || [ web/package-lock.json -nt web/node_modules/.package-lock.json ]; then
+    (cd web && npm ci --no-audit --no-fund --loglevel=error)
+  fi
+  (cd web && npm run --silent build >/dev/null)
+  echo "$web_hash" > "$web_stamp"
 fi
 echo "setup: ready"

@@ -65,3 +65,20 @@ def in_request(agent_data_dir: str) -> Callable[..., Any]:
             recorder.end(req)
 
     return block
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A data directory filled by the real demo (its apps under the agent, ~6 s of traffic),
+    for the UI's API and browser tests."""
+    import subprocess
+
+    data = str(tmp_path_factory.mktemp("ui-demo") / "data")
+    r = subprocess.run(
+        [sys.executable, "-m", "perfsleuth", "demo", "--seconds", "6", "--data", data, "--no-ui"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return data

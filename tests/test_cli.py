@@ -565,7 +565,7 @@ def test_demo_smoke(tmp_path: Path) -> None:
     from perfsleuth.demo import ENDPOINTS  # the endpoints the demo services serve
 
     data = str(tmp_path / "demo")
-    r = py_m("demo", "--seconds", "5", "--data", data, timeout=240)
+    r = py_m("demo", "--seconds", "5", "--data", data, "--no-ui", timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     assert "What to look at next" in r.stdout

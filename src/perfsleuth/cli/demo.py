@@ -77,7 +77,7 @@ def _drive(
         return traffic.drive(servers.shop_url, servers.legacy_url, seconds, **kwargs)
 
 
-def run_demo(data: str, seconds: float, *, as_json: bool) -> int:
+def run_demo(data: str, seconds: float, *, as_json: bool, ui: bool = False) -> int:
     try:
         from perfsleuth.demo import servers as demo_servers
         from perfsleuth.demo import traffic
@@ -178,6 +178,12 @@ def run_demo(data: str, seconds: float, *, as_json: bool) -> int:
     for s in steps:
         out.print(Text(f"  {s['why']}"))
         out.print(Text(f"    {s['command']}", style="bold green"))
+    if ui:
+        from perfsleuth.cli.ui import DEFAULT_PORT, free_port, start_ui
+
+        out.print()
+        out.print(Text("The same, and more, in the browser:", style="bold underline"))
+        start_ui(data, "127.0.0.1", free_port("127.0.0.1", DEFAULT_PORT), None)
     return 0
 
 

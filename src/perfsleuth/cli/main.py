@@ -422,11 +422,15 @@ def demo(
         str, typer.Option("--data", metavar="DIR", help="Data directory for the demo.")
     ] = ".perfsleuth-demo",
     json: JsonOpt = False,
+    no_ui: Annotated[
+        bool, typer.Option("--no-ui", help="Do not serve the web UI at the end (for scripts).")
+    ] = False,
 ) -> None:
-    """Start two demo services under the agent, drive traffic, then show what was found."""
+    """Start two demo services under the agent, drive traffic, show what was found, then serve
+    the web UI on the demo's data (not with --no-ui or --json)."""
     from perfsleuth.cli.demo import run_demo
 
-    code = run_demo(data, seconds, as_json=json)
+    code = run_demo(data, seconds, as_json=json, ui=not (no_ui or json))
     if code:
         raise typer.Exit(code)
 
@@ -437,3 +441,4 @@ def main() -> None:
 
 from perfsleuth.cli import analysis as _analysis  # noqa: E402, F401  (findings, explain, calltree)
 from perfsleuth.cli import evidence as _evidence  # noqa: E402, F401  (profile, blockers)
+from perfsleuth.cli import ui as _ui  # noqa: E402, F401  (ui)

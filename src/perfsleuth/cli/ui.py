@@ -1,0 +1,81 @@
+"""``perfsleuth ui``: serve the web UI and its API on a data directory, ingesting the spool
+continuously. Registered on the shared Typer ``app`` (imported at the bottom of
+:mod:`perfsleuth.cli.main`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Annotated
+
+import typer
+
+from perfsleuth.cli.common import DEFAULT_DATA, EXIT_STATE, CLIError, DataOpt, handle_errors
+from perfsleuth.cli.main import app
+
+DEFAULT_PORT = 8321
+
+
+def port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str, preferred: int) -> int:
+    """``preferred`` if it is free (and not 0), else one the OS picks."""
+    if preferred > 0 and port_free(host, preferred):
+        return preferred
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def start_ui(data: str, host: str, port: int, token: str | None) -> None:
+    """Check the settings, print the URL once listening, serve until Ctrl-C."""
+    from perfsleuth.server import LOOPBACK, serve, url_for
+
+    if host not in LOOPBACK and not token:
+        raise CLIError(
+            f"binding to {host} makes the UI reachable from other machines: give a token "
+            "with --token or PERFSLEUTH_TOKEN (every API call must then carry it)"
+        )
+    if not port_free(host, port):
+        raise CLIError(f"port {port} on {host} is in use; choose another with --port", EXIT_STATE)
+
+    def ready(p: int) -> None:
+        typer.echo(f"perfsleuth UI: {url_for(host, p, token)}  (data: {os.path.abspath(data)})")
+        typer.echo("Ctrl-C stops it.")
+
+    try:
+        serve(data, host=host, port=port, token=token, on_ready=ready)
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+@handle_errors
+def ui(
+    data: DataOpt = DEFAULT_DATA,
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind (other than loopback needs a token).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = DEFAULT_PORT,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            envvar="PERFSLEUTH_TOKEN",
+            show_envvar=True,
+            help="Require this token on every API call (Bearer header or ?token=).",
+        ),
+    ] = None,
+) -> None:
+    """Serve the web UI and its JSON API (/api/), ingesting the spool as it grows."""
+    start_ui(data, host, port, token or None)

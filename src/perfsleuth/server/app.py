@@ -1,0 +1,411 @@
+"""The web UI's server: a JSON API under /api/ (OpenAPI at /api/openapi.json) and the built UI
+(static files from ``perfsleuth/server/static``, made by ``scripts/setup.sh``).
+
+DuckDB allows one writing process per database, and a connection is not meant for concurrent
+use, so the server holds one store, guarded by a lock: API calls and the background ingest
+(every ``ingest_every`` seconds) take turns.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import date, datetime
+from decimal import Decimal
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from perfsleuth.server import queries
+from perfsleuth.server.window import BadRange, Window, window
+from perfsleuth.store.base import Store, StoreError, open_store
+
+log = logging.getLogger("perfsleuth.server")
+
+STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
+SQL_MAX_ROWS = 10_000
+SQL_TIME_LIMIT_S = 10.0
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Backend:
+    """The one store of the server process, its lock, and the background ingest."""
+
+    def __init__(self, data_dir: str, ingest_every: float = 3.0) -> None:
+        self.data_dir = os.path.abspath(data_dir)
+        self.store: Store = open_store(self.data_dir)
+        # The SQL console must not read or write files of the machine (read_csv, COPY, ...):
+        # nothing else of the server needs external access, and it cannot be switched back on.
+        con = getattr(self.store, "_con", None)
+        if con is not None:
+            con.execute("SET enable_external_access = false")
+        self.lock = threading.Lock()
+        self.ingest_every = ingest_every
+        self.last_ingest: dict[str, Any] = {"at": None, "requests": 0, "error": None}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def use(self) -> Iterator[Store]:
+        with self.lock:
+            yield self.store
+
+    def ingest_once(self) -> None:
+        try:
+            with self.lock:
+                report = self.store.ingest()
+            self.last_ingest = {
+                "at": time.time(),
+                "requests": report.requests,
+                "error": None,
+            }
+        except Exception as e:  # keep serving what is there; say why ingest failed
+            log.warning("ingest failed: %s", e)
+            self.last_ingest = {"at": time.time(), "requests": 0, "error": str(e)}
+
+    def start(self) -> None:
+        if self.ingest_every <= 0 or self._thread is not None:
+            return
+        self.ingest_once()
+
+        def loop() -> None:
+            while not self._stop.wait(self.ingest_every):
+                self.ingest_once()
+
+        self._thread = threading.Thread(target=loop, name="perfsleuth-ingest", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        with self.lock:
+            self.store.close()
+
+    def interrupt(self) -> None:
+        """Stop the statement running on the store's connection (the SQL time limit)."""
+        con = getattr(self.store, "_con", None)
+        if con is not None:
+            con.interrupt()
+
+
+def _json_value(v: Any) -> Any:
+    if v is None or isinstance(v, str | int | bool):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, datetime | date):
+        return v.isoformat()
+    if isinstance(v, Decimal):
+        return float(v)
+    if isinstance(v, bytes | bytearray | memoryview):
+        return bytes(v).hex()
+    if isinstance(v, list | tuple):
+        return [_json_value(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _json_value(x) for k, x in v.items()}
+    return str(v)
+
+
+def _ok(body: Any) -> Response:
+    return Response(
+        json.dumps(_json_value(body), ensure_ascii=False, allow_nan=False),
+        media_type="application/json",
+    )
+
+
+def _err(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message, "status": status}, status_code=status)
+
+
+def _window(since: str | None) -> Window:
+    try:
+        return window(since)
+    except BadRange as e:
+        raise ApiError(400, str(e)) from e
+
+
+SinceQ = Annotated[
+    str | None,
+    Query(description="Window looking back from now: 15m, 1h, 24h, 7d, or all (default 1h)."),
+]
+
+
+def create_app(
+    data_dir: str,
+    *,
+    token: str | None = None,
+    ingest_every: float = 3.0,
+    sql_time_limit: float = SQL_TIME_LIMIT_S,
+    backend: Backend | None = None,
+) -> FastAPI:
+    """The ASGI app. ``token``: when set, every /api/ call must carry it (``Authorization:
+    Bearer TOKEN`` or ``?token=TOKEN``). Ingest starts with the app and stops with it."""
+    be = backend or Backend(data_dir, ingest_every)
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> Any:
+        be.start()
+        try:
+            yield
+        finally:
+            be.close()
+
+    app = FastAPI(
+        title="perfsleuth",
+        description="The perfsleuth web UI's API: endpoints, traces, findings, read-only SQL.",
+        openapi_url="/api/openapi.json",
+        docs_url="/api/docs",
+        redoc_url=None,
+        lifespan=lifespan,
+    )
+    app.state.backend = be
+
+    @app.middleware("http")
+    async def check_token(request: Request, call_next: Any) -> Any:
+        if token and request.url.path.startswith("/api"):
+            auth = request.headers.get("authorization", "")
+            given = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+            if given is None:
+                given = request.query_params.get("token")
+            if not given:
+                return _err(
+                    401,
+                    "this server needs a token: send 'Authorization: Bearer TOKEN' "
+                    "or add ?token=TOKEN to the URL",
+                )
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return _err(403, "wrong token")
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return _err(e.status, e.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, e: RequestValidationError) -> JSONResponse:
+        parts = []
+        for d in e.errors():
+            where = ".".join(str(x) for x in d.get("loc", ()) if x not in ("query", "body"))
+            parts.append(f"{where}: {d.get('msg')}" if where else str(d.get("msg")))
+        return _err(400, "bad request: " + "; ".join(parts))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        msg = e.detail if isinstance(e.detail, str) else "error"
+        if e.status_code == 404:
+            msg = "no such API path; see /api/openapi.json"
+        return _err(e.status_code, msg)
+
+    def run(fn: Any, *args: Any, **kwargs: Any) -> Response:
+        try:
+            with be.use() as store:
+                return _ok(fn(store, *args, **kwargs))
+        except queries.NotFound as e:
+            raise ApiError(404, str(e)) from e
+        except StoreError as e:
+            raise ApiError(400, str(e).splitlines()[0]) from e
+
+    @app.get("/api/status", summary="Server and data status")
+    def status() -> Response:
+        def body(store: Store) -> dict[str, Any]:
+            first, last = queries.data_span(store)
+            return {
+                "data": be.data_dir,
+                "first": first,
+                "last": last,
+                "endpoints": len(store.endpoints()),
+                "ingest": be.last_ingest,
+                "ingest_every_s": be.ingest_every,
+                "drops": store.agent_drops(),
+            }
+
+        return run(body)
+
+    @app.get("/api/overview", summary="Endpoint table, P95 per endpoint, slow counts, throughput")
+    def overview(since: SinceQ = "1h") -> Response:
+        return run(queries.overview, _window(since))
+
+    @app.get("/api/endpoints", summary="The endpoint table (store.top) with time share")
+    def endpoints(since: SinceQ = "1h") -> Response:
+        return run(queries.endpoint_table, _window(since))
+
+    @app.get("/api/endpoint", summary="One endpoint: percentiles, histogram, calls, traces")
+    def endpoint(
+        name: Annotated[str, Query(description='The endpoint, e.g. "GET /orders/{id}".')],
+        since: SinceQ = "1h",
+    ) -> Response:
+        return run(queries.endpoint_detail, _window(since), name)
+
+    @app.get("/api/calltree", summary="The call-site trie of an endpoint's calls of one kind")
+    def calltree_(
+        endpoint: Annotated[str, Query(description="The endpoint.")],
+        kind: Annotated[str, Query(pattern="^(db|http|cache)$")] = "db",
+        since: SinceQ = "1h",
+        min_share: Annotated[float, Query(ge=0, le=1)] = 0.01,
+    ) -> Response:
+        from perfsleuth.analysis import calltree
+
+        w = _window(since)
+
+        def body(store: Store) -> dict[str, Any]:
+            queries.check_endpoint(store, endpoint)
+            tree = calltree.build(store, endpoint, kind=kind, since=w.since, min_share=min_share)
+            return tree.to_dict()
+
+        return run(body)
+
+    @app.get("/api/profile", summary="Stack samples of an endpoint's slow requests, merged")
+    def profile_(
+        endpoint: Annotated[str, Query(description="The endpoint.")],
+        since: SinceQ = "1h",
+    ) -> Response:
+        from perfsleuth.analysis import profile
+
+        w = _window(since)
+
+        def body(store: Store) -> dict[str, Any]:
+            queries.check_endpoint(store, endpoint)
+            p = profile.load(store, endpoint, since=w.since)
+            return {
+                "endpoint": endpoint,
+                "requests": p.requests,
+                "samples": p.samples,
+                "states": p.states,
+                "top": p.top(15),
+                "tree": p.tree(),
+            }
+
+        return run(body)
+
+    @app.get("/api/traces", summary="Requests, newest first or the slowest N")
+    def traces(
+        endpoint: str | None = None,
+        since: SinceQ = "1h",
+        slowest: Annotated[int | None, Query(ge=1, le=1000)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    ) -> Response:
+        w = _window(since)
+
+        def body(store: Store) -> list[dict[str, Any]]:
+            if endpoint is not None:
+                queries.check_endpoint(store, endpoint)
+            return store.traces(endpoint=endpoint, since=w.since, slowest=slowest, limit=limit)
+
+        return run(body)
+
+    @app.get("/api/traces/{trace_id}", summary="One request: calls, attributes, samples")
+    def trace(trace_id: str) -> Response:
+        def body(store: Store) -> dict[str, Any]:
+            try:
+                t = store.trace(trace_id)
+            except StoreError as e:
+                raise queries.NotFound(str(e)) from e
+            tid = t["trace_id"]
+            t["stack_samples"] = store.samples(tid) if t.get("samples") else []
+            t["blocker_events"] = store.blockers(trace_id=tid) if t.get("blockers") else []
+            return t
+
+        return run(body)
+
+    @app.get("/api/findings", summary="Findings, highest impact first")
+    def findings(endpoint: str | None = None, since: SinceQ = "1h") -> Response:
+        from perfsleuth.analysis import find
+
+        w = _window(since)
+
+        def body(store: Store) -> list[dict[str, Any]]:
+            if endpoint is not None:
+                queries.check_endpoint(store, endpoint)
+            return [f.to_dict() for f in find(store, since=w.since, endpoint=endpoint)]
+
+        return run(body)
+
+    @app.get("/api/findings/{finding_id}", summary="One finding with its evidence")
+    def finding(finding_id: str, since: SinceQ = "1h") -> Response:
+        from perfsleuth.analysis import find, loops
+
+        w = _window(since)
+
+        def body(store: Store) -> dict[str, Any]:
+            want = finding_id.strip().lower()
+            matches = [f for f in find(store, since=w.since) if want and f.id.startswith(want)]
+            if not matches:
+                raise queries.NotFound(f"no finding with id {finding_id!r} in this window")
+            if len(matches) > 1:
+                raise ApiError(400, f"finding id prefix {finding_id!r} is ambiguous")
+            f = matches[0]
+            site = f.callsite or {}
+            code = loops.source_line(site.get("file"), site.get("line")) if site else None
+            return {**f.to_dict(), "source_line": code}
+
+        return run(body)
+
+    @app.post("/api/sql", summary="One read-only SQL statement, with a row cap and a time limit")
+    def sql(
+        query: Annotated[str, Body(embed=True, description="SELECT or EXPLAIN of one.")],
+        limit: Annotated[int, Body(embed=True, ge=1, le=SQL_MAX_ROWS)] = 1000,
+    ) -> Response:
+        if not query.strip():
+            raise ApiError(400, "the query is empty")
+        with be.use() as store:
+            timer = threading.Timer(sql_time_limit, be.interrupt)
+            t0 = time.perf_counter()
+            timer.start()
+            try:
+                cols, rows = store.sql(query, limit=limit + 1)
+            except StoreError as e:
+                msg = str(e)
+                if "interrupt" in msg.lower() and time.perf_counter() - t0 >= sql_time_limit:
+                    msg = f"the query was stopped: it ran longer than {sql_time_limit:g} s"
+                raise ApiError(400, msg.strip().splitlines()[0] if msg.strip() else msg) from e
+            finally:
+                timer.cancel()
+            elapsed = (time.perf_counter() - t0) * 1000
+        return _ok(
+            {
+                "columns": cols,
+                "rows": [list(r) for r in rows[:limit]],
+                "truncated": len(rows) > limit,
+                "limit": limit,
+                "elapsed_ms": elapsed,
+            }
+        )
+
+    @app.api_route("/api/{rest:path}", methods=["GET", "POST"], include_in_schema=False)
+    def unknown(rest: str) -> Response:
+        raise ApiError(404, f"no such API path /api/{rest}; see /api/openapi.json")
+
+    if os.path.isfile(os.path.join(STATIC_DIR, "index.html")):
+        app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="ui")
+    else:
+
+        @app.get("/", include_in_schema=False)
+        def not_built() -> HTMLResponse:
+            return HTMLResponse(
+                "<h1>perfsleuth</h1><p>The web UI is not built: run <code>bash scripts/"
+                "setup.sh</code> (it runs <code>npm ci &amp;&amp; npm run build</code> in "
+                "<code>web/</code>). The API is at <a href='/api/docs'>/api/docs</a>.</p>"
+            )
+
+    return app

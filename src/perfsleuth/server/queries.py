@@ -1,0 +1,243 @@
+"""What the API pages show, computed from the store (store.top / traces / trace and SQL over
+the logical views). Every function takes the store and a :class:`Window`; none holds state.
+
+Chart series are column arrays for uPlot: ``x`` (bucket starts, unix seconds) and one array
+per series with None where a bucket has no data.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from datetime import datetime, timedelta
+from typing import Any
+
+from perfsleuth.server.window import WEEK, Window, step_seconds
+from perfsleuth.store.base import Store
+
+TOP_SERIES = 8  # endpoints drawn in the P95-over-time chart
+SLOW_MS = (1000, 2000, 5000)  # the "over 1 s / 2 s / 5 s" counts
+HIST_PER_DECADE = 10  # latency histogram: log-spaced bins
+
+
+class NotFound(LookupError):
+    """An unknown endpoint, trace or finding; the message is one sentence."""
+
+
+def _epoch(ts: datetime) -> int:
+    return int((ts - datetime(1970, 1, 1)).total_seconds())
+
+
+def data_span(store: Store) -> tuple[datetime | None, datetime | None]:
+    r = store.query("SELECT min(ts) AS a, max(ts) AS b FROM requests")[0]
+    return r["a"], r["b"]
+
+
+def _bounds(store: Store, w: Window) -> tuple[datetime, datetime, int]:
+    """The charts' time axis: the window, but starting at its first request (a service that
+    started ten minutes ago gets ten minutes of fine buckets, not one point in an hour)."""
+    first = last = None
+    if w.since is None:
+        first, last = data_span(store)
+        if last is not None:
+            last = last + timedelta(seconds=1)
+    start, end = w.bounds(first, last)
+    if w.start is not None:
+        r = store.query("SELECT min(ts) AS a FROM requests WHERE ts >= ?", [w.start])[0]
+        if r["a"] is not None and r["a"] > start:
+            start = r["a"]
+    return start, end, step_seconds(start, end)
+
+
+def _axis(start: datetime, end: datetime, step: int) -> list[int]:
+    a = _epoch(start) // step * step
+    b = _epoch(end)
+    return list(range(a, b + 1, step))
+
+
+def _bucket(step: int, shift_s: int = 0) -> str:
+    """SQL for the bucket start (unix seconds) of ``ts``, optionally shifted forward."""
+    return f"(epoch_us(ts) // {step * 1_000_000}) * {step} + {shift_s}"
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def check_endpoint(store: Store, endpoint: str) -> None:
+    known = store.endpoints()
+    if endpoint in known:
+        return
+    if not known:
+        raise NotFound(f"unknown endpoint {endpoint!r}: no requests have been ingested yet")
+    close = difflib.get_close_matches(endpoint, known, n=3, cutoff=0.4)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise NotFound(f"unknown endpoint {endpoint!r}{hint}")
+
+
+# ---------------------------------------------------------------------------------- overview
+
+
+def endpoint_table(store: Store, w: Window) -> list[dict[str, Any]]:
+    """store.top per endpoint, with each endpoint's share of all request time."""
+    rows = store.top(since=w.since)
+    total = sum(float(r["total_ms"] or 0) for r in rows) or 1.0
+    for r in rows:
+        r["time_share"] = float(r["total_ms"] or 0) / total
+    return rows
+
+
+def overview(store: Store, w: Window) -> dict[str, Any]:
+    rows = endpoint_table(store, w)
+    start, end, step = _bounds(store, w)
+    x = _axis(start, end, step)
+    index = {t: i for i, t in enumerate(x)}
+    top = [r["endpoint"] for r in rows[:TOP_SERIES]]
+
+    p95: dict[str, list[float | None]] = {e: [None] * len(x) for e in top}
+    if top:
+        for r in store.query(
+            f"""SELECT {_bucket(step)} AS b, endpoint,
+                quantile_cont(duration_ms, 0.95) AS p95
+            FROM requests WHERE ts >= ? AND ts < ? AND list_contains(?, endpoint)
+            GROUP BY ALL""",
+            [start, end, top],
+        ):
+            i = index.get(r["b"])
+            if i is not None:
+                p95[r["endpoint"]][i] = _clean(r["p95"])
+
+    def counts(shift: timedelta) -> dict[str, list[int]]:
+        out = {k: [0] * len(x) for k in ("requests", "errors", *(f"over_{t}" for t in SLOW_MS))}
+        slow = ", ".join(f"count(*) FILTER (WHERE duration_ms > {t}) AS over_{t}" for t in SLOW_MS)
+        for r in store.query(
+            f"""SELECT {_bucket(step, int(shift.total_seconds()))} AS b, count(*) AS requests,
+                count(*) FILTER (WHERE status >= 500 OR error IS NOT NULL) AS errors, {slow}
+            FROM requests WHERE ts >= ? AND ts < ? GROUP BY 1""",
+            [start - shift, end - shift],
+        ):
+            i = index.get(r["b"])
+            if i is not None:
+                for k in out:
+                    out[k][i] = int(r[k] or 0)
+        return out
+
+    now = counts(timedelta(0))
+    before = counts(WEEK)
+    slow_totals = [
+        {
+            "threshold_ms": t,
+            "now": sum(now[f"over_{t}"]),
+            "week_ago": sum(before[f"over_{t}"]),
+        }
+        for t in SLOW_MS
+    ]
+    return {
+        "window": {"since": w.label, "start": _epoch(start), "end": _epoch(end), "step": step},
+        "totals": {
+            "requests": sum(int(r["count"]) for r in rows),
+            "endpoints": len(rows),
+            "errors": sum(now["errors"]),
+        },
+        "endpoints": rows,
+        "p95": {"x": x, "series": [{"endpoint": e, "values": p95[e]} for e in top]},
+        "throughput": {"x": x, "requests": now["requests"], "errors": now["errors"]},
+        "slow": {
+            "x": x,
+            "thresholds": list(SLOW_MS),
+            "now": {str(t): now[f"over_{t}"] for t in SLOW_MS},
+            "week_ago": {str(t): before[f"over_{t}"] for t in SLOW_MS},
+            "totals": slow_totals,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------- endpoint
+
+
+def _where(w: Window, endpoint: str, alias: str = "") -> tuple[str, list[Any]]:
+    p = f"{alias}." if alias else ""
+    if w.start is None:
+        return f"{p}endpoint = ?", [endpoint]
+    return f"{p}endpoint = ? AND {p}ts >= ?", [endpoint, w.start]
+
+
+def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
+    check_endpoint(store, endpoint)
+    summary = next((r for r in endpoint_table(store, w) if r["endpoint"] == endpoint), None)
+    start, end, step = _bounds(store, w)
+    x = _axis(start, end, step)
+    index = {t: i for i, t in enumerate(x)}
+    series: dict[str, list[Any]] = {k: [None] * len(x) for k in ("p50", "p95", "p99", "count")}
+    for r in store.query(
+        f"""SELECT {_bucket(step)} AS b, count(*) AS count,
+            quantile_cont(duration_ms, [0.5, 0.95, 0.99]) AS q
+        FROM requests WHERE endpoint = ? AND ts >= ? AND ts < ? GROUP BY 1""",
+        [endpoint, start, end],
+    ):
+        i = index.get(r["b"])
+        if i is None:
+            continue
+        q = r["q"] or [None, None, None]
+        series["p50"][i], series["p95"][i], series["p99"][i] = (_clean(v) for v in q)
+        series["count"][i] = int(r["count"])
+
+    where, params = _where(w, endpoint)
+    hist = [
+        {
+            "lo_ms": 10 ** (r["k"] / HIST_PER_DECADE),
+            "hi_ms": 10 ** ((r["k"] + 1) / HIST_PER_DECADE),
+            "count": int(r["n"]),
+        }
+        for r in store.query(
+            f"""SELECT floor(log10(greatest(duration_ms, 0.001)) * {HIST_PER_DECADE})::INT AS k,
+                count(*) AS n
+            FROM requests WHERE {where} AND duration_ms IS NOT NULL GROUP BY 1 ORDER BY 1""",
+            params,
+        )
+    ]
+    requests = int(summary["count"]) if summary else 0
+    fps = store.query(
+        f"""SELECT c.fingerprint_id, any_value(c.kind) AS kind, any_value(f.text) AS statement,
+            count(*) AS calls, count(DISTINCT c.trace_id) AS requests,
+            sum(c.duration_ms) AS total_ms, quantile_cont(c.duration_ms, 0.95) AS p95_ms,
+            avg(c.rows) AS avg_rows
+        FROM calls c LEFT JOIN fingerprints f ON f.id = c.fingerprint_id
+        WHERE {_where(w, endpoint, "c")[0]} AND c.fingerprint_id IS NOT NULL
+        GROUP BY 1 ORDER BY total_ms DESC NULLS LAST LIMIT 15""",
+        params,
+    )
+    for r in fps:
+        r["fingerprint_id"] = str(r["fingerprint_id"])  # 63-bit: beyond JS numbers
+        r["calls_per_request"] = r["calls"] / requests if requests else None
+    hosts = store.query(
+        f"""SELECT coalesce(host, '?') AS host, count(*) AS calls,
+            sum(duration_ms) AS total_ms, quantile_cont(duration_ms, 0.95) AS p95_ms,
+            count(*) FILTER (WHERE status >= 500 OR error IS NOT NULL) AS errors
+        FROM calls WHERE {where} AND kind = 'http' GROUP BY 1 ORDER BY total_ms DESC LIMIT 15""",
+        params,
+    )
+
+    def who(col: str) -> list[dict[str, Any]]:
+        return store.query(
+            f"""SELECT "{col}" AS name, count(*) AS count, sum(duration_ms) AS total_ms,
+                quantile_cont(duration_ms, 0.95) AS p95_ms
+            FROM requests WHERE {where} AND "{col}" IS NOT NULL
+            GROUP BY 1 ORDER BY total_ms DESC LIMIT 10""",
+            params,
+        )
+
+    return {
+        "endpoint": endpoint,
+        "window": {"since": w.label, "start": _epoch(start), "end": _epoch(end), "step": step},
+        "summary": summary,
+        "percentiles": {"x": x, **series},
+        "histogram": hist,
+        "fingerprints": fps,
+        "hosts": hosts,
+        "slowest": store.traces(endpoint=endpoint, since=w.since, slowest=20),
+        "users": who("user"),
+        "tenants": who("tenant"),
+    }

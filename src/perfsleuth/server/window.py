@@ -1,0 +1,75 @@
+"""Time windows of API requests: ``since`` (15m, 1h, 24h, 7d, all) looking back from now, or
+all data, and the time buckets charts use."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
+# Chart buckets: the smallest of these giving at most MAX_BUCKETS points over the window.
+STEPS_S = (1, 5, 10, 30, 60, 300, 600, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400)
+MAX_BUCKETS = 120
+WEEK = timedelta(days=7)
+
+
+class BadRange(ValueError):
+    """A time range the API cannot use; the message says how to write one."""
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def parse_duration(value: str) -> timedelta:
+    m = _DURATION.match(value)
+    if not m:
+        raise BadRange(
+            f"invalid since {value!r}: use a number and a unit (s, m, h, d, w) such as 15m, "
+            "1h, 24h or 7d, or 'all'"
+        )
+    seconds = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if seconds <= 0 or seconds > 10 * 365 * 86400:
+        raise BadRange(f"invalid since {value!r}: between 1 second and ten years")
+    return timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True)
+class Window:
+    """[start, end) in naive UTC; ``since`` when it is relative to now (what store.top and
+    friends take), None for all data or an absolute range."""
+
+    start: datetime | None
+    end: datetime | None
+    since: timedelta | None
+    label: str
+
+    @property
+    def relative(self) -> bool:
+        return self.since is not None and self.end is None
+
+    def bounds(self, first: datetime | None, last: datetime | None) -> tuple[datetime, datetime]:
+        """Concrete [start, end] for charts: open ends take the data's first/last time."""
+        now = utcnow()
+        end = self.end or (now if self.since is not None else (last or now))
+        start = self.start or first or end - timedelta(hours=1)
+        if end <= start:
+            end = start + timedelta(seconds=1)
+        return start, end
+
+
+def window(since: str | None) -> Window:
+    if since is None or since.strip().lower() in ("", "all"):
+        return Window(None, None, None, "all")
+    d = parse_duration(since)
+    return Window(utcnow() - d, None, d, since.strip())
+
+
+def step_seconds(start: datetime, end: datetime) -> int:
+    span = (end - start).total_seconds()
+    for s in STEPS_S:
+        if span / s <= MAX_BUCKETS:
+            return s
+    return STEPS_S[-1] * max(1, int(span / STEPS_S[-1] / MAX_BUCKETS) + 1)

@@ -1,0 +1,228 @@
+"""The web UI in a real browser (Playwright driving Debian's headless Chromium) against a real
+server on the demo's data: real content on every page, numbers equal to the API's, a click
+path overview -> endpoint -> trace, and screenshots in test-results/ui/ to look at."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+
+from perfsleuth.cli.ui import free_port
+from perfsleuth.demo import ENDPOINTS
+from perfsleuth.server import create_app
+from perfsleuth.server.app import STATIC_DIR
+
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = Path(__file__).resolve().parent.parent / "test-results" / "ui"
+TOKEN = "ui-test-token"
+N1 = "GET /customers/{customer_id}/orders"
+SINCE = "24h"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def fmt_int(v: float) -> str:
+    return f"{round(v):,}"
+
+
+def fmt_ms(v: float | None) -> str:
+    """The UI's fmtMs: 2 decimals under 10, 1 under 100, else whole with separators."""
+    if v is None:
+        return "-"
+    if abs(v) < 10:
+        return f"{v:.2f}"
+    if abs(v) < 100:
+        return f"{v:.1f}"
+    return f"{round(v):,}"
+
+
+@pytest.fixture(scope="module")
+def server(demo_data: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not os.path.isfile(os.path.join(STATIC_DIR, "index.html")):
+        pytest.fail("the web UI is not built: run `bash scripts/setup.sh` (npm ci, npm run build)")
+    import uvicorn
+
+    data = str(tmp_path_factory.mktemp("ui") / "data")
+    shutil.copytree(demo_data, data)
+    port = free_port("127.0.0.1", 0)
+    app = create_app(data, token=TOKEN, ingest_every=5)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started, "the UI server did not start"
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    t.join(timeout=30)
+
+
+def api(base: str, path: str, **params: Any) -> Any:
+    r = httpx.get(f"{base}/api/{path}", params=params, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: run `bash scripts/setup.sh` (apt install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    pg = ctx.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    yield pg
+    ctx.close()
+    assert not errors, f"JavaScript errors: {errors}"
+
+
+def open_page(page: Any, base: str, route: str) -> None:
+    # The token comes in the query string once; the UI keeps it for the session.
+    page.goto(f"{base}/?token={TOKEN}#/{route}")
+    wait_ready(page, route.split("?")[0])
+
+
+def wait_ready(page: Any, name: str) -> None:
+    """Wait until the page for the current URL is rendered (not the one before a click)."""
+    page.wait_for_function(
+        "() => document.getElementById('app').dataset.hash === location.hash", timeout=30_000
+    )
+    page.wait_for_selector(f"#app[data-ready='{name}'] .page[data-page='{name}']", timeout=30_000)
+    assert not page.locator("#app .error").count(), page.locator("#app .error").inner_text()
+
+
+def cell(row: Any, col: str) -> str:
+    return str(row.locator(f"td[data-col='{col}']").inner_text()).strip()
+
+
+def test_overview_endpoint_trace(page: Any, server: str) -> None:
+    open_page(page, server, f"overview?since={SINCE}&refresh=0")
+    ov = api(server, "overview", since=SINCE)
+    rows = page.locator("tr[data-endpoint]")
+    assert rows.count() == len(ov["endpoints"])
+    shown = {rows.nth(i).get_attribute("data-endpoint") for i in range(rows.count())}
+    assert set(ENDPOINTS) <= shown
+    want = next(r for r in ov["endpoints"] if r["endpoint"] == N1)
+    row = page.locator(f"tr[data-endpoint='{N1}']")
+    assert cell(row, "count") == fmt_int(want["count"])
+    assert cell(row, "p95_ms") == fmt_ms(want["p95_ms"])
+    assert cell(row, "p50_ms") == fmt_ms(want["p50_ms"])
+    assert page.locator("#totals-requests .stat-value").inner_text() == fmt_int(
+        ov["totals"]["requests"]
+    )
+    assert page.locator(".uplot").count() == 3  # P95 per endpoint, throughput, slow counts
+    page.screenshot(path=str(SHOTS / "overview.png"), full_page=True)
+
+    # sort by p95 (the URL carries it), then filter
+    page.locator("th[data-col='p95_ms']").click()
+    wait_ready(page, "overview")
+    assert "sort=p95_ms" in page.url
+    first = page.locator("tr[data-endpoint]").first.get_attribute("data-endpoint")
+    assert first == max(ov["endpoints"], key=lambda r: r["p95_ms"] or 0)["endpoint"]
+
+    # overview -> endpoint
+    row.locator("a.endpoint-link").click()
+    wait_ready(page, "endpoint")
+    assert page.locator("#endpoint-name").inner_text() == N1
+    d = api(server, "endpoint", name=N1, since=SINCE)
+    p95 = page.locator(".stat[data-stat='p95 ms'] .stat-value").inner_text()
+    assert p95 == fmt_ms(d["summary"]["p95_ms"])
+    page.wait_for_selector("svg.treemap .treemap-node[data-name^='customer_orders']")
+    assert page.locator("li.finding[data-kind='n_plus_one']").count() == 1
+    page.wait_for_selector("svg.flame .flame-frame")
+    slow_links = page.locator("a.trace-link")
+    assert slow_links.count() >= len(d["slowest"])
+    page.screenshot(path=str(SHOTS / "endpoint.png"), full_page=True)
+
+    # endpoint -> its slowest trace
+    tid = d["slowest"][0]["trace_id"]
+    page.locator(f"a.trace-link:text-is('{tid}')").click()
+    wait_ready(page, "trace")
+    t = api(server, f"traces/{tid}")
+    assert page.locator("#waterfall .wf-row").count() == len(t["calls"]) == t["db_calls"]
+    assert page.locator("#waterfall .wf-site", has_text="customer_orders").count() > 0
+    assert page.locator(".stat[data-stat='duration ms'] .stat-value").inner_text() == fmt_ms(
+        t["duration_ms"]
+    )
+    assert page.locator("#attributes", has_text=t["tenant"]).count() == 0  # tenant is a card
+    assert page.locator(".stat[data-stat='tenant'] .stat-value").inner_text() == t["tenant"]
+    # a row opens its stack
+    page.locator("#waterfall .wf-row").first.click()
+    assert page.locator(".call-detail:not([hidden]) ol.stack li").count() > 0
+    page.screenshot(path=str(SHOTS / "trace.png"), full_page=False)
+
+
+def test_flame_graph_and_samples_of_the_cpu_hotspot(page: Any, server: str) -> None:
+    open_page(page, server, f"endpoint?since={SINCE}&refresh=0&name={quote('GET /search')}")
+    page.wait_for_selector("svg.flame .flame-frame[data-name^='_edit_distance']")
+    assert page.locator("li.finding[data-kind='slow_request_hotspot']").count() == 1
+    page.screenshot(path=str(SHOTS / "endpoint-search.png"), full_page=True)
+    tid = api(server, "traces", endpoint="GET /search", since=SINCE, slowest=1)[0]["trace_id"]
+    open_page(page, server, f"trace?id={tid}&refresh=0")
+    assert page.locator(".sample-strip .sample").count() > 0
+    assert page.get_by_text("_edit_distance").count() > 0
+
+
+def test_findings_page(page: Any, server: str) -> None:
+    open_page(page, server, f"findings?since={SINCE}&refresh=0")
+    found = api(server, "findings", since=SINCE)
+    items = page.locator("li.finding")
+    assert items.count() == len(found)
+    assert items.first.get_attribute("data-id") == found[0]["id"]
+    n1 = next(f for f in found if f["kind"] == "n_plus_one" and f["endpoint"] == N1)
+    item = page.locator(f"li.finding[data-id='{n1['id']}']")
+    assert n1["title"] in item.inner_text()
+    item.get_by_role("button", name="evidence").click()
+    item.locator(".evidence table").wait_for()
+    assert "_items_of(" in item.locator(".evidence pre.code").inner_text()
+    page.screenshot(path=str(SHOTS / "findings.png"), full_page=True)
+    # an example trace link opens the trace
+    item.locator("a.trace-link").first.click()
+    wait_ready(page, "trace")
+    assert page.locator("#waterfall .wf-row").count() > 10
+
+
+def test_sql_console(page: Any, server: str) -> None:
+    open_page(page, server, "sql?refresh=0")
+    page.fill("#sql", "SELECT endpoint, count(*) AS n FROM requests GROUP BY 1 ORDER BY 2 DESC")
+    page.click("#run-sql")
+    wait_ready(page, "sql")
+    page.wait_for_selector("#sql-result table")
+    assert "q=SELECT" in page.url
+    cells = page.locator("#sql-result tbody tr td:first-child").all_inner_texts()
+    assert set(ENDPOINTS) <= set(cells)
+    page.fill("#sql", "DROP TABLE requests")
+    page.click("#run-sql")
+    page.wait_for_selector("#sql-result .error")
+    assert "read-only" in page.locator("#sql-result .error").inner_text()
+    page.screenshot(path=str(SHOTS / "sql.png"), full_page=True)
+
+
+def test_without_the_token_the_page_says_so(browser: Any, server: str) -> None:
+    ctx = browser.new_context()
+    pg = ctx.new_page()
+    pg.goto(f"{server}/#/overview")
+    pg.wait_for_selector("#app .error")  # the page's place shows the server's message
+    assert "needs a token" in pg.locator("#app .error").inner_text()
+    ctx.close()

@@ -1,0 +1,69 @@
+import { api, type Finding } from "../api";
+import type { Ctx } from "../main";
+import { h, fmtMs, fmtNum, site, link, section } from "../util";
+
+export function findingList(ctx: Ctx, found: Finding[], open: string | null): HTMLElement {
+  if (!found.length) return h("p", { class: "dim" }, "No findings in this window.");
+  return h(
+    "ol",
+    { class: "findings" },
+    found.map((f) => {
+      const details = h("div", { class: "evidence" });
+      const li = h(
+        "li",
+        { class: "finding", "data-id": f.id, "data-kind": f.kind },
+        h(
+          "div",
+          { class: "finding-head" },
+          h("span", { class: "impact", title: "time this problem costs per minute of traffic" }, `${fmtMs(f.impact_ms_per_min)} ms/min`),
+          h("span", { class: "kind" }, f.kind),
+          link(ctx.href("endpoint", { name: f.endpoint }), f.endpoint, { class: "endpoint-link" }),
+        ),
+        h("div", { class: "finding-title" }, f.title),
+        f.callsite ? h("div", { class: "mono dim" }, `at ${site(f.callsite)} — ${f.callsite.file ?? ""}`) : null,
+        h(
+          "div",
+          { class: "examples" },
+          f.example_trace_ids.length ? "example traces: " : null,
+          f.example_trace_ids.map((t) => link(ctx.href("trace", { id: t }), t.slice(0, 12), { class: "trace-link mono" })),
+          " ",
+          h("button", { class: "small", onclick: () => void toggle(ctx, f, details) }, "evidence"),
+        ),
+        details,
+      );
+      if (open === f.id) void toggle(ctx, f, details);
+      return li;
+    }),
+  );
+}
+
+async function toggle(ctx: Ctx, f: Finding, box: HTMLElement): Promise<void> {
+  if (box.childElementCount) {
+    box.replaceChildren();
+    return;
+  }
+  box.append(h("span", { class: "dim" }, "loading…"));
+  try {
+    const d = await api<Finding>(`findings/${encodeURIComponent(f.id)}`, { since: ctx.since });
+    box.replaceChildren(
+      ...[
+      d.source_line ? h("pre", { class: "code" }, `${d.callsite?.line ?? ""} | ${d.source_line}`) : null,
+      d.fingerprint ? h("div", {}, h("b", {}, "Statement: "), h("code", {}, d.fingerprint)) : null,
+      d.count_per_request !== null ? h("div", {}, h("b", {}, "Per request: "), fmtNum(d.count_per_request)) : null,
+      h(
+        "table",
+        { class: "grid kv" },
+        h("tbody", {}, Object.entries(d.evidence).map(([k, v]) => h("tr", {}, h("th", {}, k.replace(/_/g, " ")), h("td", { class: "mono" }, typeof v === "number" ? fmtNum(v, Math.abs(v) < 1 ? 3 : 1) : typeof v === "object" ? JSON.stringify(v) : String(v))))),
+      ),
+      h("div", {}, h("b", {}, "What to do: "), d.suggestion),
+      ].filter((x): x is NonNullable<typeof x> => x !== null),
+    );
+  } catch (e) {
+    box.replaceChildren(h("div", { class: "error" }, String(e)));
+  }
+}
+
+export async function findingsPage(root: HTMLElement, ctx: Ctx): Promise<void> {
+  const found = await api<Finding[]>("findings", { since: ctx.since });
+  root.append(section(`Findings (${found.length}), highest impact first`, findingList(ctx, found, ctx.params.get("id"))));
+}
