@@ -4,6 +4,7 @@ import perfsleuth.agent as ps
 ps.start()                 # or run the app under `perfsleuth run -- CMD`
 app = ps.asgi(app)         # / ps.wsgi(app) / the Django middleware
 ps.attr("rows_loaded", n)  # custom attribute on the current request
+ps.keep_capture()          # keep a replayable capture of the current request
 with ps.task("sync-avatars"): ...   # background work, recorded as kind "background"
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from perfsleuth.agent.capture import keep_capture
 from perfsleuth.agent.recorder import attr, current, set_user, tag, task
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "attr",
     "current",
     "flush",
+    "keep_capture",
     "set_user",
     "start",
     "started",

@@ -23,6 +23,13 @@
 - PERFSLEUTH_LOOP_BLOCK_MS (100): an asyncio loop that runs no callback for this long is blocked
 - PERFSLEUTH_GC_EVENT_MS (1): collections at least this long are stored as GC pause events
   (every collection's time is added to the requests in flight either way)
+- PERFSLEUTH_CAPTURE (1): 0 keeps no replayable captures of requests (agent.capture)
+- PERFSLEUTH_CAPTURE_SLOW_MS (500): requests this slow are captured (also 5xx, flagged ones)
+- PERFSLEUTH_CAPTURE_SAMPLE (0.01): share of the other requests captured at random
+- PERFSLEUTH_CAPTURE_BODY_MAX (65536): body bytes kept; larger bodies: size, hash, truncated
+- PERFSLEUTH_CAPTURE_SECRETS (0): 1 keeps the values of secret headers (redacted by default)
+- PERFSLEUTH_REDACT_HEADERS (""): comma list of more header names to redact
+- PERFSLEUTH_HEAP (1): 0 installs no SIGUSR2 heap-histogram handler (agent.heap)
 """
 
 from __future__ import annotations
@@ -57,8 +64,16 @@ class Config:
     samples_per_request: int = 500
     loop_block_ms: float = 100.0
     gc_event_ms: float = 1.0
+    capture: bool = True
+    capture_slow_ms: float = 500.0
+    capture_sample: float = 0.01
+    capture_body_max: int = 65536
+    capture_secrets: bool = False
+    redact_headers: str = ""
+    heap: bool = True
     # Test-only fault injection: "writer_crash" makes the writer thread die on every batch;
-    # "evidence_crash" makes every evidence tick and GC callback raise.
+    # "evidence_crash" makes every evidence tick and GC callback raise; "capture_crash" makes
+    # every capture decision and body tap raise.
     fault: str = ""
 
     @property

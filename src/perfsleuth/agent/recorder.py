@@ -145,6 +145,7 @@ class ActiveRequest:
         "error",
         "gc_count",
         "gc_ns",
+        "keep",
         "kind",
         "method",
         "path",
@@ -198,6 +199,7 @@ class ActiveRequest:
         self.worker: int | None = None
         self.gc_ns = 0  # time in garbage collections while in flight (agent.gcwatch)
         self.gc_count = 0
+        self.keep: str | None = None  # why to keep a replayable capture (agent.capture)
 
 
 def current() -> ActiveRequest | None:

@@ -614,6 +614,9 @@ def start(cfg: Config) -> None:
     _cfg = cfg
     _writer = _Writer(cfg)
     recorder.configure(enqueue, max_calls=cfg.max_calls, stacks_per_site=cfg.stacks_per_site)
+    from perfsleuth.agent import capture
+
+    capture.configure(cfg)
     _start_thread()
     try:
         import multiprocessing.util

@@ -162,6 +162,8 @@ class Watchdog:
                 continue
             if running is not None and r.task is running:
                 b.req = r
+                if r.keep is None:  # keep a replayable capture of the blocking request
+                    r.keep = "blocker"
             else:
                 b.delayed.add(id(r))
 

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from types import ModuleType
 from typing import Any
 
-from perfsleuth.agent import recorder, watchdog
+from perfsleuth.agent import capture, recorder, watchdog
 from perfsleuth.agent.frameworks.wsgi import (
     content_length,
     endpoint,
@@ -81,6 +81,7 @@ class _Exchange:
         "req",
         "resp_headers",
         "sent",
+        "tap",
     )
 
     def __init__(self, req: recorder.ActiveRequest, receive: Receive, send: Send) -> None:
@@ -92,6 +93,7 @@ class _Exchange:
         self.complete = False  # the last body message went out
         self.pathsend = False  # the body was sent by the server from a file
         self.resp_headers: Any = None
+        self.tap: capture.BodyTap | None = None  # the body, for a possible capture
 
     async def receive(self) -> Message:
         message = await self._receive()
@@ -100,6 +102,11 @@ class _Exchange:
                 body = message.get("body")
                 if body:
                     self.received += len(body)
+                    if capture.on:
+                        tap = self.tap
+                        if tap is None:
+                            tap = self.tap = capture.BodyTap()
+                        tap.add(body)
         except Exception:
             recorder.internal_error()
         return message
@@ -195,6 +202,8 @@ def _finish(req: recorder.ActiveRequest, ex: _Exchange, scope: Scope) -> None:
         if not req.endpoint:
             req.endpoint = unmatched(req.method)
     recorder.end(req)
+    if capture.on:
+        capture.finish_asgi(req, scope, ex.tap)
 
 
 # ------------------------------------------------------------------------- Starlette routes

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from perfsleuth.agent import recorder
+from perfsleuth.agent import capture, recorder
 
 _get_ident = threading.get_ident
 _current = recorder._current
@@ -182,9 +182,11 @@ def record_wsgi(
         req = None
     if req is None:
         return app(environ, start_response)
-    body = _Body(req, start_response)
+    body = _Body(req, start_response, environ)
     try:
         read_environ(req, environ)
+        if capture.on:
+            body._tap = capture.tap_wsgi_input(environ)
     except Exception:  # identity and size are lost, not the request
         recorder.internal_error()
     try:
@@ -198,10 +200,24 @@ def record_wsgi(
 class _Body:
     """The response iterable of one request, counting bytes and ending the request once."""
 
-    __slots__ = ("_headers", "_it", "_iterable", "_req", "_sent", "_start_response", "_tid")
+    __slots__ = (
+        "_environ",
+        "_headers",
+        "_it",
+        "_iterable",
+        "_req",
+        "_sent",
+        "_start_response",
+        "_tap",
+        "_tid",
+    )
 
-    def __init__(self, req: recorder.ActiveRequest, start_response: Callable[..., Any]) -> None:
+    def __init__(
+        self, req: recorder.ActiveRequest, start_response: Callable[..., Any], environ: Any
+    ) -> None:
         self._req: recorder.ActiveRequest | None = req
+        self._environ = environ  # for a possible capture (agent.capture)
+        self._tap: capture.BodyTap | None = None
         self._start_response = start_response
         self._tid = _get_ident()
         self._sent = 0
@@ -352,6 +368,9 @@ class _Body:
         except Exception:
             recorder.internal_error()
         recorder.end(req)
+        if capture.on:
+            capture.finish_wsgi(req, self._environ, self._tap)
+        self._environ = self._tap = None
 
 
 def _reset(token: Any) -> None:

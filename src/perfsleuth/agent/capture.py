@@ -1,0 +1,388 @@
+"""Replayable captures of chosen requests (stdlib only; ``perfsleuth replay`` re-sends them).
+
+A request is kept when it was slow (``PERFSLEUTH_CAPTURE_SLOW_MS``, 500), failed with a 5xx,
+was flagged by the application (``perfsleuth.agent.keep_capture()``) or by the agent (the loop
+watchdog flags the request that blocked the loop), or fell in the random sample
+(``PERFSLEUTH_CAPTURE_SAMPLE``, 0.01). ``PERFSLEUTH_CAPTURE=0`` turns captures off.
+
+The decision runs once per request, after it ended, and costs a few attribute reads and one
+random number when nothing is kept (``benchmarks/capture_decision.py``). Only a kept request
+costs more: a copy of its header list and URL parts, handed to the writer thread through
+``shipper.emit`` as a wire.CAPTURE record; decoding, redaction, base64 and hashing run there.
+
+Request bodies are observed as the application reads them (ASGI ``receive``, WSGI
+``wsgi.input``): the chunks are kept by reference (never copied) while the request runs, up
+to ``PERFSLEUTH_CAPTURE_BODY_MAX`` (64 KiB) per request, or the whole body while the budget
+of all pending captures (16 MiB) allows, so a large kept body gets its size and sha256. Past
+the budget a body keeps only its first bytes (and no hash); a request whose first bytes do not
+fit is not captured (``captures_dropped``). A body larger than the maximum is stored as its
+first bytes, its size and hash, flagged truncated: replay refuses it unless told otherwise.
+
+Secrets: the values of Authorization, Proxy-Authorization, Cookie, Set-Cookie, X-Api-Key,
+X-Auth-Token and of ``PERFSLEUTH_REDACT_HEADERS`` (comma list) are replaced by
+``[redacted]`` unless ``PERFSLEUTH_CAPTURE_SECRETS=1``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import random
+import threading
+from typing import Any
+from urllib.parse import quote
+
+from perfsleuth.agent import recorder
+
+REDACTED = "[redacted]"
+SECRET_HEADERS = frozenset(
+    {"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "x-auth-token"}
+)
+PENDING_MAX = 16 * 1024 * 1024  # bytes of request bodies held for possible captures, in all
+
+recorder.stats.update({"captures": 0, "captures_dropped": 0})
+stats = recorder.stats
+
+# Settings (configure()); ``on`` is read on the request path, so it is a plain module global.
+on = False
+_slow_ns = 500_000_000
+_sample = 0.01
+_body_max = 64 * 1024
+_secrets = False
+_redact: frozenset[str] = SECRET_HEADERS
+_fault = False
+_random = random.random
+
+_pending = 0  # body bytes held by taps and by captures not yet written
+_lock = threading.Lock()
+
+
+def configure(cfg: Any) -> None:
+    global on, _slow_ns, _sample, _body_max, _secrets, _redact, _fault
+    _slow_ns = int(float(cfg.capture_slow_ms) * 1e6)
+    _sample = max(0.0, min(1.0, float(cfg.capture_sample)))
+    _body_max = max(0, int(cfg.capture_body_max))
+    _secrets = bool(cfg.capture_secrets)
+    extra = {h.strip().lower() for h in str(cfg.redact_headers or "").split(",") if h.strip()}
+    _redact = SECRET_HEADERS | frozenset(extra)
+    _fault = cfg.fault == "capture_crash"
+    on = bool(cfg.capture)
+
+
+def keep_capture(reason: str = "flag") -> None:
+    """Keep a replayable capture of the current request, whatever its duration and status."""
+    req = recorder._current.get()
+    if req is not None:
+        req.keep = str(reason)[:32] or "flag"
+
+
+def _reserve(n: int) -> bool:
+    global _pending
+    with _lock:
+        if _pending + n > PENDING_MAX:
+            return False
+        _pending += n
+        return True
+
+
+def _release(n: int) -> None:
+    global _pending
+    if n:
+        with _lock:
+            _pending = max(0, _pending - n)
+
+
+class BodyTap:
+    """The request body chunks seen so far, by reference, within the pending budget."""
+
+    __slots__ = ("chunks", "full", "kept", "lost", "size")
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.kept = 0  # bytes referenced by ``chunks`` (reserved in the budget)
+        self.size = 0  # bytes seen
+        self.full = True  # chunks hold the whole body so far
+        self.lost = False  # not even the first body_max bytes could be kept
+
+    def add(self, data: Any) -> None:
+        if _fault:
+            raise RuntimeError("injected capture crash")
+        n = len(data)
+        self.size += n
+        if self.lost or (not self.full and self.kept >= _body_max):
+            return
+        if _reserve(n):
+            self.chunks.append(data if type(data) is bytes else bytes(data))
+            self.kept += n
+            return
+        # Out of budget: keep the first body_max bytes only (no hash for this body).
+        self.full = False
+        if self.kept > _body_max:
+            held, total = self.chunks, 0
+            self.chunks = []
+            for c in held:
+                if total >= _body_max:
+                    break
+                self.chunks.append(c)
+                total += len(c)
+            _release(self.kept - total)
+            self.kept = total
+        elif self.kept < _body_max:
+            self.lost = True
+            self.release()
+
+    def release(self) -> None:
+        kept, self.kept = self.kept, 0
+        self.chunks = []
+        _release(kept)
+
+
+def reason(req: recorder.ActiveRequest) -> str | None:
+    """Why ``req`` (ended) is kept, or None: the per-request decision."""
+    why = req.keep
+    if why is not None:
+        return why
+    status = req.status
+    if status is not None and status >= 500:
+        return "error"
+    if req.end - req.start >= _slow_ns:
+        return "slow"
+    if _random() < _sample:
+        return "sample"
+    return None
+
+
+def finish_asgi(req: recorder.ActiveRequest, scope: Any, tap: BodyTap | None) -> None:
+    """After an ASGI request ended: keep a capture of it if chosen. Never raises."""
+    try:
+        if _fault:
+            raise RuntimeError("injected capture crash")
+        why = reason(req)
+        if why is None:
+            if tap is not None:
+                tap.release()
+            return
+        server = scope.get("server")
+        parts = (
+            str(scope.get("scheme") or "http"),
+            f"{server[0]}:{server[1]}" if server and server[1] is not None else "",
+            scope.get("raw_path") or scope.get("path") or "/",
+            scope.get("query_string") or b"",
+        )
+        _keep(req, why, list(scope.get("headers") or ()), parts, tap)
+    except Exception:
+        recorder.internal_error()
+        if tap is not None:
+            tap.release()
+
+
+def finish_wsgi(req: recorder.ActiveRequest, environ: Any, tap: BodyTap | None) -> None:
+    """After a WSGI request ended: keep a capture of it if chosen. Never raises."""
+    try:
+        if _fault:
+            raise RuntimeError("injected capture crash")
+        why = reason(req)
+        if why is None:
+            if tap is not None:
+                tap.release()
+            return
+        headers = [
+            (k, v)
+            for k, v in environ.items()
+            if type(k) is str
+            and (k.startswith("HTTP_") or k in ("CONTENT_TYPE", "CONTENT_LENGTH"))
+            and type(v) is str
+        ]
+        parts = (
+            str(environ.get("wsgi.url_scheme") or "http"),
+            f"{environ.get('SERVER_NAME', '')}:{environ.get('SERVER_PORT', '')}",
+            environ.get("RAW_URI") or environ.get("REQUEST_URI"),
+            (environ.get("SCRIPT_NAME") or "") + (environ.get("PATH_INFO") or "/"),
+            environ.get("QUERY_STRING") or "",
+        )
+        _keep(req, why, headers, parts, tap)
+    except Exception:
+        recorder.internal_error()
+        if tap is not None:
+            tap.release()
+
+
+def _keep(
+    req: recorder.ActiveRequest,
+    why: str,
+    headers: list[Any],
+    parts: tuple[Any, ...],
+    tap: BodyTap | None,
+) -> None:
+    from perfsleuth.agent import shipper
+
+    if tap is not None and tap.lost:
+        stats["captures_dropped"] += 1
+        tap.release()
+        return
+    fields = (
+        req.trace_id,
+        req.start_wall,
+        max(0, req.end - req.start),
+        req.endpoint or f"{req.method} <unmatched>",
+        req.method,
+        req.status,
+        why,
+    )
+
+    def build(_intern: Any) -> dict[str, Any]:
+        try:
+            return _record(fields, headers, parts, tap)
+        finally:
+            if tap is not None:
+                tap.release()
+
+    if shipper.emit(b"C", build):
+        stats["captures"] += 1
+    else:
+        stats["captures_dropped"] += 1
+        if tap is not None:
+            tap.release()
+
+
+# ------------------------------------------------------------------ writer thread: the record
+
+
+def _text(v: Any) -> str:
+    return bytes(v).decode("latin-1") if isinstance(v, bytes | bytearray) else str(v)
+
+
+def _record(
+    fields: tuple[Any, ...], headers: list[Any], parts: tuple[Any, ...], tap: BodyTap | None
+) -> dict[str, Any]:
+    trace_id, ts, dur, endpoint, method, status, why = fields
+    pairs: list[list[str]] = []
+    redacted: list[str] = []
+    host = content_length = None
+    for k, v in headers:
+        name = _text(k)
+        if name.startswith("HTTP_"):  # WSGI environ key
+            name = name[5:]
+        name = name.replace("_", "-").lower() if name.isupper() else name.lower()
+        value = _text(v)
+        if name == "host":
+            host = value
+        elif name == "content-length":
+            content_length = value
+        if name in _redact and not _secrets:
+            redacted.append(name)
+            value = REDACTED
+        pairs.append([name, value])
+    if len(parts) == 4:  # ASGI: scheme, server, raw path, query string
+        scheme, server, path, query = parts
+        path = _text(path)
+        query = _text(query)
+    else:  # WSGI: scheme, server, raw URI, decoded path, query string
+        scheme, server, raw_uri, path, query = parts
+        if raw_uri:
+            path, _, query = str(raw_uri).partition("?")
+        else:
+            path = quote(str(path).encode("latin-1"), safe="/:@!$&'()*+,;=-._~%")
+    url = f"{scheme}://{host or server}{path or '/'}" + (f"?{query}" if query else "")
+    body = b"".join(tap.chunks) if tap is not None else b""
+    size = tap.size if tap is not None else 0
+    try:  # a body the application never read counts by its declared size
+        declared = int(content_length) if content_length is not None else 0
+    except ValueError:
+        declared = 0
+    complete = tap is None or tap.full
+    if declared > size:
+        size, complete = declared, False
+    truncated = size > _body_max or not complete
+    return {
+        "id": f"{trace_id:016x}",
+        "ts": ts,
+        "dur": dur,
+        "endpoint": endpoint,
+        "method": method,
+        "status": status,
+        "reason": why,
+        "url": url,
+        "headers": pairs,
+        "redacted": sorted(set(redacted)),
+        "body_b64": base64.b64encode(body[:_body_max]).decode("ascii"),
+        "body_size": size,
+        "body_sha256": hashlib.sha256(body).hexdigest() if complete else None,
+        "body_truncated": truncated,
+    }
+
+
+# --------------------------------------------------------------------------- WSGI input tap
+
+
+class InputTap:
+    """``wsgi.input`` seen through: what the application reads also feeds a BodyTap. No
+    ``readinto`` on purpose, so readers (werkzeug) use ``read`` and chunks stay whole."""
+
+    __slots__ = ("_stream", "tap")
+
+    def __init__(self, stream: Any, tap: BodyTap) -> None:
+        self._stream = stream
+        self.tap = tap
+
+    def _seen(self, data: Any) -> Any:
+        if data:
+            try:
+                self.tap.add(data)
+            except Exception:
+                recorder.internal_error()
+        return data
+
+    def read(self, *args: Any) -> Any:
+        return self._seen(self._stream.read(*args))
+
+    def readline(self, *args: Any) -> Any:
+        return self._seen(self._stream.readline(*args))
+
+    def readlines(self, *args: Any) -> Any:
+        lines = self._stream.readlines(*args)
+        for line in lines:
+            self._seen(line)
+        return lines
+
+    def __iter__(self) -> Any:
+        return self
+
+    def __next__(self) -> Any:
+        line = self.readline()
+        if not line:
+            raise StopIteration
+        return line
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def tap_wsgi_input(environ: Any) -> BodyTap | None:
+    """Wrap ``wsgi.input`` when the request has a body (cheap no-op otherwise)."""
+    if not on:
+        return None
+    try:
+        if environ.get("CONTENT_LENGTH") in (None, "", "0") and "chunked" not in str(
+            environ.get("HTTP_TRANSFER_ENCODING", "")
+        ):
+            return None
+        stream = environ.get("wsgi.input")
+        if stream is None:
+            return None
+        tap = BodyTap()
+        environ["wsgi.input"] = InputTap(stream, tap)
+        return tap
+    except Exception:
+        recorder.internal_error()
+        return None
+
+
+def _after_fork_in_child() -> None:
+    global _pending, _lock
+    _pending = 0  # the parent's pending captures are the parent's
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
