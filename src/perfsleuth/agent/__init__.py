@@ -62,6 +62,9 @@ def start(
             from perfsleuth.agent import evidence  # after shipper: its atexit flush runs first
 
             evidence.start(cfg)
+            from perfsleuth.agent import heap
+
+            heap.install(cfg)  # SIGUSR2 -> heap histogram, when the app does not use it
             if instrument:
                 from perfsleuth.agent import instrument as _instrument
 

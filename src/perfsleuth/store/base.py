@@ -104,6 +104,13 @@ class Store(Protocol):
         stack: [...] (the most common stack while blocked)}."""
         ...
 
+    def capture(self, trace_id: str) -> dict[str, Any] | None:
+        """The replayable capture of a trace (id or unique prefix): {trace_id, ts, service,
+        endpoint, method, status, duration_ms, reason, url, headers [(name, value)], redacted
+        [names], body_b64, body_size, body_sha256, body_truncated}; None when the trace exists
+        but was not captured; StoreError for an unknown or ambiguous trace."""
+        ...
+
     def endpoints(self) -> list[str]: ...
 
     def sql(self, query: str, limit: int = 10_000) -> tuple[list[str], list[tuple[Any, ...]]]:

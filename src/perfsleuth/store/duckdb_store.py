@@ -305,6 +305,8 @@ class DuckDBStore:
                     self._insert(name, tbl, conflict="OR IGNORE")
             if tables.agent_stats is not None:
                 self._insert("agent_stats", tables.agent_stats)
+            if tables.captures is not None:
+                self._insert("captures", tables.captures, conflict="OR IGNORE")
             now = _utcnow()
             offs = pa.Table.from_pylist(
                 [
@@ -398,6 +400,7 @@ class DuckDBStore:
                 for t in schema.EVENT_TABLES:
                     con.execute(f"DROP TABLE IF EXISTS {quote(schema.day_table(t, d))}")
             con.execute("DELETE FROM agent_stats WHERE ts < ?", [cutoff])
+            con.execute("DELETE FROM captures WHERE ts < ?", [cutoff])
             # Offsets of finished segments no longer in the spool can never matter again.
             present = [f.base for f in ing.list_spool(self.spool_dir)]
             con.execute(
@@ -685,6 +688,33 @@ class DuckDBStore:
             r["ts"] = _iso(r["ts"])
             r["stack"] = stacks.get(r.pop("stack_id"), [])
         return rows
+
+    def capture(self, trace_id: str) -> dict[str, Any] | None:
+        """See :meth:`Store.capture`."""
+        prefix = trace_id.strip().lower()
+        if not prefix:
+            raise StoreError("give a trace id (or a unique prefix of one)")
+        if "captures" not in self._table_names():  # a read-only store of an older version
+            rows = []
+        else:
+            rows = self._query(
+                "SELECT * FROM captures WHERE starts_with(trace_id, ?) ORDER BY trace_id LIMIT 6",
+                [prefix],
+            )
+        if len(rows) > 1:
+            shown = ", ".join(r["trace_id"] for r in rows[:5]) + (", ..." if len(rows) > 5 else "")
+            raise StoreError(f"trace id prefix '{trace_id}' is ambiguous: it matches {shown}")
+        if not rows:
+            self.trace(prefix)  # unknown or ambiguous trace: its error; else no capture
+            return None
+        r = rows[0]
+        r["ts"] = _iso(r["ts"])
+        try:
+            r["headers"] = [tuple(p) for p in json.loads(r["headers"] or "[]")]
+        except ValueError:
+            r["headers"] = []
+        r["redacted"] = [h for h in (r["redacted"] or "").split(",") if h]
+        return r
 
     def _trace_id(self, trace_id: str) -> str:
         """The full id of a trace given by id or unique prefix (as ``trace``), else as given."""

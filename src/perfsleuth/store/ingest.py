@@ -34,6 +34,7 @@ import pyarrow.json as pajson
 
 from perfsleuth.store import schema
 from perfsleuth.wire import (
+    CAPTURE,
     CLOSED_SUFFIX,
     EVENT_TYPES,
     FINGERPRINT,
@@ -493,6 +494,7 @@ class Tables:
     locations: pa.Table | None = None
     stacks: pa.Table | None = None
     agent_stats: pa.Table | None = None
+    captures: pa.Table | None = None
     requests: int = 0
     calls: int = 0
 
@@ -508,6 +510,10 @@ def build_tables(batch: Batch, now_ns: int) -> Tables:
 
         for d, parts in evidence.tables(batch, now_ns).items():
             out.days.setdefault(d, {}).update(parts)
+    if batch.events.get(CAPTURE):
+        from perfsleuth.store import captures
+
+        out.captures = captures.table(batch, now_ns)
     if batch.fingerprints:
         ids = list(batch.fingerprints)
         kind, op, text = zip(*batch.fingerprints.values(), strict=True)

@@ -166,6 +166,20 @@ AGENT_STATS = Table(
     order_by=("host", "pid", "name", "ts"),
 )
 
+# Replayable request captures (agent.capture), one per trace; secret headers are redacted by
+# the agent. Kept by ``ts`` like the event tables' days (apply_retention deletes older rows).
+CAPTURES = Table(
+    "captures",
+    _c(
+        "trace_id string!, ts timestamp!, service string~, endpoint string~, method string~,"
+        " status int32, duration_ms float64, reason string~, url string, headers string,"
+        " redacted string, body_b64 string, body_size int64, body_sha256 string,"
+        " body_truncated bool"
+    ),
+    order_by=("trace_id",),
+    key=("trace_id",),
+)
+
 # Ingest progress per spool segment (name without suffix): committed with the rows it covers.
 INGEST_OFFSETS = Table(
     "ingest_offsets",
@@ -178,7 +192,7 @@ INGEST_OFFSETS = Table(
 )
 
 EVENT_TABLES = (REQUESTS, CALLS, ATTRIBUTES, SAMPLES, BLOCKERS, GC_PAUSES)
-GLOBAL_TABLES = (FINGERPRINTS, LOCATIONS, STACKS, AGENT_STATS, INGEST_OFFSETS)
+GLOBAL_TABLES = (FINGERPRINTS, LOCATIONS, STACKS, AGENT_STATS, INGEST_OFFSETS, CAPTURES)
 TABLES = {t.name: t for t in EVENT_TABLES + GLOBAL_TABLES}
 
 _DAY_SUFFIX = re.compile(r"^(?P<table>[a-z_]+)_d(?P<day>\d{8})$")

@@ -1,0 +1,203 @@
+"""Heap histograms on demand, without extra OS permissions (``perfsleuth heap PID``).
+
+The agent installs a SIGUSR2 handler when the application has none (a handler of its own, or
+SIG_IGN, is left alone) and then writes ``DATA/agents/heap-PID.ready`` to say that this
+process answers. The handler only writes a byte to a pipe (async-signal-safe, whatever the
+interrupted thread held); a daemon thread reading the pipe takes the snapshot: a full
+collection, then every object the garbage collector tracks (``gc.get_objects``: instances,
+containers; not ints or strings) counted by type with its shallow size (``sys.getsizeof``),
+written to ``DATA/heap/heap-PID-TIMESTAMP.json``. Two snapshots diffed show what grows.
+
+gunicorn resets SIGUSR2 in its workers (installed again right after) and takes it in its
+master (the marker is then removed, so the CLI never signals a master into re-executing).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import gc
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+TOP = 500  # types per snapshot (by shallow bytes, then by count)
+
+_cfg: Any = None
+_pipe: tuple[int, int] | None = None
+_pid = 0
+
+
+def _marker(data_dir: str, pid: int) -> str:
+    return os.path.join(data_dir, "agents", f"heap-{pid}.ready")
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    pipe = _pipe
+    if pipe is not None:
+        with contextlib.suppress(OSError):
+            os.write(pipe[1], b"h")
+
+
+def install(cfg: Any) -> bool:
+    """Take SIGUSR2 if the application has no handler for it (main thread only)."""
+    global _cfg
+    _cfg = cfg
+    try:
+        if (
+            not getattr(cfg, "heap", True)
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            return False
+        current = signal.getsignal(signal.SIGUSR2)
+        if current is not _on_signal and current not in (signal.SIG_DFL, None):
+            check()
+            return False
+        _start_reader()
+        signal.signal(signal.SIGUSR2, _on_signal)
+        os.makedirs(os.path.join(cfg.data_dir, "agents"), exist_ok=True)
+        with open(_marker(cfg.data_dir, os.getpid()), "w") as fh:
+            json.dump({"pid": os.getpid(), "signal": "SIGUSR2", "service": cfg.service}, fh)
+        return True
+    except Exception:
+        return False
+
+
+def check() -> None:
+    """Remove this process's marker when SIGUSR2 is no longer ours (the app took it)."""
+    cfg = _cfg
+    if cfg is None:
+        return
+    try:
+        if signal.getsignal(signal.SIGUSR2) is not _on_signal:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(_marker(cfg.data_dir, os.getpid()))
+    except Exception:
+        pass
+
+
+def _start_reader() -> None:
+    global _pipe, _pid
+    if _pipe is not None and _pid == os.getpid():
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)  # a flood of signals must never block the handler
+    _pipe, _pid = (r, w), os.getpid()
+    threading.Thread(target=_read, args=(r,), name="perfsleuth-heap", daemon=True).start()
+
+
+def _read(fd: int) -> None:
+    while True:
+        try:
+            if not os.read(fd, 64):
+                return
+            write_snapshot()
+        except Exception:
+            time.sleep(1.0)  # never spin on a broken pipe
+
+
+def snapshot(top: int = TOP) -> dict[str, Any]:
+    """Live (gc-tracked) objects by type: count and shallow bytes, largest first."""
+    gc.collect()
+    counts: dict[type, int] = {}
+    sizes: dict[type, int] = {}
+    getsizeof = sys.getsizeof
+    objs = gc.get_objects()
+    for o in objs:
+        t = type(o)
+        counts[t] = counts.get(t, 0) + 1
+        try:
+            sizes[t] = sizes.get(t, 0) + getsizeof(o)
+        except Exception:
+            sizes.setdefault(t, 0)
+    del objs
+    rows = [(_name(t), n, sizes.get(t, 0)) for t, n in counts.items()]
+    by_bytes = sorted(rows, key=lambda r: (-r[2], -r[1], r[0]))[:top]
+    by_count = sorted(rows, key=lambda r: (-r[1], r[0]))[:top]
+    kept = {r[0]: {"type": r[0], "count": r[1], "bytes": r[2]} for r in by_bytes + by_count}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "service": getattr(_cfg, "service", ""),
+        "ts": time.time_ns(),
+        "objects": sum(counts.values()),
+        "bytes": sum(sizes.values()),
+        "types": sorted(kept.values(), key=lambda r: (-int(r["bytes"]), -int(r["count"]))),
+        "note": "objects tracked by the garbage collector; shallow sizes (sys.getsizeof)",
+    }
+
+
+def _name(t: type) -> str:
+    mod = getattr(t, "__module__", None)
+    qual = getattr(t, "__qualname__", None) or t.__name__
+    return qual if mod in (None, "builtins") else f"{mod}.{qual}"
+
+
+def write_snapshot() -> str | None:
+    cfg = _cfg
+    if cfg is None:
+        return None
+    snap = snapshot()
+    folder = os.path.join(cfg.data_dir, "heap")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"heap-{snap['pid']}-{snap['ts']}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(snap, fh)
+    os.replace(tmp, path)  # the CLI waits for the final name only
+    return path
+
+
+def _after_fork_in_child() -> None:
+    global _pipe
+    _pipe = None  # the parent's pipe and reader thread are the parent's
+    cfg = _cfg
+    if cfg is not None and signal.getsignal(signal.SIGUSR2) is _on_signal:
+        install(cfg)
+
+
+def _at_exit() -> None:
+    cfg = _cfg
+    if cfg is not None and _pid == os.getpid():
+        with contextlib.suppress(Exception):
+            os.remove(_marker(cfg.data_dir, os.getpid()))
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_at_exit)
+
+
+# --------------------------------------------------------------------------------- gunicorn
+
+
+def patch_gunicorn_worker(module: ModuleType) -> None:
+    """Workers reset every signal gunicorn knows (SIGUSR2 included): take it again after."""
+    _after(getattr(module, "Worker", None), lambda: install(_cfg) if _cfg is not None else None)
+
+
+def patch_gunicorn_arbiter(module: ModuleType) -> None:
+    """The master uses SIGUSR2 to re-execute itself: drop the marker once it took it."""
+    _after(getattr(module, "Arbiter", None), check)
+
+
+def _after(cls: Any, hook: Any) -> None:
+    original = getattr(cls, "init_signals", None)
+    if original is None or getattr(original, "_perfsleuth_original", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def init_signals(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        with contextlib.suppress(Exception):
+            hook()
+        return result
+
+    init_signals._perfsleuth_original = original  # type: ignore[attr-defined]
+    cls.init_signals = init_signals
