@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint format bench bench-ingest bench-accuracy bench-findings bench-evidence clean
+.PHONY: setup demo test lint format bench bench-ingest bench-accuracy bench-findings bench-evidence bench-capture clean
 
 setup:
 	@bash scripts/setup.sh
@@ -36,6 +36,9 @@ bench-findings: setup
 
 bench-evidence: setup
 	$(BIN)/python benchmarks/evidence.py
+
+bench-capture: setup
+	$(BIN)/python benchmarks/capture_decision.py
 
 clean:
 	rm -rf $(VENV) .perfsleuth .perfsleuth-demo build dist src/*.egg-info

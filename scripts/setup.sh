@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 need_apt=()
 command -v memcached >/dev/null 2>&1 || need_apt+=(memcached)
+command -v curl >/dev/null 2>&1 || need_apt+=(curl)  # tests run `perfsleuth replay --curl` output
 # The web UI is built with Node.js (v18+) and tested in Debian's Chromium (no browser download).
 command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
 command -v npm >/dev/null 2>&1 || need_apt+=(npm)
