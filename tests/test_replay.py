@@ -289,3 +289,129 @@ def test_curl_for_is_shell_safe() -> None:
     # Binary bodies go through base64.
     binary = rp.curl_for(capture(body_b64=base64.b64encode(b"\x00\xff\x10").decode()))
     assert "| base64 -d |" in binary and binary.endswith("--data-binary @-")
+
+
+# --------------------------------------------------------------------- agent and store, in-process
+
+
+def test_body_budget_drops_and_counts(monkeypatch: Any) -> None:
+    from perfsleuth.agent import capture
+
+    monkeypatch.setattr(capture, "PENDING_MAX", 100_000)
+    monkeypatch.setattr(capture, "_body_max", 1000)
+    big = capture.BodyTap()
+    for _ in range(9):
+        big.add(b"a" * 10_000)  # whole body kept while the budget allows (for its hash)
+    assert big.full and big.kept == 90_000
+    other = capture.BodyTap()
+    other.add(b"b" * 20_000)  # over budget: only its first body_max bytes
+    assert not other.full and other.kept == 1000 and other.size == 20_000
+    big.add(b"a" * 20_000)  # over budget: trimmed back to its first chunk
+    assert not big.full and big.kept == 10_000 and big.size == 110_000
+    big.release()
+    other.release()
+    assert capture._pending == 0
+    hog = capture.BodyTap()
+    hog.add(b"h" * 99_500)
+    starved = capture.BodyTap()
+    starved.add(b"s" * 5000)  # not even 1000 bytes fit: this body is lost
+    assert starved.lost and starved.kept == 0
+    req = type("R", (), {"trace_id": 1, "start_wall": 0, "start": 0, "end": 0, "endpoint": "",
+                         "method": "POST", "status": 500, "keep": None})()  # fmt: skip
+    before = capture.stats["captures_dropped"]
+    capture.finish_asgi(req, {"headers": []}, starved)  # type: ignore[arg-type]
+    assert capture.stats["captures_dropped"] == before + 1
+    hog.release()
+    assert capture._pending == 0
+
+
+def test_sampled_requests_are_captured(agent_data_dir: str, monkeypatch: Any) -> None:
+    import asyncio
+
+    import perfsleuth.agent as ps
+    from perfsleuth.agent import capture
+    from perfsleuth.wire.segment import read_segment
+
+    monkeypatch.setattr(capture, "_sample", 1.0)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"sampled body", "more_body": False}
+
+    async def send(message: Any) -> None:
+        pass
+
+    scope = {"type": "http", "method": "PUT", "path": "/s", "raw_path": b"/s",
+             "query_string": b"a=1", "scheme": "http", "server": ("10.0.0.1", 81),
+             "headers": [(b"x-auth-token", b"APIKEYSECRET")]}  # fmt: skip
+    asyncio.run(ps.asgi(app)(scope, receive, send))
+    ps.flush()
+    import glob
+
+    recs = [
+        o
+        for p in glob.glob(os.path.join(agent_data_dir, "spool", "*"))
+        if os.path.isfile(p)
+        for t, o in read_segment(Path(p).read_bytes()).records
+        if t == b"C" and o["url"] == "http://10.0.0.1:81/s?a=1"
+    ]
+    assert len(recs) == 1
+    (rec,) = recs
+    assert rec["reason"] == "sample" and rec["status"] == 204 and rec["method"] == "PUT"
+    assert rec["headers"] == [["x-auth-token", "[redacted]"]]
+    assert rec["body_b64"] == "c2FtcGxlZCBib2R5" and rec["body_size"] == 12
+
+
+def test_captures_ingest_exactly_once_and_expire(tmp_path: Path) -> None:
+    from perfsleuth.store.duckdb_store import DuckDBStore
+    from spoolwrite import SegmentWriter
+
+    data = str(tmp_path / "data")
+    old_ns = (time.time_ns() // 10**9 - 40 * 86400) * 10**9
+    w = SegmentWriter(data)
+    w.request("GET /a", trace_id="00000000000000aa")
+    cap = {"id": "00000000000000aa", "ts": time.time_ns(), "dur": 7_000_000, "method": "GET",
+           "endpoint": "GET /a", "status": 200, "reason": "slow", "url": "http://h/a",
+           "headers": [["accept", "*/*"], "junk"], "redacted": [], "body_b64": "",
+           "body_size": 0, "body_truncated": False}  # fmt: skip
+    w.event(b"C", cap)
+    w.event(b"C", cap)  # the same capture twice: one row
+    w.event(b"C", dict(cap, id="00000000000000bb", ts=old_ns))
+    w.event(b"C", {"no": "id"})
+    w.close()
+    with DuckDBStore(data) as store:
+        store.ingest()
+        store.ingest()
+        assert store.query("SELECT count(*) AS n FROM captures") == [{"n": 2}]
+        c = store.capture("00000000000000a")
+        assert c is not None and c["headers"] == [("accept", "*/*")] and c["duration_ms"] == 7.0
+        assert store.capture("00000000000000bb") is not None
+        store.apply_retention(30)
+        assert store.capture("00000000000000aa") is not None
+        assert store.query("SELECT count(*) AS n FROM captures") == [{"n": 1}]
+
+
+def test_django_failure_is_captured_and_replayed(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with launched(tmp_path, data, gunicorn("djproject.wsgi:application", 1), service="dj",
+                  ready="/health/", DJANGO_SETTINGS_MODULE="djproject.settings",
+                  **NO_SAMPLE) as srv:  # fmt: skip
+        assert srv.get("/boom/?q=caf%C3%A9", headers={"Cookie": "sid=COOKIESECRET"})[0] == 500
+        assert srv.get("/orders/5/")[0] == 200
+        caps = wait_for_captures(data, 1)
+        assert set(caps) == {"GET /boom/"}
+        boom = caps["GET /boom/"]
+        assert boom["url"] == f"http://127.0.0.1:{srv.port}/boom/?q=caf%C3%A9"
+        assert boom["redacted"] == "cookie" and "COOKIESECRET" not in boom["headers"]
+        rep = ok_json(data, "replay", boom["trace_id"], "--to", f"http://127.0.0.1:{srv.port}")
+        assert [r["status"] for r in rep["runs"]] == [500]
+        assert srv.stop() == 0
+    rows = sql(
+        data,
+        "SELECT status, count(*) AS n FROM requests WHERE endpoint = 'GET /boom/' GROUP BY ALL",
+    )
+    assert [(r["status"], r["n"]) for r in rows] == [(500, 2)]

@@ -129,8 +129,13 @@ class BodyTap:
             _release(self.kept - total)
             self.kept = total
         elif self.kept < _body_max:
-            self.lost = True
-            self.release()
+            part = data[: _body_max - self.kept]  # a copy of at most body_max bytes
+            if _reserve(len(part)):
+                self.chunks.append(bytes(part))
+                self.kept += len(part)
+            else:
+                self.lost = True
+                self.release()
 
     def release(self) -> None:
         kept, self.kept = self.kept, 0
@@ -206,6 +211,40 @@ def finish_wsgi(req: recorder.ActiveRequest, environ: Any, tap: BodyTap | None) 
         recorder.internal_error()
         if tap is not None:
             tap.release()
+
+
+def finish_django(req: recorder.ActiveRequest, request: Any) -> None:
+    """After a request recorded by the Django middleware ended (WSGI or ASGI): keep a capture
+    of it if chosen. The body is the one Django read and cached (``request.body``), if any."""
+    try:
+        if _fault:
+            raise RuntimeError("injected capture crash")
+        why = reason(req)
+        if why is None:
+            return
+        meta = request.META
+        headers = [
+            (k, v)
+            for k, v in meta.items()
+            if type(k) is str
+            and (k.startswith("HTTP_") or k in ("CONTENT_TYPE", "CONTENT_LENGTH"))
+            and type(v) is str
+        ]
+        parts = (
+            str(request.scheme or "http"),
+            f"{meta.get('SERVER_NAME', '')}:{meta.get('SERVER_PORT', '')}",
+            request.get_full_path(),
+            "",
+            "",
+        )
+        body = getattr(request, "_body", None)
+        tap = None
+        if isinstance(body, bytes) and body:
+            tap = BodyTap()
+            tap.add(body)
+        _keep(req, why, headers, parts, tap)
+    except Exception:
+        recorder.internal_error()
 
 
 def _keep(

@@ -28,7 +28,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from perfsleuth.agent import recorder
+from perfsleuth.agent import capture, recorder
 from perfsleuth.agent.frameworks.wsgi import content_length, endpoint, read_environ, unmatched
 
 _current = recorder._current
@@ -84,7 +84,7 @@ class PerfsleuthMiddleware:
         try:
             response = self.get_response(request)
         except BaseException as exc:
-            _failed(req, exc)
+            _failed(req, exc, request)
             raise
         _complete(req, request, response)
         return response
@@ -98,7 +98,7 @@ class PerfsleuthMiddleware:
         try:
             response = await self.get_response(request)
         except BaseException as exc:
-            _failed(req, exc)
+            _failed(req, exc, request)
             raise
         _complete(req, request, response)
         return response
@@ -161,7 +161,7 @@ def _name_current(request: Any, response: Any) -> None:
         recorder.internal_error()
 
 
-def _failed(req: recorder.ActiveRequest, exc: BaseException) -> None:
+def _failed(req: recorder.ActiveRequest, exc: BaseException, request: Any = None) -> None:
     try:
         req.status = 500
         req.error = type(exc).__name__
@@ -170,6 +170,8 @@ def _failed(req: recorder.ActiveRequest, exc: BaseException) -> None:
     except Exception:
         pass
     recorder.end(req)
+    if capture.on and request is not None:
+        capture.finish_django(req, request)
 
 
 def _complete(req: recorder.ActiveRequest, request: Any, response: Any) -> None:
@@ -190,6 +192,8 @@ def _complete(req: recorder.ActiveRequest, request: Any, response: Any) -> None:
     except Exception:
         recorder.internal_error()
     recorder.end(req)
+    if capture.on:
+        capture.finish_django(req, request)
 
 
 # ------------------------------------------------------------------------------------ patch
