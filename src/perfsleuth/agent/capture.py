@@ -270,14 +270,7 @@ def _keep(
         why,
     )
 
-    def build(_intern: Any) -> dict[str, Any]:
-        try:
-            return _record(fields, headers, parts, tap)
-        finally:
-            if tap is not None:
-                tap.release()
-
-    if shipper.emit(b"C", build):
+    if shipper.emit(b"C", _Build(fields, headers, parts, tap)):
         stats["captures"] += 1
     else:
         stats["captures_dropped"] += 1
@@ -286,6 +279,35 @@ def _keep(
 
 
 # ------------------------------------------------------------------ writer thread: the record
+
+
+class _Build:
+    """The queued event: builds the record on the writer thread. Its body bytes leave the
+    budget when it has run or, if the shipper dropped it unbuilt, when it is freed."""
+
+    __slots__ = ("fields", "headers", "parts", "tap")
+
+    def __init__(
+        self, fields: tuple[Any, ...], headers: list[Any], parts: tuple[Any, ...], tap: Any
+    ) -> None:
+        self.fields, self.headers, self.parts, self.tap = fields, headers, parts, tap
+
+    def __call__(self, _intern: Any) -> dict[str, Any]:
+        try:
+            return _record(self.fields, self.headers, self.parts, self.tap)
+        finally:
+            self.done()
+
+    def done(self) -> None:
+        tap, self.tap = self.tap, None
+        if tap is not None:
+            tap.release()
+
+    def __del__(self) -> None:
+        try:
+            self.done()
+        except Exception:
+            pass
 
 
 def _text(v: Any) -> str:
