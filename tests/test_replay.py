@@ -415,3 +415,15 @@ def test_django_failure_is_captured_and_replayed(tmp_path: Path) -> None:
         "SELECT status, count(*) AS n FROM requests WHERE endpoint = 'GET /boom/' GROUP BY ALL",
     )
     assert [(r["status"], r["n"]) for r in rows] == [(500, 2)]
+
+
+def test_loop_blocker_is_captured(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    env = {"PERFSLEUTH_CAPTURE_SAMPLE": "0", "PERFSLEUTH_CAPTURE_SLOW_MS": "5000"}
+    with launched(tmp_path, data, uvicorn("replay_app:app"), service="blk", ready="/fast",
+                  **env) as srv:  # fmt: skip
+        assert srv.get("/block")[0] == 200
+        assert srv.get("/fast")[0] == 200
+        caps = wait_for_captures(data, 1)
+        assert srv.stop() in (0, -15)
+    assert set(caps) == {"GET /block"} and caps["GET /block"]["reason"] == "blocker"

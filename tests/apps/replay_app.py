@@ -55,6 +55,12 @@ async def slow(item_id: int, request: Request) -> dict[str, Any]:
     return dict(answer(body, request.headers), item_id=item_id)
 
 
+@app.get("/block")
+async def block() -> dict[str, bool]:
+    time.sleep(0.25)  # blocks the event loop: the watchdog flags this request for capture
+    return {"ok": True}
+
+
 @app.get("/boom")
 def boom() -> dict[str, Any]:
     raise RuntimeError("planted failure")
