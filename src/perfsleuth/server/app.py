@@ -50,8 +50,11 @@ class Backend:
     """The one store of the server process, its lock, and the background ingest."""
 
     def __init__(self, data_dir: str, ingest_every: float = 3.0) -> None:
+        """``ingest_every`` <= 0: no ingest, and the store is opened read-only, so that CLI
+        commands on the same data can run beside the server (DuckDB lets many processes read
+        a file, or one write it)."""
         self.data_dir = os.path.abspath(data_dir)
-        self.store: Store = open_store(self.data_dir)
+        self.store: Store = open_store(self.data_dir, read_only=ingest_every <= 0)
         # The SQL console must not read or write files of the machine (read_csv, COPY, ...):
         # nothing else of the server needs external access, and it cannot be switched back on.
         con = getattr(self.store, "_con", None)
