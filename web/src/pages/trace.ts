@@ -97,7 +97,7 @@ export async function tracePage(root: HTMLElement, ctx: Ctx): Promise<void> {
     }
     root.append(
       section(
-        `Stack samples (${fmtInt(t.stack_samples.length)}; red = on CPU, grey = waiting)`,
+        `Stack samples (${fmtInt(t.stack_samples.length)}; red = on CPU, blue = in a recorded call, grey = waiting)`,
         strip,
         h("table", { class: "grid" }, h("thead", {}, h("tr", {}, h("th", {}, "innermost application frame"), h("th", { class: "num" }, "samples"), h("th", { class: "num" }, "on CPU"))), h("tbody", {}, [...counts.entries()].sort((a, b) => b[1].n - a[1].n).map(([k, c]) => h("tr", {}, h("td", { class: "mono" }, k), h("td", { class: "num" }, fmtInt(c.n)), h("td", { class: "num" }, fmtInt(c.cpu)))))),
       ),
