@@ -178,6 +178,16 @@ def test_overview_endpoint_trace(page: Any, server: str) -> None:
 def test_flame_graph_and_samples_of_the_cpu_hotspot(page: Any, server: str) -> None:
     open_page(page, server, f"endpoint?since={SINCE}&refresh=0&name={quote('GET /search')}")
     page.wait_for_selector("svg.flame .flame-frame[data-name^='_edit_distance']")
+    # a click on a frame zooms into it: it becomes the top frame
+    frames = page.locator("svg.flame .flame-frame")
+    before = frames.count()
+    page.locator("svg.flame .flame-frame[data-name^='_edit_distance']").first.click()
+    assert (
+        page.locator("svg.flame .flame-frame")
+        .first.get_attribute("data-name")
+        .startswith("_edit_distance")
+    )
+    assert page.locator("svg.flame .flame-frame").count() < before
     page.screenshot(path=str(SHOTS / "endpoint-search.png"), full_page=True)
     tid = api(server, "traces", endpoint="GET /search", since=SINCE, slowest=1)[0]["trace_id"]
     open_page(page, server, f"trace?id={tid}&refresh=0")

@@ -91,7 +91,19 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
     else if (!prof.samples) flameBox.append(h("p", { class: "dim" }, "No stack samples: the agent samples requests slower than its threshold."));
     else {
       const states = Object.entries(prof.states).map(([k, v]) => `${k} ${fmtInt(v)}`).join(", ");
-      flameBox.append(h("div", { class: "dim" }, `${fmtInt(prof.samples)} samples of ${fmtInt(prof.requests)} requests (${states}); hover a frame for details`), flameGraph(prof.tree, Math.max(400, flameBox.clientWidth)));
+      const width = Math.max(400, flameBox.clientWidth);
+      const graph = h("div", { class: "flame-graph" });
+      // A click on a frame zooms into it; a click on the top frame goes back up one level.
+      const draw = (node: TreeNode, path: TreeNode[]) => {
+        graph.replaceChildren(
+          flameGraph(node, width, (picked) => {
+            if (picked === node && path.length) draw(path[path.length - 1], path.slice(0, -1));
+            else if (picked !== node) draw(picked, [...path, node]);
+          }),
+        );
+      };
+      draw(prof.tree, []);
+      flameBox.append(h("div", { class: "dim" }, `${fmtInt(prof.samples)} samples of ${fmtInt(prof.requests)} requests (${states}); hover a frame for details, click to zoom in (the top frame zooms out)`), graph);
       flameBox.append(
         h("h3", {}, "Top functions (self time)"),
         table(
