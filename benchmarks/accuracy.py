@@ -9,7 +9,9 @@ same harness as tests/test_zoo.py, then scores ``perfsleuth findings --json``:
 * TP: a planted problem found (a finding of its kind on its bad endpoint);
 * FN: a planted problem not found;
 * FP: a finding of a kind on an endpoint not planted with that kind (a clean twin, another
-  plant's endpoint, a health check), counted once per (kind, endpoint).
+  plant's endpoint, a health check), counted once per (kind, endpoint); except the kinds a
+  plant declares it causes (``Plant.also``, e.g. GC pressure from parsing huge bodies), which
+  are listed as "also" and counted neither way.
 
 For kinds whose findings point at code, ``line ok`` counts the TPs whose callsite is the
 ``# PLANTED`` line. Kinds reported but never planted get rows too (all their findings are
@@ -45,6 +47,7 @@ class Score:
     line_ok: int | None = None  # TPs pointing at the planted line (callsite kinds only)
     missed: list[str] = field(default_factory=list)  # bad endpoints not found
     false: list[str] = field(default_factory=list)  # endpoints wrongly reported
+    also: list[str] = field(default_factory=list)  # consequences of a plant (Plant.also)
     wrong_line: list[str] = field(default_factory=list)
 
     @property
@@ -85,8 +88,11 @@ def score(plants: Iterable[Plant], findings: list[dict[str, Any]]) -> dict[str, 
                 s.line_ok += 1
             else:
                 s.wrong_line.append(endpoint)
+    also = {(k, p.bad) for p in plants for k in p.also}
     for kind, endpoint in reported:
-        if (kind, endpoint) not in planted:
+        if (kind, endpoint) in also:
+            scores.setdefault(kind, Score()).also.append(endpoint)
+        elif (kind, endpoint) not in planted:
             s = scores.setdefault(kind, Score())
             s.fp += 1
             s.false.append(endpoint)
@@ -129,6 +135,7 @@ def details(scores: dict[str, Score]) -> str:
     for kind, s in sorted(scores.items()):
         out += [f"  missed     {kind:<20} {e}" for e in s.missed]
         out += [f"  false      {kind:<20} {e}" for e in s.false]
+        out += [f"  also       {kind:<20} {e} (a consequence of its plant)" for e in s.also]
         out += [f"  wrong line {kind:<20} {e}" for e in s.wrong_line]
     return "\n".join(out) if out else "  none: every plant found, nothing else reported"
 

@@ -65,6 +65,7 @@ def drive_async_app(srv: Any) -> None:
         assert srv.get("/alloc")[0] == 200
     for _ in range(20):
         assert srv.get("/fast")[0] == 200
+    assert json.loads(srv.get("/items/count")[1])["n"] == 50_000
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +309,16 @@ def test_a_crashing_evidence_thread_costs_evidence_not_answers(tmp_path: Path) -
         store.ingest()
         assert store.query("SELECT count(*) AS n FROM requests") == [{"n": answered}]
         assert store.query("SELECT count(*) AS n FROM samples") == [{"n": 0}]
+
+
+def test_call_stacks_through_the_thread_pool_hold_no_agent_frames(asyncio_store: Path) -> None:
+    with DuckDBStore(str(asyncio_store), read_only=True) as store:
+        (t,) = store.traces(endpoint="GET /items/count")
+        (call,) = store.trace(t["trace_id"])["calls"]
+    files = [f["file"] for f in call["stack"]]
+    assert files[-1].endswith("evidence_app.py")
+    assert any("anyio" in f for f in files)  # it did cross the thread pool
+    assert not [f for f in files if os.sep + os.path.join("perfsleuth", "agent") in f]
 
 
 # ------------------------------------------------------------------ the store side, no server

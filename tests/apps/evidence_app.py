@@ -63,6 +63,13 @@ async def import_rows() -> dict[str, Any]:
     return {"rows": len(out)}
 
 
+@app.get("/items/count")
+def items_count() -> dict[str, Any]:
+    """A sync endpoint (thread pool) making one query: its call stack crosses the agent's
+    thread-pool wrapper, which must not show in it."""
+    return {"n": _db.execute("SELECT count(*) FROM items").fetchone()[0]}
+
+
 @app.get("/slow-wait")
 async def slow_wait() -> dict[str, Any]:
     """Waits (does not block): in flight while /parse blocks, so it is delayed."""

@@ -30,6 +30,9 @@ class Plant:
     # Calls (DB, HTTP or cache) with the planted line on their stack, per bad request.
     per_request: int = 1
     body: Callable[[int, str], bytes] | None = None  # request body for request i, variant
+    # Other finding kinds the bad twin causes as a direct consequence of the plant (true
+    # findings, not noise): the accuracy benchmark counts them apart, neither TP nor FP.
+    also: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -101,7 +104,10 @@ PLANTS: tuple[Plant, ...] = (
     Plant("repeated_query", "flask", "flask_repeated.py",
           "GET /repeated/{variant}/<int:account_id>", "/repeated/{variant}/{n}", per_request=3),
     Plant("large_request_body", "flask", "flask_large_body.py", "POST /large-body/{variant}",
-          "/large-body/{variant}", per_request=0, body=import_body),
+          "/large-body/{variant}", per_request=0, body=import_body,
+          # Parsing 0.2-2 MB bodies builds ~17k objects a request: measured 2026-11-25, 25
+          # collections, 12 ms and 32 % of the request in GC (the clean twin: under 2 %).
+          also=("gc_pressure",)),
     # Django (gunicorn)
     Plant("n_plus_one", "django", "django_n1_orm.py", "GET /n1-orm/{variant}/",
           "/n1-orm/{variant}/", per_request=30),  # django_n1_orm.AUTHORS_PER_PAGE

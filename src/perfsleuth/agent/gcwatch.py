@@ -2,10 +2,12 @@
 
 Every collection stops every thread that wants the GIL, so its time is added to all requests
 in flight (``req.gc_ns``, ``req.gc_count``, stored as ``requests.gc_ms`` / ``gc_count``).
-Collections of at least ``gc_event_ms`` are also kept as GC pause events (generation,
-duration, objects collected, the requests they hit), batched and shipped by the evidence
-thread. The callback does a clock read and, at "stop", a walk over the requests in flight:
-collections are rare next to requests (a few per request at most), so this stays cheap.
+Collections of at least ``gc_event_ms`` that hit a request are also kept as GC pause events
+(generation, duration, objects collected, the requests they hit), batched and shipped by the
+evidence thread; a pause with no request in flight delayed nobody (and a server's master
+process, which serves none, writes nothing). The callback does a clock read and, at "stop",
+a walk over the requests in flight; CPython's own callback machinery costs ~1.6 µs a
+collection (measured with a no-op callback), a few per request at most.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def _callback(phase: str, info: dict[str, Any]) -> None:
         for r in reqs:
             r.gc_ns += dur
             r.gc_count += 1
-        if dur >= _min_ns:
+        if dur >= _min_ns and reqs:  # a pause with no request in flight delayed nobody
             if len(_pending) >= MAX_PENDING:
                 recorder.stats["gc_events_dropped"] += 1
                 return

@@ -215,14 +215,21 @@ class _Encoder:
         key = (*map(id, flat[::2]), *flat[1::2])
         hit = self.stack_ids.get(key)
         if hit is None:
-            frames = list(zip(flat[::2], flat[1::2], strict=True))
+            # The agent's own wrappers can sit mid-stack (a thread-pool hand-off): drop them
+            # here, once per distinct stack, rather than on the request path.
+            frames = [
+                fr
+                for fr in zip(flat[::2], flat[1::2], strict=True)
+                if stacks.classify(fr[0]) is not None
+            ]
             ids = [self.location(seg, out, fr) for fr in reversed(frames)]  # outermost first
             site = next((i for i, fr in enumerate(frames) if stacks.classify(fr[0])), 0)
             site_id = ids[len(ids) - 1 - site] if ids else NULL
             hit = self.stack_ids[key] = (fpr.stable_id(*ids), ids, flat, site_id)
         if hit[0] not in seg.stacks:
             for fr in zip(flat[::2], flat[1::2], strict=True):
-                self.location(seg, out, fr)
+                if stacks.classify(fr[0]) is not None:
+                    self.location(seg, out, fr)
             seg.stacks.add(hit[0])
             out.append(encode_record(STACK, {"id": hit[0], "frames": hit[1]}))
         return hit[0], hit[3]
