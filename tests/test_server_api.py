@@ -170,6 +170,7 @@ def test_traces_and_trace(client: TestClient) -> None:
     ts = get(client, f"/api/traces/{search['trace_id']}")
     assert ts["samples"] == len(ts["stack_samples"]) > 0
     assert ts["stack_samples"][0]["stack"]
+    assert ts["profile"]["value"] == ts["samples"]  # its own flame graph
     # the catalog import blocked the event loop
     imp = get(client, "/api/traces", endpoint="POST /catalog/import", since=SINCE, slowest=3)
     blocked = [get(client, f"/api/traces/{r['trace_id']}") for r in imp]

@@ -192,7 +192,9 @@ def test_flame_graph_and_samples_of_the_cpu_hotspot(page: Any, server: str) -> N
     tid = api(server, "traces", endpoint="GET /search", since=SINCE, slowest=1)[0]["trace_id"]
     open_page(page, server, f"trace?id={tid}&refresh=0")
     assert page.locator(".sample-strip .sample").count() > 0
+    page.wait_for_selector("svg.flame .flame-frame[data-name^='_edit_distance']")
     assert page.get_by_text("_edit_distance").count() > 0
+    page.screenshot(path=str(SHOTS / "trace-search.png"), full_page=True)
 
 
 def test_findings_page(page: Any, server: str) -> None:

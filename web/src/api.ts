@@ -161,6 +161,7 @@ export interface Trace extends Record<string, unknown> {
   samples: number;
   blockers: number;
   stack_samples: { offset_ms: number; state: string; stack: Frame[] }[];
+  profile: TreeNode | null;
   blocker_events: { ts: string; duration_ms: number; delayed: number; last_call: string | null; stack: Frame[] }[];
 }
 

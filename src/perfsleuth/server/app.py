@@ -324,8 +324,16 @@ def create_app(
                 t = store.trace(trace_id)
             except StoreError as e:
                 raise queries.NotFound(str(e)) from e
+            from perfsleuth.analysis import profile
+
             tid = t["trace_id"]
             t["stack_samples"] = store.samples(tid) if t.get("samples") else []
+            # The same samples merged by function: the request's own flame graph.
+            t["profile"] = (
+                profile.load(store, t["endpoint"], trace_id=tid).tree()
+                if t["stack_samples"]
+                else None
+            )
             t["blocker_events"] = store.blockers(trace_id=tid) if t.get("blockers") else []
             return t
 
