@@ -10,7 +10,8 @@ sites and statements (for the endpoint page). Then it times, in one process:
 
 - the overview API (``GET /api/overview``) for 1h, 24h, 7d and all, through the ASGI app (JSON
   included), best and median of 5;
-- the endpoint API for the busiest endpoint (24h);
+- the endpoint API for the busiest endpoint (24h), and the findings API (24h: the detectors
+  run once, then the server keeps their answer for 30 s);
 - the overview page in headless Chromium (Debian's /usr/bin/chromium) until it is usable
   (tables and charts drawn), for 24h and 7d, 3 loads each.
 
@@ -152,6 +153,14 @@ def main() -> None:
             top = get("/api/endpoints", since="24h")[0]["endpoint"]  # type: ignore[index]
             best, med = timed(lambda: get("/api/endpoint", name=top, since="24h"), 3)
             print(f"endpoint API  since=24h  {top}  best {best:5.2f} s  median {med:5.2f} s")
+            t = time.perf_counter()
+            n = len(get("/api/findings", since="24h"))  # type: ignore[arg-type]
+            first = time.perf_counter() - t
+            best, _ = timed(lambda: get("/api/findings", since="24h"), 3)
+            print(
+                f"findings API since=24h  {n} findings  first {first:5.2f} s  "
+                f"then (cached for 30 s) {best:5.3f} s"
+            )
         if not args.no_browser:
             browser_timings(data)
     finally:

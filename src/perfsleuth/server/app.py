@@ -36,6 +36,7 @@ log = logging.getLogger("perfsleuth.server")
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 SQL_MAX_ROWS = 10_000
 SQL_TIME_LIMIT_S = 10.0
+FINDINGS_TTL_S = 30.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -64,12 +65,29 @@ class Backend:
         self.ingest_every = ingest_every
         self.last_ingest: dict[str, Any] = {"at": None, "requests": 0, "error": None}
         self._stop = threading.Event()
+        self._findings: dict[tuple[str, str | None], tuple[float, list[Any]]] = {}
         self._thread: threading.Thread | None = None
 
     @contextmanager
     def use(self) -> Iterator[Store]:
         with self.lock:
             yield self.store
+
+    def findings(self, store: Store, w: Window, endpoint: str | None = None) -> list[Any]:
+        """The detectors' findings, kept for FINDINGS_TTL_S: they cost seconds over millions of
+        requests, and every page refresh and every "evidence" click asks again."""
+        from perfsleuth.analysis import find
+
+        key = (w.label, endpoint)
+        hit = self._findings.get(key)
+        now = time.monotonic()
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        found = find(store, since=w.since, endpoint=endpoint)
+        if len(self._findings) > 64:
+            self._findings.clear()
+        self._findings[key] = (now + FINDINGS_TTL_S, found)
+        return found
 
     def ingest_once(self) -> None:
         try:
@@ -341,26 +359,26 @@ def create_app(
 
     @app.get("/api/findings", summary="Findings, highest impact first")
     def findings(endpoint: str | None = None, since: SinceQ = "1h") -> Response:
-        from perfsleuth.analysis import find
 
         w = _window(since)
 
         def body(store: Store) -> list[dict[str, Any]]:
             if endpoint is not None:
                 queries.check_endpoint(store, endpoint)
-            return [f.to_dict() for f in find(store, since=w.since, endpoint=endpoint)]
+            return [f.to_dict() for f in be.findings(store, w, endpoint)]
 
         return run(body)
 
     @app.get("/api/findings/{finding_id}", summary="One finding with its evidence")
     def finding(finding_id: str, since: SinceQ = "1h") -> Response:
-        from perfsleuth.analysis import find, loops
+        from perfsleuth.analysis import loops
 
         w = _window(since)
 
         def body(store: Store) -> dict[str, Any]:
             want = finding_id.strip().lower()
-            matches = [f for f in find(store, since=w.since) if want and f.id.startswith(want)]
+            found = be.findings(store, w)
+            matches = [f for f in found if want and f.id.startswith(want)]
             if not matches:
                 raise queries.NotFound(f"no finding with id {finding_id!r} in this window")
             if len(matches) > 1:
