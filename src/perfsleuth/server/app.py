@@ -398,7 +398,14 @@ def create_app(
         if not query.strip():
             raise ApiError(400, "the query is empty")
         with be.use() as store:
-            timer = threading.Timer(sql_time_limit, be.interrupt)
+            running = threading.Event()
+            running.set()
+
+            def stop() -> None:
+                if running.is_set():  # never interrupt whatever runs after this query
+                    be.interrupt()
+
+            timer = threading.Timer(sql_time_limit, stop)
             t0 = time.perf_counter()
             timer.start()
             try:
@@ -409,6 +416,7 @@ def create_app(
                     msg = f"the query was stopped: it ran longer than {sql_time_limit:g} s"
                 raise ApiError(400, msg.strip().splitlines()[0] if msg.strip() else msg) from e
             finally:
+                running.clear()
                 timer.cancel()
             elapsed = (time.perf_counter() - t0) * 1000
         return _ok(
