@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from perfsleuth.analysis.findings import find
 from perfsleuth.demo import ENDPOINTS, PLANTED
 from perfsleuth.server import create_app
+from perfsleuth.store.duckdb_store import DuckDBStore
 
 N1 = "GET /customers/{customer_id}/orders"
 SINCE = "24h"
@@ -139,9 +141,6 @@ def test_calltree_profile_and_findings_of_an_endpoint(client: TestClient) -> Non
 def test_findings_and_explain(client: TestClient, data: str) -> None:
     """The API lists what the detectors find (which planted problems a 6-second demo on a busy
     machine shows is test_detectors' business), ranked, each with its evidence."""
-    from perfsleuth.analysis import find
-    from perfsleuth.store.duckdb_store import DuckDBStore
-
     found = get(client, "/api/findings", since=SINCE)
     with DuckDBStore(data, read_only=True) as store:
         expected = [f.to_dict() for f in find(store, since=timedelta(hours=24))]
