@@ -149,13 +149,19 @@ def test_overview_endpoint_trace(page: Any, server: str) -> None:
     p95 = page.locator(".stat[data-stat='p95 ms'] .stat-value").inner_text()
     assert p95 == fmt_ms(d["summary"]["p95_ms"])
     page.wait_for_selector("svg.treemap .treemap-node[data-name^='customer_orders']")
+    page.screenshot(path=str(SHOTS / "endpoint.png"), full_page=True)
+    # a click on a call site zooms the treemap into it
+    node = page.locator("svg.treemap .treemap-node[data-name^='customer_orders']").first
+    node.click(position={"x": 6, "y": 6})  # its label strip (its children cover the rest)
+    assert "› customer_orders" in page.locator(".crumb").inner_text()
+    top = page.locator("svg.treemap .treemap-node[data-depth='0']").get_attribute("data-name")
+    assert top.startswith("customer_orders")
     mine = api(server, "findings", endpoint=N1, since=SINCE)
     shown = page.locator("li.finding").evaluate_all("els => els.map(e => e.dataset.id)")
     assert shown == [f["id"] for f in mine]
     page.wait_for_selector("svg.flame .flame-frame")
     slow_links = page.locator("a.trace-link")
     assert slow_links.count() >= len(d["slowest"])
-    page.screenshot(path=str(SHOTS / "endpoint.png"), full_page=True)
 
     # endpoint -> its slowest trace
     tid = d["slowest"][0]["trace_id"]
