@@ -118,6 +118,7 @@ def cell(row: Any, col: str) -> str:
 
 def test_overview_endpoint_trace(page: Any, server: str) -> None:
     open_page(page, server, f"overview?since={SINCE}&refresh=0")
+    assert "token" not in page.url  # kept for the tab, not in links copied from the bar
     ov = api(server, "overview", since=SINCE)
     rows = page.locator("tr[data-endpoint]")
     assert rows.count() == len(ov["endpoints"])
