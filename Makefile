@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint format bench bench-ingest bench-accuracy bench-findings bench-evidence bench-capture clean
+.PHONY: setup demo test lint format bench bench-ingest bench-accuracy bench-findings bench-evidence bench-capture bench-ui clean
 
 setup:
 	@bash scripts/setup.sh
@@ -33,6 +33,9 @@ bench-accuracy: setup
 
 bench-findings: setup
 	$(BIN)/python benchmarks/findings.py
+
+bench-ui: setup
+	$(BIN)/python benchmarks/ui.py
 
 bench-evidence: setup
 	$(BIN)/python benchmarks/evidence.py

@@ -2,9 +2,16 @@
 const TOKEN_KEY = "perfsleuth.token";
 
 export function token(): string | null {
-  const fromUrl = new URLSearchParams(location.search).get("token");
-  if (fromUrl) sessionStorage.setItem(TOKEN_KEY, fromUrl);
-  return fromUrl || sessionStorage.getItem(TOKEN_KEY);
+  const search = new URLSearchParams(location.search);
+  const fromUrl = search.get("token");
+  if (fromUrl) {
+    sessionStorage.setItem(TOKEN_KEY, fromUrl);
+    // Out of the address bar (and so out of links copied from it), kept for this tab.
+    search.delete("token");
+    const rest = search.toString();
+    history.replaceState(null, "", location.pathname + (rest ? "?" + rest : "") + location.hash);
+  }
+  return sessionStorage.getItem(TOKEN_KEY);
 }
 
 export class ApiError extends Error {
@@ -161,6 +168,7 @@ export interface Trace extends Record<string, unknown> {
   samples: number;
   blockers: number;
   stack_samples: { offset_ms: number; state: string; stack: Frame[] }[];
+  profile: TreeNode | null;
   blocker_events: { ts: string; duration_ms: number; delayed: number; last_call: string | null; stack: Frame[] }[];
 }
 

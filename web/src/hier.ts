@@ -23,10 +23,10 @@ function own(n: TreeNode): number {
   return Math.max(0, (n.ms ?? 0) - kids);
 }
 
-export function treemapView(root: TreeNode, width: number, height = 420): SVGElement {
+export function treemapView(root: TreeNode, width: number, height = 420, onPick?: (n: TreeNode) => void): SVGElement {
   const svg = svgEl("svg", { width, height, class: "treemap", viewBox: `0 0 ${width} ${height}` });
   const h = hierarchy(root, (d) => d.children).sum((d) => own(d));
-  const layout = treemap<TreeNode>().size([width, height]).paddingTop(16).paddingInner(1).paddingOuter(2).tile(treemapSquarify).round(true);
+  const layout = treemap<TreeNode>().size([width, height]).paddingOuter(2).paddingTop(16).paddingInner(1).tile(treemapSquarify).round(true);
   const laid = layout(h);
   const total = root.ms || 1;
   for (const n of laid.descendants()) {
@@ -44,6 +44,10 @@ export function treemapView(root: TreeNode, width: number, height = 420): SVGEle
       t.textContent = label.length * 6.2 > w ? label.slice(0, Math.max(3, Math.floor(w / 6.2) - 1)) + "…" : label;
       g.append(t);
     }
+    if (onPick) g.addEventListener("click", (e) => {
+      e.stopPropagation();
+      onPick(n.data);
+    });
     svg.append(g);
   }
   return svg;

@@ -67,7 +67,8 @@ def build(data: str, requests: int, per_request: int) -> None:
             '/e', 200, NULL, 5 + random() * 100 + (i % {ENDPOINTS} = 7)::INT * 300
                 + (i % {ENDPOINTS} = 11)::INT * (i % 1000) / 5, NULL,
             CASE WHEN i % {ENDPOINTS} = 11 THEN (i % 1000) * 2000 ELSE 0 END, 500,
-            'u' || (i % 2000), 't' || (i % 20), {per_request}, 20.0, 0, 0.0, 0, 0.0, 0
+            'u' || (i % 2000), 't' || (i % 20), {per_request}, 20.0, 0, 0.0, 0, 0.0, 0,
+            0.5, 1
         FROM range(0, {requests}) t(i)"""
     )
     # Calls: trace = i // per_request. Endpoints 0-4 loop one statement (N+1), 5-6 repeat a

@@ -183,7 +183,8 @@ def run_demo(data: str, seconds: float, *, as_json: bool, ui: bool = False) -> i
 
         out.print()
         out.print(Text("The same, and more, in the browser:", style="bold underline"))
-        start_ui(data, "127.0.0.1", free_port("127.0.0.1", DEFAULT_PORT), None)
+        # Read-only: the commands above keep working while the UI is served.
+        start_ui(data, "127.0.0.1", free_port("127.0.0.1", DEFAULT_PORT), None, ingest=False)
     return 0
 
 

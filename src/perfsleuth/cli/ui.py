@@ -37,7 +37,7 @@ def free_port(host: str, preferred: int) -> int:
         return int(s.getsockname()[1])
 
 
-def start_ui(data: str, host: str, port: int, token: str | None) -> None:
+def start_ui(data: str, host: str, port: int, token: str | None, ingest: bool = True) -> None:
     """Check the settings, print the URL once listening, serve until Ctrl-C."""
     from perfsleuth.server import LOOPBACK, serve, url_for
 
@@ -54,7 +54,7 @@ def start_ui(data: str, host: str, port: int, token: str | None) -> None:
         typer.echo("Ctrl-C stops it.")
 
     try:
-        serve(data, host=host, port=port, token=token, on_ready=ready)
+        serve(data, host=host, port=port, token=token, on_ready=ready, ingest=ingest)
     except KeyboardInterrupt:
         pass
 
@@ -76,6 +76,14 @@ def ui(
             help="Require this token on every API call (Bearer header or ?token=).",
         ),
     ] = None,
+    no_ingest: Annotated[
+        bool,
+        typer.Option(
+            "--no-ingest",
+            help="Serve what is ingested, read-only: other perfsleuth commands can then use "
+            "the data at the same time.",
+        ),
+    ] = False,
 ) -> None:
     """Serve the web UI and its JSON API (/api/), ingesting the spool as it grows."""
-    start_ui(data, host, port, token or None)
+    start_ui(data, host, port, token or None, ingest=not no_ingest)

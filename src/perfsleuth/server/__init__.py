@@ -20,11 +20,13 @@ def serve(
     port: int = 8321,
     token: str | None = None,
     on_ready: object = None,
+    ingest: bool = True,
 ) -> None:
-    """Serve until interrupted (Ctrl-C). ``on_ready(port)`` is called once listening."""
+    """Serve until interrupted (Ctrl-C). ``on_ready(port)`` is called once listening. Without
+    ``ingest`` the store is opened read-only."""
     import uvicorn
 
-    app = create_app(data_dir, token=token)
+    app = create_app(data_dir, token=token, ingest_every=3.0 if ingest else 0)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     if callable(on_ready):

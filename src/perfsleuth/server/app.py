@@ -36,6 +36,7 @@ log = logging.getLogger("perfsleuth.server")
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 SQL_MAX_ROWS = 10_000
 SQL_TIME_LIMIT_S = 10.0
+FINDINGS_TTL_S = 30.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -50,8 +51,11 @@ class Backend:
     """The one store of the server process, its lock, and the background ingest."""
 
     def __init__(self, data_dir: str, ingest_every: float = 3.0) -> None:
+        """``ingest_every`` <= 0: no ingest, and the store is opened read-only, so that CLI
+        commands on the same data can run beside the server (DuckDB lets many processes read
+        a file, or one write it)."""
         self.data_dir = os.path.abspath(data_dir)
-        self.store: Store = open_store(self.data_dir)
+        self.store: Store = open_store(self.data_dir, read_only=ingest_every <= 0)
         # The SQL console must not read or write files of the machine (read_csv, COPY, ...):
         # nothing else of the server needs external access, and it cannot be switched back on.
         con = getattr(self.store, "_con", None)
@@ -61,12 +65,29 @@ class Backend:
         self.ingest_every = ingest_every
         self.last_ingest: dict[str, Any] = {"at": None, "requests": 0, "error": None}
         self._stop = threading.Event()
+        self._findings: dict[tuple[str, str | None], tuple[float, list[Any]]] = {}
         self._thread: threading.Thread | None = None
 
     @contextmanager
     def use(self) -> Iterator[Store]:
         with self.lock:
             yield self.store
+
+    def findings(self, store: Store, w: Window, endpoint: str | None = None) -> list[Any]:
+        """The detectors' findings, kept for FINDINGS_TTL_S: they cost seconds over millions of
+        requests, and every page refresh and every "evidence" click asks again."""
+        from perfsleuth.analysis import find
+
+        key = (w.label, endpoint)
+        hit = self._findings.get(key)
+        now = time.monotonic()
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        found = find(store, since=w.since, endpoint=endpoint)
+        if len(self._findings) > 64:
+            self._findings.clear()
+        self._findings[key] = (now + FINDINGS_TTL_S, found)
+        return found
 
     def ingest_once(self) -> None:
         try:
@@ -321,8 +342,16 @@ def create_app(
                 t = store.trace(trace_id)
             except StoreError as e:
                 raise queries.NotFound(str(e)) from e
+            from perfsleuth.analysis import profile
+
             tid = t["trace_id"]
             t["stack_samples"] = store.samples(tid) if t.get("samples") else []
+            # The same samples merged by function: the request's own flame graph.
+            t["profile"] = (
+                profile.load(store, t["endpoint"], trace_id=tid).tree()
+                if t["stack_samples"]
+                else None
+            )
             t["blocker_events"] = store.blockers(trace_id=tid) if t.get("blockers") else []
             return t
 
@@ -330,26 +359,26 @@ def create_app(
 
     @app.get("/api/findings", summary="Findings, highest impact first")
     def findings(endpoint: str | None = None, since: SinceQ = "1h") -> Response:
-        from perfsleuth.analysis import find
 
         w = _window(since)
 
         def body(store: Store) -> list[dict[str, Any]]:
             if endpoint is not None:
                 queries.check_endpoint(store, endpoint)
-            return [f.to_dict() for f in find(store, since=w.since, endpoint=endpoint)]
+            return [f.to_dict() for f in be.findings(store, w, endpoint)]
 
         return run(body)
 
     @app.get("/api/findings/{finding_id}", summary="One finding with its evidence")
     def finding(finding_id: str, since: SinceQ = "1h") -> Response:
-        from perfsleuth.analysis import find, loops
+        from perfsleuth.analysis import loops
 
         w = _window(since)
 
         def body(store: Store) -> dict[str, Any]:
             want = finding_id.strip().lower()
-            matches = [f for f in find(store, since=w.since) if want and f.id.startswith(want)]
+            found = be.findings(store, w)
+            matches = [f for f in found if want and f.id.startswith(want)]
             if not matches:
                 raise queries.NotFound(f"no finding with id {finding_id!r} in this window")
             if len(matches) > 1:
@@ -369,7 +398,14 @@ def create_app(
         if not query.strip():
             raise ApiError(400, "the query is empty")
         with be.use() as store:
-            timer = threading.Timer(sql_time_limit, be.interrupt)
+            running = threading.Event()
+            running.set()
+
+            def stop() -> None:
+                if running.is_set():  # never interrupt whatever runs after this query
+                    be.interrupt()
+
+            timer = threading.Timer(sql_time_limit, stop)
             t0 = time.perf_counter()
             timer.start()
             try:
@@ -380,6 +416,7 @@ def create_app(
                     msg = f"the query was stopped: it ran longer than {sql_time_limit:g} s"
                 raise ApiError(400, msg.strip().splitlines()[0] if msg.strip() else msg) from e
             finally:
+                running.clear()
                 timer.cancel()
             elapsed = (time.perf_counter() - t0) * 1000
         return _ok(

@@ -81,7 +81,39 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
   requestAnimationFrame(() => {
     if (tree instanceof Error) treeBox.append(errorBox(tree));
     else if (!tree.calls) treeBox.append(h("p", { class: "dim" }, `No ${kind} calls in this window.`));
-    else treeBox.append(treemapView(tree, Math.max(400, treeBox.clientWidth)));
+    else {
+      // A click on a box zooms into that call path; a click on the outer box goes back up.
+      const width = Math.max(400, treeBox.clientWidth);
+      const crumb = h("div", { class: "dim mono crumb" });
+      const map = h("div", {});
+      const draw = (node: TreeNode, path: TreeNode[]) => {
+        crumb.textContent = [...path, node].map((n) => n.name).join(" › ");
+        map.replaceChildren(
+          treemapView(node, width, 420, (picked) => {
+            if (picked === node && path.length) draw(path[path.length - 1], path.slice(0, -1));
+            else if (picked !== node) {
+              // the path down to the picked node
+              const trail: TreeNode[] = [];
+              const find = (n: TreeNode): boolean => {
+                if (n === picked) return true;
+                for (const c of n.children ?? []) {
+                  if (find(c)) {
+                    trail.unshift(c);
+                    return true;
+                  }
+                }
+                return false;
+              };
+              find(node);
+              trail.pop();
+              draw(picked, [...path, node, ...trail]);
+            }
+          }),
+        );
+      };
+      draw(tree, []);
+      treeBox.append(crumb, map);
+    }
   });
 
   const flameBox = h("div", { class: "flame-box" });
@@ -91,7 +123,19 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
     else if (!prof.samples) flameBox.append(h("p", { class: "dim" }, "No stack samples: the agent samples requests slower than its threshold."));
     else {
       const states = Object.entries(prof.states).map(([k, v]) => `${k} ${fmtInt(v)}`).join(", ");
-      flameBox.append(h("div", { class: "dim" }, `${fmtInt(prof.samples)} samples of ${fmtInt(prof.requests)} requests (${states}); hover a frame for details`), flameGraph(prof.tree, Math.max(400, flameBox.clientWidth)));
+      const width = Math.max(400, flameBox.clientWidth);
+      const graph = h("div", { class: "flame-graph" });
+      // A click on a frame zooms into it; a click on the top frame goes back up one level.
+      const draw = (node: TreeNode, path: TreeNode[]) => {
+        graph.replaceChildren(
+          flameGraph(node, width, (picked) => {
+            if (picked === node && path.length) draw(path[path.length - 1], path.slice(0, -1));
+            else if (picked !== node) draw(picked, [...path, node]);
+          }),
+        );
+      };
+      draw(prof.tree, []);
+      flameBox.append(h("div", { class: "dim" }, `${fmtInt(prof.samples)} samples of ${fmtInt(prof.requests)} requests (${states}); hover a frame for details, click to zoom in (the top frame zooms out)`), graph);
       flameBox.append(
         h("h3", {}, "Top functions (self time)"),
         table(

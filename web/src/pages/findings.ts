@@ -1,6 +1,6 @@
 import { api, type Finding } from "../api";
 import type { Ctx } from "../main";
-import { h, fmtMs, fmtNum, site, link, section } from "../util";
+import { h, fmtInt, fmtMs, fmtNum, site, link, section } from "../util";
 
 export function findingList(ctx: Ctx, found: Finding[], open: string | null): HTMLElement {
   if (!found.length) return h("p", { class: "dim" }, "No findings in this window.");
@@ -53,7 +53,7 @@ async function toggle(ctx: Ctx, f: Finding, box: HTMLElement): Promise<void> {
       h(
         "table",
         { class: "grid kv" },
-        h("tbody", {}, Object.entries(d.evidence).map(([k, v]) => h("tr", {}, h("th", {}, k.replace(/_/g, " ")), h("td", { class: "mono" }, typeof v === "number" ? fmtNum(v, Math.abs(v) < 1 ? 3 : 1) : typeof v === "object" ? JSON.stringify(v) : String(v))))),
+        h("tbody", {}, Object.entries(d.evidence).map(([k, v]) => h("tr", {}, h("th", {}, k.replace(/_/g, " ")), h("td", { class: "mono" }, typeof v === "number" ? (Number.isInteger(v) ? fmtInt(v) : fmtNum(v, Math.abs(v) < 1 ? 3 : 1)) : typeof v === "object" ? JSON.stringify(v) : String(v))))),
       ),
       h("div", {}, h("b", {}, "What to do: "), d.suggestion),
       ].filter((x): x is NonNullable<typeof x> => x !== null),

@@ -80,7 +80,7 @@ export async function overviewPage(root: HTMLElement, ctx: Ctx): Promise<void> {
       "section",
       { class: "card" },
       h("div", { class: "row" }, h("h2", {}, `Endpoints (${rows.length} of ${data.endpoints.length})`), input),
-      rows.length ? table(cols, rows, { sort, desc, onSort, cls: "grid", rowAttrs: (r) => ({ "data-endpoint": r.endpoint }) }) : h("p", { class: "dim" }, `No requests in the last ${ctx.since}. Try a longer range.`),
+      rows.length ? table(cols, rows, { sort, desc, onSort, cls: "grid", rowAttrs: (r) => ({ "data-endpoint": r.endpoint }) }) : h("p", { class: "dim" }, `No requests in ${ctx.since === "all" ? "the store" : "the last " + ctx.since}. Try a longer range, or run your app under \`perfsleuth run -- …\`: this server ingests what it records every few seconds.`),
     ),
   );
 }

@@ -1,4 +1,5 @@
 import { api, type Call, type Frame, type Trace } from "../api";
+import { flameGraph } from "../hier";
 import type { Ctx } from "../main";
 import { h, fmtInt, fmtMs, fmtBytes, fmtTime, site, link, section } from "../util";
 
@@ -95,10 +96,13 @@ export async function tracePage(root: HTMLElement, ctx: Ctx): Promise<void> {
       if (s.state === "cpu") c.cpu++;
       counts.set(k, c);
     }
+    const flame = h("div", { class: "flame-box" });
+    if (t.profile) requestAnimationFrame(() => flame.append(flameGraph(t.profile!, Math.max(400, flame.clientWidth))));
     root.append(
       section(
-        `Stack samples (${fmtInt(t.stack_samples.length)}; red = on CPU, grey = waiting)`,
+        `Stack samples (${fmtInt(t.stack_samples.length)}; red = on CPU, blue = in a recorded call, grey = waiting)`,
         strip,
+        flame,
         h("table", { class: "grid" }, h("thead", {}, h("tr", {}, h("th", {}, "innermost application frame"), h("th", { class: "num" }, "samples"), h("th", { class: "num" }, "on CPU"))), h("tbody", {}, [...counts.entries()].sort((a, b) => b[1].n - a[1].n).map(([k, c]) => h("tr", {}, h("td", { class: "mono" }, k), h("td", { class: "num" }, fmtInt(c.n)), h("td", { class: "num" }, fmtInt(c.cpu)))))),
       ),
     );
