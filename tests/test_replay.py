@@ -427,3 +427,39 @@ def test_loop_blocker_is_captured(tmp_path: Path) -> None:
         caps = wait_for_captures(data, 1)
         assert srv.stop() in (0, -15)
     assert set(caps) == {"GET /block"} and caps["GET /block"]["reason"] == "blocker"
+
+
+def test_redaction_settings() -> None:
+    from perfsleuth.agent import capture, config
+
+    fields = (1, 0, 0, "GET /x", "GET", 200, "slow")
+    headers = [
+        ("HTTP_AUTHORIZATION", "Basic c2VjcmV0"),
+        ("HTTP_X_SESSION_TOKEN", "tok"),
+        ("HTTP_X_PLAIN", "plain"),
+        ("CONTENT_TYPE", "text/plain"),
+    ]
+    parts = ("http", "srv:80", None, "/x y", "a=1")
+    names = ("_redact", "_secrets", "_body_max", "on", "_fault", "_slow_ns", "_sample")
+    saved = {n: getattr(capture, n) for n in names}
+    try:
+        os.environ["PERFSLEUTH_REDACT_HEADERS"] = " X-Session-Token , "
+        capture.configure(config.load())
+        rec = capture._record(fields, headers, parts, None)
+        assert rec["headers"] == [
+            ["authorization", "[redacted]"],
+            ["x-session-token", "[redacted]"],
+            ["x-plain", "plain"],
+            ["content-type", "text/plain"],
+        ]
+        assert rec["redacted"] == ["authorization", "x-session-token"]
+        assert rec["url"] == "http://srv:80/x%20y?a=1"
+        os.environ["PERFSLEUTH_CAPTURE_SECRETS"] = "1"
+        capture.configure(config.load())
+        rec = capture._record(fields, headers, parts, None)
+        assert ["authorization", "Basic c2VjcmV0"] in rec["headers"] and rec["redacted"] == []
+    finally:
+        os.environ.pop("PERFSLEUTH_REDACT_HEADERS", None)
+        os.environ.pop("PERFSLEUTH_CAPTURE_SECRETS", None)
+        for n, v in saved.items():
+            setattr(capture, n, v)
