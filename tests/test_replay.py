@@ -463,3 +463,42 @@ def test_redaction_settings() -> None:
         os.environ.pop("PERFSLEUTH_CAPTURE_SECRETS", None)
         for n, v in saved.items():
             setattr(capture, n, v)
+
+
+def test_heap_hook_steps_aside_for_the_app(tmp_path: Path) -> None:
+    """An application that takes SIGUSR2 after the agent started keeps it: the marker goes, so
+    `perfsleuth heap` refuses to signal it; one that never had a hook is refused too."""
+    data = tmp_path / "data"
+    code = (
+        "import signal, sys, time\n"
+        "import perfsleuth.agent as ps\n"
+        "from perfsleuth.agent import heap\n"
+        "heap.CHECK_SECONDS = 0.1\n"
+        "assert ps.start(sys.argv[1], service='own', instrument=False)\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "signal.signal(signal.SIGUSR2, lambda *a: print('app handler', flush=True))\n"
+        "print('taken', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(data)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        marker = data / "agents" / f"heap-{proc.pid}.ready"
+        assert marker.exists()
+        snap = ok_json(data, "heap", str(proc.pid))
+        assert snap["pid"] == proc.pid
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "taken"
+        deadline = time.monotonic() + 30
+        while marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not marker.exists()
+        fails(cli(data, "heap", str(proc.pid)), "no perfsleuth heap hook")
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
