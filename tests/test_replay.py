@@ -308,6 +308,8 @@ def test_body_budget_drops_and_counts(monkeypatch: Any) -> None:
     assert not other.full and other.kept == 1000 and other.size == 20_000
     big.add(b"a" * 20_000)  # over budget: trimmed back to its first chunk
     assert not big.full and big.kept == 10_000 and big.size == 110_000
+    other.add(b"b" * 20_000)  # no longer whole: nothing past its first body_max bytes
+    assert other.kept == 1000 and other.size == 40_000 and len(other.chunks) == 1
     big.release()
     other.release()
     assert capture._pending == 0
