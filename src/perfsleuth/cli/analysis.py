@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json as _json
 import shlex
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -230,11 +231,30 @@ def explain(
             out.print(
                 Text("  " + _cmd("perfsleuth", "trace", tid, *d), style="green"), soft_wrap=True
             )
-    if f.callsite or f.kind == "chatty_endpoint":
+    # Where to dig next: the runtime-evidence kinds have their own commands.
+    nxt = _NEXT.get(f.kind)
+    if nxt is not None:
+        title, args = nxt
+        out.print(Text(title, style="bold"))
+        out.print(Text("  " + _cmd("perfsleuth", *args(f), *d), style="green"), soft_wrap=True)
+    elif f.callsite or f.kind == "chatty_endpoint":
         kind = str(f.evidence.get("call_kind") or "db")
         out.print(Text("Where the calls come from:", style="bold"))
         tree_cmd = _cmd("perfsleuth", "calltree", f.endpoint, "--kind", kind, *d)
         out.print(Text("  " + tree_cmd, style="green"), soft_wrap=True)
+
+
+_NEXT: dict[str, tuple[str, Callable[[Finding], tuple[str, ...]]]] = {
+    "slow_request_hotspot": (
+        "The flame graph of its slow requests:",
+        lambda f: ("profile", f.endpoint, "--svg", "flame.svg"),
+    ),
+    "event_loop_blocker": (
+        "Every blocker, longest first:",
+        lambda f: ("blockers", "-e", f.endpoint),
+    ),
+    "gc_pressure": ("GC time per endpoint:", lambda f: ("top",)),
+}
 
 
 # ---------------------------------------------------------------------------------- calltree
