@@ -1,11 +1,10 @@
 """The evidence thread: stack samples of slow requests, event-loop blockers and GC pauses.
 
 One daemon thread ticks every ``sample_interval_ms`` while a slow request is being sampled or
-a loop is blocked (otherwise every 50 ms: enough to see a 100 ms block and to start sampling a
-request soon after it turns slow), reads all threads' frames once per tick and hands them to
-the sampler and the watchdog. Each tick takes the GIL from the application for ~20 µs, and the
-hand-over itself costs more than that: ticking only when there is something to look at is what
-keeps an idle or fast service at well under 1 % of a core. Everything it produces goes through
+a request is in flight on a watched event loop (the watchdog pings the loop each tick),
+otherwise every 50 ms (enough to start sampling a request soon after it turns slow). It reads
+all threads' frames once per tick, and only when something is slow or blocked, and hands them
+to the sampler and the watchdog. Everything it produces goes through
 ``shipper.emit``; it never touches application objects beyond reading frames and tasks.
 """
 
@@ -82,7 +81,7 @@ def tick() -> bool:
     with _lock:
         frames = w.tick()
         s.tick(frames)
-        return bool(s.tracked) or w.blocked()
+        return bool(s.tracked) or w.active or w.blocked()
 
 
 def flush() -> None:

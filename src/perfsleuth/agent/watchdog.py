@@ -1,15 +1,21 @@
-"""Event-loop blockers: a heartbeat on each asyncio loop the agent sees, checked from the
+"""Event-loop blockers: pings posted into each asyncio loop the agent sees, checked from the
 evidence thread.
 
-The heartbeat is a ``call_later`` callback every ``BEAT`` seconds that notes when it ran and
-how late it was. When the evidence thread sees a loop whose next beat is overdue by more than
-``loop_block_ms``, the loop is blocked: while it stays blocked, each tick records the loop
-thread's stack and which request's task is running (``asyncio.current_task(loop)``). The first
-beat after the block measures how long it lasted; the blocker is then shipped with its most
-common stacks, the request that caused it, the other requests that were in flight on that loop
-(delayed by it), and the last call that request had finished (a large result parsed on the
-loop shows up as rows and bytes right before the block). Works for plain asyncio and uvloop
-loops alike: it only uses ``call_later`` and ``current_task``.
+While a request is in flight on a loop, each evidence tick posts a ping into it
+(``call_soon_threadsafe``) unless one is still waiting; the loop answers when it next runs its
+callbacks, noting how long the ping waited. A ping waiting longer than ``loop_block_ms`` means
+the loop is blocked: while it stays blocked, each tick records the loop thread's stack and
+which request's task is running (``asyncio.current_task(loop)``). The answer measures how long
+it lasted; the blocker is then shipped with its most common stacks, the request that caused
+it, the other requests that were in flight on that loop (delayed by it), and the last call that
+request had finished (a large result parsed on the loop shows up as rows and bytes right before
+the block). Works for plain asyncio and uvloop loops alike.
+
+Why pings and not a ``call_later`` heartbeat: a pending timer makes every wait of the loop in
+``select`` arm a kernel timer, which measured +4-6 % CPU per request on a loop handing work to a
+thread pool; a ping costs one self-pipe write per tick, and nothing at all while the loop has no
+request in flight. A block is timed from when its ping was posted, so a block that began before
+reads up to one tick short: durations are lower bounds.
 """
 
 from __future__ import annotations
@@ -28,8 +34,6 @@ from perfsleuth.agent.sampler import frames_flat
 from perfsleuth.wire import BLOCKER
 
 _perf = time.perf_counter_ns
-BEAT = 0.02  # seconds between heartbeats while a request is in flight on the loop
-IDLE_BEAT = 0.5  # ... and while none is
 MAX_STACKS = 16  # distinct stacks kept per blocker
 
 recorder.stats.update({"loop_blockers": 0, "loop_starved": 0})
@@ -66,17 +70,15 @@ class _Block:
 
 
 class _Loop:
-    __slots__ = ("block", "due", "fast", "gen", "lag", "last", "loop", "thread")
+    __slots__ = ("block", "lag", "last", "loop", "sent", "thread")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.thread = threading.get_ident()
-        self.last = _perf()  # when the last beat ran
-        self.due = self.last + int(BEAT * 1e9)  # when the next one should run
-        self.lag = 0
+        self.sent = 0  # when the waiting ping was posted (0: none waiting)
+        self.last = 0  # when the loop last answered one
+        self.lag = 0  # how long that ping waited
         self.block: _Block | None = None
-        self.fast = True  # beating every BEAT (a request is in flight) or every IDLE_BEAT
-        self.gen = 0  # the current beat chain: a beat of an older chain stops there
 
 
 _loops: dict[int, _Loop] = {}
@@ -90,56 +92,41 @@ def enable() -> None:
 
 
 def watch_current_loop() -> None:
-    """Called from the ASGI wrapper on the loop thread: start the heartbeat on a new loop."""
+    """Called from the ASGI wrapper on the loop thread: start watching a new loop."""
     if not _enabled:
         return
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         return
-    entry = _loops.get(id(loop))
-    if entry is not None:
-        if not entry.fast:  # a request starts on an idle loop: back to the fast beat
-            entry.fast = True
-            entry.gen += 1
-            entry.due = _perf() + int(BEAT * 1e9)
-            loop.call_later(BEAT, _beat, entry, entry.gen)
+    if id(loop) in _loops:
         return
     with _lock:
-        if id(loop) in _loops:
-            return
-        entry = _Loop(loop)
-        _loops[id(loop)] = entry
-    loop.call_later(BEAT, _beat, entry, entry.gen)
+        if id(loop) not in _loops:
+            _loops[id(loop)] = _Loop(loop)
 
 
-def _beat(entry: _Loop, gen: int) -> None:
-    if gen != entry.gen:
-        return  # a newer chain beats for this loop
+def _pong(entry: _Loop, sent: int) -> None:
+    """Runs on the loop: the answer to a ping posted at ``sent``."""
     now = _perf()
-    entry.lag = now - entry.due
+    entry.lag = now - sent
     entry.last = now
-    # Beat fast only while a request is in flight on this loop: a loop with nothing to serve
-    # costs a wake-up per beat (~0.8 % of a core at 50 a second) and has nobody to delay.
-    thread = entry.thread
-    entry.fast = any(r.thread == thread for r in list(recorder.inflight.values()))
-    interval = BEAT if entry.fast else IDLE_BEAT
-    entry.due = now + int(interval * 1e9)
-    try:
-        entry.loop.call_later(interval, _beat, entry, gen)
-    except Exception:  # loop closing: forget it
-        _loops.pop(id(entry.loop), None)
+    entry.sent = 0
 
 
 class Watchdog:
     def __init__(self, cfg: Config) -> None:
         self.threshold = int(cfg.loop_block_ms * 1e6)
+        self.active = False  # a request is in flight on a watched loop: tick fast
 
     def tick(self, frames: dict[int, FrameType] | None = None) -> dict[int, FrameType] | None:
         """Check every watched loop; returns the frames it read (shared with the sampler)."""
         if not _loops:
+            self.active = False
             return frames
         now = _perf()
+        busy = {r.thread for r in list(recorder.inflight.values())}
+        self.active = False
         for key, e in list(_loops.items()):
             if e.loop.is_closed():
                 _loops.pop(key, None)
@@ -148,11 +135,19 @@ class Watchdog:
             if b is not None and e.last > b.start:
                 e.block = None
                 self._finish(e, b)
+                b = None
+            if e.thread in busy:
+                self.active = True
+            if e.sent == 0:
+                if e.thread in busy and e.loop.is_running():
+                    e.sent = now
+                    try:
+                        e.loop.call_soon_threadsafe(_pong, e, now)
+                    except RuntimeError:  # closed between the check and the post
+                        _loops.pop(key, None)
                 continue
-            if b is None and now - e.due > self.threshold:
-                if not e.loop.is_running():
-                    continue  # a stopped loop is not a blocked one
-                b = e.block = _Block(e.due)
+            if b is None and now - e.sent > self.threshold:
+                b = e.block = _Block(e.sent)
             if b is not None:
                 if frames is None:
                     frames = sys._current_frames()
