@@ -247,3 +247,38 @@ def test_without_the_token_the_page_says_so(browser: Any, server: str) -> None:
     pg.wait_for_selector("#app .error")  # the page's place shows the server's message
     assert "needs a token" in pg.locator("#app .error").inner_text()
     ctx.close()
+
+
+def test_click_through_to_the_replay_command(browser: Any, server: str) -> None:
+    """overview -> endpoint -> trace -> replay: the copied curl command is the server's."""
+    rows = httpx.post(
+        f"{server}/api/sql",
+        json={
+            "query": "SELECT c.trace_id, r.endpoint FROM captures c JOIN requests r "
+            "USING (trace_id) ORDER BY r.duration_ms DESC LIMIT 1"
+        },
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    ).json()["rows"]
+    assert rows, "the demo's slow requests are captured"
+    tid, endpoint = rows[0]
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    ctx.grant_permissions(["clipboard-read", "clipboard-write"])
+    page = ctx.new_page()
+    open_page(page, server, f"overview?since={SINCE}&refresh=0")
+    page.locator(f"tr[data-endpoint='{endpoint}'] a.endpoint-link").click()
+    wait_ready(page, "endpoint")
+    page.locator(f"a.trace-link:text-is('{tid}')").first.click()
+    wait_ready(page, "trace")
+    t = api(server, f"traces/{tid}")
+    assert t["replay"] and t["replay"]["curl"].startswith(("curl ", "#", "printf"))
+    shown = page.locator("#replay-curl").inner_text()
+    assert shown.strip() == t["replay"]["curl"].strip()
+    page.click("#copy-curl")
+    page.wait_for_selector("#copy-status:has-text('copied')")
+    copied = page.evaluate("navigator.clipboard.readText()")
+    whole = httpx.get(
+        f"{server}/api/traces/{tid}/curl", headers={"Authorization": f"Bearer {TOKEN}"}
+    ).text
+    assert copied.strip() == whole.strip() and t["path"] in copied
+    page.screenshot(path=str(SHOTS / "trace-replay.png"), full_page=False)
+    ctx.close()
