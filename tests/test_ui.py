@@ -233,11 +233,11 @@ def test_sql_console(page: Any, server: str) -> None:
     assert "q=SELECT" in page.url
     cells = page.locator("#sql-result tbody tr td:first-child").all_inner_texts()
     assert set(ENDPOINTS) <= set(cells)
+    page.screenshot(path=str(SHOTS / "sql.png"), full_page=True)
     page.fill("#sql", "DROP TABLE requests")
     page.click("#run-sql")
     page.wait_for_selector("#sql-result .error")
     assert "read-only" in page.locator("#sql-result .error").inner_text()
-    page.screenshot(path=str(SHOTS / "sql.png"), full_page=True)
 
 
 def test_without_the_token_the_page_says_so(browser: Any, server: str) -> None:
