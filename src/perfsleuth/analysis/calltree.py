@@ -13,7 +13,6 @@ the frames of the server and the framework above them are the same for every cal
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -44,8 +43,7 @@ class Node:
         key = (f.file, f.line, f.function)
         node = self.children.get(key)
         if node is None:
-            base = os.path.basename(f.file) if f.file else "?"
-            node = Node(f"{f.function or '?'} ({base}:{f.line or '?'})", f.file, f.line, f.function)
+            node = Node(frames.label(f.file, f.line, f.function), f.file, f.line, f.function)
             self.children[key] = node
         return node
 

@@ -26,6 +26,12 @@ class Frame:
 UNKNOWN = Frame(0, None, None, None, False)
 
 
+def label(file: str | None, line: int | None, function: str | None) -> str:
+    """How a frame is named in trees and flame graphs: ``function (file.py:line)``."""
+    base = os.path.basename(file) if file else "?"
+    return f"{function or '?'} ({base}:{line or '?'})"
+
+
 def locations(store: Store, ids: Iterable[int | None]) -> dict[int, Frame]:
     wanted = sorted({i for i in ids if i is not None})
     if not wanted:

@@ -10,7 +10,6 @@ named after the endpoint, so the graph starts where requests differ.
 from __future__ import annotations
 
 import html
-import os
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,8 +41,7 @@ class Node:
 
     @property
     def name(self) -> str:
-        base = os.path.basename(self.file) if self.file else "?"
-        return f"{self.function or '?'} ({base}:{self.line or '?'})"
+        return frames.label(self.file, self.line, self.function)
 
     def to_dict(self) -> dict[str, Any]:
         return {
