@@ -282,3 +282,17 @@ def test_click_through_to_the_replay_command(browser: Any, server: str) -> None:
     assert copied.strip() == whole.strip() and t["path"] in copied
     page.screenshot(path=str(SHOTS / "trace-replay.png"), full_page=False)
     ctx.close()
+
+
+def test_auto_refresh_redraws_in_place(page: Any, server: str) -> None:
+    open_page(page, server, f"overview?since={SINCE}&refresh=5")
+    assert page.locator("#refresh").input_value() == "5"
+    page.evaluate("window.scrollTo(0, 300)")
+    y = page.evaluate("window.scrollY")
+    assert y > 100
+    page.evaluate("document.querySelector('#app .page').dataset.old = '1'")
+    # within one refresh period the page is drawn anew, at the same scroll position
+    page.wait_for_selector("#app .page:not([data-old])", state="attached", timeout=15_000)
+    page.wait_for_selector("#app tr[data-endpoint]")
+    page.wait_for_timeout(300)
+    assert abs(page.evaluate("window.scrollY") - y) < 5

@@ -94,7 +94,13 @@ async function render(): Promise<void> {
   try {
     await PAGES[page].page(content, ctx);
     if (mine !== generation) return; // a newer render took over
+    // An auto-refresh keeps the reader's place (charts and hierarchies are drawn a frame
+    // later); a new page starts at the top.
+    const refreshing = app.dataset.hash === hash;
+    const y = window.scrollY;
     app.replaceChildren(content);
+    if (refreshing) requestAnimationFrame(() => requestAnimationFrame(() => window.scrollTo(0, y)));
+    else window.scrollTo(0, 0);
     app.dataset.ready = page;
     app.dataset.hash = hash; // what is shown (tests wait for it)
   } catch (e) {
