@@ -158,6 +158,7 @@ def test_overview_endpoint_trace(page: Any, server: str) -> None:
     top = page.locator("svg.treemap .treemap-node[data-depth='0']").get_attribute("data-name")
     assert top.startswith("customer_orders")
     mine = api(server, "findings", endpoint=N1, since=SINCE)
+    page.wait_for_selector("#endpoint-findings :is(ol.findings, p)")
     shown = page.locator("li.finding").evaluate_all("els => els.map(e => e.dataset.id)")
     assert shown == [f["id"] for f in mine]
     page.wait_for_selector("svg.flame .flame-frame")

@@ -25,11 +25,16 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
   const name = ctx.params.get("name") || "";
   const kind = ctx.params.get("kind") || "db";
   if (!name) throw new Error("no endpoint given: pick one on the overview");
-  const [d, tree, prof, found] = await Promise.all([
+  // The detectors can take seconds on big data: their section fills in when they answer.
+  const foundBox = h("div", { id: "endpoint-findings" }, h("span", { class: "dim" }, "running the detectors…"));
+  api<Finding[]>("findings", { endpoint: name, since: ctx.since }).then(
+    (found) => foundBox.replaceChildren(findingList(ctx, found, null)),
+    (e) => foundBox.replaceChildren(errorBox(e)),
+  );
+  const [d, tree, prof] = await Promise.all([
     api<EndpointDetail>("endpoint", { name, since: ctx.since }),
     api<TreeNode>("calltree", { endpoint: name, kind, since: ctx.since }).catch((e: Error) => e),
     api<ProfileData>("profile", { endpoint: name, since: ctx.since }).catch((e: Error) => e),
-    api<Finding[]>("findings", { endpoint: name, since: ctx.since }).catch((e: Error) => e),
   ]);
   const s = d.summary;
   root.append(
@@ -69,7 +74,7 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
   );
 
   // Findings for this endpoint come first: they name the problem.
-  root.append(section("Findings for this endpoint", found instanceof Error ? errorBox(found) : findingList(ctx, found, null)));
+  root.append(section("Findings for this endpoint", foundBox));
 
   const treeBox = h("div", { class: "treemap-box" });
   const kinds = h(
