@@ -26,16 +26,17 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
   const kind = ctx.params.get("kind") || "db";
   if (!name) throw new Error("no endpoint given: pick one on the overview");
   // The detectors can take seconds on big data: their section fills in when they answer.
-  const foundBox = h("div", { id: "endpoint-findings" }, h("span", { class: "dim" }, "running the detectors…"));
-  api<Finding[]>("findings", { endpoint: name, since: ctx.since }).then(
-    (found) => foundBox.replaceChildren(findingList(ctx, found, null)),
-    (e) => foundBox.replaceChildren(errorBox(e)),
-  );
   const [d, tree, prof] = await Promise.all([
     api<EndpointDetail>("endpoint", { name, since: ctx.since }),
     api<TreeNode>("calltree", { endpoint: name, kind, since: ctx.since }).catch((e: Error) => e),
     api<ProfileData>("profile", { endpoint: name, since: ctx.since }).catch((e: Error) => e),
   ]);
+  // Asked after the rest: the server answers one question at a time, and this one is slow.
+  const foundBox = h("div", { id: "endpoint-findings" }, h("span", { class: "dim" }, "running the detectors…"));
+  api<Finding[]>("findings", { endpoint: name, since: ctx.since }).then(
+    (found) => foundBox.replaceChildren(findingList(ctx, found, null)),
+    (e) => foundBox.replaceChildren(errorBox(e)),
+  );
   const s = d.summary;
   root.append(
     h("h1", { id: "endpoint-name" }, d.endpoint),
