@@ -105,11 +105,14 @@ class Backend:
     def start(self) -> None:
         if self.ingest_every <= 0 or self._thread is not None:
             return
-        self.ingest_once()
 
         def loop() -> None:
-            while not self._stop.wait(self.ingest_every):
+            # The first round may be a long backlog: the server listens meanwhile (calls wait
+            # for the lock, then see it all).
+            while True:
                 self.ingest_once()
+                if self._stop.wait(self.ingest_every):
+                    return
 
         self._thread = threading.Thread(target=loop, name="perfsleuth-ingest", daemon=True)
         self._thread.start()
