@@ -157,9 +157,12 @@ def setup_bare(db: str, tmp: str) -> Setup:
     return make_app(db), lambda: None, lambda n: (True, "")
 
 
-def setup_perfsleuth(db: str, tmp: str, all_stacks: bool = False, evidence: bool = True) -> Setup:
+def setup_perfsleuth(
+    db: str, tmp: str, all_stacks: bool = False, evidence: bool = True, capture: bool = True
+) -> Setup:
     data = os.environ["PERFSLEUTH_DATA"] = os.path.join(tmp, "agent")
     os.environ["PERFSLEUTH_EVIDENCE"] = "1" if evidence else "0"
+    os.environ["PERFSLEUTH_CAPTURE"] = "1" if capture else "0"
     if all_stacks:  # default: one stack per (statement, call site) and request
         os.environ["PERFSLEUTH_STACKS_PER_SITE"] = "1000000"
     import perfsleuth.agent as ps
@@ -279,6 +282,8 @@ SETUPS: dict[str, Callable[[str, str], Setup]] = {
     "perfsleuth-all-stacks": lambda db, tmp: setup_perfsleuth(db, tmp, all_stacks=True),
     # Opt-in: without the runtime-evidence thread and GC hook (what they cost under load).
     "perfsleuth-no-evidence": lambda db, tmp: setup_perfsleuth(db, tmp, evidence=False),
+    # Opt-in: without replayable captures (the per-request decision and the 1 % sample).
+    "perfsleuth-no-capture": lambda db, tmp: setup_perfsleuth(db, tmp, capture=False),
     "otel": setup_otel,
     "sentry": setup_sentry,
     "ddtrace": setup_ddtrace,

@@ -576,6 +576,10 @@ def test_demo_smoke(tmp_path: Path) -> None:
     assert explain, r.stdout
     shown = py_m("explain", explain.group(1), "--data", data)
     assert shown.returncode == 0, shown.stderr
+    replay = re.search(r"perfsleuth replay (\S+) --curl", r.stdout)  # slow requests were kept
+    assert replay, r.stdout
+    curl = py_m("replay", replay.group(1), "--curl", "--data", data)
+    assert curl.returncode == 0 and "curl -sS -X" in curl.stdout, curl.stderr
     top = json.loads(py_m("top", "--data", data, "--json").stdout)
     seen = {row["endpoint"] for row in top["rows"]}
     missing = set(ENDPOINTS) - seen

@@ -308,6 +308,8 @@ def test_body_budget_drops_and_counts(monkeypatch: Any) -> None:
     assert not other.full and other.kept == 1000 and other.size == 20_000
     big.add(b"a" * 20_000)  # over budget: trimmed back to its first chunk
     assert not big.full and big.kept == 10_000 and big.size == 110_000
+    other.add(b"b" * 20_000)  # no longer whole: nothing past its first body_max bytes
+    assert other.kept == 1000 and other.size == 40_000 and len(other.chunks) == 1
     big.release()
     other.release()
     assert capture._pending == 0
@@ -427,3 +429,78 @@ def test_loop_blocker_is_captured(tmp_path: Path) -> None:
         caps = wait_for_captures(data, 1)
         assert srv.stop() in (0, -15)
     assert set(caps) == {"GET /block"} and caps["GET /block"]["reason"] == "blocker"
+
+
+def test_redaction_settings() -> None:
+    from perfsleuth.agent import capture, config
+
+    fields = (1, 0, 0, "GET /x", "GET", 200, "slow")
+    headers = [
+        ("HTTP_AUTHORIZATION", "Basic c2VjcmV0"),
+        ("HTTP_X_SESSION_TOKEN", "tok"),
+        ("HTTP_X_PLAIN", "plain"),
+        ("CONTENT_TYPE", "text/plain"),
+    ]
+    parts = ("http", "srv:80", None, "/x y", "a=1")
+    names = ("_redact", "_secrets", "_body_max", "on", "_fault", "_slow_ns", "_sample")
+    saved = {n: getattr(capture, n) for n in names}
+    try:
+        os.environ["PERFSLEUTH_REDACT_HEADERS"] = " X-Session-Token , "
+        capture.configure(config.load())
+        rec = capture._record(fields, headers, parts, None)
+        assert rec["headers"] == [
+            ["authorization", "[redacted]"],
+            ["x-session-token", "[redacted]"],
+            ["x-plain", "plain"],
+            ["content-type", "text/plain"],
+        ]
+        assert rec["redacted"] == ["authorization", "x-session-token"]
+        assert rec["url"] == "http://srv:80/x%20y?a=1"
+        os.environ["PERFSLEUTH_CAPTURE_SECRETS"] = "1"
+        capture.configure(config.load())
+        rec = capture._record(fields, headers, parts, None)
+        assert ["authorization", "Basic c2VjcmV0"] in rec["headers"] and rec["redacted"] == []
+    finally:
+        os.environ.pop("PERFSLEUTH_REDACT_HEADERS", None)
+        os.environ.pop("PERFSLEUTH_CAPTURE_SECRETS", None)
+        for n, v in saved.items():
+            setattr(capture, n, v)
+
+
+def test_heap_hook_steps_aside_for_the_app(tmp_path: Path) -> None:
+    """An application that takes SIGUSR2 after the agent started keeps it: the marker goes, so
+    `perfsleuth heap` refuses to signal it; one that never had a hook is refused too."""
+    data = tmp_path / "data"
+    code = (
+        "import signal, sys, time\n"
+        "import perfsleuth.agent as ps\n"
+        "from perfsleuth.agent import heap\n"
+        "heap.CHECK_SECONDS = 0.1\n"
+        "assert ps.start(sys.argv[1], service='own', instrument=False)\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "signal.signal(signal.SIGUSR2, lambda *a: print('app handler', flush=True))\n"
+        "print('taken', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(data)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        marker = data / "agents" / f"heap-{proc.pid}.ready"
+        assert marker.exists()
+        snap = ok_json(data, "heap", str(proc.pid))
+        assert snap["pid"] == proc.pid
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "taken"
+        deadline = time.monotonic() + 30
+        while marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not marker.exists()
+        fails(cli(data, "heap", str(proc.pid)), "no perfsleuth heap hook")
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()

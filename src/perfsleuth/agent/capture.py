@@ -112,11 +112,11 @@ class BodyTap:
         self.size += n
         if self.lost or (not self.full and self.kept >= _body_max):
             return
-        if _reserve(n):
+        if self.full and _reserve(n):
             self.chunks.append(data if type(data) is bytes else bytes(data))
             self.kept += n
             return
-        # Out of budget: keep the first body_max bytes only (no hash for this body).
+        # Out of budget (now or before): the first body_max bytes only, and no hash.
         self.full = False
         if self.kept > _body_max:
             held, total = self.chunks, 0

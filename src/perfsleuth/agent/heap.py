@@ -20,6 +20,7 @@ import functools
 import gc
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -29,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 TOP = 500  # types per snapshot (by shallow bytes, then by count)
+CHECK_SECONDS = 5.0  # how often the reader thread checks that SIGUSR2 is still the agent's
 
 _cfg: Any = None
 _pipe: tuple[int, int] | None = None
@@ -96,11 +98,30 @@ def _start_reader() -> None:
 def _read(fd: int) -> None:
     while True:
         try:
+            ready, _, _ = select.select([fd], [], [], CHECK_SECONDS)
+            if not ready:
+                # An application that takes SIGUSR2 after the agent started: drop the marker,
+                # so that `perfsleuth heap` never sends the signal to its handler.
+                if _cfg is not None and signal.getsignal(signal.SIGUSR2) is not _on_signal:
+                    check()
+                    _stop_reader(fd)
+                    return
+                continue
             if not os.read(fd, 64):
                 return
             write_snapshot()
         except Exception:
             time.sleep(1.0)  # never spin on a broken pipe
+
+
+def _stop_reader(fd: int) -> None:
+    global _pipe
+    pipe = _pipe
+    if pipe is not None and pipe[0] == fd:
+        _pipe = None  # a later install() starts a new reader
+        for end in pipe:
+            with contextlib.suppress(OSError):
+                os.close(end)
 
 
 def snapshot(top: int = TOP) -> dict[str, Any]:

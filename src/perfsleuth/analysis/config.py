@@ -45,6 +45,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # ... or this share of those requests' time (sub-ms SQLite calls still add up: the
         # lessons' Jira case is ~1 ms per call, 90,000 calls per export).
         "min_time_share": 0.10,
+        # ... or repeat this often per request (median) whatever the time: one query per
+        # item of a page of 20 (Rails' and Django's usual page sizes are 20-25) is the classic
+        # N+1, 20 round trips on a networked database even when a local SQLite or a busy
+        # machine (request time inflated by waiting for the CPU) hides their cost; nplusone
+        # flags such loops by count alone.
+        "min_repeats_any_cost": 20,
         # In a meaningful part of the endpoint's traffic, and seen more than once or twice
         # (Sentry reports an N+1 only after seeing it several times).
         "min_request_share": 0.05,

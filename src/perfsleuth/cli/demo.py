@@ -262,6 +262,21 @@ def _next_steps(
                     "command": _cmd("perfsleuth", "trace", str(slow[0].get("trace_id")), *d),
                 }
             )
+    # The agent kept replayable captures of slow, failed and loop-blocking requests.
+    captured = store.query(
+        "SELECT trace_id, endpoint, reason FROM captures ORDER BY duration_ms DESC LIMIT 1"
+    )
+    if captured:
+        c = captured[0]
+        steps.append(
+            {
+                "why": (
+                    f"replay the slowest captured request ({c['endpoint']}, kept as "
+                    f"{c['reason']}): as curl, or re-sent with --to URL to a running server"
+                ),
+                "command": _cmd("perfsleuth", "replay", str(c["trace_id"]), "--curl", *d),
+            }
+        )
     steps.append(
         {
             "why": "which statements cost the most time, across all requests (read-only SQL)",

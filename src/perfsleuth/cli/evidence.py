@@ -201,6 +201,10 @@ def blockers(
             (r["trace_id"] or "")[:16],
         )
     out.print(t)
+    worst = next((r for r in rows if r["trace_id"]), None)
+    if worst is not None:  # the agent keeps a capture of every request that blocked the loop
+        tid = worst["trace_id"]
+        out.print(Text(f"Replay the longest: perfsleuth replay {tid} --curl", style="dim"))
 
 
 __all__ = ["blockers", "profile"]

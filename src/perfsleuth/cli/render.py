@@ -325,6 +325,14 @@ def trace_header(t: dict[str, Any]) -> RenderableType:
         evidence.append(f"blocked the event loop {t['blockers']} time(s)")
     if evidence:
         lines.append(Text("  " + " · ".join(evidence)))
+    if t.get("capture"):
+        lines.append(
+            Text(
+                f"  captured ({t['capture']}): perfsleuth replay {t.get('trace_id')} --curl, "
+                "or --to http://HOST:PORT to re-send it",
+                style="dim",
+            )
+        )
     if t.get("calls_dropped"):
         lines.append(
             Text(f"  {t['calls_dropped']:,} more calls were only counted (limit)", style="dim")

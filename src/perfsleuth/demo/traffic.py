@@ -61,6 +61,14 @@ def _note_body(rng: random.Random) -> bytes:
     return urllib.parse.urlencode(fields).encode()
 
 
+ENDPOINTS = 13  # distinct endpoints in the mix below
+
+
+def _key(req: tuple[str, str, str, bytes | None]) -> tuple[str, str]:
+    """(method, path with numbers folded): one key per endpoint of the mix."""
+    return req[1], re.sub(r"\d+", "N", req[2].split("?")[0])
+
+
 def _pick(
     rng: random.Random, customers: dict[str, list[int]]
 ) -> tuple[str, str, str, bytes | None]:
@@ -96,11 +104,15 @@ def drive(
     *,
     concurrency: int = 8,
     seed: int = 7,
+    min_each: int = 6,
     on_progress: Callable[[float, int], Any] | None = None,
 ) -> dict[str, Any]:
     """Send the mix for ``seconds`` from ``concurrency`` threads; returns counts by status.
 
-    Every endpoint is requested at least once first, so even a short run covers all of them.
+    Every endpoint is requested at least once first, so even a short run covers all of them,
+    and the run goes on past ``seconds`` until each has been requested ``min_each`` times: on
+    a slow or busy machine a short run still has enough of every endpoint for the detectors
+    (their ``min_requests`` are 3 to 5), which a time-bound mix alone does not promise.
     """
     customers = {t: db.customers_of(t) for t in TENANT_WEIGHTS}
     lock = threading.Lock()
@@ -108,6 +120,8 @@ def drive(
     sent = [0]
     deadline = time.monotonic() + seconds
     began = time.monotonic()
+
+    per_endpoint: Counter[tuple[str, str]] = Counter()
 
     def send(clients: dict[str, Client], rng: random.Random, req: tuple) -> None:
         server, method, path, body = req
@@ -122,6 +136,7 @@ def drive(
         with lock:
             statuses[status] += 1
             sent[0] += 1
+            per_endpoint[_key(req)] += 1
 
     def worker(index: int) -> None:
         rng = random.Random(seed * 1000 + index)
@@ -133,11 +148,10 @@ def drive(
     rng0 = random.Random(seed)
     first = {"shop": Client(shop_url), "legacy": Client(legacy_url)}
     seen: set[tuple[str, str]] = set()
-    while len(seen) < 13:
+    while len(seen) < ENDPOINTS:
         req = _pick(rng0, customers)
-        key = (req[1], re.sub(r"\d+", "N", req[2].split("?")[0]))
-        if key not in seen:
-            seen.add(key)
+        if _key(req) not in seen:
+            seen.add(_key(req))
             send(first, rng0, req)
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
@@ -149,6 +163,14 @@ def drive(
         time.sleep(0.25)
     for t in threads:
         t.join()
+    # Top up the endpoints a slow run left short (rare ones are drawn from the same mix).
+    while True:
+        short = {k for k in seen if per_endpoint[k] < min_each}
+        if not short:
+            break
+        req = _pick(rng0, customers)
+        if _key(req) in short:
+            send(first, rng0, req)
     if on_progress is not None:
         on_progress(seconds, sent[0])
     elapsed = time.monotonic() - began

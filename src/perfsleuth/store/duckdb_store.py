@@ -621,7 +621,17 @@ class DuckDBStore:
         req["calls"] = calls
         req["samples"] = self._count("samples", day, tid)
         req["blockers"] = self._count("blockers", day, tid)
+        req["capture"] = self._capture_reason(tid)
         return req
+
+    def _capture_reason(self, trace_id: str) -> str | None:
+        """Why the trace was captured for replay (None: it was not)."""
+        if "captures" not in self._table_names():
+            return None
+        row = self._con.execute(
+            "SELECT coalesce(reason, '?') FROM captures WHERE trace_id = ?", [trace_id]
+        ).fetchone()
+        return str(row[0]) if row else None
 
     def _count(self, table: str, day: date, trace_id: str) -> int:
         name = schema.day_table(schema.TABLES[table], day)

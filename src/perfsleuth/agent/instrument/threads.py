@@ -19,12 +19,10 @@ from perfsleuth.agent import recorder
 _get_ident = threading.get_ident
 
 
-def _marking(func: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(func)
+def _marking(func: Callable[..., Any], req: recorder.ActiveRequest) -> Callable[..., Any]:
+    # No functools.wraps: it costs more than the rest of the hand-off, and nothing downstream
+    # reads the wrapper's metadata (the thread pool only calls it).
     def run(*args: Any, **kwargs: Any) -> Any:
-        req = recorder.current()
-        if req is None:
-            return func(*args, **kwargs)
         prev, req.worker = req.worker, _get_ident()
         try:
             return func(*args, **kwargs)
@@ -37,11 +35,9 @@ def _marking(func: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_async(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     async def wrapper(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if recorder.current() is not None:
-            try:
-                func = _marking(func)
-            except Exception:
-                recorder.internal_error()
+        req = recorder.current()
+        if req is not None:
+            func = _marking(func, req)
         return await original(func, *args, **kwargs)
 
     wrapper.__perfsleuth__ = True  # type: ignore[attr-defined]

@@ -2,7 +2,8 @@
 
 Per request, calls are grouped by (kind, fingerprint, call site); a group of ``min_repeats``
 or more is one occurrence. Occurrences are then rolled up per endpoint, kept when they happen
-in a meaningful part of the endpoint's traffic and cost real time, and the looping
+in a meaningful part of the endpoint's traffic and cost real time (or repeat so often that the
+count alone is the problem), and the looping
 application frame is found in the source (see :mod:`perfsleuth.analysis.loops`): the call site
 the agent records is the innermost application frame, often a helper called from the loop.
 """
@@ -48,7 +49,7 @@ SELECT hit.endpoint, hit.kind, hit.fingerprint_id, any_value(hit.site_id) AS sit
 FROM hit JOIN ep USING (endpoint)
 GROUP BY hit.endpoint, hit.kind, hit.fingerprint_id, coalesce(hit.site_id, -1)
 HAVING count(*) >= ? AND count(*) >= ? * any_value(ep.requests)
-    AND (sum(ms) / count(*) >= ? OR sum(ms) >= ? * sum(req_ms))
+    AND (sum(ms) / count(*) >= ? OR sum(ms) >= ? * sum(req_ms) OR median(n) >= ?)
 """
 
 _SUGGEST = {
@@ -84,6 +85,7 @@ def detect(ctx: Context) -> list[Finding]:
             share,
             float(ctx.t(KIND, "min_ms_per_request")),
             float(ctx.t(KIND, "min_time_share")),
+            int(ctx.t(KIND, "min_repeats_any_cost")),
         ],
     )
     if not rows:

@@ -7,8 +7,8 @@ endpoint's samples, when that share is high enough to be "the" hotspot.
 
 Time other detectors already explain is left out: samples taken inside a recorded DB / HTTP /
 cache call (state ``call``), samples at a recorded call site of the endpoint (within a few
-lines: a statement spans lines, and fetching its rows happens right after it), and samples at
-a line that blocked the endpoint's event loop (event_loop_blocker).
+lines: a statement spans lines, and fetching its rows happens right after it), and the samples
+of requests that blocked the event loop (event_loop_blocker reports those, with their lines).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ SELECT {profile.ENDPOINT_OF_SAMPLE} AS endpoint, s.stack_id, s.state, count(*) A
     min(s.ts) AS first_ts, max(s.ts) AS last_ts
 FROM samples s LEFT JOIN requests r USING (trace_id)
 WHERE (? IS NULL OR s.ts >= ?) AND (? IS NULL OR {profile.ENDPOINT_OF_SAMPLE} = ?)
+    AND s.trace_id NOT IN (SELECT trace_id FROM blockers WHERE trace_id IS NOT NULL)
 GROUP BY ALL
 """
 
@@ -36,6 +37,7 @@ SELECT {profile.ENDPOINT_OF_SAMPLE} AS endpoint, s.trace_id, count(*) AS n,
     any_value(r.duration_ms) AS duration_ms
 FROM samples s LEFT JOIN requests r USING (trace_id)
 WHERE (? IS NULL OR s.ts >= ?) AND (? IS NULL OR {profile.ENDPOINT_OF_SAMPLE} = ?)
+    AND s.trace_id NOT IN (SELECT trace_id FROM blockers WHERE trace_id IS NOT NULL)
 GROUP BY ALL
 """
 
@@ -130,16 +132,8 @@ def detect(ctx: Context) -> list[Finding]:
 SITE_LINES = 3  # a call site "covers" this many lines after it (multi-line statement, fetch)
 
 
-_BLOCKER_STACKS = """
-SELECT DISTINCT coalesce(nullif(b.endpoint, ''), r.endpoint) AS endpoint, b.stack_id
-FROM blockers b LEFT JOIN requests r USING (trace_id)
-WHERE b.stack_id IS NOT NULL AND (? IS NULL OR b.ts >= ?)
-"""
-
-
 def _call_sites(ctx: Context) -> dict[str, set[tuple[str | None, str | None, int]]]:
-    """endpoint -> (file, function, line) of what other detectors explain: its recorded call
-    sites, and the lines that blocked its event loop (event_loop_blocker reports those)."""
+    """endpoint -> (file, function, line) of its recorded call sites."""
     rows = ctx.query("SELECT DISTINCT endpoint, site_id FROM c WHERE site_id IS NOT NULL")
     locs = frames.locations(ctx.store, (r["site_id"] for r in rows))
     out: dict[str, set[tuple[str | None, str | None, int]]] = {}
@@ -147,12 +141,6 @@ def _call_sites(ctx: Context) -> dict[str, set[tuple[str | None, str | None, int
         f = locs.get(r["site_id"])
         if f is not None and f.line is not None:
             out.setdefault(r["endpoint"], set()).add((f.file, f.function, f.line))
-    blocked = ctx.store.query(_BLOCKER_STACKS, [ctx.cutoff, ctx.cutoff])
-    stacks = frames.stacks(ctx.store, (r["stack_id"] for r in blocked))
-    for r in blocked:
-        app = [f for f in stacks.get(r["stack_id"], []) if f.app]
-        if app and app[-1].line is not None and r["endpoint"]:
-            out.setdefault(r["endpoint"], set()).add((app[-1].file, app[-1].function, app[-1].line))
     return out
 
 
