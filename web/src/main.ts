@@ -117,8 +117,8 @@ async function render(): Promise<void> {
 async function status(): Promise<void> {
   const el = document.getElementById("status")!;
   try {
-    const s = await api<{ last: string | null; ingest: { at: number | null; error: string | null } }>("status");
-    const at = s.ingest.at ? new Date(s.ingest.at * 1000).toISOString().slice(11, 19) + "Z" : "-";
+    const s = await api<{ last: string | null; ingest_every_s: number; ingest: { at: number | null; error: string | null } }>("status");
+    const at = s.ingest_every_s <= 0 ? "never (read-only)" : s.ingest.at ? new Date(s.ingest.at * 1000).toISOString().slice(11, 19) + "Z" : "-";
     el.textContent = s.ingest.error ? `ingest failed: ${s.ingest.error}` : `latest request ${s.last ? s.last.slice(0, 19).replace("T", " ") + "Z" : "-"} · ingested ${at}`;
   } catch (e) {
     el.textContent = e instanceof Error ? e.message : String(e);

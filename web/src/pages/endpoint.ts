@@ -3,7 +3,7 @@ import { timeChart, histogram } from "../charts";
 import { treemapView, flameGraph } from "../hier";
 import type { Ctx } from "../main";
 import { findingList } from "./findings";
-import { h, fmtInt, fmtMs, fmtNum, fmtPct, fmtTime, table, link, section, errorBox, type Col } from "../util";
+import { h, fmtInt, fmtMs, fmtMsShort, fmtNum, fmtPct, fmtTime, table, link, section, errorBox, type Col } from "../util";
 
 export function tracesTable(ctx: Ctx, rows: TraceRow[]): HTMLElement {
   const cols: Col<TraceRow>[] = [
@@ -70,7 +70,7 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
         { label: "p99", values: d.percentiles.p99, unit: " ms" },
         { label: "requests", values: d.percentiles.count, scale: "y2", bars: true, color: "#999999" },
       ], { y2Label: "requests" }),
-      h("div", { class: "chart-card" }, h("div", { class: "chart-title" }, "Latency histogram (ms, log bins)"), histogram(d.histogram, fmtMs)),
+      h("div", { class: "chart-card" }, h("div", { class: "chart-title" }, "Latency histogram (ms, log bins)"), histogram(d.histogram, fmtMsShort)),
     ),
   );
 
