@@ -65,6 +65,11 @@ web_hash=$(cd web && find package.json package-lock.json index.html vite.config.
 web_stamp=.perfsleuth-web-stamp
 if [ ! -f "$static/index.html" ] || [ "$(cat "$web_stamp" 2>/dev/null)" != "$web_hash" ]; then
   echo "setup: building the web UI (npm ci, npm run build)"
+  node_major=$(node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0)
+  if [ "$node_major" -lt 20 ]; then
+    echo "setup: the web UI's build (Vite) needs Node.js 20 or newer; found $(node -v 2>/dev/null || echo none)" >&2
+    exit 1
+  fi
   if [ ! -d web/node_modules ] || [ web/package-lock.json -nt web/node_modules/.package-lock.json ]; then
     (cd web && npm ci --no-audit --no-fund --loglevel=error)
   fi

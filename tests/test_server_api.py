@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from perfsleuth.analysis.findings import find
-from perfsleuth.demo import ENDPOINTS, PLANTED
+from perfsleuth.demo import ENDPOINTS
 from perfsleuth.server import create_app
 from perfsleuth.store.duckdb_store import DuckDBStore
 
@@ -145,7 +145,6 @@ def test_findings_and_explain(client: TestClient, data: str) -> None:
     with DuckDBStore(data, read_only=True) as store:
         expected = [f.to_dict() for f in find(store, since=timedelta(hours=24))]
     assert [f["id"] for f in found] == [f["id"] for f in expected] and found
-    assert {f["endpoint"] for f in found} <= set(PLANTED)
     impacts = [f["impact_ms_per_min"] for f in found]
     assert impacts == sorted(impacts, reverse=True)
     with_site = next(f for f in found if f["callsite"])
@@ -179,6 +178,36 @@ def test_traces_and_trace(client: TestClient) -> None:
     blocked = get(client, f"/api/traces/{rows[0][0]}")
     assert blocked["endpoint"] == "POST /catalog/import"
     assert rows[0][1] in [b["duration_ms"] for b in blocked["blocker_events"]]
+
+
+def test_replay_command_of_a_captured_request(client: TestClient, data: str) -> None:
+    from perfsleuth.analysis.replay import curl_for
+    from perfsleuth.store.duckdb_store import DuckDBStore
+
+    rows = client.post(
+        "/api/sql", json={"query": "SELECT trace_id FROM captures ORDER BY body_size LIMIT 1"}
+    ).json()["rows"]
+    assert rows, "the demo's slow requests are captured"
+    tid = rows[0][0]
+    t = get(client, f"/api/traces/{tid}")
+    with DuckDBStore(data, read_only=True) as store:
+        expected = curl_for(store.capture(tid) or {})
+    assert t["replay"]["curl"] == expected and t["replay"]["complete"]
+    assert t["path"] in expected and t["replay"]["reason"]
+    text = client.get(f"/api/traces/{tid}/curl")
+    assert text.status_code == 200 and text.text == expected + "\n"
+    # a request that was not captured: no replay, and the curl URL says why
+    plain = client.post(
+        "/api/sql",
+        json={
+            "query": "SELECT trace_id FROM requests WHERE trace_id NOT IN "
+            "(SELECT trace_id FROM captures) LIMIT 1"
+        },
+    ).json()["rows"][0][0]
+    assert get(client, f"/api/traces/{plain}")["replay"] is None
+    r = client.get(f"/api/traces/{plain}/curl")
+    assert r.status_code == 404 and "not captured" in r.json()["error"]
+    assert client.get("/api/traces/zzzz/curl").status_code == 404
 
 
 def test_sql(client: TestClient) -> None:

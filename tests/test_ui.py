@@ -158,6 +158,7 @@ def test_overview_endpoint_trace(page: Any, server: str) -> None:
     top = page.locator("svg.treemap .treemap-node[data-depth='0']").get_attribute("data-name")
     assert top.startswith("customer_orders")
     mine = api(server, "findings", endpoint=N1, since=SINCE)
+    page.wait_for_selector("#endpoint-findings :is(ol.findings, p)")
     shown = page.locator("li.finding").evaluate_all("els => els.map(e => e.dataset.id)")
     assert shown == [f["id"] for f in mine]
     page.wait_for_selector("svg.flame .flame-frame")
@@ -233,11 +234,11 @@ def test_sql_console(page: Any, server: str) -> None:
     assert "q=SELECT" in page.url
     cells = page.locator("#sql-result tbody tr td:first-child").all_inner_texts()
     assert set(ENDPOINTS) <= set(cells)
+    page.screenshot(path=str(SHOTS / "sql.png"), full_page=True)
     page.fill("#sql", "DROP TABLE requests")
     page.click("#run-sql")
     page.wait_for_selector("#sql-result .error")
     assert "read-only" in page.locator("#sql-result .error").inner_text()
-    page.screenshot(path=str(SHOTS / "sql.png"), full_page=True)
 
 
 def test_without_the_token_the_page_says_so(browser: Any, server: str) -> None:
@@ -247,3 +248,52 @@ def test_without_the_token_the_page_says_so(browser: Any, server: str) -> None:
     pg.wait_for_selector("#app .error")  # the page's place shows the server's message
     assert "needs a token" in pg.locator("#app .error").inner_text()
     ctx.close()
+
+
+def test_click_through_to_the_replay_command(browser: Any, server: str) -> None:
+    """overview -> endpoint -> trace -> replay: the copied curl command is the server's."""
+    rows = httpx.post(
+        f"{server}/api/sql",
+        json={
+            "query": "SELECT c.trace_id, r.endpoint FROM captures c JOIN requests r "
+            "USING (trace_id) ORDER BY r.duration_ms DESC LIMIT 1"
+        },
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    ).json()["rows"]
+    assert rows, "the demo's slow requests are captured"
+    tid, endpoint = rows[0]
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    ctx.grant_permissions(["clipboard-read", "clipboard-write"])
+    page = ctx.new_page()
+    open_page(page, server, f"overview?since={SINCE}&refresh=0")
+    page.locator(f"tr[data-endpoint='{endpoint}'] a.endpoint-link").click()
+    wait_ready(page, "endpoint")
+    page.locator(f"a.trace-link:text-is('{tid}')").first.click()
+    wait_ready(page, "trace")
+    t = api(server, f"traces/{tid}")
+    assert t["replay"] and t["replay"]["curl"].startswith(("curl ", "#", "printf"))
+    shown = page.locator("#replay-curl").inner_text()
+    assert shown.strip() == t["replay"]["curl"].strip()
+    page.click("#copy-curl")
+    page.wait_for_selector("#copy-status:has-text('copied')")
+    copied = page.evaluate("navigator.clipboard.readText()")
+    whole = httpx.get(
+        f"{server}/api/traces/{tid}/curl", headers={"Authorization": f"Bearer {TOKEN}"}
+    ).text
+    assert copied.strip() == whole.strip() and t["path"] in copied
+    page.screenshot(path=str(SHOTS / "trace-replay.png"), full_page=False)
+    ctx.close()
+
+
+def test_auto_refresh_redraws_in_place(page: Any, server: str) -> None:
+    open_page(page, server, f"overview?since={SINCE}&refresh=5")
+    assert page.locator("#refresh").input_value() == "5"
+    page.evaluate("window.scrollTo(0, 300)")
+    y = page.evaluate("window.scrollY")
+    assert y > 100
+    page.evaluate("document.querySelector('#app .page').dataset.old = '1'")
+    # within one refresh period the page is drawn anew, at the same scroll position
+    page.wait_for_selector("#app .page:not([data-old])", state="attached", timeout=15_000)
+    page.wait_for_selector("#app tr[data-endpoint]")
+    page.wait_for_timeout(300)
+    assert abs(page.evaluate("window.scrollY") - y) < 5

@@ -20,6 +20,16 @@ export class ApiError extends Error {
   }
 }
 
+/** Plain text from the API (e.g. a curl command). */
+export async function apiText(path: string): Promise<string> {
+  const headers: Record<string, string> = {};
+  const t = token();
+  if (t) headers["Authorization"] = `Bearer ${t}`;
+  const res = await fetch(`api/${path}`, { headers });
+  if (!res.ok) throw new ApiError(res.status, `HTTP ${res.status}`);
+  return res.text();
+}
+
 export async function api<T>(path: string, params: Record<string, string | number | undefined> = {}, body?: unknown): Promise<T> {
   const q = new URLSearchParams();
   for (const [k, v] of Object.entries(params)) if (v !== undefined && v !== "") q.set(k, String(v));
@@ -169,6 +179,7 @@ export interface Trace extends Record<string, unknown> {
   blockers: number;
   stack_samples: { offset_ms: number; state: string; stack: Frame[] }[];
   profile: TreeNode | null;
+  replay: { reason: string | null; method: string; url: string; body_size: number | null; body_truncated: boolean | null; redacted: string[]; note: string | null; curl: string; complete: boolean } | null;
   blocker_events: { ts: string; duration_ms: number; delayed: number; last_call: string | null; stack: Frame[] }[];
 }
 

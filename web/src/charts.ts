@@ -42,7 +42,7 @@ export function timeChart(title: string, x: number[], lines: Line[], opts: { hei
       value: (_u, v) => (v === null || v === undefined ? "-" : v >= 100 ? Math.round(v).toLocaleString("en-US") : v.toFixed(1)) + (l.unit ?? ""),
     });
   }
-  const axes: uPlot.Axis[] = [{}, { label: opts.yLabel, size: 60 }];
+  const axes: uPlot.Axis[] = [{}, { label: opts.yLabel, size: 72 }];
   if (hasY2) axes.push({ scale: "y2", side: 1, label: opts.y2Label, grid: { show: false }, size: 60 });
   const make = () => {
     const width = Math.max(300, box.clientWidth || holder.clientWidth || 600);

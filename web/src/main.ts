@@ -94,7 +94,13 @@ async function render(): Promise<void> {
   try {
     await PAGES[page].page(content, ctx);
     if (mine !== generation) return; // a newer render took over
+    // An auto-refresh keeps the reader's place (charts and hierarchies are drawn a frame
+    // later); a new page starts at the top.
+    const refreshing = app.dataset.hash === hash;
+    const y = window.scrollY;
     app.replaceChildren(content);
+    if (refreshing) requestAnimationFrame(() => requestAnimationFrame(() => window.scrollTo(0, y)));
+    else window.scrollTo(0, 0);
     app.dataset.ready = page;
     app.dataset.hash = hash; // what is shown (tests wait for it)
   } catch (e) {
@@ -111,8 +117,8 @@ async function render(): Promise<void> {
 async function status(): Promise<void> {
   const el = document.getElementById("status")!;
   try {
-    const s = await api<{ last: string | null; ingest: { at: number | null; error: string | null } }>("status");
-    const at = s.ingest.at ? new Date(s.ingest.at * 1000).toISOString().slice(11, 19) + "Z" : "-";
+    const s = await api<{ last: string | null; ingest_every_s: number; ingest: { at: number | null; error: string | null } }>("status");
+    const at = s.ingest_every_s <= 0 ? "never (read-only)" : s.ingest.at ? new Date(s.ingest.at * 1000).toISOString().slice(11, 19) + "Z" : "-";
     el.textContent = s.ingest.error ? `ingest failed: ${s.ingest.error}` : `latest request ${s.last ? s.last.slice(0, 19).replace("T", " ") + "Z" : "-"} · ingested ${at}`;
   } catch (e) {
     el.textContent = e instanceof Error ? e.message : String(e);

@@ -31,6 +31,14 @@ export function fmtMs(v: number | null | undefined): string {
   return int.format(Math.round(v));
 }
 
+/** Short axis labels for milliseconds: 0.35, 4.2, 63, 250, 1.6s, 16s. */
+export function fmtMsShort(v: number): string {
+  if (v < 1) return v.toFixed(2);
+  if (v < 10) return v.toFixed(1);
+  if (v < 1000) return String(Math.round(v));
+  return (v < 10000 ? (v / 1000).toFixed(1) : String(Math.round(v / 1000))) + "s";
+}
+
 export function fmtNum(v: number | null | undefined, digits = 1): string {
   if (v === null || v === undefined || !isFinite(v)) return "-";
   return v.toLocaleString("en-US", { maximumFractionDigits: digits, minimumFractionDigits: digits });

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -105,11 +105,14 @@ class Backend:
     def start(self) -> None:
         if self.ingest_every <= 0 or self._thread is not None:
             return
-        self.ingest_once()
 
         def loop() -> None:
-            while not self._stop.wait(self.ingest_every):
+            # The first round may be a long backlog: the server listens meanwhile (calls wait
+            # for the lock, then see it all).
+            while True:
                 self.ingest_once()
+                if self._stop.wait(self.ingest_every):
+                    return
 
         self._thread = threading.Thread(target=loop, name="perfsleuth-ingest", daemon=True)
         self._thread.start()
@@ -155,6 +158,39 @@ def _ok(body: Any) -> Response:
 
 def _err(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message, "status": status}, status_code=status)
+
+
+CURL_INLINE_CHARS = 100_000  # longer commands (big bodies) are fetched when copied
+
+
+def _curl(capture: dict[str, Any]) -> tuple[str, str | None]:
+    """(curl command, why it is not an exact replay or None). A truncated body is kept in
+    the command, with the reason next to it."""
+    from perfsleuth.analysis import replay
+
+    try:
+        return replay.curl_for(capture), None
+    except replay.ReplayError as e:
+        return replay.curl_for(capture, allow_truncated=True), str(e)
+
+
+def _replay(store: Store, trace_id: str) -> dict[str, Any] | None:
+    cap = store.capture(trace_id)
+    if cap is None:
+        return None
+    curl, note = _curl(cap)
+    inline = len(curl) <= CURL_INLINE_CHARS
+    return {
+        "reason": cap.get("reason"),
+        "method": cap.get("method"),
+        "url": cap.get("url"),
+        "body_size": cap.get("body_size"),
+        "body_truncated": cap.get("body_truncated"),
+        "redacted": cap.get("redacted") or [],
+        "note": note,
+        "curl": curl if inline else curl[:2000] + "\n# ... (copy for the whole command)",
+        "complete": inline,
+    }
 
 
 def _window(since: str | None) -> Window:
@@ -353,9 +389,25 @@ def create_app(
                 else None
             )
             t["blocker_events"] = store.blockers(trace_id=tid) if t.get("blockers") else []
+            t["replay"] = _replay(store, tid)
             return t
 
         return run(body)
+
+    @app.get(
+        "/api/traces/{trace_id}/curl",
+        summary="The captured request as a curl command (text)",
+        response_class=PlainTextResponse,
+    )
+    def trace_curl(trace_id: str) -> Response:
+        with be.use() as store:
+            try:
+                cap = store.capture(trace_id)
+            except StoreError as e:
+                raise ApiError(404, str(e)) from e
+        if cap is None:
+            raise ApiError(404, f"trace {trace_id} was not captured (no replayable request)")
+        return PlainTextResponse(_curl(cap)[0] + "\n")
 
     @app.get("/api/findings", summary="Findings, highest impact first")
     def findings(endpoint: str | None = None, since: SinceQ = "1h") -> Response:

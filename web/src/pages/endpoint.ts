@@ -3,7 +3,7 @@ import { timeChart, histogram } from "../charts";
 import { treemapView, flameGraph } from "../hier";
 import type { Ctx } from "../main";
 import { findingList } from "./findings";
-import { h, fmtInt, fmtMs, fmtNum, fmtPct, fmtTime, table, link, section, errorBox, type Col } from "../util";
+import { h, fmtInt, fmtMs, fmtMsShort, fmtNum, fmtPct, fmtTime, table, link, section, errorBox, type Col } from "../util";
 
 export function tracesTable(ctx: Ctx, rows: TraceRow[]): HTMLElement {
   const cols: Col<TraceRow>[] = [
@@ -25,12 +25,18 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
   const name = ctx.params.get("name") || "";
   const kind = ctx.params.get("kind") || "db";
   if (!name) throw new Error("no endpoint given: pick one on the overview");
-  const [d, tree, prof, found] = await Promise.all([
+  // The detectors can take seconds on big data: their section fills in when they answer.
+  const [d, tree, prof] = await Promise.all([
     api<EndpointDetail>("endpoint", { name, since: ctx.since }),
     api<TreeNode>("calltree", { endpoint: name, kind, since: ctx.since }).catch((e: Error) => e),
     api<ProfileData>("profile", { endpoint: name, since: ctx.since }).catch((e: Error) => e),
-    api<Finding[]>("findings", { endpoint: name, since: ctx.since }).catch((e: Error) => e),
   ]);
+  // Asked after the rest: the server answers one question at a time, and this one is slow.
+  const foundBox = h("div", { id: "endpoint-findings" }, h("span", { class: "dim" }, "running the detectors…"));
+  api<Finding[]>("findings", { endpoint: name, since: ctx.since }).then(
+    (found) => foundBox.replaceChildren(findingList(ctx, found, null)),
+    (e) => foundBox.replaceChildren(errorBox(e)),
+  );
   const s = d.summary;
   root.append(
     h("h1", { id: "endpoint-name" }, d.endpoint),
@@ -64,12 +70,12 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
         { label: "p99", values: d.percentiles.p99, unit: " ms" },
         { label: "requests", values: d.percentiles.count, scale: "y2", bars: true, color: "#999999" },
       ], { y2Label: "requests" }),
-      h("div", { class: "chart-card" }, h("div", { class: "chart-title" }, "Latency histogram (ms, log bins)"), histogram(d.histogram, fmtMs)),
+      h("div", { class: "chart-card" }, h("div", { class: "chart-title" }, "Latency histogram (ms, log bins)"), histogram(d.histogram, fmtMsShort)),
     ),
   );
 
   // Findings for this endpoint come first: they name the problem.
-  root.append(section("Findings for this endpoint", found instanceof Error ? errorBox(found) : findingList(ctx, found, null)));
+  root.append(section("Findings for this endpoint", foundBox));
 
   const treeBox = h("div", { class: "treemap-box" });
   const kinds = h(

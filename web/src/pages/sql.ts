@@ -17,7 +17,7 @@ export async function sqlPage(root: HTMLElement, ctx: Ctx): Promise<void> {
   });
   root.append(
     section(
-      "SQL console (read-only; tables: requests, calls, attributes, samples, blockers, gc_pauses, fingerprints, locations, stacks)",
+      "SQL console (read-only; tables: requests, calls, attributes, samples, blockers, gc_pauses, captures, fingerprints, locations, stacks)",
       area,
       h("div", { class: "row" }, h("button", { id: "run-sql", onclick: run }, "Run (Ctrl+Enter)"), h("span", { class: "dim" }, "one SELECT at a time; at most 10,000 rows, 10 s")),
       out,
@@ -38,7 +38,7 @@ async function exec(q: string, out: HTMLElement): Promise<void> {
         h(
           "table",
           { class: "grid" },
-          h("thead", {}, h("tr", {}, r.columns.map((c) => h("th", {}, c)))),
+          h("thead", {}, h("tr", {}, r.columns.map((c, i) => h("th", { class: typeof r.rows[0]?.[i] === "number" ? "num" : "" }, c)))),
           h("tbody", {}, r.rows.map((row) => h("tr", {}, row.map((v) => h("td", { class: typeof v === "number" ? "num" : "" }, v === null ? "NULL" : typeof v === "object" ? JSON.stringify(v) : String(v)))))),
         ),
       ),

@@ -1,4 +1,4 @@
-import { api, type Call, type Frame, type Trace } from "../api";
+import { api, apiText, type Call, type Frame, type Trace } from "../api";
 import { flameGraph } from "../hier";
 import type { Ctx } from "../main";
 import { h, fmtInt, fmtMs, fmtBytes, fmtTime, site, link, section } from "../util";
@@ -52,6 +52,35 @@ export async function tracePage(root: HTMLElement, ctx: Ctx): Promise<void> {
     ...Object.entries(t.tags).map(([k, v]) => [`tag ${k}`, v] as [string, unknown]),
   ];
   root.append(section("Attributes and tags", h("table", { class: "grid kv", id: "attributes" }, h("tbody", {}, kv.map(([k, v]) => h("tr", {}, h("th", {}, k), h("td", { class: "mono" }, String(v))))))));
+
+  if (t.replay) {
+    const r = t.replay;
+    const status = h("span", { class: "dim", id: "copy-status" });
+    const copy = async () => {
+      try {
+        const text = r.complete ? r.curl : (await apiText(`traces/${encodeURIComponent(t.trace_id)}/curl`)).trimEnd();
+        await copyText(text);
+        status.textContent = `copied (${text.length.toLocaleString("en-US")} characters)`;
+      } catch (e) {
+        status.textContent = `copy failed: ${e instanceof Error ? e.message : String(e)}`;
+      }
+    };
+    root.append(
+      section(
+        "Replay this request",
+        h(
+          "div",
+          { class: "row" },
+          h("button", { id: "copy-curl", onclick: () => void copy() }, "Copy curl command"),
+          status,
+          h("span", { class: "dim" }, `captured because: ${r.reason ?? "?"} · body ${fmtBytes(r.body_size)}${r.body_truncated ? " (truncated)" : ""}${r.redacted.length ? ` · redacted headers left out: ${r.redacted.join(", ")}` : ""}`),
+        ),
+        r.note ? h("div", { class: "error" }, r.note) : null,
+        h("pre", { class: "code curl", id: "replay-curl" }, r.curl),
+        h("div", { class: "dim" }, "or re-send it and compare timings: ", h("code", {}, `perfsleuth replay ${t.trace_id} --to http://127.0.0.1:8000`)),
+      ),
+    );
+  }
 
   // Waterfall: one row per call, the bar placed at its offset within the request.
   const rows = t.calls.map((c) => {
@@ -115,4 +144,18 @@ export async function tracePage(root: HTMLElement, ctx: Ctx): Promise<void> {
       ),
     );
   }
+}
+
+async function copyText(text: string): Promise<void> {
+  if (navigator.clipboard && window.isSecureContext) {
+    await navigator.clipboard.writeText(text);
+    return;
+  }
+  // Plain http on another host: the clipboard API is not there; the old way still is.
+  const area = h("textarea", { style: { position: "fixed", top: "-1000px" } }, text) as HTMLTextAreaElement;
+  document.body.append(area);
+  area.select();
+  const ok = document.execCommand("copy");
+  area.remove();
+  if (!ok) throw new Error("the browser refused to copy; select the command and copy it by hand");
 }
