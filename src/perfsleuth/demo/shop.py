@@ -10,6 +10,7 @@ The app never imports perfsleuth's agent beyond ``attr``/``tag``/``task``: under
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import threading
@@ -217,13 +218,17 @@ def _edit_distance(a: str, b: str) -> int:
     return prev[-1]
 
 
+def _distance(q: str, text: str) -> int:
+    """The best match of ``q`` against each word and each pair of adjacent words ("back pak")."""
+    words = text.lower().split()
+    terms = words + [a + b for a, b in itertools.pairwise(words)]
+    return min(_edit_distance(q, t) for t in terms)
+
+
 @app.get("/search")
 def search(q: str, limit: int = 10) -> list[dict[str, Any]]:
     """Fuzzy search in pure Python over every product's name and description, per request."""
     with connection() as con:
         rows = con.execute("SELECT id, name, description FROM products").fetchall()
-    scored = sorted(
-        (min(_edit_distance(q.lower(), w) for w in f"{name} {text}".split()), pid, name)
-        for pid, name, text in rows
-    )
+    scored = sorted((_distance(q.lower(), f"{name} {text}"), pid, name) for pid, name, text in rows)
     return [{"id": pid, "name": name, "distance": d} for d, pid, name in scored[:limit]]

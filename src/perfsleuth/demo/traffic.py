@@ -85,7 +85,7 @@ def _pick(
         (1, ("shop", "GET", "/reports/top-customers", None)),
         (5, ("shop", "GET", f"/shipping/quote?customer_id={cid}&weight_g=1200", None)),
         (1, ("shop", "POST", "/catalog/import", b'{"feed": "northwind"}')),
-        (4, ("shop", "GET", f"/search?q={rng.choice(SEARCH_TERMS)}", None)),
+        (2, ("shop", "GET", f"/search?q={rng.choice(SEARCH_TERMS)}", None)),
         (10, ("legacy", "GET", f"/admin/customers/{cid}", None)),
         (1, ("legacy", "GET", f"/admin/export.csv?page={rng.randrange(1, 7)}", None)),
         (1, ("legacy", "POST", "/admin/notes", None)),
