@@ -147,6 +147,15 @@ class SegmentWriter:
         self.requests.append(body)
         return body
 
+    def stack(self, frames: list[tuple[str, int, str, bool]]) -> int:
+        """Append the records of a stack ((file, line, function, app), outermost first) and
+        return its id, for runtime-evidence records that name stacks."""
+        out: list[bytes] = []
+        ids = [self._location(out, *fr) for fr in frames]
+        sid = self._dict(out, STACK, {"id": stable_id(*ids), "frames": ids})
+        self.write(b"".join(out))
+        return sid
+
     def event(self, rtype: bytes, body: Any) -> None:
         """Append one runtime-evidence record (samples, blocker, GC, capture) as given."""
         self.write(encode_record(rtype, body))

@@ -349,6 +349,40 @@ def test_malformed_evidence_records_are_coerced_not_fatal(tmp_path: Path) -> Non
         assert g == [{"generation": 2, "duration_ms": 2.0, "trace_ids": None}]
 
 
+def test_a_block_after_the_handler_returned_counts_with_the_handler(tmp_path: Path) -> None:
+    """The loop caught freeing what a handler built (no application frame on it) is the tail
+    of that handler's block, not a second finding at a library line; a library-only block in
+    an endpoint whose own code never blocked is still reported, at the library line."""
+    data = tmp_path / "data"
+    w = SegmentWriter(str(data))
+    lib = ("/usr/lib/python3.11/asyncio/events.py", 80, "Handle._run", False)
+    handler = w.stack([lib, ("/srv/app/main.py", 40, "import_feed", True)])
+    freeing = w.stack([lib, ("/usr/lib/python3.11/contextlib.py", 769, "__exit__", False)])
+    other = w.stack([lib, ("/venv/site-packages/lib/parse.py", 12, "loads", False)])
+    for i, (endpoint, stack) in enumerate(
+        [("POST /import", handler)] * 2 + [("POST /import", freeing), ("GET /feed", other)] * 2
+    ):
+        trace = f"{i + 1:016x}"
+        w.request(endpoint, trace_id=trace, dur_ms=400)
+        w.event(
+            b"B",
+            {"ts": time.time_ns(), "dur": 300_000_000, "delayed": 1, "id": trace,
+             "endpoint": endpoint, "stacks": [[stack, 5]]},
+        )  # fmt: skip
+    w.close()
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+        found = {f.endpoint: f for f in find(store, kinds=["event_loop_blocker"])}
+    assert set(found) == {"POST /import", "GET /feed"}
+    mine = found["POST /import"]
+    assert mine.callsite is not None and mine.callsite["line"] == 40
+    assert mine.evidence["blocks"] == 4 and mine.evidence["after_return"] == 2
+    assert "2 of them after it returned" in mine.title
+    theirs = found["GET /feed"]
+    assert theirs.callsite is not None and theirs.callsite["line"] == 12
+    assert theirs.evidence["after_return"] == 0
+
+
 def test_a_store_from_before_evidence_is_migrated(tmp_path: Path) -> None:
     data = tmp_path / "data"
     w = SegmentWriter(str(data))

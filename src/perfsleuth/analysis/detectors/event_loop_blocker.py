@@ -39,14 +39,33 @@ def detect(ctx: Context) -> list[Finding]:
     stacks = frames.stacks(ctx.store, (r["stack_id"] for r in rows))
     groups: dict[tuple[str, str | None, str | None], list[dict[str, Any]]] = {}
     leaves: dict[tuple[str, str | None, str | None], Counter[frames.Frame]] = {}
+    no_app: list[tuple[tuple[str, str | None, str | None], dict[str, Any]]] = []
     for r in rows:
         st = stacks.get(r["stack_id"], [])
         app = [f for f in st if f.app]
         f = app[-1] if app else (st[-1] if st else frames.UNKNOWN)
         outer = app[0] if app else f
         key = (r["endpoint"], outer.file, outer.function)
+        if not app:
+            no_app.append((key, r))
+            continue
         groups.setdefault(key, []).append(r)
         leaves.setdefault(key, Counter())[f] += 1
+    # A block caught with no application frame on the loop, in an endpoint whose own code also
+    # blocked, is the tail of that block: the handler returned and the loop is freeing or
+    # serialising what it built. It counts with the handler (largest by blocked time), not as
+    # a second finding pointing at a library line.
+    after_return: Counter[tuple[str, str | None, str | None]] = Counter()
+    app_keys = list(groups)
+    for key, r in no_app:
+        own = [k for k in app_keys if k[0] == key[0]]
+        if own:
+            key = max(own, key=lambda k: sum(float(x["duration_ms"] or 0) for x in groups[k]))
+            after_return[key] += 1
+        else:
+            st = stacks.get(r["stack_id"], [])
+            leaves.setdefault(key, Counter())[st[-1] if st else frames.UNKNOWN] += 1
+        groups.setdefault(key, []).append(r)
     out = []
     for key, rs in groups.items():
         ep = key[0]
@@ -69,8 +88,13 @@ def detect(ctx: Context) -> list[Finding]:
                 else f"{big['last_rows']:,} rows"
             )
             parsed = f" right after `{text.statement(big['last_call'], 50)}` returned {size}"
+        tail = (
+            f" ({after_return[key]:,} of them after it returned, freeing or sending its result)"
+            if after_return[key]
+            else ""
+        )
         title = (
-            f"{func} ({where}) blocked the event loop in {ep} {len(rs):,} time(s), "
+            f"{func} ({where}) blocked the event loop in {ep} {len(rs):,} time(s){tail}, "
             f"{text.ms(total)} in all, up to {text.ms(longest)}{parsed}; "
             f"{delayed:,} other in-flight request(s) waited."
         )
@@ -98,6 +122,7 @@ def detect(ctx: Context) -> list[Finding]:
                     "blocked_ms": total,
                     "longest_ms": longest,
                     "delayed_requests": delayed,
+                    "after_return": after_return[key],
                     "last_call": big["last_call"],
                     "last_rows": big["last_rows"],
                     "last_bytes": big["last_bytes"],
