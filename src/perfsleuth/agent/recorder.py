@@ -123,7 +123,7 @@ class Call:
         self.hit: bool | None = None  # cache hit / miss
         self.wait: int | None = None  # ns spent waiting for a pooled connection
         self.error: str | None = None
-        # flat (code, line, code, line, ...); its first application frame is the call site
+        # flat (code, where, ...) of stacks.capture; its first application frame is the call site
         self.stack: tuple[Any, ...] | None = None
         self.extra: dict[str, Any] | None = None
 
@@ -271,10 +271,10 @@ def start_call(kind: str, system: str, target: Any, params: Any = None) -> Call 
             hit = kinds.get(id(code))
             k = hit[1] if hit is not None else stacks.classify(code)
             if k:
-                site = (code, f.f_lineno)
+                site = (code, f.f_lasti)  # only a key: the writer reads lines off the stack
                 break
             if k is not None and leaf is None:
-                leaf = (code, f.f_lineno)
+                leaf = (code, f.f_lasti)
             f = f.f_back
             depth += 1
         if site is None:

@@ -194,10 +194,11 @@ class _Encoder:
                 cache.clear()  # type: ignore[attr-defined]
 
     def location(self, seg: _Segment, out: list[bytes], frame: tuple[Any, int]) -> int:
-        code, line = frame
-        key = (id(code), line)
+        code, where = frame
+        key = (id(code), where)
         hit = self.locs.get(key)
         if hit is None:
+            line = stacks.line(code, where)
             fn = code.co_filename
             func = getattr(code, "co_qualname", code.co_name)
             lid = fpr.stable_id(fn, line, func)
@@ -209,8 +210,8 @@ class _Encoder:
         return hit[0]
 
     def stack(self, seg: _Segment, out: list[bytes], flat: tuple[Any, ...]) -> tuple[int, int]:
-        """(stack id, call-site location id) of a captured stack: ``flat`` is (code, line,
-        code, line, ...) innermost first (stacks.capture); the call site is its first
+        """(stack id, call-site location id) of a captured stack: ``flat`` is (code, where,
+        code, where, ...) innermost first (stacks.capture); the call site is its first
         application frame (else its innermost frame)."""
         key = (*map(id, flat[::2]), *flat[1::2])
         hit = self.stack_ids.get(key)

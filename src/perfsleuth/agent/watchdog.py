@@ -8,8 +8,8 @@ the loop is blocked: while it stays blocked, each tick records the loop thread's
 which request's task is running (``asyncio.current_task(loop)``). The answer measures how long
 it lasted; the blocker is then shipped with its most common stacks, the request that caused
 it, the other requests that were in flight on that loop (delayed by it), and the last call that
-request had finished (a large result parsed on the loop shows up as rows and bytes right before
-the block). Works for plain asyncio and uvloop loops alike.
+request had finished by the end of the block (a large result parsed on the loop shows up as its
+rows and bytes). Works for plain asyncio and uvloop loops alike.
 
 Why pings and not a ``call_later`` heartbeat: a pending timer makes every wait of the loop in
 ``select`` arm a kernel timer, which measured +4-6 % CPU per request on a loop handing work to a
@@ -191,10 +191,13 @@ class Watchdog:
         recorder.stats["loop_blockers"] += 1
         req = b.req
         delayed = len(b.delayed - {id(req)}) if req is not None else len(b.delayed)
+        # The request's last call finished by the end of the block: a sync driver's query run
+        # on the loop is part of the block (the ping may have gone out before it started), an
+        # awaited one that outlasted the block is not.
         last = None
         if req is not None:
             for c in reversed(req.calls[-50:]):
-                if c.end and c.end <= b.start:
+                if c.end and c.end <= e.last:
                     last = c
                     break
 

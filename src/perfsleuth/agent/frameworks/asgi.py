@@ -111,7 +111,9 @@ class _Exchange:
             recorder.internal_error()
         return message
 
-    async def send(self, message: Message) -> None:
+    def send(self, message: Message) -> Awaitable[None]:
+        # Not a coroutine of its own: it returns the server's send awaitable, which the app
+        # awaits (one coroutine object less per message).
         try:
             t = message.get("type")
             if t == "http.response.body":
@@ -129,7 +131,7 @@ class _Exchange:
                     self.complete = True
         except Exception:
             recorder.internal_error()
-        await self._send(message)
+        return self._send(message)
 
     def declared_length(self) -> int | None:
         for name, value in self.resp_headers or ():
