@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint format bench bench-ingest bench-accuracy bench-findings bench-evidence bench-capture bench-ui clean
+.PHONY: setup demo test lint format bench bench-ingest bench-accuracy bench-findings bench-evidence bench-capture bench-ui bench-instructions clean
 
 setup:
 	@bash scripts/setup.sh
@@ -42,6 +42,9 @@ bench-evidence: setup
 
 bench-capture: setup
 	$(BIN)/python benchmarks/capture_decision.py
+
+bench-instructions: setup
+	$(BIN)/python benchmarks/instructions.py
 
 clean:
 	rm -rf $(VENV) .perfsleuth .perfsleuth-demo build dist src/*.egg-info

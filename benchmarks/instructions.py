@@ -1,0 +1,105 @@
+"""Instructions per request, per thread, of the overhead benchmark's variants, under callgrind.
+
+    .venv/bin/python benchmarks/instructions.py [--variants bare,perfsleuth-no-evidence]
+        [--requests 200,1200]
+
+Timings on a shared 2-core machine move by several per cent from run to run; instruction
+counts do not, so this is the tool for telling whether a change to the agent's hot path helps
+(it does not replace ``make bench``: instructions are not time, cache misses and system calls
+weigh differently). Each variant runs the reference app of ``overhead.py`` twice under
+``valgrind --tool=callgrind --separate-threads=yes`` (300 warm-up requests, then N1 and N2
+requests, the background writer flushed); the difference divided by N2 - N1 is what one
+request costs on each thread, without start-up. Threads are numbered in start order: 1 the
+event loop, then the agent's writer (perfsleuth), then the thread-pool worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def child(variant: str, n: int) -> None:
+    sys.path.insert(0, HERE)
+    import overhead as ob
+
+    tmp = tempfile.mkdtemp(prefix="perfsleuth-instr-")
+    db = os.path.join(tmp, "db.sqlite")
+    ob.seed_db(db)
+    app, flush, _check = ob.SETUPS[variant](db, tmp)
+
+    async def run() -> None:
+        for i in range(300 + n):
+            await ob.request(app, i % ob.ORDERS + 1)
+        flush()
+
+    asyncio.run(run())
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown in the count
+
+
+def per_thread(out_dir: str) -> dict[int, int]:
+    counts = {}
+    for path in glob.glob(os.path.join(out_dir, "cg.out.*")):
+        name = os.path.basename(path)
+        thread = int(name.rsplit("-", 1)[1]) if "-" in name else 1
+        with open(path, errors="replace") as fh:
+            for line in fh:
+                if line.startswith(("summary:", "totals:")):
+                    counts[thread] = int(line.split()[1])
+                    break
+    return counts
+
+
+def measure(variant: str, n: int, tmp: str) -> dict[int, int]:
+    out_dir = os.path.join(tmp, f"{variant}-{n}")
+    os.makedirs(out_dir)
+    cmd = [
+        "valgrind", "--tool=callgrind", "--separate-threads=yes",
+        f"--callgrind-out-file={out_dir}/cg.out.%p",
+        sys.executable, __file__, "--child", variant, str(n),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return per_thread(out_dir)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="bare,perfsleuth-no-evidence")
+    ap.add_argument("--requests", default="200,1200", help="N1,N2")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]))
+        return
+    if shutil.which("valgrind") is None:
+        sys.exit("valgrind is not installed (apt-get install valgrind)")
+    n1, n2 = (int(x) for x in args.requests.split(","))
+    tmp = tempfile.mkdtemp(prefix="perfsleuth-callgrind-")
+    totals = {}
+    try:
+        for variant in args.variants.split(","):
+            a, b = measure(variant, n1, tmp), measure(variant, n2, tmp)
+            threads = {t: (b.get(t, 0) - a.get(t, 0)) / (n2 - n1) for t in sorted(set(a) | set(b))}
+            totals[variant] = sum(threads.values())
+            parts = ", ".join(f"thread {t} {v / 1000:,.1f}k" for t, v in threads.items() if v > 50)
+            print(f"{variant:26s} {totals[variant] / 1000:9,.1f}k instructions/request ({parts})")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    base = totals.get("bare")
+    if base:
+        for variant, total in totals.items():
+            if variant != "bare":
+                print(f"{variant}: +{(total - base) / base * 100:.1f} % instructions over bare")
+
+
+if __name__ == "__main__":
+    main()
