@@ -1,9 +1,24 @@
-"""Numbers and statements as they appear in finding titles."""
+"""Numbers and statements as they appear in finding titles, and time spans as users write
+them (``--since 24h``, ``?since=7d``)."""
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
+
+
+def span_seconds(value: str) -> float | None:
+    """'15m', '1h', '24h', '7d' (also s and w, any case) -> seconds; None when ``value`` is
+    not a number and one of those units. Seconds, not a timedelta: callers check their bounds
+    first ("99999999999d" is beyond what a timedelta holds)."""
+    m = _DURATION.match(value)
+    if not m:
+        return None
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
 def ms(v: float | None) -> str:

@@ -7,7 +7,6 @@ import decimal
 import functools
 import json
 import os
-import re
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 import typer
 from rich.console import Console
 
+from perfsleuth.analysis import text
 from perfsleuth.store.base import Damage, IngestReport, Store, StoreError, StoreLocked
 
 EXIT_STATE = 1  # the store cannot be used right now (locked, empty, I/O)
@@ -93,21 +93,17 @@ def handle_errors(fn: F) -> F:
 
 # ---------------------------------------------------------------------------------- parsing
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
-
 
 def parse_since(value: str | None) -> timedelta | None:
     """'15m', '1h', '24h', '7d' (also s and w) -> timedelta; None or 'all' -> None."""
     if value is None or value.strip().lower() in ("", "all"):
         return None
-    m = _DURATION.match(value)
-    if not m:
+    seconds = text.span_seconds(value)
+    if seconds is None:
         raise CLIError(
             f"invalid --since {value!r}: use a number and a unit (s, m, h, d, w), "
             "like 15m, 1h, 24h or 7d"
         )
-    seconds = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if seconds <= 0:
         raise CLIError(f"invalid --since {value!r}: the window must be longer than zero")
     if seconds > 100 * 365 * 86400:

@@ -3,12 +3,11 @@ all data, and the time buckets charts use."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
+from perfsleuth.analysis import text
+
 # Chart buckets: the smallest of these giving at most MAX_BUCKETS points over the window.
 STEPS_S = (1, 5, 10, 30, 60, 300, 600, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400)
 MAX_BUCKETS = 120
@@ -24,13 +23,12 @@ def utcnow() -> datetime:
 
 
 def parse_duration(value: str) -> timedelta:
-    m = _DURATION.match(value)
-    if not m:
+    seconds = text.span_seconds(value)
+    if seconds is None:
         raise BadRange(
             f"invalid since {value!r}: use a number and a unit (s, m, h, d, w) such as 15m, "
             "1h, 24h or 7d, or 'all'"
         )
-    seconds = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if seconds <= 0 or seconds > 10 * 365 * 86400:
         raise BadRange(f"invalid since {value!r}: between 1 second and ten years")
     return timedelta(seconds=seconds)
