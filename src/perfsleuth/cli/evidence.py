@@ -7,7 +7,6 @@ Registered on the shared Typer ``app`` (imported at the bottom of :mod:`perfsleu
 from __future__ import annotations
 
 import json as _json
-import os
 from typing import Annotated
 
 import typer
@@ -35,14 +34,7 @@ from perfsleuth.cli.main import NoIngestOpt, _check_endpoint, app
 
 
 def _where(file: str | None, line: int | None) -> str:
-    if not file:
-        return "?"
-    try:
-        rel = os.path.relpath(file)
-        file = rel if not rel.startswith("..") else file
-    except ValueError:
-        pass
-    return f"{file}:{line or '?'}"
+    return f"{render.short_path(file)}:{line or '?'}"
 
 
 def _write(path: str, text: str) -> None:
