@@ -57,3 +57,25 @@ def test_odd_values_are_encoded_as_text() -> None:
     obj = {"attrs": {"when": object()}, "n": 1}
     ((rtype, back),) = read_segment(FILE_MAGIC + encode_record(FINGERPRINT, obj)).records
     assert rtype == FINGERPRINT and back["n"] == 1 and back["attrs"]["when"].startswith("<object")
+
+
+def test_records_are_the_json_text_json_dumps_writes() -> None:
+    # The writer encodes through a C encoder made once (wire.segment._dumps); its text must
+    # stay what json.dumps writes with the same options, byte for byte.
+    import json
+    import math
+
+    from perfsleuth.wire.segment import encode_json
+
+    obj = {
+        "id": "00ff",
+        "endpoint": "GET /café/{id}",
+        "quote": 'a "b"\n\t\\',
+        "big": -(1 << 63),
+        "f": 0.1,
+        "inf": math.inf,
+        "nested": {"l": [1, None, True, {"x": "ü"}], "t": (1, 2)},
+        "odd": object(),
+    }
+    want = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, default=str)
+    assert encode_json(obj) == want.encode("utf-8")

@@ -247,56 +247,80 @@ class _Encoder:
             out.append(encode_record(FINGERPRINT, hit[1]))
         return hit[0]
 
-    def request(self, seg: _Segment, req: recorder.ActiveRequest) -> list[bytes]:
-        """The records of one finished request: whatever it needs interned in this segment,
-        then one REQUEST_BIN record (JSON object, NUL, one binary row per call)."""
-        self._bounded()
-        out: list[bytes] = []
+    @staticmethod
+    def _ext(
+        ext: dict[str, dict[str, Any]],
+        i: int,
+        c: recorder.Call,
+        code: tuple[int, int] | None,
+        flags: int,
+    ) -> tuple[tuple[int, int], int]:
+        """Put what does not fit the binary row of call ``i`` into ``ext``: (codes, flags)."""
+        x = _call_ext(c)
+        if x:
+            ext[str(i)] = x
+            flags |= wcalls.FLAG_EXT
+        return code or (
+            KIND_CODE.get(c.kind, wcalls.OTHER),
+            SYSTEM_CODE.get(c.system, wcalls.OTHER),
+        ), flags
+
+    def rows(
+        self,
+        seg: _Segment,
+        out: list[bytes],
+        req: recorder.ActiveRequest,
+        ext: dict[str, dict[str, Any]],
+    ) -> bytes:
+        """The call rows of ``req``, one call at a time; values that do not fit a row go
+        into ``ext`` (the record's ``cx``)."""
         rows: list[bytes] = []
-        ext: dict[str, dict[str, Any]] = {}
         pack = wcalls.CALL.pack
-        fps = self.fps
-        seg_fps = seg.fingerprints
-        # Calls of one site share one stack tuple (recorder.start_call): resolve it once.
-        stack_of: dict[int, tuple[int, int]] = {}  # id(stack tuple) -> (stack id, site id)
+        # What calls of one statement from one place share (calls of one site share one stack
+        # tuple, recorder.start_call), worked out once per request:
+        # (kind, target, id(stack)) -> (fingerprint id, stack id, site id, kind/system codes)
+        same: dict[tuple[str, Any, int], tuple[int, int, int, tuple[int, int] | None]] = {}
         start, end = req.start, req.end
-        codes = _CODES
         for i, c in enumerate(req.calls):
             kind = c.kind
-            target = c.target
-            try:
-                hit = fps.get((kind, target))
-            except TypeError:  # an unhashable target from an odd driver
-                hit = None
-            fp = hit[0] if hit is not None and hit[0] in seg_fps else self.fingerprint(seg, out, c)
             st = c.stack
-            if st:
-                ids = stack_of.get(id(st))
-                if ids is None:
-                    ids = stack_of[id(st)] = self.stack(seg, out, st)
-                sid, site = ids
-            else:
-                sid = site = NULL
+            key = (kind, c.target, id(st))
+            shared = same.get(key)
+            if shared is None:
+                sid, site = self.stack(seg, out, st) if st else (NULL, NULL)
+                shared = same[key] = (
+                    self.fingerprint(seg, out, c),
+                    sid,
+                    site,
+                    _CODES.get((kind, c.system)),
+                )
+            fp, sid, site, code = shared
             ph = c.ph
             if ph is not None:
                 ph &= MASK63
             elif c.params is None or (ph := params_hash(c.params)) is None:
                 ph = NULL
-            code = codes.get((kind, c.system))
             cend = c.end
             flags = 0 if cend else wcalls.FLAG_UNFINISHED
-            # Rare values (errors, HTTP hosts, driver extras, unlisted kinds) go to ``cx``.
-            if code is None or kind == "http" or c.error is not None or c.extra:
-                x = _call_ext(c)
-                if x:
-                    ext[str(i)] = x
-                    flags |= wcalls.FLAG_EXT
-                code = code or (
-                    KIND_CODE.get(kind, wcalls.OTHER),
-                    SYSTEM_CODE.get(c.system, wcalls.OTHER),
-                )
-            v = c.status
-            hv = c.hit
+            more = c.more  # the rarely set fields (Call.more): most calls have none
+            if more is None:
+                v = wcalls.NULL_32
+                hv = -1
+                nbytes = wait = NULL
+                if code is None or kind == "http":
+                    code, flags = self._ext(ext, i, c, code, flags)
+            else:
+                x = more.get("status")
+                v = wcalls.NULL_32 if x is None else x
+                x = more.get("hit")
+                hv = -1 if x is None else (1 if x else 0)
+                x = more.get("bytes")
+                nbytes = NULL if x is None else x
+                x = more.get("wait")
+                wait = NULL if x is None else x
+                # Rare values (errors, HTTP hosts, driver extras, unlisted kinds) go to ``cx``.
+                if code is None or kind == "http" or "error" in more or more.get("extra"):
+                    code, flags = self._ext(ext, i, c, code, flags)
             cstart = c.start
             dur = (cend or end) - cstart
             rows.append(
@@ -308,19 +332,28 @@ class _Encoder:
                     site,
                     ph,
                     NULL if c.rows is None else c.rows,
-                    NULL if c.bytes is None else c.bytes,
-                    NULL if c.wait is None else c.wait,
-                    wcalls.NULL_32 if v is None else v,
+                    nbytes,
+                    wait,
+                    v,
                     code[0],
                     code[1],
-                    -1 if hv is None else (1 if hv else 0),
+                    hv,
                     flags,
                 )
             )
+        return b"".join(rows)
+
+    def request(self, seg: _Segment, req: recorder.ActiveRequest) -> list[bytes]:
+        """The records of one finished request: whatever it needs interned in this segment,
+        then one REQUEST_BIN record (JSON object, NUL, one binary row per call)."""
+        self._bounded()
+        out: list[bytes] = []
+        ext: dict[str, dict[str, Any]] = {}
+        rows = self.rows(seg, out, req, ext)
         body: dict[str, Any] = {
             "id": f"{req.trace_id:016x}",
             "ts": req.start_wall,
-            "dur": max(0, end - start),
+            "dur": max(0, req.end - req.start),
             "kind": req.kind,
             "method": req.method,
             "endpoint": req.endpoint or f"{req.method} <unmatched>",
@@ -342,9 +375,7 @@ class _Encoder:
             body["gc_count"] = req.gc_count
         if ext:
             body["cx"] = ext
-        out.append(
-            encode_payload(REQUEST_BIN, encode_json(body) + wcalls.SEPARATOR + b"".join(rows))
-        )
+        out.append(encode_payload(REQUEST_BIN, encode_json(body) + wcalls.SEPARATOR + rows))
         return out
 
 
