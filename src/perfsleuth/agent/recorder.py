@@ -36,6 +36,7 @@ from perfsleuth.agent import stacks
 _perf = time.perf_counter_ns
 _getframe = sys._getframe
 _code_kinds = stacks._kind
+_MAX_DEPTH = stacks.MAX_DEPTH
 _getrandbits = random.getrandbits  # reseeded in forked children by the random module itself
 _get_ident = threading.get_ident
 
@@ -290,7 +291,7 @@ def start_call(kind: str, system: str, target: Any, params: Any = None, up: int 
         kinds = _code_kinds
         leaf = site = None
         depth = 0
-        while f is not None and depth < 64:  # stacks.MAX_DEPTH
+        while f is not None and depth < _MAX_DEPTH:
             code = f.f_code
             hit = kinds.get(id(code))
             k = hit[1] if hit is not None else stacks.classify(code)
