@@ -13,7 +13,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-BASE_DELAY_S = 0.06
+# Their wait must stay most of the endpoint's time on a slow, loaded machine too (the
+# upstream_latency detector asks for half): at 60 ms it fell below half on a CI machine
+# running three times slower than usual, our part of the request growing with the machine.
+BASE_DELAY_S = 0.2
 JITTER_S = 0.12
 FAR_CITIES = {"Perth": 0.35, "Osaka": 0.25}  # extra seconds for the long-haul routes
 
