@@ -77,9 +77,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "slow_query": {
         # Peers flag single queries at 500-1000 ms (Sentry, debug-toolbar, Glowroot); a p95
-        # is already an aggregate of many calls, and a typical DB call costs ~1 ms, so a
-        # p95 of 100 ms is two orders of magnitude off.
-        "p95_ms": 100.0,
+        # is already an aggregate of many calls, so we go lower, but not to 100 ms: a call's
+        # wall time includes waiting for the interpreter lock and the CPU, and on a starved
+        # machine a primary-key lookup in the demo reached a p95 of 103 ms (median 11 ms).
+        "p95_ms": 250.0,
         "min_calls": 5,
         # ... and it must matter to its endpoint.
         "min_time_share": 0.05,
