@@ -7,7 +7,7 @@ import glob
 import os
 from typing import Any
 
-from perfsleuth.wire import FINGERPRINT, LOCATION, REQUEST, REQUEST_BIN, STACK
+from perfsleuth.wire import FINGERPRINT, LOCATION, REQUEST_TYPES, STACK
 from perfsleuth.wire.segment import read_segment
 
 
@@ -29,7 +29,7 @@ def read_spool(data_dir: str) -> list[dict[str, Any]]:
                 stacks[obj["id"]] = obj["frames"]
             elif rtype == FINGERPRINT:
                 fps[obj["id"]] = obj
-            elif rtype in (REQUEST, REQUEST_BIN):
+            elif rtype in REQUEST_TYPES:
                 requests.append(obj)
     for req in requests:
         for call in req["calls"]:

@@ -137,12 +137,12 @@ def test_full_disk_costs_data_not_requests(tiny_disk: Path) -> None:
 
 
 def read_spool_tolerant(data: Path) -> list[dict]:
-    from perfsleuth.wire import REQUEST_BIN
+    from perfsleuth.wire import REQUEST_TYPES
     from perfsleuth.wire.segment import read_segment
 
     out = []
     for p in glob.glob(str(data / "spool" / "*")):
-        out += [o for t, o in read_segment(Path(p).read_bytes()).records if t == REQUEST_BIN]
+        out += [o for t, o in read_segment(Path(p).read_bytes()).records if t in REQUEST_TYPES]
     return out
 
 

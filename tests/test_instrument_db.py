@@ -796,7 +796,7 @@ def test_nothing_recorded_outside_a_request(tmp_path, captured) -> None:
     conn.execute("SELECT 1").fetchall()
     cur = conn.cursor()
     cur.execute("SELECT 1")
-    assert cur._perfsleuth_call is None  # no call kept on the cursor either
+    assert cur._perfsleuth_rows is None  # no call kept on the cursor either
     conn.close()
     with psycopg.connect(PG_DSN) as pg:
         pg.execute("SELECT 1").fetchall()

@@ -5,7 +5,26 @@ Everything here runs inside application requests, so it only stores integers and
 counted (``stats["internal_errors"]``) and swallowed. Encoding happens on the writer thread
 (:mod:`perfsleuth.agent.shipper`).
 
-Instrumentation of a client library follows one pattern::
+**Calls as rows.** A request's outbound calls (DB statements, HTTP requests, cache commands)
+are not objects: each is ``ROW`` integers appended to one flat list, ``ActiveRequest.calls``::
+
+    SLOT   which *site* of the request made it: an index into ``ActiveRequest.site_list``,
+           whose entries hold what the calls of one statement from one place share (kind,
+           system, statement, call stack), captured once per request
+    START  perf_counter_ns() when it started
+    END    perf_counter_ns() when it ended (0 while running)
+    ROWS   rows returned or affected (NULL: unknown)
+    PH     hash of the bound parameters (NULL: none); the values are never kept
+
+One list per request instead of an object per call: an N+1 loop of 10,000 statements keeps
+one container alive rather than 10,000 (every live container brings the application's next
+garbage collection closer), and the writer turns the list into bytes with one C call. The
+rarely set values (HTTP status, response bytes, cache hit, pool wait, error class, per-call
+targets, driver extras) live in ``ActiveRequest.more``, a dict by row offset, created by the
+first of them.
+
+Instrumentation of a client library follows one pattern, with :class:`Call`, a small handle
+on a row::
 
     call = recorder.start_call("db", "postgresql", sql, params)   # None when not in a request
     try:
@@ -17,6 +36,9 @@ Instrumentation of a client library follows one pattern::
     finally:
         if call is not None:
             call.finish()
+
+The hottest wrapper (sqlite3, where a statement takes microseconds) uses the row directly:
+``req.record_call(...)`` gives the row offset ``i``, and ``req.calls[i + END] = _perf()``.
 """
 
 from __future__ import annotations
@@ -34,11 +56,19 @@ from typing import Any, TypeVar
 from perfsleuth.agent import stacks
 
 _perf = time.perf_counter_ns
+_time_ns = time.time_ns
 _getframe = sys._getframe
 _code_kinds = stacks._kind
+_classify = stacks.classify
+_capture = stacks.capture
 _MAX_DEPTH = stacks.MAX_DEPTH
 _getrandbits = random.getrandbits  # reseeded in forked children by the random module itself
 _get_ident = threading.get_ident
+
+# The layout of a call's row in ActiveRequest.calls (see the module docstring).
+SLOT, START, END, ROWS, PH = range(5)
+ROW = 5
+NULL = -(1 << 63)  # an absent ROWS / PH (the wire's NULL too)
 
 # Requests in flight, by id(request): read by the sampler, the loop watchdog and the GC hook
 # on their own threads (iterate over a list() copy: the dict changes under them).
@@ -47,6 +77,7 @@ inflight: dict[int, ActiveRequest] = {}
 _current: contextvars.ContextVar[ActiveRequest | None] = contextvars.ContextVar(
     "perfsleuth_request", default=None
 )
+current_get = _current.get  # the request being recorded in this context, or None
 
 # Counters shared with the shipper; plain ints mutated under the GIL (approximate is fine).
 stats: dict[str, int] = {
@@ -60,16 +91,16 @@ MAX_ATTR_CHARS = 1024
 
 # Set by the shipper when the agent starts; None means "agent not started": record nothing.
 _sink: Callable[[ActiveRequest], None] | None = None
-_max_calls = 20000
+_max_rows = 20000 * ROW
 _stacks_per_site = 1
 
 
 def configure(
     sink: Callable[[ActiveRequest], None] | None, *, max_calls: int, stacks_per_site: int
 ) -> None:
-    global _sink, _max_calls, _stacks_per_site
+    global _sink, _max_rows, _stacks_per_site
     _sink = sink
-    _max_calls = max_calls
+    _max_rows = max(0, max_calls) * ROW
     _stacks_per_site = max(1, stacks_per_site)
 
 
@@ -77,69 +108,17 @@ def internal_error() -> None:
     stats["internal_errors"] += 1
 
 
-class Call:
-    """One outbound call (DB statement, HTTP request, cache command) inside a request.
-
-    Made by :func:`start_call` without an ``__init__`` (``object.__new__`` and slot stores,
-    measured at half the instructions of calling a Python ``__init__``), and with the fields
-    most calls leave empty (HTTP status, bytes, cache hit, pool wait, error, driver
-    extras) in one dict, ``more``, created by the first of them set: the writer reads them
-    only when it exists."""
-
-    __slots__ = (
-        "end",
-        "kind",
-        "more",
-        "params",
-        "ph",
-        "rows",
-        "stack",
-        "start",
-        "system",
-        "target",
-    )
-
-    kind: str  # "db" | "http" | "cache"
-    system: str  # "sqlite", "postgresql", "mysql", "redis", "memcached", "http"
-    target: Any  # db: the SQL text; http: (method, url); cache: (command, key)
-    # Bound parameters are never stored, only hashed (to spot the same query with the same
-    # values twice). A tuple is hashed on the request path (~0.1 µs) so the request does not
-    # keep the application's values alive; anything else is hashed by the writer.
-    ph: int | None
-    params: Any
-    start: int
-    end: int  # 0 while unfinished
-    rows: int | None
-    # flat (code, where, ...) of stacks.capture; its first application frame is the call site
-    stack: tuple[Any, ...] | None
-    more: dict[str, Any] | None
-
-    def finish(self) -> None:
-        self.end = _perf()
-
-    def _get(self, name: str) -> Any:
-        more = self.more
-        return None if more is None else more.get(name)
-
-    def _set(self, name: str, value: Any) -> None:
-        more = self.more
-        if more is None:
-            more = self.more = {}
-        more[name] = value
-
-    bytes = property(lambda c: c._get("bytes"), lambda c, v: c._set("bytes", v))
-    status = property(lambda c: c._get("status"), lambda c, v: c._set("status", v))  # HTTP
-    hit = property(lambda c: c._get("hit"), lambda c, v: c._set("hit", v))  # cache hit / miss
-    wait = property(lambda c: c._get("wait"), lambda c, v: c._set("wait", v))  # pool wait, ns
-    error = property(lambda c: c._get("error"), lambda c, v: c._set("error", v))  # class name
-    extra = property(lambda c: c._get("extra"), lambda c, v: c._set("extra", v))
-
-
 _new = object.__new__
+# The sites of a request that has made no call yet: never written to (record_call's fast path
+# looks sites up without a None check; its slow path makes the request its own dict).
+_NO_SITES: dict[Any, int] = {}
 
 
 class ActiveRequest:
-    """A request (or background task) in flight; handed to the writer when it ends."""
+    """A request (or background task) in flight; handed to the writer when it ends.
+
+    Made by :func:`begin` without an ``__init__`` (a Python ``__init__`` call costs more than
+    the stores it does)."""
 
     __slots__ = (
         "attrs",
@@ -155,9 +134,11 @@ class ActiveRequest:
         "keep",
         "kind",
         "method",
+        "more",
         "path",
         "req_bytes",
         "resp_bytes",
+        "site_list",
         "sites",
         "start",
         "start_wall",
@@ -172,41 +153,246 @@ class ActiveRequest:
         "worker",
     )
 
-    def __init__(self, kind: str, method: str, path: str) -> None:
-        self.trace_id = _getrandbits(64) or 1
-        self.start_wall = time.time_ns()
-        self.start = _perf()
-        self.end = 0
-        self.cpu_start: int | None = None
-        self.cpu_ns: int | None = None
-        self.kind = kind
-        self.method = method
-        self.path = path
-        self.endpoint = ""
-        self.status: int | None = None
-        self.error: str | None = None
-        self.req_bytes: int | None = None
-        self.resp_bytes: int | None = None
-        self.user: str | None = None
-        self.tenant: str | None = None
-        # Created on first use: every object a request keeps alive until the writer takes it
-        # counts towards the garbage collector's next collection.
-        self.attrs: dict[str, Any] | None = None
-        self.tags: dict[str, Any] | None = None
-        self.calls: list[Call] = []
-        self.calls_dropped = 0
-        # (target, id(site code), site line) -> (stack, times captured)
-        self.sites: dict[Any, tuple[Any, int]] = {}
-        self.token: contextvars.Token[ActiveRequest | None] | None = None
-        # Where the request's code runs, for the sampler and the loop watchdog: its thread
-        # (the event loop's for async requests), its asyncio task, and a worker thread while
-        # a sync endpoint runs in a thread pool.
-        self.thread = _get_ident()
-        self.task: Any = None
-        self.worker: int | None = None
-        self.gc_ns = 0  # time in garbage collections while in flight (agent.gcwatch)
-        self.gc_count = 0
-        self.keep: str | None = None  # why to keep a replayable capture (agent.capture)
+    trace_id: int
+    start_wall: int  # time.time_ns() at the start
+    start: int  # perf_counter_ns() at the start
+    end: int  # 0 while in flight
+    cpu_start: int | None
+    cpu_ns: int | None
+    kind: str  # "web" | "background"
+    method: str
+    path: str
+    endpoint: str
+    status: int | None
+    error: str | None
+    req_bytes: int | None
+    resp_bytes: int | None
+    user: str | None
+    tenant: str | None
+    # Created on first use: every container a request keeps alive until the writer takes it
+    # counts towards the garbage collector's next collection.
+    attrs: dict[str, Any] | None
+    tags: dict[str, Any] | None
+    calls: list[int] | None  # ROW ints per call
+    # (statement or kind, id(site code), site f_lasti) -> index into site_list
+    sites: dict[Any, int]
+    # (kind, system, statement or None, flat stack, site key) per site, see record_call
+    site_list: list[tuple[Any, ...]] | None
+    more: dict[int, dict[str, Any]] | None  # row offset -> rarely set values of that call
+    calls_dropped: int
+    token: contextvars.Token[ActiveRequest | None] | None
+    # Where the request's code runs, for the sampler and the loop watchdog: its thread (the
+    # event loop's for async requests), its asyncio task, and a worker thread while a sync
+    # endpoint runs in a thread pool.
+    thread: int
+    task: Any
+    worker: int | None
+    gc_ns: int  # time in garbage collections while in flight (agent.gcwatch)
+    gc_count: int
+    keep: str | None  # why to keep a replayable capture (agent.capture)
+
+    def record_call(self, kind: str, system: str, target: Any, params: Any, up: int) -> int:
+        """Start a call: the offset of its row in ``self.calls``, or -1 when the request
+        already holds ``PERFSLEUTH_MAX_CALLS`` calls (the call is only counted). Never raises.
+
+        ``target`` is the statement (a str: calls of one statement from one place share a
+        site), or what this call alone addresses (HTTP, cache: a tuple, or None and set later
+        through ``Call.target``). ``params``: the bound parameters, hashed, never kept.
+        ``up``: the frame the call comes from, counted from the caller of ``record_call``; a
+        wrapper passes 2 (its own caller): ``sys._getframe`` makes a frame object for the
+        frame it returns, and the wrapper's would be a new one at every call."""
+        # The fast path, every opcode counted (it runs for every statement of an N+1 loop):
+        # a statement this request already made from the same line of the same application
+        # frame, its parameters in a tuple (or none). Anything else takes _record_call.
+        try:
+            f = _getframe(up)
+            slot = self.sites.get((target, id(f.f_code), f.f_lasti))
+            if slot is not None and type(params) is tuple:
+                calls = self.calls
+                # Hashed here (~0.1 µs) so the request does not keep the app's values alive.
+                # ``+=`` then ``len``: no thread switch can come between them (no
+                # eval-breaker check), so the offset is this call's even when two threads
+                # share the request.
+                calls += (slot, _perf(), 0, NULL, hash(params) if params else NULL)  # type: ignore[operator]
+                i = len(calls) - ROW  # type: ignore[arg-type]
+                if i < _max_rows:
+                    return i
+                del calls[i:]
+                return self._dropped()
+        except Exception:  # an unhashable target or parameters: the slow path copes
+            pass
+        return self._record_call(kind, system, target, params, up + 1)
+
+    def _record_call(self, kind: str, system: str, target: Any, params: Any, up: int) -> int:
+        """:meth:`record_call`, all cases: finds the call site, captures the site's stack
+        the first time, hashes what can be hashed here, notes per-call targets."""
+        try:
+            calls = self.calls
+            site_list = self.site_list
+            if calls is None or site_list is None:
+                calls = self.calls = []
+                site_list = self.site_list = []
+                self.sites = {}
+            elif len(calls) >= _max_rows:
+                return self._dropped()
+            # The call site: the first application frame above the wrapper (else the first
+            # frame that is not the agent's).
+            frame = _getframe(up)
+            f: Any = frame
+            leaf = None
+            depth = 0
+            while f is not None and depth < _MAX_DEPTH:
+                code = f.f_code
+                hit = _code_kinds.get(id(code))
+                k = hit[1] if hit is not None else _classify(code)
+                if k:
+                    break
+                if k is not None and leaf is None:
+                    leaf = f
+                f = f.f_back
+                depth += 1
+            if f is None or depth == _MAX_DEPTH:
+                f = leaf
+            # ids, not code objects: hashing a code object is not cached (stacks.classify);
+            # the site entry holds the stack, and so the code, so the id stays unique.
+            where = (0, 0) if f is None else (id(f.f_code), f.f_lasti)
+            statement = type(target) is str
+            key = (target, *where) if statement else (kind, *where, None)
+            sites = self.sites
+            slot = sites.get(key)
+            if slot is None:
+                # A site's stack is captured once per request: an N+1 loop repeats the same
+                # stack thousands of times. With PERFSLEUTH_STACKS_PER_SITE = n, its first n
+                # calls get a stack each (the site is known to the fast path after that).
+                site_list.append(
+                    (kind, system, target if statement else None, _capture(frame), key)
+                )
+                slot = len(site_list) - 1
+                n = 1 if _stacks_per_site == 1 else sites.get((key, "n"), 0) + 1
+                if n >= _stacks_per_site:
+                    sites[key] = slot
+                else:
+                    sites[(key, "n")] = n
+            other = None
+            if type(params) is tuple:
+                try:
+                    ph = hash(params) if params else NULL
+                except Exception:
+                    ph = NULL
+            else:  # None, or a dict, a list, ...: hashed by the writer
+                ph = NULL
+                other = params
+            calls += (slot, _perf(), 0, NULL, ph)
+            i = len(calls) - ROW
+            if other is not None:
+                self._note(i, "params", other)
+            if target is not None and not statement:  # a per-call target
+                self._note(i, "target", target)
+            return i
+        except Exception:
+            internal_error()
+            return -1
+
+    def _dropped(self) -> int:
+        self.calls_dropped += 1
+        stats["calls_dropped"] += 1
+        return -1
+
+    def _note(self, i: int, name: str, value: Any) -> None:
+        more = self.more
+        if more is None:
+            more = self.more = {}
+        entry = more.get(i)
+        if entry is None:
+            more[i] = {name: value}
+        else:
+            entry[name] = value
+
+    def fail_call(self, i: int, exc: BaseException) -> None:
+        """End call ``i`` with the class name of the exception it raised. Never raises."""
+        try:
+            self.calls[i + END] = _perf()  # type: ignore[index]
+            self._note(i, "error", type(exc).__name__)
+        except Exception:
+            internal_error()
+
+    def call_value(self, i: int, name: str) -> Any:
+        """A rarely set value of the call at row offset ``i`` (None when unset)."""
+        more = self.more
+        entry = None if more is None else more.get(i)
+        return None if entry is None else entry.get(name)
+
+    def call_target(self, i: int) -> Any:
+        """What call ``i`` addressed: its statement, or its own target (HTTP, cache)."""
+        own = self.call_value(i, "target")
+        if own is not None:
+            return own
+        return self.site_list[self.calls[i + SLOT]][2]  # type: ignore[index]
+
+    def open_call(self) -> bool:
+        """Whether the request's latest call is still running (read by the sampler)."""
+        calls = self.calls
+        return bool(calls) and calls[-ROW + END] == 0  # type: ignore[index]
+
+    def last_finished_call(self, by: int, look: int = 50) -> dict[str, Any] | None:
+        """The latest of the last ``look`` calls that had ended by ``by`` (perf ns), as
+        ``{"kind", "target", "rows", "bytes", "start", "end"}`` (read by the watchdog)."""
+        calls = self.calls
+        if not calls:
+            return None
+        last = len(calls) - ROW
+        for i in range(last, max(-1, last - look * ROW), -ROW):
+            end = calls[i + END]
+            if end and end <= by:
+                rows = calls[i + ROWS]
+                return {
+                    "kind": self.site_list[calls[i + SLOT]][0],  # type: ignore[index]
+                    "target": self.call_target(i),
+                    "rows": None if rows == NULL else rows,
+                    "bytes": self.call_value(i, "bytes"),
+                    "start": calls[i + START],
+                    "end": end,
+                }
+        return None
+
+
+class Call:
+    """A handle on one call's row: what the instrumentation wrappers fill in.
+
+    Most fields live in the request's row (``start``, ``end``, ``rows``); the rest in its
+    ``more`` entry. A handle is a temporary: it keeps nothing alive after the wrapper."""
+
+    __slots__ = ("i", "req")
+
+    req: ActiveRequest
+    i: int  # the row offset in req.calls
+
+    def finish(self) -> None:
+        self.req.calls[self.i + END] = _perf()  # type: ignore[index]
+
+    def _row(self, field: int, value: int | None) -> None:
+        self.req.calls[self.i + field] = NULL if value is None else value  # type: ignore[index]
+
+    def _get(self, field: int) -> int | None:
+        v = self.req.calls[self.i + field]  # type: ignore[index]
+        return None if v == NULL else v
+
+    start = property(lambda c: c._get(START), lambda c, v: c._row(START, v))
+    end = property(lambda c: c._get(END), lambda c, v: c._row(END, v))
+    rows = property(lambda c: c._get(ROWS), lambda c, v: c._row(ROWS, v))
+    target = property(
+        lambda c: c.req.call_target(c.i), lambda c, v: c.req._note(c.i, "target", v)
+    )  # HTTP: (method, url); cache: (command, key)
+    bytes = property(lambda c: c.req.call_value(c.i, "bytes"), lambda c, v: c._set("bytes", v))
+    status = property(lambda c: c.req.call_value(c.i, "status"), lambda c, v: c._set("status", v))
+    hit = property(lambda c: c.req.call_value(c.i, "hit"), lambda c, v: c._set("hit", v))
+    wait = property(lambda c: c.req.call_value(c.i, "wait"), lambda c, v: c._set("wait", v))
+    error = property(lambda c: c.req.call_value(c.i, "error"), lambda c, v: c._set("error", v))
+    extra = property(lambda c: c.req.call_value(c.i, "extra"), lambda c, v: c._set("extra", v))
+
+    def _set(self, name: str, value: Any) -> None:
+        if value is not None:
+            self.req._note(self.i, name, value)
 
 
 def current() -> ActiveRequest | None:
@@ -214,18 +400,38 @@ def current() -> ActiveRequest | None:
 
 
 def begin(
-    kind: str, method: str = "", path: str = "", *, cpu: bool = False
+    kind: str,
+    method: str = "",
+    path: str = "",
+    *,
+    cpu: bool = False,
+    cls: type[ActiveRequest] = ActiveRequest,
 ) -> ActiveRequest | None:
     """Start recording a request in the current context. None when the agent is off or when a
-    request is already being recorded here (nested frameworks record the outer one only)."""
+    request is already being recorded here (nested frameworks record the outer one only).
+    ``cls``: a subclass with more slots (the ASGI integration's)."""
     if _sink is None or _current.get() is not None:
         return None
     try:
-        req = ActiveRequest(kind, method, path)
+        req = _new(cls)
+        req.trace_id = _getrandbits(64) or 1
+        req.start_wall = _time_ns()
+        req.end = req.calls_dropped = req.gc_ns = req.gc_count = 0
+        req.kind = kind
+        req.method = method
+        req.path = path
+        req.endpoint = ""
+        req.cpu_start = req.cpu_ns = req.status = req.error = req.req_bytes = None
+        req.resp_bytes = req.user = req.tenant = req.attrs = req.tags = None
+        req.calls = req.site_list = req.more = None
+        req.sites = _NO_SITES
+        req.task = req.worker = req.keep = None
+        req.thread = _get_ident()
         if cpu:
             req.cpu_start = time.thread_time_ns()
         req.token = _current.set(req)
         inflight[id(req)] = req
+        req.start = _perf()
         return req
     except Exception:
         internal_error()
@@ -245,7 +451,6 @@ def end(req: ActiveRequest) -> None:
             except ValueError:  # ended from another context: just clear ours
                 _current.set(None)
             req.token = None
-        req.sites.clear()  # the stack cache is only for the request's lifetime
         stats["requests_recorded"] += 1
         sink = _sink
         if sink is not None:
@@ -255,80 +460,19 @@ def end(req: ActiveRequest) -> None:
 
 
 def start_call(kind: str, system: str, target: Any, params: Any = None, up: int = 1) -> Call | None:
-    """Record the start of an outbound call from the current request (None outside one).
-
-    ``up``: the frame the call comes from, counted from the caller of ``start_call``; an
-    instrumentation wrapper passes 2 (its own caller): ``sys._getframe`` makes a frame object
-    for the frame it returns, and the wrapper's would be a new one at every call."""
+    """Record the start of an outbound call from the current request: its handle, or None
+    outside a request (or past the request's call limit). ``up`` as in
+    :meth:`ActiveRequest.record_call`, counted from the caller of ``start_call``."""
     req = _current.get()
     if req is None:
         return None
-    try:
-        calls = req.calls
-        if len(calls) >= _max_calls:
-            req.calls_dropped += 1
-            stats["calls_dropped"] += 1
-            return None
-        call = _new(Call)
-        call.kind = kind
-        call.system = system
-        call.target = target
-        call.params = call.ph = call.rows = call.more = None
-        call.end = 0
-        if type(params) is tuple:
-            if params:
-                try:
-                    call.ph = hash(params)
-                except Exception:
-                    call.params = params
-        elif params is not None:
-            call.params = params
-        # The call site: the first application frame above us (else the first frame that is
-        # not the agent's). Inlined, because it runs for every call and a Python function
-        # call costs ~80 ns.
-        frame = _getframe(up)
-        f: Any = frame
-        kinds = _code_kinds
-        leaf = site = None
-        depth = 0
-        while f is not None and depth < _MAX_DEPTH:
-            code = f.f_code
-            hit = kinds.get(id(code))
-            k = hit[1] if hit is not None else stacks.classify(code)
-            if k:
-                site = code
-                break
-            if k is not None and leaf is None:
-                leaf = code
-                leaf_frame = f
-            f = f.f_back
-            depth += 1
-        # The stack of a call site is captured for its first occurrences in the request only:
-        # an N+1 loop repeats the same stack thousands of times.
-        # ids, not code objects: hashing a code object is not cached (see stacks.classify);
-        # the stack kept in the entry holds the code, so its id stays unique while cached.
-        if site is not None:
-            key = (target if type(target) is str else kind, id(site), f.f_lasti)
-        elif leaf is not None:
-            key = (target if type(target) is str else kind, id(leaf), leaf_frame.f_lasti)
-        else:
-            key = (target if type(target) is str else kind, 0, 0)
-        sites = req.sites
-        entry = sites.get(key)
-        if entry is None:
-            call.stack = stack = stacks.capture(frame)
-            sites[key] = (stack, 1)
-        elif entry[1] < _stacks_per_site:
-            call.stack = stack = stacks.capture(frame)
-            sites[key] = (stack, entry[1] + 1)
-        else:
-            call.stack = entry[0]
-        call.start = _perf()
-        calls.append(call)
-        return call
-    except Exception:
-        internal_error()
+    i = req.record_call(kind, system, target, params, up + 1)
+    if i < 0:
         return None
+    call = _new(Call)
+    call.req = req
+    call.i = i
+    return call
 
 
 def attr(name: str, value: Any) -> None:

@@ -165,8 +165,7 @@ class Sampler:
             return
         if state is None or not flat:
             return  # the first look at a thread only sets its CPU baseline
-        calls = req.calls
-        if calls and not calls[-1].end:
+        if req.open_call():
             state = "call"  # inside a recorded DB / HTTP / cache call: the call explains it
         t.taken += 1
         if len(t.samples) + t.sent >= self.limit:

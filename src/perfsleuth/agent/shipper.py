@@ -19,11 +19,13 @@ the OS. Write errors (disk full, permissions) drop the batch, count it, and retr
 
 from __future__ import annotations
 
+import array
 import atexit
 import collections
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +40,7 @@ from perfsleuth.wire import (
     HEADER,
     LOCATION,
     OPEN_SUFFIX,
-    REQUEST_BIN,
+    REQUEST_ROWS,
     STACK,
 )
 from perfsleuth.wire import calls as wcalls
@@ -187,9 +189,12 @@ class _Encoder:
         self.locs: dict[tuple[int, int], tuple[int, dict[str, Any], Any]] = {}
         self.stack_ids: dict[tuple[int, ...], tuple[int, list[int], Any, int]] = {}
         self.fps: dict[tuple[str, Any], tuple[int, dict[str, Any]]] = {}
+        # site key (recorder.record_call) -> (the stack last seen there, its sites entry,
+        # (kind, system)): most requests repeat the sites of the previous ones
+        self.sites: dict[Any, tuple[tuple[Any, ...], list[int], tuple[str, str]]] = {}
 
     def _bounded(self) -> None:
-        for cache in (self.locs, self.stack_ids, self.fps):
+        for cache in (self.locs, self.stack_ids, self.fps, self.sites):
             if len(cache) > 50_000:
                 cache.clear()  # type: ignore[attr-defined]
 
@@ -235,121 +240,107 @@ class _Encoder:
             out.append(encode_record(STACK, {"id": hit[0], "frames": hit[1]}))
         return hit[0], hit[3]
 
-    def fingerprint(self, seg: _Segment, out: list[bytes], call: recorder.Call) -> int:
-        key = (call.kind, call.target)
+    def fingerprint(self, seg: _Segment, out: list[bytes], kind: str, target: Any) -> int:
+        key = (kind, target)
         hit = self.fps.get(key)
         if hit is None:
-            text, op = _fingerprint_text(call)
-            fid = fpr.stable_id(call.kind, text)
-            hit = self.fps[key] = (fid, {"id": fid, "kind": call.kind, "text": text, "op": op})
+            text, op = _fingerprint_text(kind, target)
+            fid = fpr.stable_id(kind, text)
+            hit = self.fps[key] = (fid, {"id": fid, "kind": kind, "text": text, "op": op})
         if hit[0] not in seg.fingerprints:
             seg.fingerprints.add(hit[0])
             out.append(encode_record(FINGERPRINT, hit[1]))
         return hit[0]
 
-    @staticmethod
-    def _ext(
-        ext: dict[str, dict[str, Any]],
-        i: int,
-        c: recorder.Call,
-        code: tuple[int, int] | None,
-        flags: int,
-    ) -> tuple[tuple[int, int], int]:
-        """Put what does not fit the binary row of call ``i`` into ``ext``: (codes, flags)."""
-        x = _call_ext(c)
-        if x:
-            ext[str(i)] = x
-            flags |= wcalls.FLAG_EXT
-        return code or (
-            KIND_CODE.get(c.kind, wcalls.OTHER),
-            SYSTEM_CODE.get(c.system, wcalls.OTHER),
-        ), flags
+    def site(self, seg: _Segment, out: list[bytes], entry: tuple[Any, ...]) -> list[int]:
+        """The ``sites`` entry of a request's site (recorder.ActiveRequest.site_list):
+        [fingerprint, stack, call-site location, kind code, system code]."""
+        kind, system, target, flat, key = entry
+        # A site of another request with the same key has mostly the same stack: equal
+        # tuples compare in C, element by element (code objects by identity).
+        hit = self.sites.get(key)
+        if hit is not None and hit[0] == flat and hit[2] == (kind, system):
+            resolved = hit[1]
+            fid, sid = resolved[0], resolved[1]
+            if (fid != NULL and fid not in seg.fingerprints) or (
+                sid != NULL and sid not in seg.stacks
+            ):
+                self._intern_site(seg, out, kind, target, flat)  # a new segment
+            return resolved
+        fid = self._intern_site(seg, out, kind, target, flat)
+        sid, where = self.stack(seg, out, flat) if flat else (NULL, NULL)
+        resolved = [
+            fid,
+            sid,
+            where,
+            KIND_CODE.get(kind, wcalls.OTHER),
+            SYSTEM_CODE.get(system, wcalls.OTHER),
+        ]
+        self.sites[key] = (flat, resolved, (kind, system))
+        return resolved
 
-    def rows(
+    def _intern_site(
+        self, seg: _Segment, out: list[bytes], kind: str, target: Any, flat: tuple[Any, ...]
+    ) -> int:
+        """Write what a site needs into this segment; its fingerprint id (NULL: none, the
+        calls carry their own targets)."""
+        if flat:
+            self.stack(seg, out, flat)
+        return NULL if target is None else self.fingerprint(seg, out, kind, target)
+
+    def _extras(
         self,
         seg: _Segment,
         out: list[bytes],
         req: recorder.ActiveRequest,
-        ext: dict[str, dict[str, Any]],
-    ) -> bytes:
-        """The call rows of ``req``, one call at a time; values that do not fit a row go
-        into ``ext`` (the record's ``cx``)."""
-        rows: list[bytes] = []
-        pack = wcalls.CALL.pack
-        # What calls of one statement from one place share (calls of one site share one stack
-        # tuple, recorder.start_call), worked out once per request:
-        # (kind, target, id(stack)) -> (fingerprint id, stack id, site id, kind/system codes)
-        same: dict[tuple[str, Any, int], tuple[int, int, int, tuple[int, int] | None]] = {}
-        start, end = req.start, req.end
-        for i, c in enumerate(req.calls):
-            kind = c.kind
-            st = c.stack
-            key = (kind, c.target, id(st))
-            shared = same.get(key)
-            if shared is None:
-                sid, site = self.stack(seg, out, st) if st else (NULL, NULL)
-                shared = same[key] = (
-                    self.fingerprint(seg, out, c),
-                    sid,
-                    site,
-                    _CODES.get((kind, c.system)),
-                )
-            fp, sid, site, code = shared
-            ph = c.ph
-            if ph is not None:
-                ph &= MASK63
-            elif c.params is None or (ph := params_hash(c.params)) is None:
-                ph = NULL
-            cend = c.end
-            flags = 0 if cend else wcalls.FLAG_UNFINISHED
-            more = c.more  # the rarely set fields (Call.more): most calls have none
-            if more is None:
-                v = wcalls.NULL_32
-                hv = -1
-                nbytes = wait = NULL
-                if code is None or kind == "http":
-                    code, flags = self._ext(ext, i, c, code, flags)
-            else:
-                x = more.get("status")
-                v = wcalls.NULL_32 if x is None else x
-                x = more.get("hit")
-                hv = -1 if x is None else (1 if x else 0)
-                x = more.get("bytes")
-                nbytes = NULL if x is None else x
-                x = more.get("wait")
-                wait = NULL if x is None else x
-                # Rare values (errors, HTTP hosts, driver extras, unlisted kinds) go to ``cx``.
-                if code is None or kind == "http" or "error" in more or more.get("extra"):
-                    code, flags = self._ext(ext, i, c, code, flags)
-            cstart = c.start
-            dur = (cend or end) - cstart
-            rows.append(
-                pack(
-                    cstart - start,
-                    dur if dur > 0 else 0,
-                    fp,
-                    sid,
-                    site,
-                    ph,
-                    NULL if c.rows is None else c.rows,
-                    nbytes,
-                    wait,
-                    v,
-                    code[0],
-                    code[1],
-                    hv,
-                    flags,
-                )
-            )
-        return b"".join(rows)
+        sites: list[list[int]],
+    ) -> dict[str, dict[str, Any]]:
+        """The ``cx`` entries of a request (wire.calls): the rarely set values of its calls
+        (``req.more``) and the names of kinds and systems the wire has no code for. Hashes
+        parameters the request path left unhashed straight into the calls' rows."""
+        calls = req.calls
+        site_list = req.site_list
+        assert calls is not None and site_list is not None
+        ext: dict[str, dict[str, Any]] = {}
+        for i, more in (req.more or {}).items():
+            if i < 0 or i >= len(calls):
+                continue
+            kind = site_list[calls[i + recorder.SLOT]][0]
+            x: dict[str, Any] = {}
+            for name in ("status", "bytes", "wait"):
+                v = more.get(name)
+                if type(v) is int:
+                    x[name] = v
+            if "hit" in more:
+                x["hit"] = bool(more["hit"])
+            if "error" in more:
+                x["error"] = str(more["error"])[:200]
+            if more.get("extra"):
+                x["extra"] = more["extra"]
+            target = more.get("target")
+            if target is not None:
+                x["fp"] = self.fingerprint(seg, out, kind, target)
+                if kind == "http":
+                    x["host"] = _host_of(target)
+            if "params" in more:
+                ph = params_hash(more["params"])
+                calls[i + recorder.PH] = NULL if ph is None else ph
+            if x:
+                ext[str(i // recorder.ROW)] = x
+        for slot, site in enumerate(sites):
+            if site[3] == wcalls.OTHER or site[4] == wcalls.OTHER:  # rare: unlisted names
+                kind, system = site_list[slot][:2]
+                for i in range(0, len(calls), recorder.ROW):
+                    if calls[i + recorder.SLOT] == slot:
+                        x = ext.setdefault(str(i // recorder.ROW), {})
+                        x["kind"], x["system"] = str(kind), str(system)
+        return ext
 
     def request(self, seg: _Segment, req: recorder.ActiveRequest) -> list[bytes]:
         """The records of one finished request: whatever it needs interned in this segment,
-        then one REQUEST_BIN record (JSON object, NUL, one binary row per call)."""
+        then one REQUEST_ROWS record (JSON object, NUL, the agent's rows of its calls)."""
         self._bounded()
         out: list[bytes] = []
-        ext: dict[str, dict[str, Any]] = {}
-        rows = self.rows(seg, out, req, ext)
         body: dict[str, Any] = {
             "id": f"{req.trace_id:016x}",
             "ts": req.start_wall,
@@ -373,34 +364,41 @@ class _Encoder:
         if req.gc_count:
             body["gc_ns"] = req.gc_ns
             body["gc_count"] = req.gc_count
-        if ext:
-            body["cx"] = ext
-        out.append(encode_payload(REQUEST_BIN, encode_json(body) + wcalls.SEPARATOR + rows))
+        calls = req.calls
+        rows = b""
+        if calls:
+            sites = [self.site(seg, out, e) for e in req.site_list or ()]
+            body["t0"] = req.start
+            body["sites"] = sites
+            if req.more is not None or wcalls.OTHER in _codes_of(sites):
+                ext = self._extras(seg, out, req, sites)
+                if ext:
+                    body["cx"] = ext
+            rows = _row_bytes(calls)
+        out.append(encode_payload(REQUEST_ROWS, encode_json(body) + wcalls.SEPARATOR + rows))
         return out
 
 
-# (kind, system) -> (kind code, system code) of the calls whose row needs no ``cx`` entry.
-_CODES = {
-    (k, sy): (kc, sc)
-    for k, kc in KIND_CODE.items()
-    for sy, sc in SYSTEM_CODE.items()
-    if k != "http"
-}
+def _codes_of(sites: list[list[int]]) -> set[int]:
+    return {c for site in sites for c in site[3:]}
 
 
-def _call_ext(c: recorder.Call) -> dict[str, Any]:
-    """The ``cx`` entry of a call (see wire.calls): what does not fit its binary row."""
-    x: dict[str, Any] = {}
-    if c.error is not None:
-        x["error"] = str(c.error)[:200]
-    target = c.target
-    if c.kind == "http" and isinstance(target, tuple) and len(target) >= 2:
-        x["host"] = _host_of(str(target[1]))
-    if c.extra:
-        x["extra"] = c.extra
-    if c.kind not in KIND_CODE or c.system not in SYSTEM_CODE:
-        x["kind"], x["system"] = str(c.kind), str(c.system)
-    return x
+_SWAP = sys.byteorder != "little"
+
+
+def _row_bytes(calls: list[int]) -> bytes:
+    """The calls' rows as little-endian int64s: one C loop, whatever their number."""
+    try:
+        arr = array.array("q", calls)
+    except (OverflowError, TypeError):  # an instrumentation stored something odd
+        arr = array.array("q", (_int64(v) for v in calls))
+    if _SWAP:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _int64(v: Any) -> int:
+    return v if type(v) is int and NULL <= v <= MASK63 else NULL
 
 
 def _scalar(v: Any) -> Any:
@@ -409,22 +407,22 @@ def _scalar(v: Any) -> Any:
     return str(v)[: recorder.MAX_ATTR_CHARS]
 
 
-def _host_of(url: str) -> str:
+def _host_of(target: Any) -> str:
+    url = str(target[1]) if isinstance(target, tuple) and len(target) >= 2 else str(target)
     rest = url.split("://", 1)[-1]
     return rest.split("/", 1)[0].rsplit("@", 1)[-1]
 
 
-def call_text(call: recorder.Call) -> str:
+def call_text(kind: str, target: Any) -> str:
     """The fingerprint text of a call (normalised SQL, URL template, cache command)."""
-    return _fingerprint_text(call)[0]
+    return _fingerprint_text(kind, target)[0]
 
 
-def _fingerprint_text(call: recorder.Call) -> tuple[str, str]:
-    t = call.target
-    if call.kind == "db":
+def _fingerprint_text(kind: str, t: Any) -> tuple[str, str]:
+    if kind == "db":
         text = fpr.normalize_sql(str(t))
         return text, fpr.sql_operation(text)
-    if call.kind == "http":
+    if kind == "http":
         method, url = (t[0], t[1]) if isinstance(t, tuple) else ("GET", str(t))
         rest = str(url).split("://", 1)[-1]
         host, _, path = rest.partition("/")

@@ -194,12 +194,7 @@ class Watchdog:
         # The request's last call finished by the end of the block: a sync driver's query run
         # on the loop is part of the block (the ping may have gone out before it started), an
         # awaited one that outlasted the block is not.
-        last = None
-        if req is not None:
-            for c in reversed(req.calls[-50:]):
-                if c.end and c.end <= e.last:
-                    last = c
-                    break
+        last = req.last_finished_call(e.last) if req is not None else None
 
         def build(intern: shipper.Intern) -> dict[str, Any]:
             body: dict[str, Any] = {
@@ -215,11 +210,11 @@ class Watchdog:
                 body["path"] = req.path
             if last is not None:
                 body["last_call"] = {
-                    "kind": last.kind,
-                    "text": shipper.call_text(last),
-                    "rows": last.rows,
-                    "bytes": last.bytes,
-                    "ms": (last.end - last.start) / 1e6,
+                    "kind": last["kind"],
+                    "text": shipper.call_text(last["kind"], last["target"]),
+                    "rows": last["rows"],
+                    "bytes": last["bytes"],
+                    "ms": (last["end"] - last["start"]) / 1e6,
                 }
             return body
 

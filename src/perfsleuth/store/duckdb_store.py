@@ -235,7 +235,7 @@ class DuckDBStore:
             for rtype, payload, rstart, rend in rd.raw:
                 batch.add_raw(seg, rtype, payload, rstart, rend)
                 seg.offset = rend
-                if rtype in (ing.REQUEST, ing.REQUEST_BIN) and self._full(batch):
+                if rtype in ing.REQUEST_TYPES and self._full(batch):
                     flush(rend - start)
             for rtype, obj in rd.decoded:
                 batch.add(seg, rtype, obj)

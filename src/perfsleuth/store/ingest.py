@@ -43,7 +43,8 @@ from perfsleuth.wire import (
     OPEN_SUFFIX,
     RECORD_TYPES,
     REQUEST,
-    REQUEST_BIN,
+    REQUEST_ROWS,
+    REQUEST_TYPES,
     STACK,
     STATS,
 )
@@ -98,6 +99,10 @@ REQUEST_WIRE = pa.schema(
         ("gc_ns", pa.int64()),
         ("gc_count", pa.int64()),
         ("calls", pa.list_(_CALL_WIRE)),
+        # REQUEST_ROWS only (wire.calls): the request's start on the process clock, and what
+        # the rows' slots point at
+        ("t0", pa.int64()),
+        ("sites", pa.list_(pa.list_(pa.int64()))),
     ]
 )
 _ID_FIELDS = frozenset({"fp", "stack", "site", "ph"})
@@ -287,7 +292,8 @@ class Batch:
         self.segments: list[SegmentState] = []
         self._seg_index: dict[int, int] = {}
         self.raw_requests: list[bytes] = []  # JSON objects, one per request
-        self.raw_calls: list[bytes | None] = []  # their binary call rows (REQUEST_BIN)
+        self.raw_calls: list[bytes | None] = []  # their binary call rows (REQUEST_BIN, _ROWS)
+        self.raw_agent_rows: list[bool] = []  # whether those are the agent's rows (_ROWS)
         self.raw_meta: list[tuple[int, int, int]] = []  # (segment index, start, end)
         self.dict_requests: list[Any] = []
         self.dict_src: list[int] = []
@@ -316,16 +322,18 @@ class Batch:
     def add_raw(
         self, seg: SegmentState, rtype: bytes, payload: bytes, start: int, end: int
     ) -> None:
-        if rtype in (REQUEST, REQUEST_BIN):
+        if rtype in REQUEST_TYPES:
             rows = None
-            if rtype == REQUEST_BIN:
+            if rtype != REQUEST:
                 try:
-                    payload, rows = wcalls.split(payload)
+                    split = wcalls.split_rows if rtype == REQUEST_ROWS else wcalls.split
+                    payload, rows = split(payload)
                 except ValueError:
                     self.add_damage(seg, start, end - start, "undecodable payload")
                     return
             self.raw_requests.append(payload)
             self.raw_calls.append(rows)
+            self.raw_agent_rows.append(rtype == REQUEST_ROWS)
             self.raw_meta.append((self.touch(seg), start, end))
             self.requests += 1
             self.request_bytes += len(payload)
@@ -343,7 +351,7 @@ class Batch:
 
     def add(self, seg: SegmentState, rtype: bytes, obj: Any) -> None:
         """A decoded record."""
-        if rtype in (REQUEST, REQUEST_BIN):
+        if rtype in REQUEST_TYPES:
             self.dict_requests.append(obj)
             self.dict_src.append(self.touch(seg))
             self.requests += 1
@@ -467,7 +475,8 @@ def _coerce_request(obj: Any) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {}
     for f in REQUEST_WIRE:
-        if f.name == "calls":
+        if f.name in ("calls", "t0", "sites"):  # calls: below; t0, sites: already applied
+            out[f.name] = None
             continue
         out[f.name] = _COERCE[f.type](obj.get(f.name))
     calls = obj.get("calls")
@@ -556,6 +565,8 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
     parts: list[pa.Table] = []
     src: list[int] = []
     blobs: list[bytes | None] = []  # binary call rows per wire row (None: calls in the JSON)
+    agent_rows: list[bool] = []  # whether the blob holds the agent's rows (REQUEST_ROWS)
+    raw_index: list[int] = []  # index into batch.raw_requests (-1: decoded by the slow path)
     ext_rows: list[tuple[int, Any]] = []  # (row, object) of rows with per-call strings
     attr_objs: list[tuple[int, Any]] = []
     slow: list[tuple[int, Any, int, int]] = []  # (segment index, object, start, end)
@@ -586,6 +597,8 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
                 ext_rows.append((rows + i - lo, p))
             src.append(meta[i][0])
             blobs.append(batch.raw_calls[i])
+            agent_rows.append(batch.raw_agent_rows[i])
+            raw_index.append(i)
         rows += hi - lo
         return True
 
@@ -598,7 +611,12 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
                 seg, start, end = meta[i]
                 try:
                     blob = batch.raw_calls[i]
-                    obj = json.loads(raw[i]) if blob is None else wcalls.decode_parts(raw[i], blob)
+                    if blob is None:
+                        obj = json.loads(raw[i])
+                    elif batch.raw_agent_rows[i]:
+                        obj = wcalls.decode_rows_parts(raw[i], blob)
+                    else:
+                        obj = wcalls.decode_parts(raw[i], blob)
                     slow.append((seg, obj, start, end))
                 except ValueError:
                     batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
@@ -619,11 +637,18 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
         objs.append(req)
         src.append(seg_i)
         blobs.append(None)
+        agent_rows.append(False)
+        raw_index.append(-1)
     if objs:
         parts.append(pa.Table.from_pylist(objs, schema=REQUEST_WIRE))
     wire = pa.concat_tables(parts) if parts else REQUEST_WIRE.empty_table()
     if any(b is not None for b in blobs):
-        wire = _with_binary_calls(wire, blobs, ext_rows)
+        rows_ok = _check_agent_rows(wire, blobs, agent_rows)
+        for bad in np.flatnonzero(~rows_ok).tolist():
+            seg, start, end = meta[raw_index[bad]]
+            batch.add_damage(batch.segments[seg], start, end - start, "call rows without sites")
+            blobs[bad] = b""
+        wire = _with_binary_calls(wire, blobs, agent_rows, ext_rows)
     # Raw payloads of requests with attributes are decoded only now, for those only.
     decoded = []
     for row, p in attr_objs:
@@ -638,25 +663,99 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
 
 _CALL_DTYPE = np.dtype([(name, "<" + code) for name, code in wcalls.FIELDS])
 assert _CALL_DTYPE.itemsize == wcalls.CALL.size
+_AGENT_DTYPE = np.dtype([(name, "<i8") for name in wcalls.AGENT_FIELDS])
+assert _AGENT_DTYPE.itemsize == wcalls.AGENT_ROW.size
+
+
+def _check_agent_rows(wire: pa.Table, blobs: list[bytes | None], agent: list[bool]) -> np.ndarray:
+    """Per row: False for a REQUEST_ROWS record with call rows but no ``t0``/``sites`` (or
+    sites that are not five ids each): its rows cannot be read."""
+    n = wire.num_rows
+    ok = np.ones(n, dtype=bool)
+    has = np.fromiter((a and bool(b) for a, b in zip(agent, blobs, strict=True)), bool, count=n)
+    if not has.any():
+        return ok
+    sites = wire["sites"].combine_chunks()
+    inner_ok = pc.equal(pc.list_value_length(pc.list_flatten(sites)), len(wcalls.SITE_FIELDS))
+    parents = _np(pc.list_parent_indices(sites), 0).astype(np.int64)
+    bad_site = np.zeros(n, dtype=bool)
+    bad_site[parents[~_np(inner_ok, False).astype(bool)]] = True
+    missing = _np(pc.is_null(wire["t0"]), True) | _np(pc.is_null(sites), True)
+    missing |= _np(pc.is_null(wire["dur"]), True)
+    ok[has & (missing | bad_site)] = False
+    return ok
+
+
+def _agent_calls(wire: pa.Table, blobs: list[bytes], rows_of: np.ndarray) -> np.ndarray:
+    """The agent rows of the REQUEST_ROWS records at wire rows ``rows_of`` (``blobs``, in
+    that order) as ``CALL`` rows: offsets from t0, durations (unfinished ones up to the
+    request's end), and the fingerprint, stack, site, kind and system of their slot's site."""
+    counts = np.fromiter((len(b) // wcalls.AGENT_ROW.size for b in blobs), np.int64, len(blobs))
+    agent = np.frombuffer(b"".join(blobs), dtype=_AGENT_DTYPE)
+    parent = np.repeat(np.arange(len(blobs), dtype=np.int64), counts)
+    take = pa.array(rows_of)
+    t0 = _np(pc.take(wire["t0"], take), 0).astype(np.int64)[parent]
+    req_end = t0 + _np(pc.take(wire["dur"], take), 0).astype(np.int64)[parent]
+    sites = pc.take(wire["sites"], take).combine_chunks()
+    n_sites = _np(pc.list_value_length(sites), 0).astype(np.int64)
+    table = _np(pc.list_flatten(pc.list_flatten(sites)), wcalls.NULL).astype(np.int64)
+    table = table.reshape(-1, len(wcalls.SITE_FIELDS))
+    slot = agent["slot"]
+    valid = (slot >= 0) & (slot < n_sites[parent])
+    at = np.where(valid, (np.cumsum(n_sites) - n_sites)[parent] + slot, 0)
+
+    def site_field(k: int, null: int) -> np.ndarray:
+        if not len(table):
+            return np.full(len(agent), null, dtype=np.int64)
+        return np.where(valid, table[at, k], null)
+
+    out = np.zeros(len(agent), dtype=_CALL_DTYPE)
+    start, end = agent["start"], agent["end"]
+    out["off"] = start - t0
+    out["dur"] = np.maximum(np.where(end != 0, end, req_end) - start, 0)
+    out["fp"] = site_field(0, wcalls.NULL)
+    out["stack"] = site_field(1, wcalls.NULL)
+    out["site"] = site_field(2, wcalls.NULL)
+    ph = agent["ph"]
+    out["ph"] = np.where(ph == wcalls.NULL, wcalls.NULL, ph & ID_MASK)
+    out["rows"] = agent["rows"]
+    out["bytes"] = out["wait"] = wcalls.NULL
+    out["status"] = wcalls.NULL_32
+    out["kind"] = np.clip(site_field(3, wcalls.OTHER), 0, 255)
+    out["system"] = np.clip(site_field(4, wcalls.OTHER), 0, 255)
+    out["hit"] = -1
+    out["flags"] = np.where(end == 0, wcalls.FLAG_UNFINISHED, 0)
+    return out
 
 
 def _with_binary_calls(
-    wire: pa.Table, blobs: list[bytes | None], ext_rows: list[tuple[int, Any]]
+    wire: pa.Table,
+    blobs: list[bytes | None],
+    agent_rows: list[bool],
+    ext_rows: list[tuple[int, Any]],
 ) -> pa.Table:
-    """``wire`` with its ``calls`` column built from the binary rows of REQUEST_BIN records
-    (one ``frombuffer`` for the batch), keeping the JSON calls of the other rows in place."""
+    """``wire`` with its ``calls`` column built from the binary rows of REQUEST_BIN and
+    REQUEST_ROWS records (a few vectorised steps per batch), keeping the JSON calls of the
+    other rows in place."""
     n = wire.num_rows
     has = np.fromiter((b is not None for b in blobs), dtype=bool, count=n)
-    bin_counts = np.fromiter(
-        (len(b) // wcalls.CALL.size if b is not None else 0 for b in blobs), np.int64, count=n
-    )
-    arr = np.frombuffer(b"".join(b for b in blobs if b is not None), dtype=_CALL_DTYPE)
+    is_agent = np.fromiter(agent_rows, dtype=bool, count=n)
+    size = np.where(is_agent, wcalls.AGENT_ROW.size, wcalls.CALL.size)
+    bin_counts = np.fromiter((len(b) if b is not None else 0 for b in blobs), np.int64, n) // size
+    arr = np.empty(int(bin_counts.sum()), dtype=_CALL_DTYPE)
+    row_is_agent = np.repeat(is_agent, bin_counts)
+    if is_agent.any():
+        which = np.flatnonzero(is_agent & (bin_counts > 0))
+        arr[row_is_agent] = _agent_calls(wire, [blobs[i] or b"" for i in which], which)
+    if (has & ~is_agent).any():
+        packed = b"".join(b for b, a in zip(blobs, agent_rows, strict=True) if b and not a)
+        arr[~row_is_agent] = np.frombuffer(packed, dtype=_CALL_DTYPE)
     bin_starts = np.cumsum(bin_counts) - bin_counts
     bin_flat = _binary_struct(arr, bin_starts, ext_rows)
 
     json_calls = wire["calls"].combine_chunks()
     json_counts = _np(pc.list_value_length(json_calls), 0).astype(np.int64)
-    json_counts[has] = 0  # a REQUEST_BIN row's calls are its binary rows, whatever its JSON says
+    json_counts[has] = 0  # a binary row's calls are its binary rows, whatever its JSON says
     json_flat = pc.list_flatten(json_calls)
     if len(json_flat):
         parents = _np(pc.list_parent_indices(json_calls), 0).astype(np.int64)
@@ -673,22 +772,23 @@ def _with_binary_calls(
     return wire.set_column(wire.schema.get_field_index("calls"), "calls", merged)
 
 
+# cx keys that replace a value of the call's binary row (REQUEST_ROWS carries them there)
+_ROW_EXT = {"fp": "fp", "status": "status", "bytes": "bytes", "wait": "wait"}
+
+
 def _binary_struct(
     arr: np.ndarray, row_starts: np.ndarray, ext_rows: list[tuple[int, Any]]
 ) -> pa.StructArray:
     """Binary call rows as the _CALL_WIRE struct (sentinels to NULL, codes to names)."""
-
-    def ints(name: str, null: int) -> pa.Array:
-        col = arr[name]
-        return pa.array(col.astype(np.int64), mask=col == null)
-
     kinds = np.array([*wcalls.KINDS, None], dtype=object)
     systems = np.array([*wcalls.SYSTEMS, None], dtype=object)
     kind = kinds[np.minimum(arr["kind"], len(wcalls.KINDS))]
     system = systems[np.minimum(arr["system"], len(wcalls.SYSTEMS))]
     error = np.full(len(arr), None, dtype=object)
     host = np.full(len(arr), None, dtype=object)
-    for row, obj in ext_rows:  # rare: errors, HTTP hosts, unlisted kinds
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    for row, obj in ext_rows:  # rare: errors, HTTP hosts and statuses, cache hits, ...
         if isinstance(obj, bytes):
             try:
                 obj = json.loads(obj)
@@ -709,6 +809,17 @@ def _binary_struct(
                 kind[j] = _str(x.get("kind"))
             if "system" in x:
                 system[j] = _str(x.get("system"))
+            for name, field_ in _ROW_EXT.items():
+                v = as_int(x.get(name))
+                if v is not None:
+                    arr[field_][j] = v if name != "status" or -(2**31) < v < 2**31 else 0
+            if isinstance(x.get("hit"), bool):
+                arr["hit"][j] = 1 if x["hit"] else 0
+
+    def ints(name: str, null: int) -> pa.Array:
+        col = arr[name]
+        return pa.array(col.astype(np.int64), mask=col == null)
+
     hit = arr["hit"]
     unfinished = (arr["flags"] & wcalls.FLAG_UNFINISHED) != 0
     cols = {

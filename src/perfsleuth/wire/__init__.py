@@ -5,7 +5,7 @@ See :mod:`perfsleuth.wire.segment` for the byte layout and :mod:`perfsleuth.wire
 for the normalisation that turns a SQL statement or URL into a fingerprint.
 """
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # the file layout (wire.segment); record types are added, never changed
 
 # Record types (one ASCII byte each).
 HEADER = b"H"  # {"v", "host", "pid", "service", "agent", "started_ns", "argv0"}
@@ -13,7 +13,8 @@ LOCATION = b"L"  # {"id", "file", "line", "func", "app"}: one interned code loca
 STACK = b"S"  # {"id", "frames": [location ids, outermost first]}
 FINGERPRINT = b"F"  # {"id", "kind", "text", "op"}: a normalised statement / URL / command
 REQUEST = b"R"  # one finished request or background task, with its calls as JSON objects
-REQUEST_BIN = b"Q"  # the same, its calls as binary rows (wire.calls): what the agent writes
+REQUEST_BIN = b"Q"  # the same, calls as fixed binary rows (wire.calls): earlier agents, still read
+REQUEST_ROWS = b"W"  # the same, its calls as the agent's raw rows (wire.calls): what it writes
 STATS = b"T"  # cumulative agent counters of this process (drops, errors)
 # Runtime evidence, one JSON object per event (collected by the store as ``Batch.events``):
 SAMPLES = b"P"  # stack samples of one slow request
@@ -22,7 +23,8 @@ GC = b"G"  # GC pauses
 CAPTURE = b"C"  # a replayable request capture
 
 EVENT_TYPES = frozenset({SAMPLES, BLOCKER, GC, CAPTURE})
-RECORD_TYPES = frozenset({HEADER, LOCATION, STACK, FINGERPRINT, REQUEST, REQUEST_BIN, STATS})
+REQUEST_TYPES = frozenset({REQUEST, REQUEST_BIN, REQUEST_ROWS})
+RECORD_TYPES = frozenset({HEADER, LOCATION, STACK, FINGERPRINT, STATS}) | REQUEST_TYPES
 RECORD_TYPES |= EVENT_TYPES
 
 # Segment file names: "<host>-<pid>-<started_ns>-<seq>" + OPEN_SUFFIX while written,

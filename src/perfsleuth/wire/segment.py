@@ -1,7 +1,10 @@
 """Spool segment byte layout: a file magic, then length-prefixed, checksummed records.
 
     file   := FILE_MAGIC record*
-    record := REC_MAGIC(2) type(1) length(u32 LE) crc32(u32 LE) payload(length bytes, JSON UTF-8)
+    record := REC_MAGIC(2) type(1) length(u32 LE) crc32(u32 LE) payload(length bytes)
+
+A payload is JSON (UTF-8), or for request records JSON followed by binary call rows
+(:mod:`perfsleuth.wire.calls`).
 
 The crc covers type + payload. REC_MAGIC lets a reader resynchronise after a damaged record
 instead of losing the rest of the file. A record cut short at the end of a file is either
@@ -18,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from perfsleuth.wire import FORMAT_VERSION, RECORD_TYPES, REQUEST_BIN, calls
+from perfsleuth.wire import FORMAT_VERSION, RECORD_TYPES, REQUEST_BIN, REQUEST_ROWS, calls
 
 FILE_MAGIC = b"PSLSEG" + bytes([0, FORMAT_VERSION])
 REC_MAGIC = b"\xa5\x5a"
@@ -145,6 +148,8 @@ def read_segment(data: bytes, start: int = 0) -> ReadResult:
 
 def decode_payload(rtype: bytes, payload: bytes) -> Any:
     """The object a record carries (ValueError when it cannot be decoded)."""
+    if rtype == REQUEST_ROWS:
+        return calls.decode_rows_request(payload)
     if rtype == REQUEST_BIN:
         return calls.decode_request(payload)
     return json.loads(payload)

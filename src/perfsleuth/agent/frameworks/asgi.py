@@ -69,8 +69,9 @@ class PerfsleuthASGI:
         return f"PerfsleuthASGI({self.app!r})"
 
 
-class _Exchange:
-    """Counters of one request, and the receive/send wrappers that fill them."""
+class _AsgiRequest(recorder.ActiveRequest):
+    """A request recorded at the ASGI layer: the request, plus the counters of its exchange
+    with the server and the receive/send wrappers that fill them (one object per request)."""
 
     __slots__ = (
         "_receive",
@@ -78,22 +79,19 @@ class _Exchange:
         "complete",
         "pathsend",
         "received",
-        "req",
         "resp_headers",
         "sent",
         "tap",
     )
 
-    def __init__(self, req: recorder.ActiveRequest, receive: Receive, send: Send) -> None:
-        self.req = req
-        self._receive = receive
-        self._send = send
-        self.received = 0
-        self.sent = 0
-        self.complete = False  # the last body message went out
-        self.pathsend = False  # the body was sent by the server from a file
-        self.resp_headers: Any = None
-        self.tap: capture.BodyTap | None = None  # the body, for a possible capture
+    _receive: Receive
+    _send: Send
+    received: int
+    sent: int
+    complete: bool  # the last body message went out
+    pathsend: bool  # the body was sent by the server from a file
+    resp_headers: Any
+    tap: capture.BodyTap | None  # the body, for a possible capture
 
     async def receive(self) -> Message:
         message = await self._receive()
@@ -115,7 +113,7 @@ class _Exchange:
         # Not a coroutine of its own: it returns the server's send awaitable, which the app
         # awaits (one coroutine object less per message).
         try:
-            t = message.get("type")
+            t = message["type"]
             if t == "http.response.body":
                 body = message.get("body")
                 if body:
@@ -123,7 +121,7 @@ class _Exchange:
                 if not message.get("more_body", False):
                     self.complete = True
             elif t == "http.response.start":
-                self.req.status = int(message.get("status") or 0) or None
+                self.status = int(message["status"]) or None
                 self.resp_headers = message.get("headers")
             elif t in ("http.response.pathsend", "http.response.zerocopy"):
                 self.pathsend = True
@@ -140,72 +138,112 @@ class _Exchange:
         return None
 
 
+_begin = recorder.begin
+_end = recorder.end
+_current_task = asyncio.current_task
+
+
 async def record_asgi(app: Any, scope: Scope, receive: Receive, send: Send) -> None:
     """Run ``app`` for an http ``scope`` as one recorded request (unless one already runs)."""
+    req: _AsgiRequest | None
     try:
-        req = recorder.begin("web", scope.get("method") or "", scope.get("path") or "/")
+        req = _begin(  # type: ignore[assignment]  # an _AsgiRequest, as cls says
+            "web", scope.get("method") or "", scope.get("path") or "/", cls=_AsgiRequest
+        )
     except Exception:
         req = None
     if req is None:
         await app(scope, receive, send)
         return
-    try:  # for the sampler and the loop watchdog
-        req.task = asyncio.current_task()
-        watchdog.watch_current_loop()
-    except Exception:
-        recorder.internal_error()
-    ex = _Exchange(req, receive, send)
     try:
+        req._receive = receive
+        req._send = send
+        req.received = req.sent = 0
+        req.complete = req.pathsend = False
+        req.resp_headers = req.tap = None
+        req.task = _current_task()  # for the sampler and the loop watchdog
+        watchdog.watch_current_loop()
         _read_headers(req, scope)
     except Exception:  # identity and size are lost, not the request
         recorder.internal_error()
     try:
-        await app(scope, ex.receive, ex.send)
+        await app(scope, req.receive, req.send)
     except BaseException as exc:
         try:
-            if not ex.complete or req.status is None:
+            if not req.complete or req.status is None:
                 req.status = 500
             req.error = type(exc).__name__
         except Exception:
             pass
         raise
     finally:
-        _finish(req, ex, scope)
+        _finish(req, scope)
 
 
-def _read_headers(req: recorder.ActiveRequest, scope: Scope) -> None:
+def _read_headers(req: _AsgiRequest, scope: Scope) -> None:
+    # ASGI header names are lower case (the spec says so; servers lowercase them): one dict
+    # made in C instead of a Python loop over every header.
+    headers = dict(scope.get("headers") or ())
     ident = identity()
-    user_b, tenant_b = ident.user_b, ident.tenant_b
-    for name, value in scope.get("headers") or ():
-        name = name.lower()
-        if name == b"content-length":
-            req.req_bytes = content_length(value)
-        elif name == user_b:
-            req.user = identity_value(value)
-        elif name == tenant_b:
-            req.tenant = identity_value(value)
+    cl = headers.get(b"content-length")
+    if cl is not None:
+        req.req_bytes = content_length(cl)
+    if ident.user_b is not None:
+        v = headers.get(ident.user_b)
+        if v is not None:
+            req.user = identity_value(v)
+    if ident.tenant_b is not None:
+        v = headers.get(ident.tenant_b)
+        if v is not None:
+            req.tenant = identity_value(v)
 
 
-def _finish(req: recorder.ActiveRequest, ex: _Exchange, scope: Scope) -> None:
+def _finish(req: _AsgiRequest, scope: Scope) -> None:
     try:
         # Bytes read by the app; a body the app never read still counts by its declared size.
-        if ex.received or req.req_bytes is None:
-            req.req_bytes = ex.received
-        if ex.pathsend:
-            req.resp_bytes = ex.sent + (ex.declared_length() or 0)
+        if req.received or req.req_bytes is None:
+            req.req_bytes = req.received
+        if req.pathsend:
+            req.resp_bytes = req.sent + (req.declared_length() or 0)
         else:
-            req.resp_bytes = ex.sent
+            req.resp_bytes = req.sent
         if not req.endpoint:
-            req.endpoint = route_endpoint(scope, req.method, req.status)
+            req.endpoint = _route_name(scope, req.method, req.status)
         else:  # named by a framework mounted inside (Flask via a2wsgi, Django): add the mount
             req.endpoint = _under_mount(scope, req.endpoint)
     except Exception:
         recorder.internal_error()
         if not req.endpoint:
             req.endpoint = unmatched(req.method)
-    recorder.end(req)
+    _end(req)
     if capture.on:
-        capture.finish_asgi(req, scope, ex.tap)
+        capture.finish_asgi(req, scope, req.tap)
+    req._receive = req._send = None  # type: ignore[assignment]  # the writer needs neither
+
+
+# (id(route), id(FastAPI's route context), id(router), method) -> (route, context, router,
+# endpoint name) of plain matched routes: naming one walks mounts and FastAPI's inclusion
+# contexts, the same every time for the same objects.
+_names: dict[tuple[int, int, int, str], tuple[Any, Any, Any, str]] = {}
+
+
+def _route_name(scope: Scope, method: str, status: int | None) -> str:
+    """:func:`route_endpoint`, remembered for a matched route that is not a mount."""
+    route = scope.get("route")
+    if route is None or _is_mount(route):
+        return route_endpoint(scope, method, status)
+    fastapi_scope = scope.get("fastapi")
+    ctx = fastapi_scope.get("effective_route_context") if type(fastapi_scope) is dict else None
+    router = scope.get("router")
+    key = (id(route), id(ctx), id(router), method)
+    hit = _names.get(key)
+    if hit is not None and hit[0] is route and hit[1] is ctx and hit[2] is router:
+        return hit[3]
+    name = route_endpoint(scope, method, status)
+    if len(_names) >= MAX_ENTRIES:
+        _names.clear()
+    _names[key] = (route, ctx, router, name)
+    return name
 
 
 # ------------------------------------------------------------------------- Starlette routes

@@ -48,7 +48,9 @@ from typing import Any
 from perfsleuth.agent import recorder
 
 _start_call = recorder.start_call
+_current_get = recorder.current_get
 _perf = time.perf_counter_ns
+END, ROWS = recorder.END, recorder.ROWS
 _internal_error = recorder.internal_error
 _MARK = "_perfsleuth_orig"
 _MAX_ROWCOUNT = 1 << 62  # pymysql reports 2**64-1 for unbuffered results: unknown
@@ -172,42 +174,46 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
     cursor_classes: dict[Any, Any] = {}
 
     class Cursor(base_cur):  # type: ignore[misc, valid-type]
-        _perfsleuth_call: recorder.Call | None = None
+        # (the request's call rows, offset of the ROWS of the SELECT being fetched): sqlite
+        # only knows how many rows a SELECT returns as they are stepped through
+        _perfsleuth_rows: tuple[list[int], int] | None = None
 
         def execute(self, sql: Any, parameters: Any = empty, /) -> Any:
-            call = _start_call(
-                "db",
-                "sqlite",
-                sql if type(sql) is str else sql_text(sql),
-                None if parameters is empty else parameters,
-                2,
+            # The hottest wrapper of all (a statement takes microseconds): the call's row is
+            # filled in place rather than through a recorder.Call handle.
+            req = _current_get()
+            if req is None:
+                self._perfsleuth_rows = None
+                return c_execute(self, sql, parameters)
+            i = req.record_call(
+                "db", "sqlite", sql if type(sql) is str else sql_text(sql), parameters, 2
             )
-            if call is None:
-                self._perfsleuth_call = None
+            if i < 0:
+                self._perfsleuth_rows = None
                 return c_execute(self, sql, parameters)
             try:
                 cur = c_execute(self, sql, parameters)
             except BaseException as exc:
-                self._perfsleuth_call = None
-                call.error = type(exc).__name__
-                call.finish()
+                self._perfsleuth_rows = None
+                req.fail_call(i, exc)
                 raise
-            call.end = _perf()  # call.finish(), inlined: the hottest wrapper of all
+            calls = req.calls
+            calls[i + END] = _perf()  # type: ignore[index]
             try:
                 if self.description is None:
-                    self._perfsleuth_call = None
+                    self._perfsleuth_rows = None
                     rc = self.rowcount
                     if rc >= 0:
-                        call.rows = rc
+                        calls[i + ROWS] = rc  # type: ignore[index]
                 else:
-                    call.rows = 0
-                    self._perfsleuth_call = call
+                    calls[i + ROWS] = 0  # type: ignore[index]
+                    self._perfsleuth_rows = (calls, i + ROWS)  # type: ignore[assignment]
             except Exception:
                 _internal_error()
             return cur
 
         def executemany(self, sql: Any, seq_of_parameters: Any, /) -> Any:
-            self._perfsleuth_call = None
+            self._perfsleuth_rows = None
             passed, hashed, n = many_args(seq_of_parameters)
             call = _start_call(
                 "db", "sqlite", sql if type(sql) is str else sql_text(sql), hashed, 2
@@ -232,7 +238,7 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
             return cur
 
         def executescript(self, sql_script: Any, /) -> Any:
-            self._perfsleuth_call = None
+            self._perfsleuth_rows = None
             call = _start_call(
                 "db",
                 "sqlite",
@@ -252,34 +258,34 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
 
         def fetchone(self) -> Any:
             row = c_fetchone(self)
-            call = self._perfsleuth_call
-            if call is not None:
+            counting = self._perfsleuth_rows
+            if counting is not None:
                 if row is None:
-                    self._perfsleuth_call = None
+                    self._perfsleuth_rows = None
                 else:
-                    call.rows += 1  # type: ignore[operator] # set to 0 with _perfsleuth_call
+                    counting[0][counting[1]] += 1
             return row
 
         def fetchmany(self, *args: Any, **kwargs: Any) -> Any:
             rows = c_fetchmany(self, *args, **kwargs)
-            call = self._perfsleuth_call
-            if call is not None:
-                call.rows += len(rows)  # type: ignore[operator]
+            counting = self._perfsleuth_rows
+            if counting is not None:
+                counting[0][counting[1]] += len(rows)
             return rows
 
         def fetchall(self) -> Any:
             rows = c_fetchall(self)
-            call = self._perfsleuth_call
-            if call is not None:
-                self._perfsleuth_call = None
-                call.rows += len(rows)  # type: ignore[operator]
+            counting = self._perfsleuth_rows
+            if counting is not None:
+                self._perfsleuth_rows = None
+                counting[0][counting[1]] += len(rows)
             return rows
 
         def __next__(self) -> Any:
             row = c_next(self)  # StopIteration at the end propagates as the protocol wants
-            call = self._perfsleuth_call
-            if call is not None:
-                call.rows += 1  # type: ignore[operator]
+            counting = self._perfsleuth_rows
+            if counting is not None:
+                counting[0][counting[1]] += 1
             return row
 
     def cursor_class(factory: Any) -> Any:
