@@ -51,7 +51,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.perfsleuth-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+# (and when the agent's C accelerator changed: the editable install builds it in place)
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
+  || [ src/perfsleuth/agent/_speedups.c -nt "$stamp" ]; then
   echo "setup: installing Python packages into .venv"
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[dev]'

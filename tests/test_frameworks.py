@@ -213,7 +213,10 @@ async def test_asgi_agent_failure_never_reaches_the_app(
     def broken(*a: Any, **k: Any) -> Any:
         raise ZeroDivisionError("agent bug")
 
-    monkeypatch.setattr(ps_asgi, "_read_headers", broken)
+    class Broken(dict):  # type: ignore[type-arg]
+        get = broken
+
+    monkeypatch.setattr(ps_asgi, "_loop_of", Broken())
     monkeypatch.setattr(ps_asgi, "route_endpoint", broken)
     errors = recorder.stats["internal_errors"]
     async with asgi_client(ps.asgi(fastapi_app.app)) as c:

@@ -557,7 +557,7 @@ BINARY_SCRIPT = textwrap.dedent(
 
 
 def test_binary_and_json_request_records_ingest_together(data_dir: str) -> None:
-    """The agent's REQUEST_BIN records (calls as binary rows) and JSON REQUEST records from
+    """The agent's REQUESTS records (calls as agent rows) and JSON REQUEST records from
     another writer land in one batch, each call with its values."""
     subprocess.run([sys.executable, "-c", BINARY_SCRIPT, data_dir], check=True, timeout=60)
     w = SegmentWriter(data_dir, service="json-writer")
@@ -622,3 +622,114 @@ def test_binary_rows_win_over_json_calls_in_the_same_record(
         ("db", "sqlite", 3, 2.0)
     ]
     assert [c["rows"] for c in store.trace(body["id"])["calls"]] == [9, 8]
+
+
+# ------------------------------------------------------------------ the agent's batch records
+
+BATCH_SCRIPT = textwrap.dedent(
+    """
+    import sqlite3, sys
+    import perfsleuth.agent as ps
+    from perfsleuth.agent import recorder
+    ps.start(sys.argv[1], service="batch")
+    con = sqlite3.connect(":memory:")
+    con.execute("create table t (id integer primary key, v text)")
+    con.executemany("insert into t values (?, ?)", [(i, "x") for i in range(30)])
+
+    def lookup(i):
+        return con.execute("select v from t where id = ?", (i,)).fetchall()
+
+    for n in range(40):  # more than one record's worth
+        req = recorder.begin("web", "GET", f"/b/{n}")
+        req.endpoint = "GET /b/{n}"
+        recorder.attr("n", n)
+        for i in range(n % 4):
+            lookup(i)
+        con.execute("select v from t where id < ?", (n,)).fetchall()
+        if n % 5 == 0:
+            try:
+                con.execute("select nope from t")
+            except sqlite3.OperationalError:
+                pass
+        recorder.end(req)
+    ps.flush()
+    """
+)
+
+
+def test_batched_records_ingest_as_the_python_decoder_reads_them(data_dir: str) -> None:
+    """The store reads the agent's REQUESTS records vectorised; wire.batch.decode reads them
+    request by request in Python: both give every request, call and value alike."""
+    from spoolread import read_spool
+
+    subprocess.run([sys.executable, "-c", BATCH_SCRIPT, data_dir], check=True, timeout=60)
+    sent = read_spool(data_dir)
+    assert len(sent) == 40
+    with DuckDBStore(data_dir) as store:
+        rep = store.ingest()
+        assert rep.requests == 40 and not rep.damaged
+        assert rep.calls == sum(len(r["calls"]) for r in sent) == 40 * 1 + 60 + 8
+        for req in sent:
+            got = store.trace(req["id"])
+            assert got["path"] == req["path"] and got["attributes"] == req["attrs"]
+            assert got["duration_ms"] == pytest.approx(req["dur"] / 1e6)
+            assert len(got["calls"]) == len(req["calls"])
+            for c, want in zip(got["calls"], req["calls"], strict=True):
+                assert c["fingerprint"] == want["fingerprint"]
+                assert c["offset_ms"] == pytest.approx(want["off"] / 1e6)
+                assert c["duration_ms"] == pytest.approx(want["dur"] / 1e6)
+                assert c["rows"] == want.get("rows")
+                assert c["error"] == want.get("error")
+                assert c["site"]["line"] == want["site_loc"]["line"]
+                assert [f["function"] for f in c["stack"]] == [
+                    loc["func"] for loc in want["stack_locs"]
+                ]
+            lookups = [c for c in got["calls"] if "id = ?" in c["fingerprint"]]
+            assert len({c["site"]["line"] for c in lookups}) <= 1
+            assert [c["rows"] for c in lookups] == [1] * len(lookups)
+
+
+def batch_record(n: int, rows: bytes = b"", **columns: Any) -> bytes:
+    """A hand-made REQUESTS record (wire.batch) of ``n`` requests."""
+    from perfsleuth.wire import REQUESTS
+
+    obj = {"v": 1, "n": n, "id": [f"{i + 1:016x}" for i in range(n)], "ts": [10**18] * n}
+    obj.update(endpoint=["GET /x"] * n, dur=[MS] * n, **columns)
+    return raw_record(REQUESTS, json.dumps(obj).encode() + b"\x00" + rows)
+
+
+def test_malformed_batch_records_are_damage_and_lose_only_themselves(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    from perfsleuth.wire.batch import AGENT_ROW
+
+    row = AGENT_ROW.pack(0, 100, 200, 1, 7)
+    w = SegmentWriter(data_dir)
+    w.write(batch_record(2, ncalls=[1, 0], t0=[50, 50], sites=[[[1, 2, 3, 0, 0]], None]))
+    w.write(batch_record(2, rows=row, ncalls=[1, 0], t0=[50, 50], sites=[[[1, 2, 3, 0, 0]], []]))
+    w.write(batch_record(3, status=[200, 200]))  # a column that is not 3 long
+    w.write(batch_record(1, rows=row * 2, ncalls=[1], t0=[50], sites=[[[1, 2, 3, 0, 0]]]))
+    w.write(batch_record(1, rows=row, ncalls=[1], sites=[[[1, 2, 3, 0, 0]]]))  # no t0
+    w.request("GET /fine", dur_ms=1)
+    w.close()
+    rep = store.ingest()
+    # the first record says one call but has no rows; the third and fourth do not add up;
+    # the fifth has rows it cannot place (no t0): damage, each; the second is fine
+    assert [d.reason for d in rep.damaged] == ["undecodable payload"] * 3 + [
+        "call rows without sites"
+    ]
+    assert count(store) == 2 + 1 + 1  # the fine batch, the JSON request, the one without t0
+    (c,) = store.trace("0" * 15 + "1")["calls"]
+    assert (c["offset_ms"], c["duration_ms"], c["rows"]) == (50 / MS, 100 / MS, 1)
+    assert count(store, "calls") == 1
+
+
+def test_odd_values_in_a_batch_are_coerced_not_fatal(data_dir: str, store: DuckDBStore) -> None:
+    w = SegmentWriter(data_dir)
+    w.write(batch_record(2, status=["two hundred", 404], user=[7, None], ncalls=[0, 0]))
+    w.close()
+    rep = store.ingest()
+    assert rep.requests == 2 and not rep.damaged
+    got = {r["trace_id"]: r for r in store.query("SELECT trace_id, status, user FROM requests")}
+    assert got["0" * 15 + "1"] == {"trace_id": "0" * 15 + "1", "status": None, "user": "7"}
+    assert got["0" * 15 + "2"]["status"] == 404

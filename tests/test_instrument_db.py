@@ -154,10 +154,33 @@ def dbapi_scenario(
 
 
 # ---------------------------------------------------------------------------------------------
-# sqlite3
+# sqlite3: every test runs with the C wrappers (agent/_speedups.c) and with the Python ones
 
 
-def test_sqlite3_scenario(tmp_path, in_request, captured, agent_data_dir) -> None:
+@pytest.fixture(params=["c", "python"])
+def sqlite_wrappers(request: pytest.FixtureRequest, agent_data_dir: str) -> Iterator[str]:
+    from perfsleuth.agent.instrument import dbapi
+
+    sqlite3.connect(":memory:").close()  # the patch made the instrumented classes
+    if request.param == "c" and not dbapi.use_speedups(True):
+        pytest.skip("the C accelerator is not built here")
+    if request.param == "python":
+        dbapi.use_speedups(False)
+    yield request.param
+    dbapi.use_speedups(True)
+
+
+def test_the_c_accelerator_is_built_where_a_compiler_is() -> None:
+    import shutil
+
+    from perfsleuth.agent import recorder
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the agent runs its Python wrappers")
+    assert recorder.speedups is not None, "pip install built no perfsleuth.agent._speedups"
+
+
+def test_sqlite3_scenario(tmp_path, in_request, captured, agent_data_dir, sqlite_wrappers) -> None:
     conn = sqlite3.connect(str(tmp_path / "a.db"))
     assert isinstance(conn, sqlite3.Connection)
     assert isinstance(conn.cursor(), sqlite3.Cursor)
@@ -175,7 +198,9 @@ def test_sqlite3_scenario(tmp_path, in_request, captured, agent_data_dir) -> Non
         conn.close()
 
 
-def test_sqlite3_row_counting_and_shortcuts(tmp_path, in_request, captured) -> None:
+def test_sqlite3_row_counting_and_shortcuts(
+    tmp_path, in_request, captured, sqlite_wrappers
+) -> None:
     conn = sqlite3.connect(str(tmp_path / "b.db"))
     conn.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT)")
     conn.executemany("INSERT INTO t (v) VALUES (?)", [(str(i),) for i in range(50)])
@@ -209,7 +234,9 @@ def test_sqlite3_row_counting_and_shortcuts(tmp_path, in_request, captured) -> N
     assert calls[6]["fingerprint"].startswith("UPDATE t SET v = ?")
 
 
-def test_sqlite3_row_factory_and_user_factories(tmp_path, in_request, captured) -> None:
+def test_sqlite3_row_factory_and_user_factories(
+    tmp_path, in_request, captured, sqlite_wrappers
+) -> None:
     class MyCursor(sqlite3.Cursor):
         seen = 0
 
@@ -246,7 +273,7 @@ def test_sqlite3_row_factory_and_user_factories(tmp_path, in_request, captured) 
     assert len(calls) == 3
 
 
-def test_sqlite3_patch_is_idempotent(tmp_path, in_request, captured) -> None:
+def test_sqlite3_patch_is_idempotent(tmp_path, in_request, captured, sqlite_wrappers) -> None:
     from perfsleuth.agent.instrument import dbapi, django_db
 
     dbapi.patch_sqlite3(sqlite3)
@@ -261,7 +288,7 @@ def test_sqlite3_patch_is_idempotent(tmp_path, in_request, captured) -> None:
     assert len(calls) == 1 and calls[0]["rows"] == 1
 
 
-def test_sqlite3_executemany_error(tmp_path, in_request, captured) -> None:
+def test_sqlite3_executemany_error(tmp_path, in_request, captured, sqlite_wrappers) -> None:
     conn = sqlite3.connect(str(tmp_path / "e.db"))
     conn.execute("CREATE TABLE u (id INTEGER PRIMARY KEY)")
     with in_request("GET /err"), pytest.raises(sqlite3.IntegrityError):
@@ -783,7 +810,7 @@ def test_django_orm(django_db, in_request, captured) -> None:
 # Outside a request, and patching twice
 
 
-def test_nothing_recorded_outside_a_request(tmp_path, captured) -> None:
+def test_nothing_recorded_outside_a_request(tmp_path, captured, sqlite_wrappers) -> None:
     import psycopg
     import psycopg2
     import pymysql

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from perfsleuth.wire import HEADER, REQUEST_TYPES
+from perfsleuth.wire import HEADER, REQUESTS
 from perfsleuth.wire.segment import read_segment
 from spoolread import read_spool
 
@@ -153,7 +153,7 @@ def segments(data: Path) -> list[tuple[int, str, list[dict[str, Any]]]]:
         assert not res.damaged, path
         headers = [obj for t, obj in res.records if t == HEADER]
         assert len(headers) == 1, path
-        reqs = [obj for t, obj in res.records if t in REQUEST_TYPES]
+        reqs = [req for t, obj in res.records if t == REQUESTS for req in obj]
         out.append((int(headers[0]["pid"]), os.path.basename(path), reqs))
     return out
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import os
 import random
 import sys
 import threading
@@ -95,6 +96,22 @@ _max_rows = 20000 * ROW
 _stacks_per_site = 1
 
 
+# The optional C accelerator of the sqlite3 cursor wrappers (agent/_speedups.c; built at
+# install when a compiler is there). PERFSLEUTH_SPEEDUPS=0 leaves it out: the Python wrappers
+# record the same values.
+def _load_speedups() -> Any:
+    if os.environ.get("PERFSLEUTH_SPEEDUPS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from perfsleuth.agent import _speedups
+    except ImportError:
+        return None
+    return _speedups
+
+
+speedups: Any = _load_speedups()
+
+
 def configure(
     sink: Callable[[ActiveRequest], None] | None, *, max_calls: int, stacks_per_site: int
 ) -> None:
@@ -102,6 +119,15 @@ def configure(
     _sink = sink
     _max_rows = max(0, max_calls) * ROW
     _stacks_per_site = max(1, stacks_per_site)
+    if speedups is not None:
+        clock = time.get_clock_info("perf_counter").implementation
+        speedups.configure(
+            current=_current,
+            internal_error=internal_error,
+            max_rows=_max_rows,
+            # the accelerator reads CLOCK_MONOTONIC itself when that is perf_counter's clock
+            perf_counter=None if clock == "clock_gettime(CLOCK_MONOTONIC)" else _perf,
+        )
 
 
 def internal_error() -> None:
@@ -131,6 +157,7 @@ class ActiveRequest:
         "error",
         "gc_count",
         "gc_ns",
+        "headers",
         "keep",
         "kind",
         "method",
@@ -169,6 +196,9 @@ class ActiveRequest:
     resp_bytes: int | None
     user: str | None
     tenant: str | None
+    # The raw ASGI header list: the user, tenant and Content-Length are read from it by the
+    # writer thread (off the request path)
+    headers: Any
     # Created on first use: every container a request keeps alive until the writer takes it
     # counts towards the garbage collector's next collection.
     attrs: dict[str, Any] | None
@@ -422,7 +452,7 @@ def begin(
         req.path = path
         req.endpoint = ""
         req.cpu_start = req.cpu_ns = req.status = req.error = req.req_bytes = None
-        req.resp_bytes = req.user = req.tenant = req.attrs = req.tags = None
+        req.resp_bytes = req.user = req.tenant = req.attrs = req.tags = req.headers = None
         req.calls = req.site_list = req.more = None
         req.sites = _NO_SITES
         req.task = req.worker = req.keep = None

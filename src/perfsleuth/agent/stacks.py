@@ -70,9 +70,12 @@ def is_app_file(filename: str) -> bool:
 
 
 def capture(frame: FrameType | None) -> tuple[Any, ...]:
-    """The stack above ``frame``, innermost first, at most MAX_DEPTH frames, as a flat tuple
-    ``(code, where, code, where, ...)`` (flat so the writer can key it with two slices); the
-    agent's own frames (only ever the innermost ones: its wrappers) are skipped.
+    """The stack above ``frame``, innermost first, as a flat tuple ``(code, where, code, where,
+    ...)`` (flat so the writer can key it with two slices). The agent's own innermost frames
+    (its wrappers) are skipped, and the stack stops at the next frame of the agent's: where the
+    request entered the application (the ASGI/WSGI layer, a thread-pool hand-off), so the
+    server's and the thread's frames above it, the same for every call, are neither walked nor
+    stored. At most MAX_DEPTH frames.
 
     ``where`` is ``~f_lasti`` (negative), not the line: ``f_lineno`` decodes the line table
     at every frame (~40 ns each), the writer does it once per distinct place (:func:`line`).
@@ -81,9 +84,14 @@ def capture(frame: FrameType | None) -> tuple[Any, ...]:
     while f is not None and classify(f.f_code) is None:
         f = f.f_back
     out: list[Any] = []
+    kinds = _kind
     n = 0
     while f is not None and n < MAX_DEPTH:
-        out.append(f.f_code)
+        code = f.f_code
+        hit = kinds.get(id(code))
+        if (hit[1] if hit is not None else classify(code)) is None:
+            break
+        out.append(code)
         out.append(~f.f_lasti)
         f = f.f_back
         n += 1

@@ -43,11 +43,13 @@ from perfsleuth.wire import (
     OPEN_SUFFIX,
     RECORD_TYPES,
     REQUEST,
-    REQUEST_ROWS,
+    REQUEST_BIN,
     REQUEST_TYPES,
+    REQUESTS,
     STACK,
     STATS,
 )
+from perfsleuth.wire import batch as wbatch
 from perfsleuth.wire import calls as wcalls
 from perfsleuth.wire.segment import FILE_MAGIC, HEAD_SIZE, MAX_RECORD, REC_MAGIC, read_segment
 
@@ -99,8 +101,8 @@ REQUEST_WIRE = pa.schema(
         ("gc_ns", pa.int64()),
         ("gc_count", pa.int64()),
         ("calls", pa.list_(_CALL_WIRE)),
-        # REQUEST_ROWS only (wire.calls): the request's start on the process clock, and what
-        # the rows' slots point at
+        # batched requests only (wire.batch): the request's start on the process clock, and
+        # what its call rows' slots point at
         ("t0", pa.int64()),
         ("sites", pa.list_(pa.list_(pa.int64()))),
     ]
@@ -292,8 +294,9 @@ class Batch:
         self.segments: list[SegmentState] = []
         self._seg_index: dict[int, int] = {}
         self.raw_requests: list[bytes] = []  # JSON objects, one per request
-        self.raw_calls: list[bytes | None] = []  # their binary call rows (REQUEST_BIN, _ROWS)
-        self.raw_agent_rows: list[bool] = []  # whether those are the agent's rows (_ROWS)
+        self.raw_calls: list[bytes | None] = []  # their binary call rows (REQUEST_BIN)
+        # REQUESTS records (wire.batch): (segment index, JSON object, rows, start, end)
+        self.columns: list[tuple[int, dict[str, Any], memoryview, int, int]] = []
         self.raw_meta: list[tuple[int, int, int]] = []  # (segment index, start, end)
         self.dict_requests: list[Any] = []
         self.dict_src: list[int] = []
@@ -322,18 +325,26 @@ class Batch:
     def add_raw(
         self, seg: SegmentState, rtype: bytes, payload: bytes, start: int, end: int
     ) -> None:
+        if rtype == REQUESTS:
+            try:
+                obj, rows, n = wbatch.split(payload)
+            except ValueError:
+                self.add_damage(seg, start, end - start, "undecodable payload")
+                return
+            self.columns.append((self.touch(seg), obj, rows, start, end))
+            self.requests += n
+            self.request_bytes += len(payload)
+            return
         if rtype in REQUEST_TYPES:
-            rows = None
-            if rtype != REQUEST:
+            call_rows = None
+            if rtype == REQUEST_BIN:
                 try:
-                    split = wcalls.split_rows if rtype == REQUEST_ROWS else wcalls.split
-                    payload, rows = split(payload)
+                    payload, call_rows = wcalls.split(payload)
                 except ValueError:
                     self.add_damage(seg, start, end - start, "undecodable payload")
                     return
             self.raw_requests.append(payload)
-            self.raw_calls.append(rows)
-            self.raw_agent_rows.append(rtype == REQUEST_ROWS)
+            self.raw_calls.append(call_rows)
             self.raw_meta.append((self.touch(seg), start, end))
             self.requests += 1
             self.request_bytes += len(payload)
@@ -351,6 +362,10 @@ class Batch:
 
     def add(self, seg: SegmentState, rtype: bytes, obj: Any) -> None:
         """A decoded record."""
+        if rtype == REQUESTS and isinstance(obj, list):  # wire.batch.decode: its requests
+            for req in obj:
+                self.add(seg, REQUEST, req)
+            return
         if rtype in REQUEST_TYPES:
             self.dict_requests.append(obj)
             self.dict_src.append(self.touch(seg))
@@ -564,10 +579,10 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
     that carry attributes or tags)."""
     parts: list[pa.Table] = []
     src: list[int] = []
-    blobs: list[bytes | None] = []  # binary call rows per wire row (None: calls in the JSON)
-    agent_rows: list[bool] = []  # whether the blob holds the agent's rows (REQUEST_ROWS)
-    raw_index: list[int] = []  # index into batch.raw_requests (-1: decoded by the slow path)
-    ext_rows: list[tuple[int, Any]] = []  # (row, object) of rows with per-call strings
+    blobs: list[bytes | memoryview | None] = []  # binary call rows per row (None: JSON calls)
+    agent_rows: list[bool] = []  # whether the blob holds agent rows (wire.batch) or CALL rows
+    where: list[tuple[int, int, int] | None] = []  # (segment, start, end) of the row's record
+    ext_rows: list[tuple[int, Any]] = []  # (row, object) of rows with per-call extras
     attr_objs: list[tuple[int, Any]] = []
     slow: list[tuple[int, Any, int, int]] = []  # (segment index, object, start, end)
     raw = batch.raw_requests
@@ -597,8 +612,8 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
                 ext_rows.append((rows + i - lo, p))
             src.append(meta[i][0])
             blobs.append(batch.raw_calls[i])
-            agent_rows.append(batch.raw_agent_rows[i])
-            raw_index.append(i)
+            agent_rows.append(False)
+            where.append(meta[i])
         rows += hi - lo
         return True
 
@@ -611,15 +626,37 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
                 seg, start, end = meta[i]
                 try:
                     blob = batch.raw_calls[i]
-                    if blob is None:
-                        obj = json.loads(raw[i])
-                    elif batch.raw_agent_rows[i]:
-                        obj = wcalls.decode_rows_parts(raw[i], blob)
-                    else:
-                        obj = wcalls.decode_parts(raw[i], blob)
+                    obj = json.loads(raw[i]) if blob is None else wcalls.decode_parts(raw[i], blob)
                     slow.append((seg, obj, start, end))
                 except ValueError:
                     batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
+    for seg, obj, rows_view, start, end in batch.columns:
+        try:
+            t, n = _columns_table(obj)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            try:  # odd values: request by request, coerced like a hand-written record
+                slow.extend((seg, req, start, end) for req in wbatch.decode_columns(obj, rows_view))
+            except ValueError:
+                batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
+            continue
+        parts.append(t)
+        at = 0
+        for c in obj.get("ncalls") or [0] * n:
+            blobs.append(rows_view[at : at + c * wbatch.AGENT_ROW.size])
+            at += c * wbatch.AGENT_ROW.size
+        src.extend([seg] * n)
+        agent_rows.extend([True] * n)
+        where.extend([(seg, start, end)] * n)
+        for name in ("attrs", "tags"):
+            for key, value in (obj.get(name) or {}).items():
+                k = as_int(key)
+                if k is not None and 0 <= k < n:
+                    attr_objs.append((rows + k, {name: value}))
+        for key, cx in (obj.get("cx") or {}).items():
+            k = as_int(key)
+            if k is not None and 0 <= k < n:
+                ext_rows.append((rows + k, {"cx": cx}))
+        rows += n
     # Records read past damage come decoded, without their offsets (-1: the segment is
     # quarantined anyway).
     slow.extend(
@@ -638,15 +675,17 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
         src.append(seg_i)
         blobs.append(None)
         agent_rows.append(False)
-        raw_index.append(-1)
+        where.append(None)
     if objs:
         parts.append(pa.Table.from_pylist(objs, schema=REQUEST_WIRE))
     wire = pa.concat_tables(parts) if parts else REQUEST_WIRE.empty_table()
     if any(b is not None for b in blobs):
         rows_ok = _check_agent_rows(wire, blobs, agent_rows)
         for bad in np.flatnonzero(~rows_ok).tolist():
-            seg, start, end = meta[raw_index[bad]]
-            batch.add_damage(batch.segments[seg], start, end - start, "call rows without sites")
+            rec = where[bad]
+            if rec is not None:
+                seg, start, end = rec
+                batch.add_damage(batch.segments[seg], start, end - start, "call rows without sites")
             blobs[bad] = b""
         wire = _with_binary_calls(wire, blobs, agent_rows, ext_rows)
     # Raw payloads of requests with attributes are decoded only now, for those only.
@@ -661,22 +700,37 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
     return wire, np.asarray(src, dtype=np.int64), decoded
 
 
+def _columns_table(obj: dict[str, Any]) -> tuple[pa.Table, int]:
+    """A REQUESTS record's columns (wire.batch) as REQUEST_WIRE rows (calls still empty)."""
+    n = obj["n"]
+    nulls = [None] * n
+    cols = {
+        f.name: pa.array(obj.get(f.name) or nulls, f.type)
+        for f in REQUEST_WIRE
+        if f.name != "calls"
+    }
+    cols["calls"] = pa.nulls(n, REQUEST_WIRE.field("calls").type)
+    return pa.table(cols, schema=REQUEST_WIRE), n
+
+
 _CALL_DTYPE = np.dtype([(name, "<" + code) for name, code in wcalls.FIELDS])
 assert _CALL_DTYPE.itemsize == wcalls.CALL.size
-_AGENT_DTYPE = np.dtype([(name, "<i8") for name in wcalls.AGENT_FIELDS])
-assert _AGENT_DTYPE.itemsize == wcalls.AGENT_ROW.size
+_AGENT_DTYPE = np.dtype([(name, "<i8") for name in wbatch.AGENT_FIELDS])
+assert _AGENT_DTYPE.itemsize == wbatch.AGENT_ROW.size
 
 
-def _check_agent_rows(wire: pa.Table, blobs: list[bytes | None], agent: list[bool]) -> np.ndarray:
-    """Per row: False for a REQUEST_ROWS record with call rows but no ``t0``/``sites`` (or
-    sites that are not five ids each): its rows cannot be read."""
+def _check_agent_rows(
+    wire: pa.Table, blobs: list[bytes | memoryview | None], agent: list[bool]
+) -> np.ndarray:
+    """Per row: False for a batched request with call rows but no ``t0``/``sites`` (or sites
+    that are not five ids each): its rows cannot be read."""
     n = wire.num_rows
     ok = np.ones(n, dtype=bool)
     has = np.fromiter((a and bool(b) for a, b in zip(agent, blobs, strict=True)), bool, count=n)
     if not has.any():
         return ok
     sites = wire["sites"].combine_chunks()
-    inner_ok = pc.equal(pc.list_value_length(pc.list_flatten(sites)), len(wcalls.SITE_FIELDS))
+    inner_ok = pc.equal(pc.list_value_length(pc.list_flatten(sites)), len(wbatch.SITE_FIELDS))
     parents = _np(pc.list_parent_indices(sites), 0).astype(np.int64)
     bad_site = np.zeros(n, dtype=bool)
     bad_site[parents[~_np(inner_ok, False).astype(bool)]] = True
@@ -686,11 +740,14 @@ def _check_agent_rows(wire: pa.Table, blobs: list[bytes | None], agent: list[boo
     return ok
 
 
-def _agent_calls(wire: pa.Table, blobs: list[bytes], rows_of: np.ndarray) -> np.ndarray:
-    """The agent rows of the REQUEST_ROWS records at wire rows ``rows_of`` (``blobs``, in
-    that order) as ``CALL`` rows: offsets from t0, durations (unfinished ones up to the
-    request's end), and the fingerprint, stack, site, kind and system of their slot's site."""
-    counts = np.fromiter((len(b) // wcalls.AGENT_ROW.size for b in blobs), np.int64, len(blobs))
+def _agent_calls(
+    wire: pa.Table, blobs: list[bytes | memoryview], rows_of: np.ndarray
+) -> np.ndarray:
+    """The agent rows (wire.batch) of the requests at wire rows ``rows_of`` (``blobs``, in that
+    order) as ``CALL`` rows: offsets from t0, durations (unfinished ones up to the request's
+    end), and the fingerprint, stack, site, kind and system of their slot's site."""
+    size = wbatch.AGENT_ROW.size
+    counts = np.fromiter((len(b) // size for b in blobs), np.int64, len(blobs))
     agent = np.frombuffer(b"".join(blobs), dtype=_AGENT_DTYPE)
     parent = np.repeat(np.arange(len(blobs), dtype=np.int64), counts)
     take = pa.array(rows_of)
@@ -699,7 +756,7 @@ def _agent_calls(wire: pa.Table, blobs: list[bytes], rows_of: np.ndarray) -> np.
     sites = pc.take(wire["sites"], take).combine_chunks()
     n_sites = _np(pc.list_value_length(sites), 0).astype(np.int64)
     table = _np(pc.list_flatten(pc.list_flatten(sites)), wcalls.NULL).astype(np.int64)
-    table = table.reshape(-1, len(wcalls.SITE_FIELDS))
+    table = table.reshape(-1, len(wbatch.SITE_FIELDS))
     slot = agent["slot"]
     valid = (slot >= 0) & (slot < n_sites[parent])
     at = np.where(valid, (np.cumsum(n_sites) - n_sites)[parent] + slot, 0)
@@ -730,7 +787,7 @@ def _agent_calls(wire: pa.Table, blobs: list[bytes], rows_of: np.ndarray) -> np.
 
 def _with_binary_calls(
     wire: pa.Table,
-    blobs: list[bytes | None],
+    blobs: list[bytes | memoryview | None],
     agent_rows: list[bool],
     ext_rows: list[tuple[int, Any]],
 ) -> pa.Table:
@@ -740,7 +797,7 @@ def _with_binary_calls(
     n = wire.num_rows
     has = np.fromiter((b is not None for b in blobs), dtype=bool, count=n)
     is_agent = np.fromiter(agent_rows, dtype=bool, count=n)
-    size = np.where(is_agent, wcalls.AGENT_ROW.size, wcalls.CALL.size)
+    size = np.where(is_agent, wbatch.AGENT_ROW.size, wcalls.CALL.size)
     bin_counts = np.fromiter((len(b) if b is not None else 0 for b in blobs), np.int64, n) // size
     arr = np.empty(int(bin_counts.sum()), dtype=_CALL_DTYPE)
     row_is_agent = np.repeat(is_agent, bin_counts)

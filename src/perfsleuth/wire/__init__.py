@@ -14,7 +14,7 @@ STACK = b"S"  # {"id", "frames": [location ids, outermost first]}
 FINGERPRINT = b"F"  # {"id", "kind", "text", "op"}: a normalised statement / URL / command
 REQUEST = b"R"  # one finished request or background task, with its calls as JSON objects
 REQUEST_BIN = b"Q"  # the same, calls as fixed binary rows (wire.calls): earlier agents, still read
-REQUEST_ROWS = b"W"  # the same, its calls as the agent's raw rows (wire.calls): what it writes
+REQUESTS = b"N"  # a batch of finished requests as columns, calls as agent rows (wire.batch)
 STATS = b"T"  # cumulative agent counters of this process (drops, errors)
 # Runtime evidence, one JSON object per event (collected by the store as ``Batch.events``):
 SAMPLES = b"P"  # stack samples of one slow request
@@ -23,7 +23,7 @@ GC = b"G"  # GC pauses
 CAPTURE = b"C"  # a replayable request capture
 
 EVENT_TYPES = frozenset({SAMPLES, BLOCKER, GC, CAPTURE})
-REQUEST_TYPES = frozenset({REQUEST, REQUEST_BIN, REQUEST_ROWS})
+REQUEST_TYPES = frozenset({REQUEST, REQUEST_BIN, REQUESTS})
 RECORD_TYPES = frozenset({HEADER, LOCATION, STACK, FINGERPRINT, STATS}) | REQUEST_TYPES
 RECORD_TYPES |= EVENT_TYPES
 

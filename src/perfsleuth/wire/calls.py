@@ -1,23 +1,10 @@
-"""The calls of a request as binary rows, in two record types.
+"""The calls of a request as fixed-width binary rows (``REQUEST_BIN``; the store's ``CALL``).
 
-Calls are most of what the agent writes (an N+1 request has thousands), so they are not JSON:
-a request record is the request's JSON object, one NUL byte (JSON text never contains a raw
-NUL), then one binary row per call.
-
-``REQUEST_ROWS`` (what the agent writes): the rows are the agent's own (agent.recorder), five
-int64 per call, copied to bytes by one C call on the writer thread with no per-call Python::
-
-    slot            index into the JSON object's ``sites``: [fp, stack, site, kind, system]
-                    ids and codes, what the calls of one statement from one place share
-    start, end      perf_counter ns on the process's clock; ``t0`` in the JSON object is the
-                    request's start on that clock; end 0: unfinished
-    rows, ph        rows returned / affected, hash of the bound parameters (NULL: absent)
-
-and what does not fit goes to the ``cx`` entry of the call (below), with ``fp``, ``status``,
-``bytes``, ``hit`` and ``wait`` too. The store turns them into ``CALL`` rows, vectorised.
-
-``REQUEST_BIN`` (earlier agents; still read): one fixed ``CALL`` row per call, packed by the
-writer one call at a time.
+Calls are most of what an agent writes (an N+1 request has thousands), so they are not JSON:
+a ``REQUEST_BIN`` record is the request's JSON object, one NUL byte (JSON text never contains
+a raw NUL), then one ``CALL`` row per call. Earlier agents wrote these, one record per request;
+the agent now writes batches (:mod:`perfsleuth.wire.batch`), whose rows the store turns into
+``CALL`` rows too.
 
 ``CALL`` row fields, little-endian; ``NULL`` marks an absent integer:
     off, dur        ns from the request start, ns duration
@@ -55,15 +42,10 @@ OTHER = 255
 FLAG_UNFINISHED = 1
 FLAG_EXT = 2
 SEPARATOR = b"\x00"
-_MASK63 = (1 << 63) - 1
 
 _EXT_KEYS = ("error", "host", "kind", "system", "extra")
-# What a REQUEST_ROWS call's ``cx`` entry may also carry (values of its CALL row)
+# What a batched call's ``cx`` entry may also carry (values of its CALL row)
 ROW_EXT_KEYS = ("fp", "status", "bytes", "hit", "wait")
-
-AGENT_ROW = struct.Struct("<qqqqq")  # slot, start, end, rows, ph
-AGENT_FIELDS = ("slot", "start", "end", "rows", "ph")
-SITE_FIELDS = ("fp", "stack", "site", "kind", "system")  # an entry of ``sites``
 KIND_CODE = {k: i for i, k in enumerate(KINDS)}
 SYSTEM_CODE = {s: i for i, s in enumerate(SYSTEMS)}
 
@@ -82,70 +64,10 @@ def decode_request(payload: bytes) -> dict[str, Any]:
     return decode_parts(*split(payload))
 
 
-def split_rows(payload: bytes) -> tuple[bytes, bytes]:
-    """(JSON object, agent rows) of a REQUEST_ROWS payload. ValueError if the rows are torn."""
-    head, sep, rows = payload.partition(SEPARATOR)
-    if not sep or len(rows) % AGENT_ROW.size:
-        raise ValueError("a REQUEST_ROWS payload without whole call rows")
-    return head, rows
-
-
-def decode_rows_request(payload: bytes) -> dict[str, Any]:
-    """A REQUEST_ROWS payload as the JSON-shaped request, like :func:`decode_request`."""
-    return decode_rows_parts(*split_rows(payload))
-
-
-def decode_rows_parts(head: bytes, rows: bytes) -> dict[str, Any]:
-    """:func:`decode_rows_request` of a payload already split: the agent rows turned into
-    ``CALL`` rows (the store does the same, vectorised), then :func:`decode_parts`."""
-    try:
-        packed = b"".join(CALL.pack(*r) for r in call_rows(json.loads(head), rows))
-    except (struct.error, TypeError) as e:
-        raise ValueError(f"a REQUEST_ROWS site entry out of range: {e}") from None
-    return decode_parts(head, packed)
-
-
-def call_rows(obj: Any, rows: bytes) -> list[tuple[int, ...]]:
-    """The ``CALL`` row values of a REQUEST_ROWS request: ``obj`` its JSON object, ``rows``
-    its agent rows. ValueError if the object does not describe them."""
-    if not isinstance(obj, dict):
-        raise ValueError("a request record that is not a JSON object")
-    sites, t0, dur = obj.get("sites"), obj.get("t0"), obj.get("dur")
-    if not rows:
-        return []
-    if not isinstance(sites, list) or type(t0) is not int or type(dur) is not int:
-        raise ValueError("a REQUEST_ROWS request without sites, t0 or dur")
-    out: list[tuple[int, ...]] = []
-    for slot, start, end, nrows, ph in AGENT_ROW.iter_unpack(rows):
-        site = sites[slot] if 0 <= slot < len(sites) else None
-        if not isinstance(site, list) or len(site) != len(SITE_FIELDS):
-            raise ValueError("a call row whose slot names no site")
-        fp, stack, where, kind, system = site
-        dur_ns = (end if end else t0 + dur) - start
-        out.append(
-            (
-                start - t0,
-                max(0, dur_ns),
-                fp,
-                stack,
-                where,
-                NULL if ph == NULL else ph & _MASK63,
-                nrows,
-                NULL,  # bytes, wait and status: from ``cx``
-                NULL,
-                NULL_32,
-                kind,
-                system,
-                -1,
-                0 if end else FLAG_UNFINISHED,
-            )
-        )
-    return out
-
-
-def decode_parts(head: bytes, rows: bytes) -> dict[str, Any]:
-    """:func:`decode_request` of a payload already :func:`split` into JSON object and rows."""
-    obj = json.loads(head)
+def decode_parts(head: bytes | dict[str, Any], rows: bytes) -> dict[str, Any]:
+    """:func:`decode_request` of a payload already :func:`split` into JSON object (or its
+    decoded dict) and ``CALL`` rows."""
+    obj = json.loads(head) if isinstance(head, bytes | bytearray | memoryview) else head
     if not isinstance(obj, dict):
         raise ValueError("a request record that is not a JSON object")
     ext = obj.pop("cx", None)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from perfsleuth.wire import FORMAT_VERSION, RECORD_TYPES, REQUEST_BIN, REQUEST_ROWS, calls
+from perfsleuth.wire import FORMAT_VERSION, RECORD_TYPES, REQUEST_BIN, REQUESTS, batch, calls
 
 FILE_MAGIC = b"PSLSEG" + bytes([0, FORMAT_VERSION])
 REC_MAGIC = b"\xa5\x5a"
@@ -148,8 +148,8 @@ def read_segment(data: bytes, start: int = 0) -> ReadResult:
 
 def decode_payload(rtype: bytes, payload: bytes) -> Any:
     """The object a record carries (ValueError when it cannot be decoded)."""
-    if rtype == REQUEST_ROWS:
-        return calls.decode_rows_request(payload)
+    if rtype == REQUESTS:
+        return batch.decode(payload)  # a list of requests
     if rtype == REQUEST_BIN:
         return calls.decode_request(payload)
     return json.loads(payload)

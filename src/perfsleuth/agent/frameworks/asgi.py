@@ -36,8 +36,6 @@ from perfsleuth.agent import capture, recorder, watchdog
 from perfsleuth.agent.frameworks.wsgi import (
     content_length,
     endpoint,
-    identity,
-    identity_value,
     unmatched,
 )
 
@@ -53,12 +51,6 @@ class PerfsleuthASGI:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http":
-            await self.app(scope, receive, send)
-            return
-        await record_asgi(self.app, scope, receive, send)
 
     def __getattr__(self, name: str) -> Any:
         if name == "app":
@@ -140,68 +132,88 @@ class _AsgiRequest(recorder.ActiveRequest):
 
 _begin = recorder.begin
 _end = recorder.end
-_current_task = asyncio.current_task
+# {loop: its running task} as asyncio keeps it (3.11-3.13): read directly, with the loop of each
+# thread remembered, it gives the current task without asyncio.current_task(), whose
+# get_running_loop() makes a getpid() system call every time.
+_running_tasks: dict[Any, Any] | None = getattr(asyncio.tasks, "_current_tasks", None)
+if type(_running_tasks) is not dict:
+    _running_tasks = None
+_loop_of: dict[int, Any] = {}  # thread ident -> the event loop last seen running on it
 
 
-async def record_asgi(app: Any, scope: Scope, receive: Receive, send: Send) -> None:
-    """Run ``app`` for an http ``scope`` as one recorded request (unless one already runs)."""
-    req: _AsgiRequest | None
-    try:
-        req = _begin(  # type: ignore[assignment]  # an _AsgiRequest, as cls says
-            "web", scope.get("method") or "", scope.get("path") or "/", cls=_AsgiRequest
-        )
-    except Exception:
-        req = None
-    if req is None:
-        await app(scope, receive, send)
-        return
-    try:
+def _recording(inner: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """An ASGI ``__call__(self, scope, receive, send)`` recording each http request around
+    ``inner(self, scope, receive, send)``: one coroutine layer, whatever wraps what (each layer
+    is resumed at every step of the request). Everything that can wait (header values, the
+    endpoint's name once per route) is left to the writer thread or remembered: this runs on
+    every request, cold in the CPU's caches."""
+
+    async def __call__(self: Any, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await inner(self, scope, receive, send)
+            return
+        try:
+            req: _AsgiRequest | None = _begin(  # type: ignore[assignment]  # cls says so
+                "web", scope.get("method") or "", scope.get("path") or "/", cls=_AsgiRequest
+            )
+        except Exception:
+            req = None
+        if req is None:
+            await inner(self, scope, receive, send)
+            return
         req._receive = receive
         req._send = send
         req.received = req.sent = 0
         req.complete = req.pathsend = False
         req.resp_headers = req.tap = None
-        req.task = _current_task()  # for the sampler and the loop watchdog
-        watchdog.watch_current_loop()
-        _read_headers(req, scope)
-    except Exception:  # identity and size are lost, not the request
-        recorder.internal_error()
-    try:
-        await app(scope, req.receive, req.send)
-    except BaseException as exc:
         try:
-            if not req.complete or req.status is None:
-                req.status = 500
-            req.error = type(exc).__name__
-        except Exception:
-            pass
-        raise
-    finally:
-        _finish(req, scope)
+            req.headers = scope.get("headers")
+            # the request's task, for the sampler and the loop watchdog
+            loop = _loop_of.get(req.thread)
+            task = None if loop is None or _running_tasks is None else _running_tasks.get(loop)
+            req.task = task if task is not None else _new_loop(req.thread)
+        except Exception:  # the user, tenant or samples are lost, not the request
+            recorder.internal_error()
+        try:
+            await inner(self, scope, req.receive, req.send)
+        except BaseException as exc:
+            try:
+                if not req.complete or req.status is None:
+                    req.status = 500
+                req.error = type(exc).__name__
+            except Exception:
+                pass
+            raise
+        finally:
+            _finish(req, scope)
+
+    return __call__
 
 
-def _read_headers(req: _AsgiRequest, scope: Scope) -> None:
-    # ASGI header names are lower case (the spec says so; servers lowercase them): one dict
-    # made in C instead of a Python loop over every header.
-    headers = dict(scope.get("headers") or ())
-    ident = identity()
-    cl = headers.get(b"content-length")
-    if cl is not None:
-        req.req_bytes = content_length(cl)
-    if ident.user_b is not None:
-        v = headers.get(ident.user_b)
-        if v is not None:
-            req.user = identity_value(v)
-    if ident.tenant_b is not None:
-        v = headers.get(ident.tenant_b)
-        if v is not None:
-            req.tenant = identity_value(v)
+def _new_loop(thread: int) -> Any:
+    """The current task, on a loop not seen on this thread before: remember the loop and have
+    the watchdog watch it."""
+    loop = asyncio.get_running_loop()
+    if len(_loop_of) > 1000:
+        _loop_of.clear()
+    _loop_of[thread] = loop
+    watchdog.watch_current_loop()
+    return asyncio.current_task(loop)
+
+
+# record_asgi(app, scope, receive, send): run ``app`` for a scope, recording an http request
+# (unless one is already being recorded: mounted apps, explicit wrapping on top of the patch).
+record_asgi = _recording(lambda app, scope, receive, send: app(scope, receive, send))
+PerfsleuthASGI.__call__ = _recording(  # type: ignore[method-assign]
+    lambda self, scope, receive, send: self.app(scope, receive, send)
+)
 
 
 def _finish(req: _AsgiRequest, scope: Scope) -> None:
     try:
-        # Bytes read by the app; a body the app never read still counts by its declared size.
-        if req.received or req.req_bytes is None:
+        # Bytes read by the app; a body the app never read counts by its declared size (the
+        # writer reads Content-Length from req.headers when req_bytes is None).
+        if req.received:
             req.req_bytes = req.received
         if req.pathsend:
             req.resp_bytes = req.sent + (req.declared_length() or 0)
@@ -215,10 +227,10 @@ def _finish(req: _AsgiRequest, scope: Scope) -> None:
         recorder.internal_error()
         if not req.endpoint:
             req.endpoint = unmatched(req.method)
+    req._receive = req._send = None  # type: ignore[assignment]  # the writer needs neither
     _end(req)
     if capture.on:
         capture.finish_asgi(req, scope, req.tap)
-    req._receive = req._send = None  # type: ignore[assignment]  # the writer needs neither
 
 
 # (id(route), id(FastAPI's route context), id(router), method) -> (route, context, router,
@@ -230,8 +242,6 @@ _names: dict[tuple[int, int, int, str], tuple[Any, Any, Any, str]] = {}
 def _route_name(scope: Scope, method: str, status: int | None) -> str:
     """:func:`route_endpoint`, remembered for a matched route that is not a mount."""
     route = scope.get("route")
-    if route is None or _is_mount(route):
-        return route_endpoint(scope, method, status)
     fastapi_scope = scope.get("fastapi")
     ctx = fastapi_scope.get("effective_route_context") if type(fastapi_scope) is dict else None
     router = scope.get("router")
@@ -240,9 +250,10 @@ def _route_name(scope: Scope, method: str, status: int | None) -> str:
     if hit is not None and hit[0] is route and hit[1] is ctx and hit[2] is router:
         return hit[3]
     name = route_endpoint(scope, method, status)
-    if len(_names) >= MAX_ENTRIES:
-        _names.clear()
-    _names[key] = (route, ctx, router, name)
+    if route is not None and not _is_mount(route):  # a mount's name depends on the status
+        if len(_names) >= MAX_ENTRIES:
+            _names.clear()
+        _names[key] = (route, ctx, router, name)
     return name
 
 
@@ -432,14 +443,7 @@ def patch_starlette(module: ModuleType) -> None:
     if cls is None or getattr(cls.__call__, "_perfsleuth_original", None) is not None:
         return
     original = cls.__call__
-
-    @functools.wraps(original)
-    async def __call__(self: Any, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http":
-            await original(self, scope, receive, send)
-            return
-        await record_asgi(original.__get__(self, type(self)), scope, receive, send)
-
+    __call__ = functools.wraps(original)(_recording(original))
     __call__._perfsleuth_original = original  # type: ignore[attr-defined]
     cls.__call__ = __call__
 

@@ -109,7 +109,7 @@ def identity_value(raw: Any) -> str | None:
     """A header value as stored (bounded); bytes from ASGI are latin-1 per the HTTP spec."""
     if raw is None:
         return None
-    if isinstance(raw, bytes | bytearray):
+    if isinstance(raw, (bytes, bytearray)):  # a tuple: "bytes | bytearray" is built per call
         raw = bytes(raw[:MAX_IDENTITY_CHARS]).decode("latin-1")
     return str(raw)[:MAX_IDENTITY_CHARS] or None
 

@@ -49,6 +49,7 @@ from perfsleuth.agent import recorder
 
 _start_call = recorder.start_call
 _current_get = recorder.current_get
+speedups = recorder.speedups
 _perf = time.perf_counter_ns
 END, ROWS = recorder.END, recorder.ROWS
 _internal_error = recorder.internal_error
@@ -74,6 +75,10 @@ def sql_text(query: Any, ctx: Any = None) -> str:
     except Exception:
         _internal_error()
         return "<unknown statement>"
+
+
+if speedups is not None:
+    speedups.configure(sql_text=sql_text)
 
 
 class CountingIter:
@@ -315,7 +320,47 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
 
     for cls in (Cursor, Connection):
         cls.__name__ = cls.__qualname__ = cls.__mro__[1].__name__
+    python_methods = {name: Cursor.__dict__[name] for name in _ACCELERATED}
+    c_methods = {}
+    if speedups is not None:
+        try:
+            c_methods = {
+                name: speedups.CursorMethod(getattr(base_cur, name), getattr(speedups, kind))
+                for name, kind in _ACCELERATED.items()
+            }
+        except Exception:
+            _internal_error()
+    _sqlite_methods.append((Cursor, python_methods, c_methods))
+    _use(Cursor, c_methods or python_methods)
     return Connection, Cursor
+
+
+# The sqlite cursor methods the C accelerator (agent/_speedups.c) does too, and its kinds
+_ACCELERATED = {
+    "execute": "EXECUTE",
+    "fetchone": "FETCHONE",
+    "fetchmany": "FETCHMANY",
+    "fetchall": "FETCHALL",
+    "__next__": "NEXT",
+}
+# (instrumented cursor class, its Python methods, its C methods) of every sqlite DB-API module
+_sqlite_methods: list[tuple[type, dict[str, Any], dict[str, Any]]] = []
+
+
+def _use(cls: type, methods: dict[str, Any]) -> None:
+    for name, method in methods.items():
+        setattr(cls, name, method)
+
+
+def use_speedups(on: bool) -> bool:
+    """Record sqlite statements with the C wrappers (``on``) or the Python ones; returns whether
+    the C ones are in use (False when the accelerator is not built or PERFSLEUTH_SPEEDUPS=0).
+    For tests and benchmarks: both record the same values."""
+    used = False
+    for cls, python_methods, c_methods in _sqlite_methods:
+        _use(cls, c_methods if on and c_methods else python_methods)
+        used = used or bool(on and c_methods)
+    return used
 
 
 _sqlite_state: dict[int, tuple[type, type, dict[Any, Any]]] = {}
