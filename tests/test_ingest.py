@@ -705,18 +705,22 @@ def test_malformed_batch_records_are_damage_and_lose_only_themselves(
 
     row = AGENT_ROW.pack(0, 100, 200, 1, 7)
     w = SegmentWriter(data_dir)
-    w.write(batch_record(2, ncalls=[1, 0], t0=[50, 50], sites=[[[1, 2, 3, 0, 0]], None]))
-    w.write(batch_record(2, rows=row, ncalls=[1, 0], t0=[50, 50], sites=[[[1, 2, 3, 0, 0]], []]))
+    table = {"site_table": [[1, 2, 3, 0, 0]]}
+    w.write(batch_record(2, ncalls=[1, 0], t0=[50, 50], sites=[[0], None], **table))
+    w.write(batch_record(2, rows=row, ncalls=[1, 0], t0=[50, 50], sites=[[0], []], **table))
     w.write(batch_record(3, status=[200, 200]))  # a column that is not 3 long
-    w.write(batch_record(1, rows=row * 2, ncalls=[1], t0=[50], sites=[[[1, 2, 3, 0, 0]]]))
-    w.write(batch_record(1, rows=row, ncalls=[1], sites=[[[1, 2, 3, 0, 0]]]))  # no t0
+    w.write(batch_record(1, rows=row * 2, ncalls=[1], t0=[50], sites=[[0]], **table))
+    w.write(batch_record(1, rows=row, ncalls=[1], sites=[[0]], **table))  # no t0
+    w.write(batch_record(1, rows=row, ncalls=[1], t0=[50], sites=[[1]], **table))  # no site 1
     w.request("GET /fine", dur_ms=1)
     w.close()
     rep = store.ingest()
     # the first record says one call but has no rows; the third and fourth do not add up;
-    # the fifth has rows it cannot place (no t0): damage, each; the second is fine
-    assert [d.reason for d in rep.damaged] == ["undecodable payload"] * 3 + [
-        "call rows without sites"
+    # the fifth has rows it cannot place (no t0), the sixth a site its table has not: damage,
+    # each; the second is fine
+    assert sorted(d.reason for d in rep.damaged) == [
+        "call rows without sites",
+        *["undecodable payload"] * 4,
     ]
     assert count(store) == 2 + 1 + 1  # the fine batch, the JSON request, the one without t0
     (c,) = store.trace("0" * 15 + "1")["calls"]

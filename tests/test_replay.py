@@ -335,6 +335,8 @@ def test_sampled_requests_are_captured(agent_data_dir: str, monkeypatch: Any) ->
     from perfsleuth.wire.segment import read_segment
 
     monkeypatch.setattr(capture, "_sample", 1.0)
+    monkeypatch.setattr(capture, "_countdown", 1)  # the next request is the sample
+    monkeypatch.setattr(capture, "_in_window", 0)
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()
@@ -366,6 +368,33 @@ def test_sampled_requests_are_captured(agent_data_dir: str, monkeypatch: Any) ->
     assert rec["reason"] == "sample" and rec["status"] == 204 and rec["method"] == "PUT"
     assert rec["headers"] == [["x-auth-token", "[redacted]"]]
     assert rec["body_b64"] == "c2FtcGxlZCBib2R5" and rec["body_size"] == 12
+
+
+def test_random_samples_are_capped_per_minute(agent_data_dir: str, monkeypatch: Any) -> None:
+    """PERFSLEUTH_CAPTURE_SAMPLE=1 keeps every request at random, but at most
+    PERFSLEUTH_CAPTURE_SAMPLE_PER_MIN a minute; slow and failed ones are not capped."""
+    from perfsleuth.agent import capture, recorder
+
+    monkeypatch.setattr(capture, "_sample", 1.0)
+    monkeypatch.setattr(capture, "_countdown", 1)
+    monkeypatch.setattr(capture, "_sample_per_min", 3)
+    monkeypatch.setattr(capture, "_window", time.monotonic())
+    monkeypatch.setattr(capture, "_in_window", 0)
+    capped = recorder.stats["captures_sample_capped"]
+
+    def ended(status: int, ms: float) -> recorder.ActiveRequest:
+        req = recorder.begin("web", "GET", "/c")
+        assert req is not None
+        req.status = status
+        recorder.end(req)
+        req.end = req.start + int(ms * 1e6)
+        return req
+
+    reasons = [capture.reason(ended(200, 1)) for _ in range(10)]
+    assert reasons == ["sample"] * 3 + [None] * 7
+    assert recorder.stats["captures_sample_capped"] - capped == 7
+    assert capture.reason(ended(503, 1)) == "error"
+    assert capture.reason(ended(200, 10_000)) == "slow"
 
 
 def test_captures_ingest_exactly_once_and_expire(tmp_path: Path) -> None:

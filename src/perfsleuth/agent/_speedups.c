@@ -1,4 +1,5 @@
-/* perfsleuth.agent._speedups: the sqlite3 cursor wrappers of agent.instrument.dbapi, in C.
+/* perfsleuth.agent._speedups: the sqlite3 cursor wrappers of agent.instrument.dbapi and the
+ * thread-pool hand-off of agent.instrument.threads, in C.
  *
  * Optional. The agent works without it (the Python wrappers in dbapi.py are the reference:
  * same behaviour, same recorded values); with it, recording a statement costs no Python frame
@@ -18,7 +19,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <frameobject.h>
+#include <structmember.h>
 #include <stddef.h>
+#include <string.h>
 #include <time.h>
 
 /* Set by configure() (recorder.configure): */
@@ -27,23 +30,99 @@ static PyObject *sql_text;      /* dbapi.sql_text: the statement of a non-str ar
 static PyObject *internal_error;/* recorder.internal_error */
 static PyObject *perf_counter;  /* time.perf_counter_ns, when CLOCK_MONOTONIC is not its clock */
 static Py_ssize_t max_rows = (Py_ssize_t)20000 * 5;
+static PyObject *code_kinds;    /* stacks._kind: id(code) -> (code, kind) */
+static PyObject *classify_code; /* stacks.classify */
+static PyObject *site_cache;    /* recorder._site_cache */
+static Py_ssize_t max_depth = 64, max_sites = 20000;
+static int one_stack_per_site = 1; /* PERFSLEUTH_STACKS_PER_SITE is 1: else Python does it */
+static PyObject *sink;          /* recorder._sink (None: the agent is off) */
+static PyObject *inflight;      /* recorder.inflight */
+static PyObject *stats;         /* recorder.stats */
+static PyObject *getrandbits;   /* random.getrandbits */
+static PyObject *no_sites;      /* recorder._NO_SITES */
+static PyObject *default_class; /* recorder.ActiveRequest */
 
 static PyObject *s_sites, *s_calls, *s_rows_attr, *s_description, *s_rowcount;
-static PyObject *s_record_call, *s_fail_call, *s_dropped, *s_db, *s_sqlite;
+static PyObject *s_record_call, *s_fail_call, *s_dropped, *s_db, *s_sqlite, *s_site_list;
 static PyObject *null_value;    /* recorder.NULL: -(1 << 63) */
+static PyObject *s_empty;       /* "" */
 static PyObject *zero, *one, *up_one, *empty_tuple;
 
-enum { ROW = 5, END = 2, ROWS = 3 };
+/* A call's row in ActiveRequest.calls (a bytearray): five native int64s, these at offsets */
+enum { ROW = 40, SLOT = 0, START = 8, END = 16, ROWS = 24, PH = 32 };
+#define NULL_LL (-9223372036854775807LL - 1)
 enum { EXECUTE, FETCHONE, FETCHMANY, FETCHALL, NEXT };
+
+/* perf_counter_ns() as a C integer (-1 with an error set when the Python one fails). */
+static long long
+perf_ns(void)
+{
+    if (perf_counter != NULL) {
+        PyObject *t = PyObject_CallNoArgs(perf_counter);
+        long long v = t ? PyLong_AsLongLong(t) : -1;
+        Py_XDECREF(t);
+        return v;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
 
 static PyObject *
 now_ns(void)
 {
-    if (perf_counter != NULL)
-        return PyObject_CallNoArgs(perf_counter);
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+    long long t = perf_ns();
+    return t == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(t);
+}
+
+static inline void
+put(PyObject *calls, Py_ssize_t offset, long long value)
+{
+    memcpy(PyByteArray_AS_STRING(calls) + offset, &value, sizeof(value));
+}
+
+static inline long long
+get(PyObject *calls, Py_ssize_t offset)
+{
+    long long value;
+    memcpy(&value, PyByteArray_AS_STRING(calls) + offset, sizeof(value));
+    return value;
+}
+
+/* Append a row to the request's rows (a bytearray): its offset, or -1 with an error set. */
+static Py_ssize_t
+append_row(PyObject *calls, PyObject *slot, long long ph)
+{
+    long long row[5];
+    row[0] = PyLong_AsLongLong(slot);
+    if (row[0] == -1 && PyErr_Occurred())
+        return -1;
+    row[1] = perf_ns();
+    if (row[1] == -1 && PyErr_Occurred())
+        return -1;
+    row[2] = 0;
+    row[3] = NULL_LL;
+    row[4] = ph;
+    Py_ssize_t i = PyByteArray_GET_SIZE(calls);
+    if (PyByteArray_Resize(calls, i + ROW) < 0)
+        return -1;
+    memcpy(PyByteArray_AS_STRING(calls) + i, row, ROW);
+    return i;
+}
+
+/* The hash of a statement's parameters as recorded: NULL for none, NULL and no error for
+ * unhashable ones (the values are never kept). */
+static long long
+params_hash(PyObject *params)
+{
+    if (PyTuple_GET_SIZE(params) == 0)
+        return NULL_LL;
+    Py_hash_t h = PyObject_Hash(params);
+    if (h == -1) {
+        PyErr_Clear();
+        return NULL_LL;
+    }
+    return (long long)h;
 }
 
 /* Count an internal failure and clear it: the application never sees it. */
@@ -94,48 +173,295 @@ record_fast(PyObject *req, PyObject *sql, PyObject *params)
         PyErr_Clear();
         return -1;
     }
-    PyObject *ph;
-    if (PyTuple_GET_SIZE(params) == 0) {
-        ph = Py_NewRef(null_value);
-    }
-    else {
+    long long ph = NULL_LL;
+    if (PyTuple_GET_SIZE(params) > 0) {
         Py_hash_t h = PyObject_Hash(params);
         if (h == -1) { /* unhashable values: the slow path copes */
             Py_DECREF(slot);
             PyErr_Clear();
             return -1;
         }
-        ph = PyLong_FromSsize_t(h);
+        ph = (long long)h;
     }
     PyObject *calls = PyObject_GetAttr(req, s_calls);
-    PyObject *start = now_ns();
     Py_ssize_t i = -1;
-    if (calls != NULL && PyList_CheckExact(calls) && ph != NULL && start != NULL) {
-        i = PyList_GET_SIZE(calls);
-        PyObject *row[ROW] = {slot, start, zero, null_value, ph};
-        for (int k = 0; k < ROW; k++) {
-            if (PyList_Append(calls, row[k]) < 0) {
-                PyList_SetSlice(calls, i, PyList_GET_SIZE(calls), NULL);
-                i = -1;
-                break;
-            }
-        }
-        if (i >= max_rows) { /* over the limit: counted, not kept */
-            PyList_SetSlice(calls, i, PyList_GET_SIZE(calls), NULL);
+    if (calls != NULL && PyByteArray_CheckExact(calls)) {
+        if (PyByteArray_GET_SIZE(calls) >= max_rows) { /* over the limit: counted, not kept */
             PyObject *r = PyObject_CallMethodNoArgs(req, s_dropped);
             Py_XDECREF(r);
             i = -2;
         }
+        else {
+            i = append_row(calls, slot, ph);
+        }
     }
     Py_XDECREF(calls);
-    Py_XDECREF(start);
-    Py_XDECREF(ph);
     Py_DECREF(slot);
     if (PyErr_Occurred()) {
         failed();
         return -1;
     }
     return i;
+}
+
+/* stacks.classify of a frame's code: 1 application, 0 library, -1 the agent's, -2 error. */
+static int
+kind_of(PyFrameObject *frame)
+{
+    PyCodeObject *code = PyFrame_GetCode(frame);
+    PyObject *id = PyLong_FromVoidPtr(code);
+    PyObject *hit = id ? PyDict_GetItemWithError(code_kinds, id) : NULL; /* borrowed */
+    Py_XDECREF(id);
+    PyObject *k;
+    if (hit != NULL && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2) {
+        k = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+    }
+    else if (PyErr_Occurred()) {
+        k = NULL;
+    }
+    else {
+        k = PyObject_CallOneArg(classify_code, (PyObject *)code);
+    }
+    Py_DECREF(code);
+    if (k == NULL)
+        return -2;
+    int r = k == Py_None ? -1 : (k == Py_True ? 1 : 0);
+    Py_DECREF(k);
+    return r;
+}
+
+/* The next frame up (a new reference, or NULL at the root); drops the reference to f. */
+static PyFrameObject *
+up(PyFrameObject *f)
+{
+    PyFrameObject *back = PyFrame_GetBack(f);
+    Py_DECREF(f);
+    return back;
+}
+
+/* f, or the first frame above it that is not the agent's (a new reference or NULL). */
+static PyFrameObject *
+past_agent(PyFrameObject *f, int *error)
+{
+    Py_XINCREF(f);
+    while (f != NULL) {
+        int k = kind_of(f);
+        if (k == -2) {
+            *error = 1;
+            Py_DECREF(f);
+            return NULL;
+        }
+        if (k != -1)
+            break;
+        f = up(f);
+    }
+    return f;
+}
+
+/* stacks.capture(frame): (code, ~f_lasti, ...) from frame up to the request's entry. */
+static PyObject *
+capture(PyFrameObject *frame)
+{
+    int error = 0;
+    PyFrameObject *f = past_agent(frame, &error);
+    PyObject *out = error ? NULL : PyList_New(0);
+    Py_ssize_t n = 0;
+    while (out != NULL && f != NULL && n < max_depth) {
+        int k = kind_of(f);
+        if (k == -2) {
+            Py_CLEAR(out);
+            break;
+        }
+        if (k == -1)
+            break;
+        PyCodeObject *code = PyFrame_GetCode(f);
+        PyObject *where = PyLong_FromLong(~PyFrame_GetLasti(f));
+        if (where == NULL || PyList_Append(out, (PyObject *)code) < 0 ||
+            PyList_Append(out, where) < 0)
+            Py_CLEAR(out);
+        Py_DECREF(code);
+        Py_XDECREF(where);
+        f = up(f);
+        n++;
+    }
+    Py_XDECREF(f);
+    if (out == NULL)
+        return NULL;
+    PyObject *flat = PyList_AsTuple(out);
+    Py_DECREF(out);
+    return flat;
+}
+
+/* stacks.same(frame, flat): 1 when capture(frame) would give flat, 0 if not, -1 error. */
+static int
+same_stack(PyFrameObject *frame, PyObject *flat)
+{
+    if (!PyTuple_Check(flat))
+        return 0;
+    int error = 0;
+    PyFrameObject *f = past_agent(frame, &error);
+    if (error)
+        return -1;
+    Py_ssize_t n = PyTuple_GET_SIZE(flat), i = 0;
+    int same = 1;
+    while (f != NULL && i + 1 < n) {
+        PyCodeObject *code = PyFrame_GetCode(f);
+        long where = PyLong_AsLong(PyTuple_GET_ITEM(flat, i + 1));
+        int match = (PyObject *)code == PyTuple_GET_ITEM(flat, i) &&
+                    where == ~(long)PyFrame_GetLasti(f);
+        Py_DECREF(code);
+        if (!match) {
+            same = 0;
+            break;
+        }
+        f = up(f);
+        i += 2;
+    }
+    if (same && i != n)
+        same = 0;
+    if (same && f != NULL && n < 2 * max_depth) { /* capture would go on: not the same */
+        int k = kind_of(f);
+        if (k == -2)
+            same = -1;
+        else if (k != -1)
+            same = 0;
+    }
+    Py_XDECREF(f);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return same;
+}
+
+/* record_call's slow path (recorder.ActiveRequest._record_call) for a statement with its
+ * parameters in a tuple: the call site (the first application frame, else the first that is
+ * not the agent's), the request's site entry (the shared one when the frames are the same,
+ * else a new capture), the row. Returns the row offset; -1 when it cannot (the caller then
+ * asks Python), -2 when the request is full (counted). */
+static Py_ssize_t
+record_site(PyObject *req, PyObject *sql, PyObject *params)
+{
+    PyFrameObject *frame = PyEval_GetFrame(); /* borrowed */
+    if (frame == NULL || !one_stack_per_site || code_kinds == NULL || site_cache == NULL ||
+        !PyUnicode_CheckExact(sql) || !PyTuple_CheckExact(params))
+        return -1;
+    Py_ssize_t result = -1;
+    PyObject *calls = PyObject_GetAttr(req, s_calls);
+    PyObject *sites = calls ? PyObject_GetAttr(req, s_sites) : NULL;
+    PyObject *site_list = sites ? PyObject_GetAttr(req, s_site_list) : NULL;
+    PyObject *key = NULL, *entry = NULL;
+    PyFrameObject *f = NULL, *leaf = NULL;
+    if (site_list == NULL)
+        goto done;
+    if (calls == Py_None || site_list == Py_None) { /* the request's first call */
+        Py_SETREF(calls, PyByteArray_FromStringAndSize(NULL, 0));
+        Py_SETREF(sites, PyDict_New());
+        Py_SETREF(site_list, PyList_New(0));
+        if (calls == NULL || sites == NULL || site_list == NULL ||
+            PyObject_SetAttr(req, s_calls, calls) < 0 ||
+            PyObject_SetAttr(req, s_site_list, site_list) < 0 ||
+            PyObject_SetAttr(req, s_sites, sites) < 0)
+            goto done;
+    }
+    if (!PyByteArray_CheckExact(calls) || !PyDict_CheckExact(sites) ||
+        !PyList_CheckExact(site_list))
+        goto done;
+    if (PyByteArray_GET_SIZE(calls) >= max_rows) {
+        PyObject *r = PyObject_CallMethodNoArgs(req, s_dropped);
+        Py_XDECREF(r);
+        result = -2;
+        goto done;
+    }
+    /* the call site */
+    f = (PyFrameObject *)Py_NewRef(frame);
+    int found = 0;
+    for (Py_ssize_t depth = 0; f != NULL && depth < max_depth; depth++) {
+        int k = kind_of(f);
+        if (k == -2)
+            goto done;
+        if (k == 1) {
+            found = 1;
+            break;
+        }
+        if (k == 0 && leaf == NULL)
+            leaf = (PyFrameObject *)Py_NewRef(f);
+        f = up(f);
+    }
+    if (!found) {
+        Py_XSETREF(f, leaf);
+        leaf = NULL;
+    }
+    PyObject *where, *lasti;
+    if (f != NULL) {
+        PyCodeObject *code = PyFrame_GetCode(f);
+        where = PyLong_FromVoidPtr(code); /* id(code), as recorder keys it */
+        Py_DECREF(code);
+        lasti = PyLong_FromLong(PyFrame_GetLasti(f));
+    }
+    else {
+        where = PyLong_FromLong(0);
+        lasti = PyLong_FromLong(0);
+    }
+    key = (where && lasti) ? PyTuple_Pack(3, sql, where, lasti) : NULL;
+    Py_XDECREF(where);
+    Py_XDECREF(lasti);
+    if (key == NULL)
+        goto done;
+    PyObject *slot = PyDict_GetItemWithError(sites, key); /* borrowed */
+    if (slot == NULL) {
+        if (PyErr_Occurred())
+            goto done;
+        entry = PyDict_GetItemWithError(site_cache, key); /* borrowed */
+        Py_XINCREF(entry);
+        int reuse = 0;
+        if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 5 &&
+            PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 0), s_db, Py_EQ) == 1 &&
+            PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 1), s_sqlite, Py_EQ) == 1) {
+            reuse = same_stack(frame, PyTuple_GET_ITEM(entry, 3));
+            if (reuse < 0)
+                goto done;
+        }
+        if (!reuse) {
+            PyObject *flat = capture(frame);
+            if (flat == NULL)
+                goto done;
+            Py_XSETREF(entry, PyTuple_Pack(5, s_db, s_sqlite, sql, flat, key));
+            Py_DECREF(flat);
+            if (entry == NULL)
+                goto done;
+            if (PyDict_GET_SIZE(site_cache) >= max_sites)
+                PyDict_Clear(site_cache);
+            if (PyDict_SetItem(site_cache, key, entry) < 0)
+                goto done;
+        }
+        if (PyList_Append(site_list, entry) < 0)
+            goto done;
+        PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(site_list) - 1);
+        if (index == NULL || PyDict_SetItem(sites, key, index) < 0) {
+            Py_XDECREF(index);
+            goto done;
+        }
+        slot = index;
+        Py_DECREF(index); /* the dict holds it */
+    }
+    Py_ssize_t i = append_row(calls, slot, params_hash(params));
+    if (i < 0)
+        goto done;
+    result = i;
+done:
+    Py_XDECREF(f);
+    Py_XDECREF(leaf);
+    Py_XDECREF(key);
+    Py_XDECREF(entry);
+    Py_XDECREF(calls);
+    Py_XDECREF(sites);
+    Py_XDECREF(site_list);
+    if (PyErr_Occurred()) {
+        failed();
+        return -1;
+    }
+    return result;
 }
 
 /* record_call(..., up=1) in Python: the frame above record_call is the application's (this
@@ -193,6 +519,8 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
     if (req != NULL && req != Py_None) {
         i = record_fast(req, sql, params);
         if (i == -1)
+            i = record_site(req, sql, params);
+        if (i == -1)
             i = record_slow(req, sql, params);
     }
     if (i < 0) {
@@ -220,15 +548,14 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
     }
     PyObject *calls = PyObject_GetAttr(req, s_calls);
     Py_DECREF(req);
-    PyObject *end = now_ns();
-    if (calls == NULL || !PyList_CheckExact(calls) || end == NULL ||
-        i + ROW > PyList_GET_SIZE(calls)) {
+    long long end = perf_ns();
+    if (calls == NULL || !PyByteArray_CheckExact(calls) || PyErr_Occurred() ||
+        i + ROW > PyByteArray_GET_SIZE(calls)) {
         Py_XDECREF(calls);
-        Py_XDECREF(end);
         failed();
         return result;
     }
-    PyList_SetItem(calls, i + END, end); /* steals end */
+    put(calls, i + END, end);
     PyObject *description = PyObject_GetAttr(self, s_description);
     if (description == Py_None) { /* not a SELECT: the driver knows the rows changed */
         set_counting(self, Py_None);
@@ -236,12 +563,12 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
         if (rc != NULL && PyLong_Check(rc)) {
             long long n = PyLong_AsLongLong(rc);
             if (n >= 0)
-                PyList_SetItem(calls, i + ROWS, Py_NewRef(rc));
+                put(calls, i + ROWS, n);
         }
         Py_XDECREF(rc);
     }
     else if (description != NULL) { /* a SELECT: rows are counted as they are fetched */
-        PyList_SetItem(calls, i + ROWS, Py_NewRef(zero));
+        put(calls, i + ROWS, 0);
         PyObject *index = PyLong_FromSsize_t(i + ROWS);
         PyObject *counting = index ? PyTuple_Pack(2, calls, index) : NULL;
         if (counting != NULL)
@@ -270,13 +597,9 @@ count_rows(PyObject *cursor, Py_ssize_t n, int stop)
             set_counting(cursor, Py_None);
         PyObject *calls = PyTuple_GET_ITEM(counting, 0);
         Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(counting, 1));
-        if (n > 0 && PyList_CheckExact(calls) && at >= 0 && at < PyList_GET_SIZE(calls)) {
-            PyObject *by = PyLong_FromSsize_t(n);
-            PyObject *sum = by ? PyNumber_Add(PyList_GET_ITEM(calls, at), by) : NULL;
-            Py_XDECREF(by);
-            if (sum != NULL)
-                PyList_SetItem(calls, at, sum);
-        }
+        if (n > 0 && PyByteArray_CheckExact(calls) && at >= 0 &&
+            at + 8 <= PyByteArray_GET_SIZE(calls))
+            put(calls, at, get(calls, at) + n);
     }
     Py_DECREF(counting);
     if (PyErr_Occurred())
@@ -390,16 +713,492 @@ static PyTypeObject WrapperType = {
     .tp_getset = wrapper_getset,
 };
 
+/* ------------------------------------------------------------------ requests: begin, end
+ * recorder.begin and recorder.end in C (same behaviour: the Python ones are the reference).
+ * An ActiveRequest has __slots__: its fields are set through their member descriptors'
+ * offsets, looked up once per class. */
+
+enum {
+    F_TRACE_ID, F_START_WALL, F_START, F_END, F_CPU_START, F_CPU_NS, F_KIND, F_METHOD, F_PATH,
+    F_ENDPOINT, F_STATUS, F_ERROR, F_REQ_BYTES, F_RESP_BYTES, F_USER, F_TENANT, F_ATTRS, F_TAGS,
+    F_HEADERS, F_CALLS, F_SITES, F_SITE_LIST, F_MORE, F_CALLS_DROPPED, F_TOKEN, F_THREAD, F_TASK,
+    F_WORKER, F_GC_NS, F_GC_COUNT, F_KEEP, N_FIELDS
+};
+static const char *field_names[N_FIELDS] = {
+    "trace_id", "start_wall", "start", "end", "cpu_start", "cpu_ns", "kind", "method", "path",
+    "endpoint", "status", "error", "req_bytes", "resp_bytes", "user", "tenant", "attrs", "tags",
+    "headers", "calls", "sites", "site_list", "more", "calls_dropped", "token", "thread", "task",
+    "worker", "gc_ns", "gc_count", "keep",
+};
+
+typedef struct {
+    PyTypeObject *cls; /* borrowed: the class is kept alive by the layouts dict */
+    Py_ssize_t offset[N_FIELDS];
+} Layout;
+
+static PyObject *layouts; /* {class: capsule of its Layout} */
+static PyObject *s_requests_recorded;
+
+static void
+free_layout(PyObject *capsule)
+{
+    PyMem_Free(PyCapsule_GetPointer(capsule, "perfsleuth.layout"));
+}
+
+/* The slot offsets of an ActiveRequest class (NULL with an error set if it has not them). */
+static Layout *
+layout_of(PyTypeObject *cls)
+{
+    PyObject *capsule = PyDict_GetItemWithError(layouts, (PyObject *)cls); /* borrowed */
+    if (capsule != NULL)
+        return PyCapsule_GetPointer(capsule, "perfsleuth.layout");
+    if (PyErr_Occurred())
+        return NULL;
+    Layout *layout = PyMem_New(Layout, 1);
+    if (layout == NULL)
+        return (Layout *)PyErr_NoMemory();
+    layout->cls = cls;
+    for (int k = 0; k < N_FIELDS; k++) {
+        PyObject *descr = PyObject_GetAttrString((PyObject *)cls, field_names[k]);
+        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type) ||
+            ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX) {
+            Py_XDECREF(descr);
+            PyMem_Free(layout);
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "%s has no slot %s", cls->tp_name, field_names[k]);
+            return NULL;
+        }
+        layout->offset[k] = ((PyMemberDescrObject *)descr)->d_member->offset;
+        Py_DECREF(descr);
+    }
+    capsule = PyCapsule_New(layout, "perfsleuth.layout", free_layout);
+    if (capsule == NULL || PyDict_SetItem(layouts, (PyObject *)cls, capsule) < 0) {
+        if (capsule == NULL)
+            PyMem_Free(layout);
+        Py_XDECREF(capsule);
+        return NULL;
+    }
+    Py_DECREF(capsule);
+    return layout;
+}
+
+/* Set a slot (steals value; NULL value: an error is set, the slot left alone). */
+static inline int
+set_field(PyObject *obj, Layout *layout, int field, PyObject *value)
+{
+    if (value == NULL)
+        return -1;
+    PyObject **slot = (PyObject **)((char *)obj + layout->offset[field]);
+    Py_XSETREF(*slot, value);
+    return 0;
+}
+
+static inline PyObject *
+get_field(PyObject *obj, Layout *layout, int field) /* borrowed, may be NULL (unset) */
+{
+    return *(PyObject **)((char *)obj + layout->offset[field]);
+}
+
+static PyObject *
+ns_of(clockid_t clock)
+{
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+}
+
+static PyObject *
+begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    /* begin(kind, method="", path="", *, cpu=False, cls=None) */
+    static const char *const keywords[] = {"kind", "method", "path", "cpu", "cls", NULL};
+    PyObject *values[5] = {NULL, NULL, NULL, NULL, NULL};
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "begin() takes at most 3 positional arguments");
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < nargs; k++)
+        values[k] = args[k];
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        int found = 0;
+        for (int j = 0; j < 5; j++) {
+            if (PyUnicode_CompareWithASCIIString(name, keywords[j]) == 0) {
+                values[j] = args[nargs + k];
+                found = 1;
+            }
+        }
+        if (!found) {
+            PyErr_Format(PyExc_TypeError, "begin() got an unexpected keyword %R", name);
+            return NULL;
+        }
+    }
+    if (values[0] == NULL) {
+        PyErr_SetString(PyExc_TypeError, "begin() needs kind");
+        return NULL;
+    }
+    if (sink == NULL || sink == Py_None || current_var == NULL)
+        Py_RETURN_NONE;
+    PyObject *running = NULL;
+    if (PyContextVar_Get(current_var, NULL, &running) < 0) {
+        failed();
+        Py_RETURN_NONE;
+    }
+    if (running != NULL && running != Py_None) { /* nested: the outer framework records */
+        Py_DECREF(running);
+        Py_RETURN_NONE;
+    }
+    Py_XDECREF(running);
+    PyTypeObject *cls = (PyTypeObject *)(values[4] && values[4] != Py_None ? values[4]
+                                                                             : default_class);
+    if (cls == NULL || !PyType_Check(cls)) {
+        failed();
+        Py_RETURN_NONE;
+    }
+    Layout *layout = layout_of(cls);
+    PyObject *req = layout ? cls->tp_alloc(cls, 0) : NULL;
+    if (req == NULL) {
+        failed();
+        Py_RETURN_NONE;
+    }
+    int bad = 0;
+    PyObject *bits = PyLong_FromLong(64);
+    PyObject *tid = bits ? PyObject_CallOneArg(getrandbits, bits) : NULL;
+    Py_XDECREF(bits);
+    if (tid != NULL && !PyObject_IsTrue(tid))
+        Py_SETREF(tid, PyLong_FromLong(1));
+    bad |= set_field(req, layout, F_TRACE_ID, tid);
+    bad |= set_field(req, layout, F_START_WALL, ns_of(CLOCK_REALTIME));
+    int zeros[] = {F_END, F_CALLS_DROPPED, F_GC_NS, F_GC_COUNT};
+    for (size_t k = 0; k < sizeof(zeros) / sizeof(zeros[0]); k++)
+        set_field(req, layout, zeros[k], Py_NewRef(zero));
+    set_field(req, layout, F_KIND, Py_NewRef(values[0]));
+    set_field(req, layout, F_METHOD, Py_NewRef(values[1] ? values[1] : s_empty));
+    set_field(req, layout, F_PATH, Py_NewRef(values[2] ? values[2] : s_empty));
+    set_field(req, layout, F_ENDPOINT, Py_NewRef(s_empty));
+    int nones[] = {F_CPU_START, F_CPU_NS, F_STATUS, F_ERROR, F_REQ_BYTES, F_RESP_BYTES, F_USER,
+                   F_TENANT, F_ATTRS, F_TAGS, F_HEADERS, F_CALLS, F_SITE_LIST, F_MORE,
+                   F_TASK, F_WORKER, F_KEEP};
+    for (size_t k = 0; k < sizeof(nones) / sizeof(nones[0]); k++)
+        set_field(req, layout, nones[k], Py_NewRef(Py_None));
+    set_field(req, layout, F_SITES, Py_NewRef(no_sites));
+    bad |= set_field(req, layout, F_THREAD, PyLong_FromUnsignedLong(PyThread_get_thread_ident()));
+    if (values[3] != NULL && PyObject_IsTrue(values[3]) == 1)
+        bad |= set_field(req, layout, F_CPU_START, ns_of(CLOCK_THREAD_CPUTIME_ID));
+    PyObject *id = PyLong_FromVoidPtr(req);
+    if (bad || id == NULL || PyDict_SetItem(inflight, id, req) < 0) {
+        Py_XDECREF(id);
+        Py_DECREF(req);
+        failed();
+        Py_RETURN_NONE;
+    }
+    PyObject *token = PyContextVar_Set(current_var, req);
+    if (token == NULL) {
+        PyDict_DelItem(inflight, id);
+        Py_DECREF(id);
+        Py_DECREF(req);
+        failed();
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(id);
+    set_field(req, layout, F_TOKEN, token);
+    set_field(req, layout, F_START, now_ns());
+    if (PyErr_Occurred()) { /* the start time is lost: the request is not */
+        failed();
+        set_field(req, layout, F_START, PyLong_FromLong(0));
+    }
+    return req;
+}
+
+static PyObject *
+end(PyObject *module, PyObject *req)
+{
+    Layout *layout = layout_of(Py_TYPE(req));
+    if (layout == NULL) {
+        failed();
+        Py_RETURN_NONE;
+    }
+    set_field(req, layout, F_END, now_ns());
+    PyObject *id = PyLong_FromVoidPtr(req);
+    if (id == NULL || PyDict_DelItem(inflight, id) < 0)
+        PyErr_Clear();
+    Py_XDECREF(id);
+    PyObject *cpu_start = get_field(req, layout, F_CPU_START);
+    if (cpu_start != NULL && cpu_start != Py_None) {
+        PyObject *now = ns_of(CLOCK_THREAD_CPUTIME_ID);
+        set_field(req, layout, F_CPU_NS, now ? PyNumber_Subtract(now, cpu_start) : NULL);
+        Py_XDECREF(now);
+    }
+    PyObject *token = get_field(req, layout, F_TOKEN);
+    if (token != NULL && token != Py_None) {
+        if (PyContextVar_Reset(current_var, token) < 0) { /* ended from another context */
+            PyErr_Clear();
+            PyObject *t = PyContextVar_Set(current_var, Py_None);
+            Py_XDECREF(t);
+        }
+        set_field(req, layout, F_TOKEN, Py_NewRef(Py_None));
+    }
+    PyObject *count = PyDict_GetItemWithError(stats, s_requests_recorded); /* borrowed */
+    if (count != NULL) {
+        PyObject *more = PyNumber_Add(count, one);
+        if (more == NULL || PyDict_SetItem(stats, s_requests_recorded, more) < 0)
+            PyErr_Clear();
+        Py_XDECREF(more);
+    }
+    if (PyErr_Occurred())
+        failed();
+    if (sink != NULL && sink != Py_None) {
+        PyObject *r = PyObject_CallOneArg(sink, req);
+        if (r == NULL)
+            failed();
+        Py_XDECREF(r);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ thread-pool hand-offs
+ * agent.instrument.threads in C: HandOff(run_sync) replaces anyio.to_thread.run_sync and
+ * asyncio.to_thread; when a request is being recorded, the function handed to the pool is
+ * wrapped in a Marked(request, function), which notes the worker thread on the request while
+ * the function runs there (for the stack sampler). */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *req;
+    PyObject *func;
+    vectorcallfunc vectorcall;
+} MarkedObject;
+
+static PyObject *s_worker;
+
+/* The frame that runs the pool's work (anyio's worker loop, concurrent.futures' work item) is
+ * where the request enters the application in that thread: classified as the agent's, like
+ * the Python _run_marked frame it stands for, so call stacks stop there (stacks.capture). */
+static void
+mark_entry(PyFrameObject *frame)
+{
+    if (frame == NULL || code_kinds == NULL)
+        return;
+    PyCodeObject *code = PyFrame_GetCode(frame);
+    PyObject *id = PyLong_FromVoidPtr(code);
+    PyObject *hit = id ? PyDict_GetItemWithError(code_kinds, id) : NULL; /* borrowed */
+    if (id != NULL && !PyErr_Occurred() &&
+        (hit == NULL || !PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 2 ||
+         PyTuple_GET_ITEM(hit, 1) != Py_None)) {
+        PyObject *entry = PyTuple_Pack(2, (PyObject *)code, Py_None);
+        if (entry == NULL || PyDict_SetItem(code_kinds, id, entry) < 0)
+            failed();
+        Py_XDECREF(entry);
+    }
+    Py_XDECREF(id);
+    Py_DECREF(code);
+    if (PyErr_Occurred())
+        failed();
+}
+
+static PyObject *
+marked_vectorcall(MarkedObject *m, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    mark_entry(PyEval_GetFrame());
+    PyObject *prev = PyObject_GetAttr(m->req, s_worker);
+    PyObject *ident = prev ? PyLong_FromUnsignedLong(PyThread_get_thread_ident()) : NULL;
+    if (ident == NULL || PyObject_SetAttr(m->req, s_worker, ident) < 0)
+        failed();
+    Py_XDECREF(ident);
+    PyObject *result = PyObject_Vectorcall(m->func, args, nargsf, kwnames);
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (prev != NULL && PyObject_SetAttr(m->req, s_worker, prev) < 0)
+        failed();
+    Py_XDECREF(prev);
+    PyErr_Restore(type, value, tb);
+    return result;
+}
+
+static int
+marked_traverse(MarkedObject *m, visitproc visit, void *arg)
+{
+    Py_VISIT(m->req);
+    Py_VISIT(m->func);
+    return 0;
+}
+
+static int
+marked_clear(MarkedObject *m)
+{
+    Py_CLEAR(m->req);
+    Py_CLEAR(m->func);
+    return 0;
+}
+
+static void
+marked_dealloc(MarkedObject *m)
+{
+    PyObject_GC_UnTrack(m);
+    marked_clear(m);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static PyTypeObject MarkedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsleuth.agent._speedups.Marked",
+    .tp_doc = "A function handed to a thread pool by a recorded request.",
+    .tp_basicsize = sizeof(MarkedObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_dealloc = (destructor)marked_dealloc,
+    .tp_traverse = (traverseproc)marked_traverse,
+    .tp_clear = (inquiry)marked_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(MarkedObject, vectorcall),
+};
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *original;
+    vectorcallfunc vectorcall;
+} HandOffObject;
+
+static PyObject *
+handoff_vectorcall(HandOffObject *h, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *req = NULL;
+    if (nargs < 1 || current_var == NULL || PyContextVar_Get(current_var, NULL, &req) < 0) {
+        PyErr_Clear();
+        req = NULL;
+    }
+    if (req == NULL || req == Py_None) {
+        Py_XDECREF(req);
+        return PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    }
+    MarkedObject *m = PyObject_GC_New(MarkedObject, &MarkedType);
+    Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *small[8];
+    PyObject **call_args = total <= 8 ? small : PyMem_New(PyObject *, total);
+    if (m == NULL || call_args == NULL) {
+        if (m != NULL) {
+            m->req = m->func = NULL;
+            Py_DECREF(m);
+        }
+        Py_DECREF(req);
+        failed();
+        return PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    }
+    m->req = req; /* the reference PyContextVar_Get gave */
+    m->func = Py_NewRef(args[0]);
+    m->vectorcall = (vectorcallfunc)marked_vectorcall;
+    PyObject_GC_Track(m);
+    call_args[0] = (PyObject *)m;
+    for (Py_ssize_t k = 1; k < total; k++)
+        call_args[k] = args[k];
+    PyObject *result = PyObject_Vectorcall(h->original, call_args, nargs, kwnames);
+    if (call_args != small)
+        PyMem_Free(call_args);
+    Py_DECREF(m);
+    return result;
+}
+
+static PyObject *
+handoff_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *original;
+    if (!PyArg_ParseTuple(args, "O:HandOff", &original))
+        return NULL;
+    HandOffObject *h = (HandOffObject *)type->tp_alloc(type, 0);
+    if (h == NULL)
+        return NULL;
+    h->original = Py_NewRef(original);
+    h->vectorcall = (vectorcallfunc)handoff_vectorcall;
+    return (PyObject *)h;
+}
+
+static int
+handoff_traverse(HandOffObject *h, visitproc visit, void *arg)
+{
+    Py_VISIT(h->original);
+    return 0;
+}
+
+static void
+handoff_dealloc(HandOffObject *h)
+{
+    PyObject_GC_UnTrack(h);
+    Py_CLEAR(h->original);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static PyObject *
+handoff_wrapped(HandOffObject *h, void *closure)
+{
+    return Py_NewRef(h->original);
+}
+
+static PyObject *
+handoff_marker(HandOffObject *h, void *closure)
+{
+    Py_RETURN_TRUE;
+}
+
+static PyGetSetDef handoff_getset[] = {
+    {"__wrapped__", (getter)handoff_wrapped, NULL, "the function wrapped", NULL},
+    {"__perfsleuth__", (getter)handoff_marker, NULL, "instrumented (idempotence)", NULL},
+    {NULL},
+};
+
+static PyTypeObject HandOffType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsleuth.agent._speedups.HandOff",
+    .tp_doc = "HandOff(run_sync): run_sync(func, ...) marking the worker that runs func for a "
+              "recorded request.",
+    .tp_basicsize = sizeof(HandOffObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = handoff_new,
+    .tp_dealloc = (destructor)handoff_dealloc,
+    .tp_traverse = (traverseproc)handoff_traverse,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(HandOffObject, vectorcall),
+    .tp_getset = handoff_getset,
+};
+
 static PyObject *
 configure(PyObject *module, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"current", "sql_text", "internal_error", "max_rows", "perf_counter",
-                            NULL};
-    PyObject *current = NULL, *text = NULL, *error = NULL, *perf = NULL;
-    Py_ssize_t rows = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOnO:configure", names, &current, &text,
-                                     &error, &rows, &perf))
+                            "code_kinds", "classify", "site_cache", "max_depth", "max_sites",
+                            "stacks_per_site", "sink", "inflight", "stats", "getrandbits",
+                            "no_sites", "request_class", NULL};
+    PyObject *current = NULL, *text = NULL, *error = NULL, *perf = NULL, *kinds = NULL,
+             *classify = NULL, *cache = NULL, *new_sink = NULL, *flying = NULL,
+             *counters = NULL, *random_bits = NULL, *empty_sites = NULL, *req_class = NULL;
+    Py_ssize_t rows = -1, depth = -1, sites = -1, per_site = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOnOOOOnnnOOOOOO:configure", names,
+                                     &current, &text, &error, &rows, &perf, &kinds, &classify,
+                                     &cache, &depth, &sites, &per_site, &new_sink, &flying,
+                                     &counters, &random_bits, &empty_sites, &req_class))
         return NULL;
+    if ((flying != NULL && !PyDict_CheckExact(flying)) ||
+        (counters != NULL && !PyDict_CheckExact(counters))) {
+        PyErr_SetString(PyExc_TypeError, "inflight and stats are dicts");
+        return NULL;
+    }
+    if (new_sink != NULL)
+        Py_XSETREF(sink, Py_NewRef(new_sink));
+    if (flying != NULL)
+        Py_XSETREF(inflight, Py_NewRef(flying));
+    if (counters != NULL)
+        Py_XSETREF(stats, Py_NewRef(counters));
+    if (random_bits != NULL)
+        Py_XSETREF(getrandbits, Py_NewRef(random_bits));
+    if (empty_sites != NULL)
+        Py_XSETREF(no_sites, Py_NewRef(empty_sites));
+    if (req_class != NULL)
+        Py_XSETREF(default_class, Py_NewRef(req_class));
+    if ((kinds != NULL && !PyDict_CheckExact(kinds)) ||
+        (cache != NULL && !PyDict_CheckExact(cache))) {
+        PyErr_SetString(PyExc_TypeError, "code_kinds and site_cache are dicts");
+        return NULL;
+    }
     if (current != NULL)
         Py_XSETREF(current_var, Py_NewRef(current));
     if (text != NULL)
@@ -408,16 +1207,32 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
         Py_XSETREF(internal_error, Py_NewRef(error));
     if (perf != NULL)
         Py_XSETREF(perf_counter, perf == Py_None ? NULL : Py_NewRef(perf));
+    if (kinds != NULL)
+        Py_XSETREF(code_kinds, Py_NewRef(kinds));
+    if (classify != NULL)
+        Py_XSETREF(classify_code, Py_NewRef(classify));
+    if (cache != NULL)
+        Py_XSETREF(site_cache, Py_NewRef(cache));
     if (rows >= 0)
         max_rows = rows;
+    if (depth > 0)
+        max_depth = depth;
+    if (sites > 0)
+        max_sites = sites;
+    if (per_site > 0)
+        one_stack_per_site = per_site == 1;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(*, current, sql_text, internal_error, max_rows, perf_counter): what the "
-     "wrappers use (each optional); perf_counter: time.perf_counter_ns when it is not "
-     "CLOCK_MONOTONIC, else None."},
+     "configure(*, current, sql_text, internal_error, max_rows, perf_counter, code_kinds, "
+     "classify, site_cache, max_depth, max_sites, stacks_per_site, sink, inflight, stats, "
+     "getrandbits, no_sites, request_class): what the wrappers use (each optional); perf_counter: "
+     "time.perf_counter_ns when it is not CLOCK_MONOTONIC, else None."},
+    {"begin", (PyCFunction)(void (*)(void))begin, METH_FASTCALL | METH_KEYWORDS,
+     "begin(kind, method='', path='', *, cpu=False, cls=request_class): recorder.begin."},
+    {"end", (PyCFunction)end, METH_O, "end(req): recorder.end."},
     {NULL},
 };
 
@@ -434,7 +1249,8 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    if (PyType_Ready(&WrapperType) < 0)
+    if (PyType_Ready(&WrapperType) < 0 || PyType_Ready(&MarkedType) < 0 ||
+        PyType_Ready(&HandOffType) < 0)
         return NULL;
     INTERN(s_sites, "sites");
     INTERN(s_calls, "calls");
@@ -446,6 +1262,12 @@ PyInit__speedups(void)
     INTERN(s_dropped, "_dropped");
     INTERN(s_db, "db");
     INTERN(s_sqlite, "sqlite");
+    INTERN(s_site_list, "site_list");
+    INTERN(s_worker, "worker");
+    INTERN(s_requests_recorded, "requests_recorded");
+    INTERN(s_empty, "");
+    if ((layouts = PyDict_New()) == NULL)
+        return NULL;
     if ((null_value = PyLong_FromLongLong(-9223372036854775807LL - 1)) == NULL ||
         (zero = PyLong_FromLong(0)) == NULL || (one = PyLong_FromLong(1)) == NULL ||
         (up_one = PyLong_FromLong(1)) == NULL || (empty_tuple = PyTuple_New(0)) == NULL)
@@ -454,6 +1276,7 @@ PyInit__speedups(void)
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "CursorMethod", (PyObject *)&WrapperType) < 0 ||
+        PyModule_AddObjectRef(m, "HandOff", (PyObject *)&HandOffType) < 0 ||
         PyModule_AddIntConstant(m, "EXECUTE", EXECUTE) < 0 ||
         PyModule_AddIntConstant(m, "FETCHONE", FETCHONE) < 0 ||
         PyModule_AddIntConstant(m, "FETCHMANY", FETCHMANY) < 0 ||

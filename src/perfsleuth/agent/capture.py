@@ -3,10 +3,12 @@
 A request is kept when it was slow (``PERFSLEUTH_CAPTURE_SLOW_MS``, 500), failed with a 5xx,
 was flagged by the application (``perfsleuth.agent.keep_capture()``) or by the agent (the loop
 watchdog flags the request that blocked the loop), or fell in the random sample
-(``PERFSLEUTH_CAPTURE_SAMPLE``, 0.01). ``PERFSLEUTH_CAPTURE=0`` turns captures off.
+(``PERFSLEUTH_CAPTURE_SAMPLE``, 0.01), at most ``PERFSLEUTH_CAPTURE_SAMPLE_PER_MIN`` (60) a
+minute. ``PERFSLEUTH_CAPTURE=0`` turns captures off.
 
-The decision runs once per request, after it ended, and costs a few attribute reads and one
-random number when nothing is kept (``benchmarks/capture_decision.py``). Only a kept request
+The decision runs once per request, after it ended, and costs a few attribute reads and a
+countdown when nothing is kept (``benchmarks/capture_decision.py``): the random sample draws
+the gap to its next request, not a number per request. Only a kept request
 costs more: a copy of its header list and URL parts, handed to the writer thread through
 ``shipper.emit`` as a wire.CAPTURE record; decoding, redaction, base64 and hashing run there.
 
@@ -27,9 +29,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import math
 import os
 import random
 import threading
+import time
 from typing import Any
 from urllib.parse import quote
 
@@ -41,13 +45,17 @@ SECRET_HEADERS = frozenset(
 )
 PENDING_MAX = 16 * 1024 * 1024  # bytes of request bodies held for possible captures, in all
 
-recorder.stats.update({"captures": 0, "captures_dropped": 0})
+recorder.stats.update({"captures": 0, "captures_dropped": 0, "captures_sample_capped": 0})
 stats = recorder.stats
 
 # Settings (configure()); ``on`` is read on the request path, so it is a plain module global.
 on = False
 _slow_ns = 500_000_000
 _sample = 0.01
+_sample_per_min = 60
+_countdown = 100  # requests until the next random sample (_gap)
+_window = 0.0  # start of the current minute of random samples, and how many it had
+_in_window = 0
 _body_max = 64 * 1024
 _secrets = False
 _redact: frozenset[str] = SECRET_HEADERS
@@ -59,9 +67,11 @@ _lock = threading.Lock()
 
 
 def configure(cfg: Any) -> None:
-    global on, _slow_ns, _sample, _body_max, _secrets, _redact, _fault
+    global on, _slow_ns, _sample, _sample_per_min, _countdown, _body_max, _secrets, _redact, _fault
     _slow_ns = int(float(cfg.capture_slow_ms) * 1e6)
     _sample = max(0.0, min(1.0, float(cfg.capture_sample)))
+    _sample_per_min = max(0, int(cfg.capture_sample_per_min))
+    _countdown = _gap()
     _body_max = max(0, int(cfg.capture_body_max))
     _secrets = bool(cfg.capture_secrets)
     extra = {h.strip().lower() for h in str(cfg.redact_headers or "").split(",") if h.strip()}
@@ -153,9 +163,37 @@ def reason(req: recorder.ActiveRequest) -> str | None:
         return "error"
     if req.end - req.start >= _slow_ns:
         return "slow"
-    if _random() < _sample:
-        return "sample"
-    return None
+    global _countdown
+    _countdown -= 1
+    if _countdown > 0:
+        return None
+    _countdown = _gap()
+    return "sample" if _sample_budget() else None
+
+
+def _gap() -> int:
+    """Requests until the next random sample: geometric with mean 1 / PERFSLEUTH_CAPTURE_SAMPLE
+    (each request kept with that probability, for one random draw per sample, not per
+    request)."""
+    if _sample <= 0.0:
+        return 1 << 62
+    if _sample >= 1.0:
+        return 1
+    return 1 + int(math.log(1.0 - _random()) / math.log(1.0 - _sample))
+
+
+def _sample_budget() -> bool:
+    """Whether one more random sample fits this minute (PERFSLEUTH_CAPTURE_SAMPLE_PER_MIN): a
+    busy service would otherwise keep (and write) a capture every few milliseconds."""
+    global _window, _in_window
+    now = time.monotonic()
+    if now - _window >= 60.0:
+        _window, _in_window = now, 0
+    if _in_window >= _sample_per_min:
+        stats["captures_sample_capped"] += 1
+        return False
+    _in_window += 1
+    return True
 
 
 def finish_asgi(req: recorder.ActiveRequest, scope: Any, tap: BodyTap | None) -> None:

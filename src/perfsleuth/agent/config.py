@@ -25,7 +25,9 @@
   (every collection's time is added to the requests in flight either way)
 - PERFSLEUTH_CAPTURE (1): 0 keeps no replayable captures of requests (agent.capture)
 - PERFSLEUTH_CAPTURE_SLOW_MS (500): requests this slow are captured (also 5xx, flagged ones)
-- PERFSLEUTH_CAPTURE_SAMPLE (0.01): share of the other requests captured at random
+- PERFSLEUTH_CAPTURE_SAMPLE (0.01): share of the other requests captured at random...
+- PERFSLEUTH_CAPTURE_SAMPLE_PER_MIN (60): ...at most this many a minute (a busy service would
+  otherwise write one every few milliseconds; slow, failed and flagged requests are not capped)
 - PERFSLEUTH_CAPTURE_BODY_MAX (65536): body bytes kept; larger bodies: size, hash, truncated
 - PERFSLEUTH_CAPTURE_SECRETS (0): 1 keeps the values of secret headers (redacted by default)
 - PERFSLEUTH_REDACT_HEADERS (""): comma list of more header names to redact
@@ -67,6 +69,7 @@ class Config:
     capture: bool = True
     capture_slow_ms: float = 500.0
     capture_sample: float = 0.01
+    capture_sample_per_min: int = 60
     capture_body_max: int = 65536
     capture_secrets: bool = False
     redact_headers: str = ""

@@ -6,7 +6,8 @@ counted (``stats["internal_errors"]``) and swallowed. Encoding happens on the wr
 (:mod:`perfsleuth.agent.shipper`).
 
 **Calls as rows.** A request's outbound calls (DB statements, HTTP requests, cache commands)
-are not objects: each is ``ROW`` integers appended to one flat list, ``ActiveRequest.calls``::
+are not objects: each is a row of five int64s (``ROW`` bytes, native byte order) appended to
+one bytearray, ``ActiveRequest.calls``; the constants are their byte offsets in a row::
 
     SLOT   which *site* of the request made it: an index into ``ActiveRequest.site_list``,
            whose entries hold what the calls of one statement from one place share (kind,
@@ -16,12 +17,12 @@ are not objects: each is ``ROW`` integers appended to one flat list, ``ActiveReq
     ROWS   rows returned or affected (NULL: unknown)
     PH     hash of the bound parameters (NULL: none); the values are never kept
 
-One list per request instead of an object per call: an N+1 loop of 10,000 statements keeps
-one container alive rather than 10,000 (every live container brings the application's next
-garbage collection closer), and the writer turns the list into bytes with one C call. The
-rarely set values (HTTP status, response bytes, cache hit, pool wait, error class, per-call
-targets, driver extras) live in ``ActiveRequest.more``, a dict by row offset, created by the
-first of them.
+One bytearray per request instead of an object per call: an N+1 loop of 10,000 statements
+keeps no Python object per statement alive (every live container brings the application's next
+garbage collection closer, and every int is an allocation), and the writer copies the rows
+as they are (they are wire.batch's rows). The rarely set values (HTTP status, response bytes,
+cache hit, pool wait, error class, per-call targets, driver extras) live in
+``ActiveRequest.more``, a dict by row offset, created by the first of them.
 
 Instrumentation of a client library follows one pattern, with :class:`Call`, a small handle
 on a row::
@@ -38,7 +39,8 @@ on a row::
             call.finish()
 
 The hottest wrapper (sqlite3, where a statement takes microseconds) uses the row directly:
-``req.record_call(...)`` gives the row offset ``i``, and ``req.calls[i + END] = _perf()``.
+``req.record_call(...)`` gives the row offset ``i``, and ``set_field(req.calls, i + END,
+_perf())`` ends the call (and its C version, agent/_speedups.c, writes the bytes itself).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import contextvars
 import functools
 import os
 import random
+import struct
 import sys
 import threading
 import time
@@ -62,14 +65,32 @@ _getframe = sys._getframe
 _code_kinds = stacks._kind
 _classify = stacks.classify
 _capture = stacks.capture
+_same_stack = stacks.same
 _MAX_DEPTH = stacks.MAX_DEPTH
 _getrandbits = random.getrandbits  # reseeded in forked children by the random module itself
 _get_ident = threading.get_ident
 
-# The layout of a call's row in ActiveRequest.calls (see the module docstring).
-SLOT, START, END, ROWS, PH = range(5)
-ROW = 5
+# The layout of a call's row in ActiveRequest.calls (see the module docstring): native order,
+# since struct converts Python ints to "<q" through a generic (4x slower) path; the writer
+# swaps the bytes on a big-endian machine.
+_ROW = struct.Struct("5q")
+ROW = _ROW.size
+SLOT, START, END, ROWS, PH = range(0, ROW, 8)
 NULL = -(1 << 63)  # an absent ROWS / PH (the wire's NULL too)
+_pack_row = _ROW.pack
+_FIELD = struct.Struct("q")
+set_field = _FIELD.pack_into  # set_field(calls, offset, value)
+_get_field = _FIELD.unpack_from
+
+
+def get_field(calls: bytearray, offset: int) -> int:
+    return _get_field(calls, offset)[0]  # type: ignore[no-any-return]
+
+
+def add_rows(calls: bytearray, offset: int, n: int) -> None:
+    """Count ``n`` more rows on the call whose ROWS field is at ``offset``."""
+    set_field(calls, offset, _get_field(calls, offset)[0] + n)
+
 
 # Requests in flight, by id(request): read by the sampler, the loop watchdog and the GC hook
 # on their own threads (iterate over a list() copy: the dict changes under them).
@@ -89,6 +110,12 @@ stats: dict[str, int] = {
 
 MAX_ATTRS = 64
 MAX_ATTR_CHARS = 1024
+MAX_SITES = 20_000
+
+# site key (statement, id(site code), f_lasti) -> the last site entry made for it (kind,
+# system, statement, stack, key): shared by the requests, which keep references to the entries
+# they use (so clearing it loses nothing but reuse)
+_site_cache: dict[Any, tuple[Any, ...]] = {}
 
 # Set by the shipper when the agent starts; None means "agent not started": record nothing.
 _sink: Callable[[ActiveRequest], None] | None = None
@@ -127,6 +154,18 @@ def configure(
             max_rows=_max_rows,
             # the accelerator reads CLOCK_MONOTONIC itself when that is perf_counter's clock
             perf_counter=None if clock == "clock_gettime(CLOCK_MONOTONIC)" else _perf,
+            code_kinds=_code_kinds,
+            classify=_classify,
+            site_cache=_site_cache,
+            max_depth=_MAX_DEPTH,
+            max_sites=MAX_SITES,
+            stacks_per_site=_stacks_per_site,
+            sink=sink,
+            inflight=inflight,
+            stats=stats,
+            getrandbits=_getrandbits,
+            no_sites=_NO_SITES,
+            request_class=ActiveRequest,
         )
 
 
@@ -203,7 +242,7 @@ class ActiveRequest:
     # counts towards the garbage collector's next collection.
     attrs: dict[str, Any] | None
     tags: dict[str, Any] | None
-    calls: list[int] | None  # ROW ints per call
+    calls: bytearray | None  # ROW bytes per call
     # (statement or kind, id(site code), site f_lasti) -> index into site_list
     sites: dict[Any, int]
     # (kind, system, statement or None, flat stack, site key) per site, see record_call
@@ -243,7 +282,7 @@ class ActiveRequest:
                 # ``+=`` then ``len``: no thread switch can come between them (no
                 # eval-breaker check), so the offset is this call's even when two threads
                 # share the request.
-                calls += (slot, _perf(), 0, NULL, hash(params) if params else NULL)  # type: ignore[operator]
+                calls += _pack_row(slot, _perf(), 0, NULL, hash(params) if params else NULL)  # type: ignore[operator]
                 i = len(calls) - ROW  # type: ignore[arg-type]
                 if i < _max_rows:
                     return i
@@ -260,7 +299,7 @@ class ActiveRequest:
             calls = self.calls
             site_list = self.site_list
             if calls is None or site_list is None:
-                calls = self.calls = []
+                calls = self.calls = bytearray()
                 site_list = self.site_list = []
                 self.sites = {}
             elif len(calls) >= _max_rows:
@@ -294,9 +333,21 @@ class ActiveRequest:
                 # A site's stack is captured once per request: an N+1 loop repeats the same
                 # stack thousands of times. With PERFSLEUTH_STACKS_PER_SITE = n, its first n
                 # calls get a stack each (the site is known to the fast path after that).
-                site_list.append(
-                    (kind, system, target if statement else None, _capture(frame), key)
-                )
+                # Most requests repeat the stacks of the requests before them: the site's
+                # last entry is reused when the frames are the same (compared, not copied).
+                entry = _site_cache.get(key)
+                if (
+                    entry is None
+                    or entry[0] is not kind
+                    or entry[1] is not system
+                    or _stacks_per_site > 1
+                    or not _same_stack(frame, entry[3])
+                ):
+                    entry = (kind, system, target if statement else None, _capture(frame), key)
+                    if len(_site_cache) >= MAX_SITES:
+                        _site_cache.clear()
+                    _site_cache[key] = entry
+                site_list.append(entry)
                 slot = len(site_list) - 1
                 n = 1 if _stacks_per_site == 1 else sites.get((key, "n"), 0) + 1
                 if n >= _stacks_per_site:
@@ -312,7 +363,7 @@ class ActiveRequest:
             else:  # None, or a dict, a list, ...: hashed by the writer
                 ph = NULL
                 other = params
-            calls += (slot, _perf(), 0, NULL, ph)
+            calls += _pack_row(slot, _perf(), 0, NULL, ph)
             i = len(calls) - ROW
             if other is not None:
                 self._note(i, "params", other)
@@ -341,7 +392,7 @@ class ActiveRequest:
     def fail_call(self, i: int, exc: BaseException) -> None:
         """End call ``i`` with the class name of the exception it raised. Never raises."""
         try:
-            self.calls[i + END] = _perf()  # type: ignore[index]
+            set_field(self.calls, i + END, _perf())  # type: ignore[arg-type]
             self._note(i, "error", type(exc).__name__)
         except Exception:
             internal_error()
@@ -357,12 +408,12 @@ class ActiveRequest:
         own = self.call_value(i, "target")
         if own is not None:
             return own
-        return self.site_list[self.calls[i + SLOT]][2]  # type: ignore[index]
+        return self.site_list[get_field(self.calls, i + SLOT)][2]  # type: ignore[index, arg-type]
 
     def open_call(self) -> bool:
         """Whether the request's latest call is still running (read by the sampler)."""
         calls = self.calls
-        return bool(calls) and calls[-ROW + END] == 0  # type: ignore[index]
+        return bool(calls) and get_field(calls, len(calls) - ROW + END) == 0  # type: ignore[arg-type]
 
     def last_finished_call(self, by: int, look: int = 50) -> dict[str, Any] | None:
         """The latest of the last ``look`` calls that had ended by ``by`` (perf ns), as
@@ -372,15 +423,14 @@ class ActiveRequest:
             return None
         last = len(calls) - ROW
         for i in range(last, max(-1, last - look * ROW), -ROW):
-            end = calls[i + END]
+            slot, start, end, rows, _ = _ROW.unpack_from(calls, i)
             if end and end <= by:
-                rows = calls[i + ROWS]
                 return {
-                    "kind": self.site_list[calls[i + SLOT]][0],  # type: ignore[index]
+                    "kind": self.site_list[slot][0],  # type: ignore[index]
                     "target": self.call_target(i),
                     "rows": None if rows == NULL else rows,
                     "bytes": self.call_value(i, "bytes"),
-                    "start": calls[i + START],
+                    "start": start,
                     "end": end,
                 }
         return None
@@ -398,13 +448,13 @@ class Call:
     i: int  # the row offset in req.calls
 
     def finish(self) -> None:
-        self.req.calls[self.i + END] = _perf()  # type: ignore[index]
+        set_field(self.req.calls, self.i + END, _perf())  # type: ignore[arg-type]
 
     def _row(self, field: int, value: int | None) -> None:
-        self.req.calls[self.i + field] = NULL if value is None else value  # type: ignore[index]
+        set_field(self.req.calls, self.i + field, NULL if value is None else value)  # type: ignore[arg-type]
 
     def _get(self, field: int) -> int | None:
-        v = self.req.calls[self.i + field]  # type: ignore[index]
+        v = get_field(self.req.calls, self.i + field)  # type: ignore[arg-type]
         return None if v == NULL else v
 
     start = property(lambda c: c._get(START), lambda c, v: c._row(START, v))
@@ -487,6 +537,14 @@ def end(req: ActiveRequest) -> None:
             sink(req)
     except Exception:
         internal_error()
+
+
+# begin and end in C when the accelerator is there (agent/_speedups.c: the same, field by
+# field; these Python ones are the reference): they run for every request.
+python_begin, python_end = begin, end
+if speedups is not None:
+    begin = speedups.begin
+    end = speedups.end
 
 
 def start_call(kind: str, system: str, target: Any, params: Any = None, up: int = 1) -> Call | None:

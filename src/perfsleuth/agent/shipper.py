@@ -19,13 +19,13 @@ the OS. Write errors (disk full, permissions) drop the batch, count it, and retr
 
 from __future__ import annotations
 
+import array
 import atexit
 import collections
 import itertools
 import json
 import os
 import socket
-import struct
 import sys
 import threading
 import time
@@ -49,7 +49,7 @@ from perfsleuth.wire import batch as wbatch
 from perfsleuth.wire import calls as wcalls
 from perfsleuth.wire import fingerprint as fpr
 from perfsleuth.wire.calls import KIND_CODE, NULL, SYSTEM_CODE
-from perfsleuth.wire.fingerprint import MASK63, params_hash
+from perfsleuth.wire.fingerprint import params_hash
 from perfsleuth.wire.segment import FILE_MAGIC, encode_json, encode_payload, encode_record
 
 AGENT_VERSION = "0.1.0"
@@ -316,7 +316,7 @@ class _Encoder:
         for i, more in (req.more or {}).items():
             if i < 0 or i >= len(calls):
                 continue
-            kind = site_list[calls[i + recorder.SLOT]][0]
+            kind = site_list[recorder.get_field(calls, i + recorder.SLOT)][0]
             x: dict[str, Any] = {}
             for name in ("status", "bytes", "wait"):
                 v = more.get(name)
@@ -335,14 +335,14 @@ class _Encoder:
                     x["host"] = _host_of(target)
             if "params" in more:
                 ph = params_hash(more["params"])
-                calls[i + recorder.PH] = NULL if ph is None else ph
+                recorder.set_field(calls, i + recorder.PH, NULL if ph is None else ph)
             if x:
                 ext[str(i // recorder.ROW)] = x
         for slot, site in enumerate(sites):
             if site[3] == wcalls.OTHER or site[4] == wcalls.OTHER:  # rare: unlisted names
                 kind, system = site_list[slot][:2]
                 for i in range(0, len(calls), recorder.ROW):
-                    if calls[i + recorder.SLOT] == slot:
+                    if recorder.get_field(calls, i + recorder.SLOT) == slot:
                         x = ext.setdefault(str(i // recorder.ROW), {})
                         x["kind"], x["system"] = str(kind), str(system)
         return ext
@@ -355,11 +355,12 @@ class _Encoder:
         self._bounded()
         out: list[bytes] = []
         rows: list[tuple[Any, ...]] = []
-        calls_of: list[list[int]] = []  # the agent rows of each request, in order
-        sparse: dict[str, dict[str, Any]] = {"attrs": {}, "tags": {}, "cx": {}}
+        calls_of: list[bytearray] = []  # the agent rows of each request, in order
+        sparse: dict[str, Any] = {"attrs": {}, "tags": {}, "cx": {}, "site_table": []}
+        table_of: dict[int, int] = {}  # id(site entry) -> its index in sparse["site_table"]
         for req in reqs:
             try:
-                row, calls = self._row(seg, out, req, len(rows), sparse)
+                row, calls = self._row(seg, out, req, len(rows), sparse, table_of)
             except Exception:
                 recorder.internal_error()
                 continue
@@ -375,7 +376,8 @@ class _Encoder:
         n = 0
         for i, (row, calls) in enumerate(zip(rows, calls_of, strict=True)):
             key = str(i)
-            mine = {name: {"0": v[key]} for name, v in sparse.items() if key in v}
+            mine = {name: {"0": v[key]} for name in SPARSE if key in (v := sparse[name])}
+            mine["site_table"] = sparse["site_table"]
             try:
                 out.append(_requests_record([row], [calls], mine))
                 n += 1
@@ -389,10 +391,13 @@ class _Encoder:
         out: list[bytes],
         req: recorder.ActiveRequest,
         i: int,
-        sparse: dict[str, dict[str, Any]],
-    ) -> tuple[tuple[Any, ...], list[int]]:
+        sparse: dict[str, Any],
+        table_of: dict[int, int],
+    ) -> tuple[tuple[Any, ...], bytearray]:
         """One request's values in _COLUMNS order, and its call rows; its attributes, tags and
-        per-call extras go into ``sparse`` under its index ``i`` in the batch."""
+        per-call extras go into ``sparse`` under its index ``i`` in the batch, its sites into
+        the batch's site table (``table_of``: where each site entry is in it; requests share
+        entries, recorder._site_cache)."""
         if req.headers is not None:
             _read_headers(req)
         key = str(i)
@@ -403,9 +408,16 @@ class _Encoder:
         calls = req.calls or _NO_CALLS
         sites = None
         if calls:
-            sites = [self.site(seg, out, e) for e in req.site_list or ()]
+            sites = []
+            table = sparse["site_table"]
+            for entry in req.site_list or ():
+                j = table_of.get(id(entry))
+                if j is None:
+                    j = table_of[id(entry)] = len(table)
+                    table.append(self.site(seg, out, entry))
+                sites.append(j)
             if req.more is not None or self.unlisted:
-                ext = self._extras(seg, out, req, sites)
+                ext = self._extras(seg, out, req, [table[j] for j in sites])
                 if ext:
                     sparse["cx"][key] = ext
         gc = req.gc_count
@@ -433,8 +445,11 @@ class _Encoder:
         ), calls
 
 
+SPARSE = ("attrs", "tags", "cx")
+
+
 def _requests_record(
-    rows: list[tuple[Any, ...]], calls_of: list[list[int]], sparse: dict[str, dict[str, Any]]
+    rows: list[tuple[Any, ...]], calls_of: list[bytearray], sparse: dict[str, Any]
 ) -> bytes:
     """One REQUESTS record (wire.batch) of rows made by _Encoder._row."""
     body: dict[str, Any] = {"v": wbatch.VERSION, "n": len(rows)}
@@ -442,15 +457,18 @@ def _requests_record(
     for name, values in sparse.items():
         if values:
             body[name] = values
-    flat: list[int] = []
-    for calls in calls_of:
-        flat += calls
-    return encode_payload(REQUESTS, encode_json(body) + wcalls.SEPARATOR + _row_bytes(flat))
+    rows_bytes = b"".join(calls_of)  # the agent's rows are the wire's, in native order
+    if _BIG_ENDIAN:
+        swapped = array.array("q", rows_bytes)
+        swapped.byteswap()
+        rows_bytes = swapped.tobytes()
+    return encode_payload(REQUESTS, encode_json(body) + wcalls.SEPARATOR + rows_bytes)
 
 
 # The column order of _Encoder._row (wire.batch's columns)
 _COLUMNS = (*wbatch.STRING_COLUMNS, *wbatch.INT_COLUMNS, "sites")
-_NO_CALLS: list[int] = []
+_NO_CALLS = bytearray()
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def _read_headers(req: recorder.ActiveRequest) -> None:
@@ -459,30 +477,13 @@ def _read_headers(req: recorder.ActiveRequest) -> None:
     headers = dict(req.headers)  # ASGI header names are lower case
     req.headers = None
     ident = identity()
-    if req.user is None and ident.user_b is not None:
+    if req.user is None:
         req.user = identity_value(headers.get(ident.user_b))
-    if req.tenant is None and ident.tenant_b is not None:
+    if req.tenant is None:
         req.tenant = identity_value(headers.get(ident.tenant_b))
     if req.req_bytes is None:
-        req.req_bytes = content_length(headers.get(b"content-length")) or 0
-
-
-def _row_bytes(calls: list[int]) -> bytes:
-    """The calls' rows as little-endian int64s: one C loop, whatever their number."""
-    fmt = f"{_ORDER}{len(calls)}q"
-    try:
-        return struct.pack(fmt, *calls)
-    except (struct.error, TypeError):  # an instrumentation stored something odd
-        return struct.pack(fmt, *map(_int64, calls))
-
-
-# Native order where it is little-endian: struct packs native "q" from the int directly, and
-# "<q" through a generic byte-array conversion (measured: 4x the instructions).
-_ORDER = "" if sys.byteorder == "little" else "<"
-
-
-def _int64(v: Any) -> int:
-    return v if type(v) is int and NULL <= v <= MASK63 else NULL
+        cl = headers.get(b"content-length")
+        req.req_bytes = 0 if cl is None else content_length(cl) or 0
 
 
 def _scalar(v: Any) -> Any:

@@ -35,8 +35,10 @@ def _library_prefixes() -> tuple[str, ...]:
 
 _LIB = _library_prefixes()
 # id(code) -> (code, kind): kind True (application), False (library), None (perfsleuth agent:
-# skip). Keyed by id because hashing a code object is not cached by CPython (80-700 ns); the
-# code object is kept in the value so its id cannot be reused while the entry exists.
+# skip; also the frame of a thread pool's worker that runs a request's function, marked by the
+# C hand-off, agent/_speedups.c, where the Python one has a frame of the agent's). Keyed by id
+# because hashing a code object is not cached by CPython (80-700 ns); the code object is kept
+# in the value so its id cannot be reused while the entry exists.
 _kind: dict[int, tuple[CodeType, bool | None]] = {}
 
 
@@ -96,6 +98,24 @@ def capture(frame: FrameType | None) -> tuple[Any, ...]:
         f = f.f_back
         n += 1
     return tuple(out)
+
+
+def same(frame: FrameType | None, flat: tuple[Any, ...]) -> bool:
+    """Whether :func:`capture` of ``frame`` would give ``flat``, found without building it."""
+    f = frame
+    while f is not None and classify(f.f_code) is None:
+        f = f.f_back
+    n = len(flat)
+    i = 0
+    while f is not None and i < n:
+        if f.f_code is not flat[i] or ~f.f_lasti != flat[i + 1]:
+            return False
+        f = f.f_back
+        i += 2
+    if i != n:
+        return False
+    # it must also end where capture would stop: the root, MAX_DEPTH or an agent frame
+    return f is None or n >= 2 * MAX_DEPTH or classify(f.f_code) is None
 
 
 def line(code: CodeType, where: int) -> int:

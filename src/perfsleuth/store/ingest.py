@@ -707,8 +707,9 @@ def _columns_table(obj: dict[str, Any]) -> tuple[pa.Table, int]:
     cols = {
         f.name: pa.array(obj.get(f.name) or nulls, f.type)
         for f in REQUEST_WIRE
-        if f.name != "calls"
+        if f.name not in ("calls", "sites")
     }
+    cols["sites"] = pa.array(wbatch.request_sites(obj), REQUEST_WIRE.field("sites").type)
     cols["calls"] = pa.nulls(n, REQUEST_WIRE.field("calls").type)
     return pa.table(cols, schema=REQUEST_WIRE), n
 

@@ -13,11 +13,13 @@ The JSON object holds one list per column, each ``n`` long, values in request or
     calls_dropped, gc_ns, gc_count                               and bytes like REQUEST's
     t0        perf_counter ns at the request's start, on the process clock of the rows
     ncalls    the request's number of rows
-    sites     per request, what its rows' ``slot`` points at: [fp, stack, site, kind,
-              system] (fingerprint, stack and call-site location ids; kind and system
-              codes of wire.calls)
+    sites     per request, what its rows' ``slot`` points at: indexes into ``site_table``
 
-and the sparse ones as ``{"<request index>": ...}`` maps: ``attrs``, ``tags`` and ``cx``
+and ``site_table``, the sites of the batch's requests, each once (requests of a batch mostly
+share theirs): [fp, stack, site, kind, system] (fingerprint, stack and call-site location
+ids; kind and system codes of wire.calls).
+
+The sparse ones are ``{"<request index>": ...}`` maps: ``attrs``, ``tags`` and ``cx``
 (``{"<request index>": {"<call index>": {...}}}``, the per-call values of wire.calls's ``cx``
 plus ``fp``, ``status``, ``bytes``, ``hit`` and ``wait``, which a row has no room for).
 
@@ -88,6 +90,17 @@ def split(payload: bytes | memoryview) -> tuple[dict[str, Any], memoryview, int]
     for name in SPARSE:
         if obj.get(name) is not None and not isinstance(obj[name], dict):
             raise ValueError(f"a REQUESTS {name!r} that is not a map")
+    table = obj.get("site_table") or []
+    if not isinstance(table, list) or any(
+        not isinstance(site, list) or len(site) != len(SITE_FIELDS) for site in table
+    ):
+        raise ValueError("a REQUESTS site_table that is not [fp, stack, site, kind, system]s")
+    for idx in obj.get("sites") or ():
+        if idx is not None and (
+            not isinstance(idx, list)
+            or any(type(j) is not int or not 0 <= j < len(table) for j in idx)
+        ):
+            raise ValueError("a REQUESTS sites entry that is not indexes into site_table")
     counts = obj.get("ncalls") or [0] * n
     if any(type(c) is not int or c < 0 for c in counts):
         raise ValueError("a REQUESTS ncalls that is not a count")
@@ -104,9 +117,20 @@ def decode(payload: bytes | memoryview) -> list[dict[str, Any]]:
     return decode_columns(obj, rows)
 
 
+def request_sites(obj: dict[str, Any]) -> list[list[list[int]] | None]:
+    """Per request of a batch checked by :func:`split`, its sites as [fp, stack, site, kind,
+    system] lists (``site_table`` looked up)."""
+    table = obj.get("site_table") or []
+    return [
+        None if idx is None else [table[j] for j in idx]
+        for idx in obj.get("sites") or [None] * obj["n"]
+    ]
+
+
 def decode_columns(obj: dict[str, Any], rows: bytes | memoryview) -> list[dict[str, Any]]:
     """:func:`decode` of a payload already :func:`split` (its object checked for shape)."""
     n = obj["n"]
+    sites_of = request_sites(obj)
     out = []
     at = 0
     for i in range(n):
@@ -119,8 +143,7 @@ def decode_columns(obj: dict[str, Any], rows: bytes | memoryview) -> list[dict[s
             v = (obj.get(name) or {}).get(str(i))
             if v is not None:
                 req[name] = v
-        sites = (obj.get("sites") or [None] * n)[i]
-        req["sites"] = sites
+        req["sites"] = sites_of[i]
         k = req.get("ncalls", 0) * AGENT_ROW.size
         mine = bytes(rows[at : at + k])
         at += k

@@ -109,7 +109,9 @@ def identity_value(raw: Any) -> str | None:
     """A header value as stored (bounded); bytes from ASGI are latin-1 per the HTTP spec."""
     if raw is None:
         return None
-    if isinstance(raw, (bytes, bytearray)):  # a tuple: "bytes | bytearray" is built per call
+    if type(raw) is bytes:  # ASGI's: the common case first
+        return raw[:MAX_IDENTITY_CHARS].decode("latin-1") or None
+    if isinstance(raw, bytearray):
         raw = bytes(raw[:MAX_IDENTITY_CHARS]).decode("latin-1")
     return str(raw)[:MAX_IDENTITY_CHARS] or None
 

@@ -52,6 +52,8 @@ _current_get = recorder.current_get
 speedups = recorder.speedups
 _perf = time.perf_counter_ns
 END, ROWS = recorder.END, recorder.ROWS
+_set_field = recorder.set_field
+_add_rows = recorder.add_rows
 _internal_error = recorder.internal_error
 _MARK = "_perfsleuth_orig"
 _MAX_ROWCOUNT = 1 << 62  # pymysql reports 2**64-1 for unbuffered results: unknown
@@ -181,7 +183,7 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
     class Cursor(base_cur):  # type: ignore[misc, valid-type]
         # (the request's call rows, offset of the ROWS of the SELECT being fetched): sqlite
         # only knows how many rows a SELECT returns as they are stepped through
-        _perfsleuth_rows: tuple[list[int], int] | None = None
+        _perfsleuth_rows: tuple[bytearray, int] | None = None
 
         def execute(self, sql: Any, parameters: Any = empty, /) -> Any:
             # The hottest wrapper of all (a statement takes microseconds): the call's row is
@@ -202,16 +204,16 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
                 self._perfsleuth_rows = None
                 req.fail_call(i, exc)
                 raise
-            calls = req.calls
-            calls[i + END] = _perf()  # type: ignore[index]
+            calls: Any = req.calls
+            _set_field(calls, i + END, _perf())
             try:
                 if self.description is None:
                     self._perfsleuth_rows = None
                     rc = self.rowcount
                     if rc >= 0:
-                        calls[i + ROWS] = rc  # type: ignore[index]
+                        _set_field(calls, i + ROWS, rc)
                 else:
-                    calls[i + ROWS] = 0  # type: ignore[index]
+                    _set_field(calls, i + ROWS, 0)
                     self._perfsleuth_rows = (calls, i + ROWS)  # type: ignore[assignment]
             except Exception:
                 _internal_error()
@@ -268,14 +270,14 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
                 if row is None:
                     self._perfsleuth_rows = None
                 else:
-                    counting[0][counting[1]] += 1
+                    _add_rows(*counting, 1)
             return row
 
         def fetchmany(self, *args: Any, **kwargs: Any) -> Any:
             rows = c_fetchmany(self, *args, **kwargs)
             counting = self._perfsleuth_rows
             if counting is not None:
-                counting[0][counting[1]] += len(rows)
+                _add_rows(*counting, len(rows))
             return rows
 
         def fetchall(self) -> Any:
@@ -283,14 +285,14 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
             counting = self._perfsleuth_rows
             if counting is not None:
                 self._perfsleuth_rows = None
-                counting[0][counting[1]] += len(rows)
+                _add_rows(*counting, len(rows))
             return rows
 
         def __next__(self) -> Any:
             row = c_next(self)  # StopIteration at the end propagates as the protocol wants
             counting = self._perfsleuth_rows
             if counting is not None:
-                counting[0][counting[1]] += 1
+                _add_rows(*counting, 1)
             return row
 
     def cursor_class(factory: Any) -> Any:
