@@ -1,5 +1,6 @@
-/* perfsleuth.agent._speedups: the sqlite3 cursor wrappers of agent.instrument.dbapi and the
- * thread-pool hand-off of agent.instrument.threads, in C.
+/* perfsleuth.agent._speedups: the agent's per-call and per-request hot paths in C: the sqlite3
+ * cursor wrappers of agent.instrument.dbapi, recorder.begin/end, the ASGI send tap, the
+ * thread-pool hand-off of agent.instrument.threads, and the writer's request row.
  *
  * Optional. The agent works without it (the Python wrappers in dbapi.py are the reference:
  * same behaviour, same recorded values); with it, recording a statement costs no Python frame
@@ -21,6 +22,7 @@
 #include <frameobject.h>
 #include <structmember.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 
@@ -51,7 +53,96 @@ static PyObject *zero, *one, *up_one, *empty_tuple;
 /* A call's row in ActiveRequest.calls (a bytearray): five native int64s, these at offsets */
 enum { ROW = 40, SLOT = 0, START = 8, END = 16, ROWS = 24, PH = 32 };
 #define NULL_LL (-9223372036854775807LL - 1)
-enum { EXECUTE, FETCHONE, FETCHMANY, FETCHALL, NEXT };
+enum { EXECUTE, FETCHONE, FETCHMANY, FETCHALL, NEXT, CONN_CURSOR, CONN_EXECUTE };
+
+/* ------------------------------------------------------------------ request objects
+ * An ActiveRequest has __slots__: its fields are read and set through their member
+ * descriptors' offsets, looked up once per class. */
+
+enum {
+    F_TRACE_ID, F_START_WALL, F_START, F_END, F_CPU_START, F_CPU_NS, F_KIND, F_METHOD, F_PATH,
+    F_ENDPOINT, F_STATUS, F_ERROR, F_REQ_BYTES, F_RESP_BYTES, F_USER, F_TENANT, F_ATTRS, F_TAGS,
+    F_HEADERS, F_CALLS, F_SITES, F_SITE_LIST, F_MORE, F_CALLS_DROPPED, F_TOKEN, F_THREAD, F_TASK,
+    F_WORKER, F_GC_NS, F_GC_COUNT, F_KEEP, N_FIELDS
+};
+static const char *field_names[N_FIELDS] = {
+    "trace_id", "start_wall", "start", "end", "cpu_start", "cpu_ns", "kind", "method", "path",
+    "endpoint", "status", "error", "req_bytes", "resp_bytes", "user", "tenant", "attrs", "tags",
+    "headers", "calls", "sites", "site_list", "more", "calls_dropped", "token", "thread", "task",
+    "worker", "gc_ns", "gc_count", "keep",
+};
+
+typedef struct {
+    PyTypeObject *cls; /* borrowed: the class is kept alive by the layouts dict */
+    Py_ssize_t offset[N_FIELDS];
+} Layout;
+
+static PyObject *layouts; /* {class: capsule of its Layout} */
+static PyObject *s_requests_recorded;
+
+static void
+free_layout(PyObject *capsule)
+{
+    PyMem_Free(PyCapsule_GetPointer(capsule, "perfsleuth.layout"));
+}
+
+/* The slot offsets of an ActiveRequest class (NULL with an error set if it has not them). */
+static Layout *last_layout;
+
+static Layout *
+layout_of(PyTypeObject *cls)
+{
+    if (last_layout != NULL && last_layout->cls == cls)
+        return last_layout;
+    PyObject *capsule = PyDict_GetItemWithError(layouts, (PyObject *)cls); /* borrowed */
+    if (capsule != NULL)
+        return last_layout = PyCapsule_GetPointer(capsule, "perfsleuth.layout");
+    if (PyErr_Occurred())
+        return NULL;
+    Layout *layout = PyMem_New(Layout, 1);
+    if (layout == NULL)
+        return (Layout *)PyErr_NoMemory();
+    layout->cls = cls;
+    for (int k = 0; k < N_FIELDS; k++) {
+        PyObject *descr = PyObject_GetAttrString((PyObject *)cls, field_names[k]);
+        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type) ||
+            ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX) {
+            Py_XDECREF(descr);
+            PyMem_Free(layout);
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "%s has no slot %s", cls->tp_name, field_names[k]);
+            return NULL;
+        }
+        layout->offset[k] = ((PyMemberDescrObject *)descr)->d_member->offset;
+        Py_DECREF(descr);
+    }
+    capsule = PyCapsule_New(layout, "perfsleuth.layout", free_layout);
+    if (capsule == NULL || PyDict_SetItem(layouts, (PyObject *)cls, capsule) < 0) {
+        if (capsule == NULL)
+            PyMem_Free(layout);
+        Py_XDECREF(capsule);
+        return NULL;
+    }
+    Py_DECREF(capsule);
+    return last_layout = layout;
+}
+
+/* Set a slot (steals value; NULL value: an error is set, the slot left alone). */
+static inline int
+set_field(PyObject *obj, Layout *layout, int field, PyObject *value)
+{
+    if (value == NULL)
+        return -1;
+    PyObject **slot = (PyObject **)((char *)obj + layout->offset[field]);
+    Py_XSETREF(*slot, value);
+    return 0;
+}
+
+static inline PyObject *
+get_field(PyObject *obj, Layout *layout, int field) /* borrowed, may be NULL (unset) */
+{
+    return *(PyObject **)((char *)obj + layout->offset[field]);
+}
 
 /* perf_counter_ns() as a C integer (-1 with an error set when the Python one fails). */
 static long long
@@ -146,29 +237,55 @@ set_counting(PyObject *cursor, PyObject *value)
 
 /* The fast path of record_call: the row offset, -1 when the call is not on it (no error set),
  * -2 when the request holds PERFSLEUTH_MAX_CALLS calls (the call was counted as dropped). */
+/* The last fast-path lookup (statement, frame code, instruction, request) and its slot: in an
+ * N+1 loop the next call is the same, and the dict lookup (a key tuple to build and hash) is
+ * most of the fast path's work. Holds the request and the statement so that their addresses
+ * cannot be reused while remembered. */
+static PyObject *last_req, *last_sql;
+static PyCodeObject *last_code;
+static int last_lasti = -1;
+static PyObject *last_slot;
+
 static Py_ssize_t
 record_fast(PyObject *req, PyObject *sql, PyObject *params)
 {
     PyFrameObject *frame = PyEval_GetFrame(); /* borrowed: the application's frame */
     if (frame == NULL || !PyUnicode_CheckExact(sql) || !PyTuple_CheckExact(params))
         return -1;
-    PyObject *sites = PyObject_GetAttr(req, s_sites);
-    if (sites == NULL || !PyDict_CheckExact(sites)) {
-        Py_XDECREF(sites);
+    Layout *layout = layout_of(Py_TYPE(req));
+    if (layout == NULL) {
         PyErr_Clear();
         return -1;
     }
+    PyObject *sites = get_field(req, layout, F_SITES);
+    PyObject *calls = get_field(req, layout, F_CALLS);
+    if (sites == NULL || !PyDict_CheckExact(sites) || calls == NULL ||
+        !PyByteArray_CheckExact(calls))
+        return -1;
     PyCodeObject *code = PyFrame_GetCode(frame);
-    PyObject *where = PyLong_FromVoidPtr(code); /* id(code), as recorder keys it */
-    PyObject *lasti = PyLong_FromLong(PyFrame_GetLasti(frame));
+    int lasti = PyFrame_GetLasti(frame);
+    PyObject *slot;
+    if (req == last_req && sql == last_sql && code == last_code && lasti == last_lasti) {
+        slot = Py_NewRef(last_slot);
+    }
+    else {
+        PyObject *where = PyLong_FromVoidPtr(code); /* id(code), as recorder keys it */
+        PyObject *at = PyLong_FromLong(lasti);
+        PyObject *key = (where && at) ? PyTuple_Pack(3, sql, where, at) : NULL;
+        Py_XDECREF(where);
+        Py_XDECREF(at);
+        slot = key ? PyDict_GetItemWithError(sites, key) : NULL; /* borrowed */
+        Py_XINCREF(slot);
+        Py_XDECREF(key);
+        if (slot != NULL) {
+            Py_XSETREF(last_req, Py_NewRef(req));
+            Py_XSETREF(last_sql, Py_NewRef(sql));
+            Py_XSETREF(last_slot, Py_NewRef(slot));
+            last_code = code; /* kept alive by the site entry the slot names */
+            last_lasti = lasti;
+        }
+    }
     Py_DECREF(code);
-    PyObject *key = (where && lasti) ? PyTuple_Pack(3, sql, where, lasti) : NULL;
-    Py_XDECREF(where);
-    Py_XDECREF(lasti);
-    PyObject *slot = key ? PyDict_GetItemWithError(sites, key) : NULL; /* borrowed */
-    Py_XINCREF(slot);
-    Py_XDECREF(key);
-    Py_DECREF(sites);
     if (slot == NULL) {
         PyErr_Clear();
         return -1;
@@ -183,25 +300,34 @@ record_fast(PyObject *req, PyObject *sql, PyObject *params)
         }
         ph = (long long)h;
     }
-    PyObject *calls = PyObject_GetAttr(req, s_calls);
-    Py_ssize_t i = -1;
-    if (calls != NULL && PyByteArray_CheckExact(calls)) {
-        if (PyByteArray_GET_SIZE(calls) >= max_rows) { /* over the limit: counted, not kept */
-            PyObject *r = PyObject_CallMethodNoArgs(req, s_dropped);
-            Py_XDECREF(r);
-            i = -2;
-        }
-        else {
-            i = append_row(calls, slot, ph);
-        }
+    Py_ssize_t i;
+    if (PyByteArray_GET_SIZE(calls) >= max_rows) { /* over the limit: counted, not kept */
+        PyObject *r = PyObject_CallMethodNoArgs(req, s_dropped);
+        Py_XDECREF(r);
+        i = -2;
     }
-    Py_XDECREF(calls);
+    else {
+        i = append_row(calls, slot, ph);
+    }
     Py_DECREF(slot);
     if (PyErr_Occurred()) {
         failed();
         return -1;
     }
     return i;
+}
+
+/* Forget the last request of record_fast (end): it is no longer recorded into. */
+static void
+forget_last(PyObject *req)
+{
+    if (req == last_req) {
+        Py_CLEAR(last_req);
+        Py_CLEAR(last_sql);
+        Py_CLEAR(last_slot);
+        last_code = NULL;
+        last_lasti = -1;
+    }
 }
 
 /* stacks.classify of a frame's code: 1 application, 0 library, -1 the agent's, -2 error. */
@@ -347,22 +473,29 @@ record_site(PyObject *req, PyObject *sql, PyObject *params)
         !PyUnicode_CheckExact(sql) || !PyTuple_CheckExact(params))
         return -1;
     Py_ssize_t result = -1;
-    PyObject *calls = PyObject_GetAttr(req, s_calls);
-    PyObject *sites = calls ? PyObject_GetAttr(req, s_sites) : NULL;
-    PyObject *site_list = sites ? PyObject_GetAttr(req, s_site_list) : NULL;
+    Layout *layout = layout_of(Py_TYPE(req));
+    PyObject *calls = layout ? Py_XNewRef(get_field(req, layout, F_CALLS)) : NULL;
+    PyObject *sites = calls ? Py_XNewRef(get_field(req, layout, F_SITES)) : NULL;
+    PyObject *site_list = sites ? Py_XNewRef(get_field(req, layout, F_SITE_LIST)) : NULL;
     PyObject *key = NULL, *entry = NULL;
     PyFrameObject *f = NULL, *leaf = NULL;
     if (site_list == NULL)
         goto done;
+    if (sites == no_sites && calls != Py_None) { /* a call after the request ended */
+        Py_SETREF(sites, PyDict_New());
+        if (sites == NULL)
+            goto done;
+        set_field(req, layout, F_SITES, Py_NewRef(sites));
+    }
     if (calls == Py_None || site_list == Py_None) { /* the request's first call */
         Py_SETREF(calls, PyByteArray_FromStringAndSize(NULL, 0));
         Py_SETREF(sites, PyDict_New());
         Py_SETREF(site_list, PyList_New(0));
-        if (calls == NULL || sites == NULL || site_list == NULL ||
-            PyObject_SetAttr(req, s_calls, calls) < 0 ||
-            PyObject_SetAttr(req, s_site_list, site_list) < 0 ||
-            PyObject_SetAttr(req, s_sites, sites) < 0)
+        if (calls == NULL || sites == NULL || site_list == NULL)
             goto done;
+        set_field(req, layout, F_CALLS, Py_NewRef(calls));
+        set_field(req, layout, F_SITE_LIST, Py_NewRef(site_list));
+        set_field(req, layout, F_SITES, Py_NewRef(sites));
     }
     if (!PyByteArray_CheckExact(calls) || !PyDict_CheckExact(sites) ||
         !PyList_CheckExact(site_list))
@@ -492,6 +625,9 @@ typedef struct {
     PyObject *method; /* the C method it wraps, e.g. sqlite3.Cursor.execute */
     int kind;
     vectorcallfunc vectorcall;
+    /* CONN_CURSOR, CONN_EXECUTE: the instrumented cursor class, the Python method for other
+     * arguments (a cursor factory), and the EXECUTE wrapper of the cursor class */
+    PyObject *cursor_class, *fallback, *execute;
 } WrapperObject;
 
 static PyObject *
@@ -546,7 +682,8 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
         PyErr_Restore(type, value, tb);
         return NULL;
     }
-    PyObject *calls = PyObject_GetAttr(req, s_calls);
+    Layout *layout = layout_of(Py_TYPE(req));
+    PyObject *calls = layout ? Py_XNewRef(get_field(req, layout, F_CALLS)) : NULL;
     Py_DECREF(req);
     long long end = perf_ns();
     if (calls == NULL || !PyByteArray_CheckExact(calls) || PyErr_Occurred() ||
@@ -634,11 +771,34 @@ fetch(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
     return result;
 }
 
+/* Connection.cursor() and Connection.execute(): the instrumented cursor class without a
+ * Python frame; anything else (a factory, keywords) goes to the Python method. */
+static PyObject *
+connection(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    int plain = kwnames == NULL && w->cursor_class != NULL &&
+                (w->kind == CONN_CURSOR ? nargs == 1
+                                        : (nargs == 2 || nargs == 3) && w->execute != NULL);
+    if (!plain)
+        return PyObject_Vectorcall(w->fallback, args, nargsf, kwnames);
+    PyObject *cursor_args[2] = {args[0], w->cursor_class};
+    PyObject *cursor = PyObject_Vectorcall(w->method, cursor_args, 2, NULL);
+    if (cursor == NULL || w->kind == CONN_CURSOR)
+        return cursor;
+    PyObject *execute_args[3] = {cursor, args[1], nargs == 3 ? args[2] : empty_tuple};
+    PyObject *result = execute((WrapperObject *)w->execute, execute_args, 3, NULL);
+    Py_DECREF(cursor);
+    return result;
+}
+
 static PyObject *
 wrapper_vectorcall(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     if (w->kind == EXECUTE)
         return execute(w, args, nargsf, kwnames);
+    if (w->kind == CONN_CURSOR || w->kind == CONN_EXECUTE)
+        return connection(w, args, nargsf, kwnames);
     return fetch(w, args, nargsf, kwnames);
 }
 
@@ -653,12 +813,22 @@ wrapper_get(PyObject *self, PyObject *obj, PyObject *type)
 static PyObject *
 wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *method;
+    static char *names[] = {"method", "kind", "cursor_class", "fallback", "execute", NULL};
+    PyObject *method, *cursor_class = NULL, *fallback = NULL, *execute_wrapper = NULL;
     int kind;
-    if (!PyArg_ParseTuple(args, "Oi:CursorMethod", &method, &kind))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oi|OOO:CursorMethod", names, &method, &kind,
+                                     &cursor_class, &fallback, &execute_wrapper))
         return NULL;
-    if (kind < EXECUTE || kind > NEXT || !PyCallable_Check(method)) {
+    if (kind < EXECUTE || kind > CONN_EXECUTE || !PyCallable_Check(method)) {
         PyErr_SetString(PyExc_ValueError, "a callable and a known kind");
+        return NULL;
+    }
+    if ((kind == CONN_CURSOR || kind == CONN_EXECUTE) &&
+        (cursor_class == NULL || fallback == NULL ||
+         (kind == CONN_EXECUTE &&
+          (execute_wrapper == NULL || !Py_IS_TYPE(execute_wrapper, type))))) {
+        PyErr_SetString(PyExc_ValueError, "a connection method needs cursor_class, fallback "
+                                          "(and execute: the cursor's EXECUTE wrapper)");
         return NULL;
     }
     WrapperObject *w = (WrapperObject *)type->tp_alloc(type, 0);
@@ -667,6 +837,9 @@ wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     w->method = Py_NewRef(method);
     w->kind = kind;
     w->vectorcall = (vectorcallfunc)wrapper_vectorcall;
+    w->cursor_class = Py_XNewRef(cursor_class);
+    w->fallback = Py_XNewRef(fallback);
+    w->execute = Py_XNewRef(execute_wrapper);
     return (PyObject *)w;
 }
 
@@ -674,6 +847,9 @@ static int
 wrapper_traverse(WrapperObject *w, visitproc visit, void *arg)
 {
     Py_VISIT(w->method);
+    Py_VISIT(w->cursor_class);
+    Py_VISIT(w->fallback);
+    Py_VISIT(w->execute);
     return 0;
 }
 
@@ -682,6 +858,9 @@ wrapper_dealloc(WrapperObject *w)
 {
     PyObject_GC_UnTrack(w);
     Py_CLEAR(w->method);
+    Py_CLEAR(w->cursor_class);
+    Py_CLEAR(w->fallback);
+    Py_CLEAR(w->execute);
     Py_TYPE(w)->tp_free((PyObject *)w);
 }
 
@@ -699,8 +878,10 @@ static PyGetSetDef wrapper_getset[] = {
 static PyTypeObject WrapperType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "perfsleuth.agent._speedups.CursorMethod",
-    .tp_doc = "CursorMethod(method, kind): a recording sqlite3 cursor method (kinds: EXECUTE, "
-              "FETCHONE, FETCHMANY, FETCHALL, NEXT).",
+    .tp_doc = "CursorMethod(method, kind, cursor_class=None, fallback=None, execute=None): a "
+              "recording sqlite3 cursor method (kinds: EXECUTE, FETCHONE, FETCHMANY, FETCHALL, "
+              "NEXT) or connection method (CONN_CURSOR, CONN_EXECUTE: method is "
+              "Connection.cursor).",
     .tp_basicsize = sizeof(WrapperObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
                 Py_TPFLAGS_METHOD_DESCRIPTOR,
@@ -714,90 +895,7 @@ static PyTypeObject WrapperType = {
 };
 
 /* ------------------------------------------------------------------ requests: begin, end
- * recorder.begin and recorder.end in C (same behaviour: the Python ones are the reference).
- * An ActiveRequest has __slots__: its fields are set through their member descriptors'
- * offsets, looked up once per class. */
-
-enum {
-    F_TRACE_ID, F_START_WALL, F_START, F_END, F_CPU_START, F_CPU_NS, F_KIND, F_METHOD, F_PATH,
-    F_ENDPOINT, F_STATUS, F_ERROR, F_REQ_BYTES, F_RESP_BYTES, F_USER, F_TENANT, F_ATTRS, F_TAGS,
-    F_HEADERS, F_CALLS, F_SITES, F_SITE_LIST, F_MORE, F_CALLS_DROPPED, F_TOKEN, F_THREAD, F_TASK,
-    F_WORKER, F_GC_NS, F_GC_COUNT, F_KEEP, N_FIELDS
-};
-static const char *field_names[N_FIELDS] = {
-    "trace_id", "start_wall", "start", "end", "cpu_start", "cpu_ns", "kind", "method", "path",
-    "endpoint", "status", "error", "req_bytes", "resp_bytes", "user", "tenant", "attrs", "tags",
-    "headers", "calls", "sites", "site_list", "more", "calls_dropped", "token", "thread", "task",
-    "worker", "gc_ns", "gc_count", "keep",
-};
-
-typedef struct {
-    PyTypeObject *cls; /* borrowed: the class is kept alive by the layouts dict */
-    Py_ssize_t offset[N_FIELDS];
-} Layout;
-
-static PyObject *layouts; /* {class: capsule of its Layout} */
-static PyObject *s_requests_recorded;
-
-static void
-free_layout(PyObject *capsule)
-{
-    PyMem_Free(PyCapsule_GetPointer(capsule, "perfsleuth.layout"));
-}
-
-/* The slot offsets of an ActiveRequest class (NULL with an error set if it has not them). */
-static Layout *
-layout_of(PyTypeObject *cls)
-{
-    PyObject *capsule = PyDict_GetItemWithError(layouts, (PyObject *)cls); /* borrowed */
-    if (capsule != NULL)
-        return PyCapsule_GetPointer(capsule, "perfsleuth.layout");
-    if (PyErr_Occurred())
-        return NULL;
-    Layout *layout = PyMem_New(Layout, 1);
-    if (layout == NULL)
-        return (Layout *)PyErr_NoMemory();
-    layout->cls = cls;
-    for (int k = 0; k < N_FIELDS; k++) {
-        PyObject *descr = PyObject_GetAttrString((PyObject *)cls, field_names[k]);
-        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type) ||
-            ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX) {
-            Py_XDECREF(descr);
-            PyMem_Free(layout);
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_TypeError, "%s has no slot %s", cls->tp_name, field_names[k]);
-            return NULL;
-        }
-        layout->offset[k] = ((PyMemberDescrObject *)descr)->d_member->offset;
-        Py_DECREF(descr);
-    }
-    capsule = PyCapsule_New(layout, "perfsleuth.layout", free_layout);
-    if (capsule == NULL || PyDict_SetItem(layouts, (PyObject *)cls, capsule) < 0) {
-        if (capsule == NULL)
-            PyMem_Free(layout);
-        Py_XDECREF(capsule);
-        return NULL;
-    }
-    Py_DECREF(capsule);
-    return layout;
-}
-
-/* Set a slot (steals value; NULL value: an error is set, the slot left alone). */
-static inline int
-set_field(PyObject *obj, Layout *layout, int field, PyObject *value)
-{
-    if (value == NULL)
-        return -1;
-    PyObject **slot = (PyObject **)((char *)obj + layout->offset[field]);
-    Py_XSETREF(*slot, value);
-    return 0;
-}
-
-static inline PyObject *
-get_field(PyObject *obj, Layout *layout, int field) /* borrowed, may be NULL (unset) */
-{
-    return *(PyObject **)((char *)obj + layout->offset[field]);
-}
+ * recorder.begin and recorder.end in C (same behaviour: the Python ones are the reference). */
 
 static PyObject *
 ns_of(clockid_t clock)
@@ -914,6 +1012,7 @@ begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnam
 static PyObject *
 end(PyObject *module, PyObject *req)
 {
+    forget_last(req);
     Layout *layout = layout_of(Py_TYPE(req));
     if (layout == NULL) {
         failed();
@@ -939,6 +1038,9 @@ end(PyObject *module, PyObject *req)
         }
         set_field(req, layout, F_TOKEN, Py_NewRef(Py_None));
     }
+    /* what the writer does not need goes now (recorder.end says why) */
+    set_field(req, layout, F_TASK, Py_NewRef(Py_None));
+    set_field(req, layout, F_SITES, Py_NewRef(no_sites));
     PyObject *count = PyDict_GetItemWithError(stats, s_requests_recorded); /* borrowed */
     if (count != NULL) {
         PyObject *more = PyNumber_Add(count, one);
@@ -956,6 +1058,284 @@ end(PyObject *module, PyObject *req)
     }
     Py_RETURN_NONE;
 }
+
+/* ------------------------------------------------------------------ the writer: a request's row
+ * agent.shipper's request values in C: row(req, user_header, tenant_header) gives the values
+ * of wire.batch's string and integer columns, in order, as _Encoder._row_values does (the
+ * reference); an ASGI request's user, tenant and declared body size are read from its raw
+ * header list first (req.headers). NotImplemented: a request it cannot read (Python does). */
+
+
+/* The value of an identity header as stored: latin-1 text, at most 256 characters. */
+static PyObject *
+identity_text(PyObject *raw)
+{
+    Py_ssize_t n = PyBytes_GET_SIZE(raw);
+    if (n == 0)
+        Py_RETURN_NONE;
+    return PyUnicode_DecodeLatin1(PyBytes_AS_STRING(raw), n > 256 ? 256 : n, NULL);
+}
+
+static int
+read_headers(PyObject *req, Layout *layout, PyObject *user_name, PyObject *tenant_name)
+{
+    PyObject *headers = get_field(req, layout, F_HEADERS);
+    if (headers == NULL || headers == Py_None)
+        return 0;
+    if (!PyList_Check(headers))
+        return -1;
+    PyObject *user = NULL, *tenant = NULL, *length = NULL; /* borrowed; the last one wins */
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(headers); k++) {
+        PyObject *h = PyList_GET_ITEM(headers, k);
+        if (!PyTuple_Check(h) || PyTuple_GET_SIZE(h) != 2 ||
+            !PyBytes_CheckExact(PyTuple_GET_ITEM(h, 0)) ||
+            !PyBytes_CheckExact(PyTuple_GET_ITEM(h, 1)))
+            return -1;
+        PyObject *name = PyTuple_GET_ITEM(h, 0), *value = PyTuple_GET_ITEM(h, 1);
+        Py_ssize_t n = PyBytes_GET_SIZE(name);
+        const char *text = PyBytes_AS_STRING(name);
+        if (n == 14 && memcmp(text, "content-length", 14) == 0)
+            length = value;
+        else if (PyBytes_Check(user_name) && n == PyBytes_GET_SIZE(user_name) &&
+                 memcmp(text, PyBytes_AS_STRING(user_name), n) == 0)
+            user = value;
+        else if (PyBytes_Check(tenant_name) && n == PyBytes_GET_SIZE(tenant_name) &&
+                 memcmp(text, PyBytes_AS_STRING(tenant_name), n) == 0)
+            tenant = value;
+    }
+    if (user != NULL && get_field(req, layout, F_USER) == Py_None &&
+        set_field(req, layout, F_USER, identity_text(user)) < 0)
+        return -2;
+    if (tenant != NULL && get_field(req, layout, F_TENANT) == Py_None &&
+        set_field(req, layout, F_TENANT, identity_text(tenant)) < 0)
+        return -2;
+    if (get_field(req, layout, F_REQ_BYTES) == Py_None) {
+        PyObject *n = length != NULL ? PyNumber_Long(length) : NULL;
+        if (n == NULL || PyLong_AsLongLong(n) < 0) {
+            PyErr_Clear();
+            Py_XSETREF(n, PyLong_FromLong(0));
+        }
+        if (set_field(req, layout, F_REQ_BYTES, n) < 0)
+            return -2;
+    }
+    set_field(req, layout, F_HEADERS, Py_NewRef(Py_None));
+    return 0;
+}
+
+/* x or None: a count of 0 is written as null */
+static PyObject *
+or_none(PyObject *x)
+{
+    return x != NULL && PyObject_IsTrue(x) == 1 ? Py_NewRef(x) : Py_NewRef(Py_None);
+}
+
+static PyObject *
+row(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "row(req, user_header, tenant_header)");
+        return NULL;
+    }
+    PyObject *req = args[0];
+    Layout *layout = layout_of(Py_TYPE(req));
+    if (layout == NULL) {
+        PyErr_Clear();
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    for (int k = 0; k < N_FIELDS; k++)
+        if (get_field(req, layout, k) == NULL) /* an unset slot: not one begin made */
+            Py_RETURN_NOTIMPLEMENTED;
+    int headers = read_headers(req, layout, args[1], args[2]);
+    if (headers == -1)
+        Py_RETURN_NOTIMPLEMENTED;
+    if (headers == -2)
+        return NULL;
+    unsigned long long tid = PyLong_AsUnsignedLongLongMask(get_field(req, layout, F_TRACE_ID));
+    PyObject *endpoint = get_field(req, layout, F_ENDPOINT);
+    PyObject *method = get_field(req, layout, F_METHOD);
+    PyObject *calls = get_field(req, layout, F_CALLS);
+    PyObject *gc_count = get_field(req, layout, F_GC_COUNT);
+    int gc = PyObject_IsTrue(gc_count) == 1;
+    long long start = PyLong_AsLongLong(get_field(req, layout, F_START));
+    long long end = PyLong_AsLongLong(get_field(req, layout, F_END));
+    if (PyErr_Occurred())
+        return NULL;
+    char hex[17];
+    snprintf(hex, sizeof(hex), "%016llx", tid);
+    PyObject *values[19] = {
+        PyUnicode_FromStringAndSize(hex, 16),
+        Py_NewRef(get_field(req, layout, F_KIND)),
+        Py_NewRef(method),
+        PyObject_IsTrue(endpoint) == 1 ? Py_NewRef(endpoint)
+                                       : PyUnicode_FromFormat("%S <unmatched>", method),
+        Py_NewRef(get_field(req, layout, F_PATH)),
+        Py_NewRef(get_field(req, layout, F_USER)),
+        Py_NewRef(get_field(req, layout, F_TENANT)),
+        Py_NewRef(get_field(req, layout, F_ERROR)),
+        Py_NewRef(get_field(req, layout, F_START_WALL)),
+        PyLong_FromLongLong(end > start ? end - start : 0),
+        Py_NewRef(get_field(req, layout, F_STATUS)),
+        Py_NewRef(get_field(req, layout, F_CPU_NS)),
+        Py_NewRef(get_field(req, layout, F_REQ_BYTES)),
+        Py_NewRef(get_field(req, layout, F_RESP_BYTES)),
+        or_none(get_field(req, layout, F_CALLS_DROPPED)),
+        gc ? Py_NewRef(get_field(req, layout, F_GC_NS)) : Py_NewRef(Py_None),
+        or_none(gc_count),
+        PyLong_FromLongLong(start),
+        PyLong_FromSsize_t(PyByteArray_Check(calls) ? PyByteArray_GET_SIZE(calls) / ROW : 0),
+    };
+    PyObject *out = PyTuple_New(19);
+    for (int k = 0; k < 19; k++) {
+        if (values[k] == NULL || out == NULL) {
+            for (int j = k; j < 19; j++)
+                Py_XDECREF(values[j]);
+            Py_XDECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, k, values[k]);
+    }
+    return out;
+}
+
+/* ------------------------------------------------------------------ ASGI: the send tap
+ * agent.frameworks.asgi.SendTap in C: the send callable handed to the app, noting what the
+ * response says on its way to the server, without a Python frame per message. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *send;
+    PyObject *headers;
+    long long sent;
+    int status;
+    char complete, pathsend;
+    vectorcallfunc vectorcall;
+} SendTapObject;
+
+static PyObject *s_type, *s_body, *s_more_body, *s_status, *s_headers;
+static PyObject *s_response_body, *s_response_start, *s_pathsend, *s_zerocopy;
+
+static int
+truthy(PyObject *message, PyObject *key) /* message.get(key) is true; -1 error */
+{
+    PyObject *v = PyDict_GetItemWithError(message, key);
+    if (v == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    return PyObject_IsTrue(v);
+}
+
+static void
+tap_message(SendTapObject *t, PyObject *message)
+{
+    if (!PyDict_Check(message))
+        return;
+    PyObject *type = PyDict_GetItemWithError(message, s_type); /* borrowed */
+    if (type == NULL || !PyUnicode_Check(type))
+        return;
+    if (PyUnicode_Compare(type, s_response_body) == 0) {
+        PyObject *body = PyDict_GetItemWithError(message, s_body);
+        if (body != NULL && body != Py_None) {
+            Py_ssize_t n = PyObject_Length(body);
+            if (n > 0)
+                t->sent += n;
+        }
+        int more = truthy(message, s_more_body);
+        if (more == 0)
+            t->complete = 1;
+    }
+    else if (PyUnicode_Compare(type, s_response_start) == 0) {
+        PyObject *status = PyDict_GetItemWithError(message, s_status);
+        if (status != NULL) {
+            PyObject *n = PyNumber_Long(status);
+            if (n != NULL)
+                t->status = (int)PyLong_AsLong(n);
+            Py_XDECREF(n);
+        }
+        PyObject *headers = PyDict_GetItemWithError(message, s_headers);
+        Py_XSETREF(t->headers, Py_XNewRef(headers));
+    }
+    else if (PyUnicode_Compare(type, s_pathsend) == 0) {
+        t->pathsend = t->complete = 1;
+    }
+    else if (PyUnicode_Compare(type, s_zerocopy) == 0) {
+        t->pathsend = 1;
+        if (truthy(message, s_more_body) == 0)
+            t->complete = 1;
+    }
+}
+
+static PyObject *
+tap_vectorcall(SendTapObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) == 1 && kwnames == NULL) {
+        tap_message(t, args[0]);
+        if (PyErr_Occurred())
+            failed();
+    }
+    return PyObject_Vectorcall(t->send, args, nargsf, kwnames);
+}
+
+static PyObject *
+tap_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *send;
+    if (!PyArg_ParseTuple(args, "O:SendTap", &send))
+        return NULL;
+    SendTapObject *t = (SendTapObject *)type->tp_alloc(type, 0);
+    if (t == NULL)
+        return NULL;
+    t->send = Py_NewRef(send);
+    t->vectorcall = (vectorcallfunc)tap_vectorcall;
+    return (PyObject *)t;
+}
+
+static int
+tap_traverse(SendTapObject *t, visitproc visit, void *arg)
+{
+    Py_VISIT(t->send);
+    Py_VISIT(t->headers);
+    return 0;
+}
+
+static int
+tap_clear(SendTapObject *t)
+{
+    Py_CLEAR(t->send);
+    Py_CLEAR(t->headers);
+    return 0;
+}
+
+static void
+tap_dealloc(SendTapObject *t)
+{
+    PyObject_GC_UnTrack(t);
+    tap_clear(t);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyMemberDef tap_members[] = {
+    {"send", T_OBJECT, offsetof(SendTapObject, send), READONLY, "the server's send"},
+    {"headers", T_OBJECT, offsetof(SendTapObject, headers), READONLY, "response headers"},
+    {"sent", T_LONGLONG, offsetof(SendTapObject, sent), READONLY, "body bytes sent"},
+    {"status", T_INT, offsetof(SendTapObject, status), READONLY, "0: not started"},
+    {"complete", T_BOOL, offsetof(SendTapObject, complete), READONLY, "the last body went"},
+    {"pathsend", T_BOOL, offsetof(SendTapObject, pathsend), READONLY, "sent from a file"},
+    {NULL},
+};
+
+static PyTypeObject SendTapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsleuth.agent._speedups.SendTap",
+    .tp_doc = "SendTap(send): agent.frameworks.asgi.SendTap in C.",
+    .tp_basicsize = sizeof(SendTapObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = tap_new,
+    .tp_dealloc = (destructor)tap_dealloc,
+    .tp_traverse = (traverseproc)tap_traverse,
+    .tp_clear = (inquiry)tap_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(SendTapObject, vectorcall),
+    .tp_members = tap_members,
+};
 
 /* ------------------------------------------------------------------ thread-pool hand-offs
  * agent.instrument.threads in C: HandOff(run_sync) replaces anyio.to_thread.run_sync and
@@ -1001,18 +1381,18 @@ static PyObject *
 marked_vectorcall(MarkedObject *m, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     mark_entry(PyEval_GetFrame());
-    PyObject *prev = PyObject_GetAttr(m->req, s_worker);
-    PyObject *ident = prev ? PyLong_FromUnsignedLong(PyThread_get_thread_ident()) : NULL;
-    if (ident == NULL || PyObject_SetAttr(m->req, s_worker, ident) < 0)
+    Layout *layout = layout_of(Py_TYPE(m->req));
+    PyObject *prev = layout ? get_field(m->req, layout, F_WORKER) : NULL;
+    if (prev != NULL) {
+        Py_INCREF(prev);
+        set_field(m->req, layout, F_WORKER,
+                  PyLong_FromUnsignedLong(PyThread_get_thread_ident()));
+    }
+    if (PyErr_Occurred())
         failed();
-    Py_XDECREF(ident);
     PyObject *result = PyObject_Vectorcall(m->func, args, nargsf, kwnames);
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    if (prev != NULL && PyObject_SetAttr(m->req, s_worker, prev) < 0)
-        failed();
-    Py_XDECREF(prev);
-    PyErr_Restore(type, value, tb);
+    if (prev != NULL)
+        set_field(m->req, layout, F_WORKER, prev); /* steals prev back */
     return result;
 }
 
@@ -1233,6 +1613,8 @@ static PyMethodDef module_methods[] = {
     {"begin", (PyCFunction)(void (*)(void))begin, METH_FASTCALL | METH_KEYWORDS,
      "begin(kind, method='', path='', *, cpu=False, cls=request_class): recorder.begin."},
     {"end", (PyCFunction)end, METH_O, "end(req): recorder.end."},
+    {"row", (PyCFunction)(void (*)(void))row, METH_FASTCALL,
+     "row(req, user_header, tenant_header): the request's column values (shipper)."},
     {NULL},
 };
 
@@ -1250,7 +1632,7 @@ PyMODINIT_FUNC
 PyInit__speedups(void)
 {
     if (PyType_Ready(&WrapperType) < 0 || PyType_Ready(&MarkedType) < 0 ||
-        PyType_Ready(&HandOffType) < 0)
+        PyType_Ready(&HandOffType) < 0 || PyType_Ready(&SendTapType) < 0)
         return NULL;
     INTERN(s_sites, "sites");
     INTERN(s_calls, "calls");
@@ -1265,6 +1647,15 @@ PyInit__speedups(void)
     INTERN(s_site_list, "site_list");
     INTERN(s_worker, "worker");
     INTERN(s_requests_recorded, "requests_recorded");
+    INTERN(s_type, "type");
+    INTERN(s_body, "body");
+    INTERN(s_more_body, "more_body");
+    INTERN(s_status, "status");
+    INTERN(s_headers, "headers");
+    INTERN(s_response_body, "http.response.body");
+    INTERN(s_response_start, "http.response.start");
+    INTERN(s_pathsend, "http.response.pathsend");
+    INTERN(s_zerocopy, "http.response.zerocopy");
     INTERN(s_empty, "");
     if ((layouts = PyDict_New()) == NULL)
         return NULL;
@@ -1277,11 +1668,14 @@ PyInit__speedups(void)
         return NULL;
     if (PyModule_AddObjectRef(m, "CursorMethod", (PyObject *)&WrapperType) < 0 ||
         PyModule_AddObjectRef(m, "HandOff", (PyObject *)&HandOffType) < 0 ||
+        PyModule_AddObjectRef(m, "SendTap", (PyObject *)&SendTapType) < 0 ||
         PyModule_AddIntConstant(m, "EXECUTE", EXECUTE) < 0 ||
         PyModule_AddIntConstant(m, "FETCHONE", FETCHONE) < 0 ||
         PyModule_AddIntConstant(m, "FETCHMANY", FETCHMANY) < 0 ||
         PyModule_AddIntConstant(m, "FETCHALL", FETCHALL) < 0 ||
-        PyModule_AddIntConstant(m, "NEXT", NEXT) < 0) {
+        PyModule_AddIntConstant(m, "NEXT", NEXT) < 0 ||
+        PyModule_AddIntConstant(m, "CONN_CURSOR", CONN_CURSOR) < 0 ||
+        PyModule_AddIntConstant(m, "CONN_EXECUTE", CONN_EXECUTE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -304,6 +304,8 @@ class ActiveRequest:
                 self.sites = {}
             elif len(calls) >= _max_rows:
                 return self._dropped()
+            elif self.sites is _NO_SITES:  # a call after the request ended (a leaked thread)
+                self.sites = {}
             # The call site: the first application frame above the wrapper (else the first
             # frame that is not the agent's).
             frame = _getframe(up)
@@ -531,6 +533,10 @@ def end(req: ActiveRequest) -> None:
             except ValueError:  # ended from another context: just clear ours
                 _current.set(None)
             req.token = None
+        # What the writer does not need goes now: every container the queued requests keep
+        # alive is looked at by the application's garbage collections until it is written.
+        req.task = None
+        req.sites = _NO_SITES
         stats["requests_recorded"] += 1
         sink = _sink
         if sink is not None:

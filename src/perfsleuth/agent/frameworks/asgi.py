@@ -61,28 +61,64 @@ class PerfsleuthASGI:
         return f"PerfsleuthASGI({self.app!r})"
 
 
-class _AsgiRequest(recorder.ActiveRequest):
-    """A request recorded at the ASGI layer: the request, plus the counters of its exchange
-    with the server and the receive/send wrappers that fill them (one object per request)."""
+class SendTap:
+    """The send callable handed to the app: what the response said on its way to the server
+    (status, headers, body bytes, whether it was complete), then the server's send. The C
+    accelerator has the same (agent/_speedups.c), without a Python frame per message."""
 
-    __slots__ = (
-        "_receive",
-        "_send",
-        "complete",
-        "pathsend",
-        "received",
-        "resp_headers",
-        "sent",
-        "tap",
-    )
+    __slots__ = ("complete", "headers", "pathsend", "send", "sent", "status")
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.status = 0  # 0: no response started
+        self.headers: Any = None
+        self.sent = 0
+        self.complete = False  # the last body message went out
+        self.pathsend = False  # the body was sent by the server from a file
+
+    def __call__(self, message: Message) -> Awaitable[None]:
+        # Not a coroutine of its own: it returns the server's send awaitable, which the app
+        # awaits (one coroutine object less per message).
+        try:
+            t = message["type"]
+            if t == "http.response.body":
+                body = message.get("body")
+                if body:
+                    self.sent += len(body)
+                if not message.get("more_body", False):
+                    self.complete = True
+            elif t == "http.response.start":
+                self.status = int(message["status"])
+                self.headers = message.get("headers")
+            elif t in ("http.response.pathsend", "http.response.zerocopy"):
+                self.pathsend = True
+                if t == "http.response.pathsend" or not message.get("more_body", False):
+                    self.complete = True
+        except Exception:
+            recorder.internal_error()
+        return self.send(message)
+
+    def declared_length(self) -> int | None:
+        for name, value in self.headers or ():
+            if bytes(name).lower() == b"content-length":
+                return content_length(bytes(value).decode("latin-1"))
+        return None
+
+
+_SendTap: Any = SendTap
+if recorder.speedups is not None:
+    _SendTap = recorder.speedups.SendTap
+
+
+class _AsgiRequest(recorder.ActiveRequest):
+    """A request recorded at the ASGI layer: the request, plus its exchange with the server
+    (the receive wrapper, the send tap) (one object per request)."""
+
+    __slots__ = ("_receive", "out", "received", "tap")
 
     _receive: Receive
-    _send: Send
+    out: SendTap  # the send handed to the app
     received: int
-    sent: int
-    complete: bool  # the last body message went out
-    pathsend: bool  # the body was sent by the server from a file
-    resp_headers: Any
     tap: capture.BodyTap | None  # the body, for a possible capture
 
     async def receive(self) -> Message:
@@ -100,34 +136,6 @@ class _AsgiRequest(recorder.ActiveRequest):
         except Exception:
             recorder.internal_error()
         return message
-
-    def send(self, message: Message) -> Awaitable[None]:
-        # Not a coroutine of its own: it returns the server's send awaitable, which the app
-        # awaits (one coroutine object less per message).
-        try:
-            t = message["type"]
-            if t == "http.response.body":
-                body = message.get("body")
-                if body:
-                    self.sent += len(body)
-                if not message.get("more_body", False):
-                    self.complete = True
-            elif t == "http.response.start":
-                self.status = int(message["status"]) or None
-                self.resp_headers = message.get("headers")
-            elif t in ("http.response.pathsend", "http.response.zerocopy"):
-                self.pathsend = True
-                if t == "http.response.pathsend" or not message.get("more_body", False):
-                    self.complete = True
-        except Exception:
-            recorder.internal_error()
-        return self._send(message)
-
-    def declared_length(self) -> int | None:
-        for name, value in self.resp_headers or ():
-            if bytes(name).lower() == b"content-length":
-                return content_length(bytes(value).decode("latin-1"))
-        return None
 
 
 _begin = recorder.begin
@@ -162,10 +170,9 @@ def _recording(inner: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable
             await inner(self, scope, receive, send)
             return
         req._receive = receive
-        req._send = send
-        req.received = req.sent = 0
-        req.complete = req.pathsend = False
-        req.resp_headers = req.tap = None
+        req.received = 0
+        req.tap = None
+        out = req.out = _SendTap(send)
         try:
             req.headers = scope.get("headers")
             # the request's task, for the sampler and the loop watchdog
@@ -175,10 +182,10 @@ def _recording(inner: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable
         except Exception:  # the user, tenant or samples are lost, not the request
             recorder.internal_error()
         try:
-            await inner(self, scope, req.receive, req.send)
+            await inner(self, scope, req.receive, out)
         except BaseException as exc:
             try:
-                if not req.complete or req.status is None:
+                if not out.complete or not out.status:
                     req.status = 500
                 req.error = type(exc).__name__
             except Exception:
@@ -215,10 +222,13 @@ def _finish(req: _AsgiRequest, scope: Scope) -> None:
         # writer reads Content-Length from req.headers when req_bytes is None).
         if req.received:
             req.req_bytes = req.received
-        if req.pathsend:
-            req.resp_bytes = req.sent + (req.declared_length() or 0)
+        out = req.out
+        if req.status is None:  # not set to 500 by an exception
+            req.status = out.status or None
+        if out.pathsend:
+            req.resp_bytes = out.sent + (SendTap.declared_length(out) or 0)
         else:
-            req.resp_bytes = req.sent
+            req.resp_bytes = out.sent
         if not req.endpoint:
             req.endpoint = _route_name(scope, req.method, req.status)
         else:  # named by a framework mounted inside (Flask via a2wsgi, Django): add the mount
@@ -227,7 +237,7 @@ def _finish(req: _AsgiRequest, scope: Scope) -> None:
         recorder.internal_error()
         if not req.endpoint:
             req.endpoint = unmatched(req.method)
-    req._receive = req._send = None  # type: ignore[assignment]  # the writer needs neither
+    req._receive = req.out = None  # type: ignore[assignment]  # the writer needs neither
     _end(req)
     if capture.on:
         capture.finish_asgi(req, scope, req.tap)

@@ -323,17 +323,33 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
     for cls in (Cursor, Connection):
         cls.__name__ = cls.__qualname__ = cls.__mro__[1].__name__
     python_methods = {name: Cursor.__dict__[name] for name in _ACCELERATED}
-    c_methods = {}
+    python_conn = {name: Connection.__dict__[name] for name in ("cursor", "execute")}
+    c_methods: dict[str, Any] = {}
+    c_conn: dict[str, Any] = {}
     if speedups is not None:
         try:
+            method = speedups.CursorMethod
             c_methods = {
-                name: speedups.CursorMethod(getattr(base_cur, name), getattr(speedups, kind))
+                name: method(getattr(base_cur, name), getattr(speedups, kind))
                 for name, kind in _ACCELERATED.items()
+            }
+            c_conn = {
+                "cursor": method(c_cursor, speedups.CONN_CURSOR, Cursor, python_conn["cursor"]),
+                "execute": method(
+                    c_cursor,
+                    speedups.CONN_EXECUTE,
+                    Cursor,
+                    python_conn["execute"],
+                    c_methods["execute"],
+                ),
             }
         except Exception:
             _internal_error()
+            c_methods = c_conn = {}
     _sqlite_methods.append((Cursor, python_methods, c_methods))
+    _sqlite_methods.append((Connection, python_conn, c_conn))
     _use(Cursor, c_methods or python_methods)
+    _use(Connection, c_conn or python_conn)
     return Connection, Cursor
 
 
@@ -345,7 +361,7 @@ _ACCELERATED = {
     "fetchall": "FETCHALL",
     "__next__": "NEXT",
 }
-# (instrumented cursor class, its Python methods, its C methods) of every sqlite DB-API module
+# (instrumented class, its Python methods, their C versions) of every sqlite DB-API module
 _sqlite_methods: list[tuple[type, dict[str, Any], dict[str, Any]]] = []
 
 

@@ -1,0 +1,177 @@
+"""The agent's C accelerator (agent/_speedups.c) does what the Python reference does.
+
+Each test runs the same thing through the C function and through its Python original and
+compares the results field by field (ids and clocks aside). The sqlite wrappers are compared
+the same way in test_instrument_db.py (every sqlite test runs with both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from perfsleuth.agent import recorder, shipper
+from perfsleuth.agent.frameworks import asgi as ps_asgi
+from perfsleuth.agent.frameworks.wsgi import identity
+
+pytestmark = pytest.mark.skipif(recorder.speedups is None, reason="the C accelerator is not built")
+
+CLOCKS = {"trace_id", "start_wall", "start", "end", "token", "cpu_start", "cpu_ns"}
+
+
+def fields(req: recorder.ActiveRequest) -> dict[str, Any]:
+    out = {}
+    for cls in type(req).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            out[name] = getattr(req, name, "<unset>")
+    return out
+
+
+@pytest.mark.parametrize("cls", [recorder.ActiveRequest, ps_asgi._AsgiRequest])
+@pytest.mark.parametrize("cpu", [False, True])
+def test_begin_and_end_set_what_the_python_ones_set(
+    agent_data_dir: str, cls: type, cpu: bool
+) -> None:
+    got = []
+    recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
+    try:
+        for begin, end in (
+            (recorder.speedups.begin, recorder.speedups.end),
+            (recorder.python_begin, recorder.python_end),
+        ):
+            req = begin("web", "GET", "/p", cpu=cpu, cls=cls)
+            assert req is not None and type(req) is cls
+            assert recorder.current() is req and recorder.inflight[id(req)] is req
+            assert begin("web", "GET", "/nested", cls=cls) is None  # one request per context
+            end(req)
+            assert recorder.current() is None and id(req) not in recorder.inflight
+        c_req, py_req = got
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    c_fields, py_fields = fields(c_req), fields(py_req)
+    assert {k: v for k, v in c_fields.items() if k not in CLOCKS} == {
+        k: v for k, v in py_fields.items() if k not in CLOCKS
+    }
+    for name in ("trace_id", "start_wall", "start", "end"):
+        assert type(c_fields[name]) is int and c_fields[name] > 0, name
+    assert c_req.end >= c_req.start and (c_req.cpu_ns is not None) == cpu
+    assert c_req.token is None and c_req.sites is recorder._NO_SITES
+
+
+def test_begin_records_nothing_while_the_agent_is_off(agent_data_dir: str) -> None:
+    recorder.configure(None, max_calls=20000, stacks_per_site=1)
+    try:
+        assert recorder.speedups.begin("web", "GET", "/") is None
+        assert recorder.python_begin("web", "GET", "/") is None
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+
+
+def made(headers: Any, **values: Any) -> recorder.ActiveRequest:
+    req = recorder.python_begin("web", "POST", "/r", cls=ps_asgi._AsgiRequest)
+    assert req is not None
+    req.headers = headers
+    for name, value in values.items():
+        setattr(req, name, value)
+    recorder.python_end(req)
+    return req
+
+
+ROWS = [
+    ({}, [(b"x-user", b"ann"), (b"content-length", b"12"), (b"x-tenant", b"acme")]),
+    ({"user": "set-by-app", "req_bytes": 99}, [(b"x-user", b"ann")]),
+    ({"endpoint": "", "status": 500, "error": "KeyError"}, []),
+    ({"gc_ns": 123, "gc_count": 2, "calls_dropped": 7}, [(b"content-length", b"nope")]),
+    ({"resp_bytes": 10}, [(b"x-user", b"a" * 300), (b"x-user", b"last"), (b"x-tenant", b"")]),
+    ({}, None),
+]
+
+
+@pytest.mark.parametrize(("values", "headers"), ROWS)
+def test_the_writer_row_is_the_python_one(
+    agent_data_dir: str, values: dict[str, Any], headers: Any
+) -> None:
+    recorder.configure(lambda r: None, max_calls=20000, stacks_per_site=1)
+    try:
+        c_req = made(None if headers is None else list(headers), **values)
+        py_req = made(None if headers is None else list(headers), **values)
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    py_req.trace_id, py_req.start, py_req.end = c_req.trace_id, c_req.start, c_req.end
+    py_req.start_wall = c_req.start_wall
+    ident = identity()
+    assert recorder.speedups.row(c_req, ident.user_b, ident.tenant_b) == shipper._row_values(py_req)
+    assert c_req.headers is None and py_req.headers is None
+
+
+def test_a_request_it_cannot_read_is_left_to_python(agent_data_dir: str) -> None:
+    recorder.configure(lambda r: None, max_calls=20000, stacks_per_site=1)
+    try:
+        odd = made([("x-user", "not bytes")])
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    assert recorder.speedups.row(odd, b"x-user", b"x-tenant") is NotImplemented
+    assert shipper._row_values(odd)[5] is None  # the Python one copes (and finds no user)
+
+
+def test_the_hand_off_notes_the_worker_thread_while_the_function_runs(
+    agent_data_dir: str,
+) -> None:
+    seen: list[int | None] = []
+    worker: list[int] = []
+
+    def work(x: int, *, y: int) -> int:
+        req = recorder.current()
+        assert req is not None
+        seen.append(req.worker)
+        worker.append(threading.get_ident())
+        return x + y
+
+    async def main() -> tuple[int, recorder.ActiveRequest]:
+        req = recorder.begin("web", "GET", "/h")
+        assert req is not None
+        try:
+            return await asyncio.to_thread(work, 1, y=2), req
+        finally:
+            recorder.end(req)
+
+    result, req = asyncio.run(main())
+    assert asyncio.to_thread.__perfsleuth__  # type: ignore[attr-defined]
+    assert result == 3 and seen == worker  # noted while it ran...
+    assert req.worker is None  # ...and put back after
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [
+            {"type": "http.response.start", "status": 201, "headers": [(b"a", b"b")]},
+            {"type": "http.response.body", "body": b"abc", "more_body": True},
+            {"type": "http.response.body", "body": b"de"},
+        ],
+        [{"type": "http.response.start", "status": "404"}, {"type": "http.response.body"}],
+        [{"type": "http.response.start", "status": 200}, {"type": "http.response.pathsend"}],
+        [
+            {"type": "http.response.start", "status": 200},
+            {"type": "http.response.zerocopy", "more_body": True},
+        ],
+        [{"type": "http.response.body", "body": bytearray(b"xyz"), "more_body": False}],
+        [{"type": "lifespan.startup.complete"}, {"no": "type"}],
+    ],
+)
+def test_the_send_tap_notes_what_the_python_one_notes(messages: list[Any]) -> None:
+    sent: list[Any] = []
+
+    def send(message: Any) -> str:
+        sent.append(message)
+        return "awaitable"
+
+    taps = [recorder.speedups.SendTap(send), ps_asgi.SendTap(send)]
+    for tap in taps:
+        assert [tap(m) for m in messages] == ["awaitable"] * len(messages)
+    assert sent == messages * 2  # every message reaches the server, untouched
+    c, py = ((t.status, t.headers, t.sent, t.complete, t.pathsend) for t in taps)
+    assert c == py
