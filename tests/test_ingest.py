@@ -19,6 +19,7 @@ import pytest
 from perfsleuth.store.base import IngestReport
 from perfsleuth.store.duckdb_store import DuckDBStore
 from perfsleuth.wire import REQUEST
+from perfsleuth.wire.calls import NULL
 from perfsleuth.wire.segment import REC_MAGIC, encode_record
 from spoolwrite import MS, SegmentWriter, call
 
@@ -689,38 +690,53 @@ def test_batched_records_ingest_as_the_python_decoder_reads_them(data_dir: str) 
             assert [c["rows"] for c in lookups] == [1] * len(lookups)
 
 
-def batch_record(n: int, rows: bytes = b"", **columns: Any) -> bytes:
-    """A hand-made REQUESTS record (wire.batch) of ``n`` requests."""
+def batch_record(n: int, rows: bytes = b"", ints: bytes | None = None, **columns: Any) -> bytes:
+    """A hand-made REQUESTS record (wire.batch) of ``n`` requests: ``columns`` of the integer
+    columns go into its ints (None: NULL), the others into its JSON; ``ints`` replaces them."""
     from perfsleuth.wire import REQUESTS
+    from perfsleuth.wire.batch import INT_COLUMNS
 
-    obj = {"v": 1, "n": n, "id": [f"{i + 1:016x}" for i in range(n)], "ts": [10**18] * n}
-    obj.update(endpoint=["GET /x"] * n, dur=[MS] * n, **columns)
-    return raw_record(REQUESTS, json.dumps(obj).encode() + b"\x00" + rows)
+    values: dict[str, Any] = {"id": list(range(1, n + 1)), "ts": [10**18] * n, "dur": [MS] * n}
+    values["ncalls"] = [0] * n
+    obj: dict[str, Any] = {"v": 2, "n": n, "endpoint": ["GET /x"] * n}
+    for name, col in columns.items():
+        (values if name in INT_COLUMNS else obj)[name] = col
+    if ints is None:
+        ints = b"".join(
+            struct.pack("<q", NULL if (c := values.get(name)) is None or c[i] is None else c[i])
+            for i in range(n)
+            for name in INT_COLUMNS
+        )
+    return raw_record(REQUESTS, json.dumps(obj).encode() + b"\x00" + ints + rows)
 
 
 def test_malformed_batch_records_are_damage_and_lose_only_themselves(
     data_dir: str, store: DuckDBStore
 ) -> None:
-    from perfsleuth.wire.batch import AGENT_ROW
+    from perfsleuth.wire.batch import AGENT_ROW, INT_ROW
 
     row = AGENT_ROW.pack(0, 100, 200, 1, 7)
     w = SegmentWriter(data_dir)
     table = {"site_table": [[1, 2, 3, 0, 0]]}
     w.write(batch_record(2, ncalls=[1, 0], t0=[50, 50], sites=[[0], None], **table))
     w.write(batch_record(2, rows=row, ncalls=[1, 0], t0=[50, 50], sites=[[0], []], **table))
-    w.write(batch_record(3, status=[200, 200]))  # a column that is not 3 long
+    w.write(batch_record(3, method=["GET", "GET"]))  # a column that is not 3 long
     w.write(batch_record(1, rows=row * 2, ncalls=[1], t0=[50], sites=[[0]], **table))
     w.write(batch_record(1, rows=row, ncalls=[1], sites=[[0]], **table))  # no t0
     w.write(batch_record(1, rows=row, ncalls=[1], t0=[50], sites=[[1]], **table))  # no site 1
+    w.write(batch_record(2, ints=INT_ROW.pack(*[1] * 12)))  # ints for one request of two
+    w.write(batch_record(1, ncalls=[-1]))  # a negative count
+    w.write(batch_record(1, v=1))  # the first layout (its ints in the JSON)
     w.request("GET /fine", dur_ms=1)
     w.close()
     rep = store.ingest()
     # the first record says one call but has no rows; the third and fourth do not add up;
-    # the fifth has rows it cannot place (no t0), the sixth a site its table has not: damage,
-    # each; the second is fine
+    # the fifth has rows it cannot place (no t0), the sixth a site its table has not; the
+    # seventh is short of ints, the eighth counts -1 calls, the ninth is of a layout not
+    # written any more: damage, each; the second is fine
     assert sorted(d.reason for d in rep.damaged) == [
         "call rows without sites",
-        *["undecodable payload"] * 4,
+        *["undecodable payload"] * 7,
     ]
     assert count(store) == 2 + 1 + 1  # the fine batch, the JSON request, the one without t0
     (c,) = store.trace("0" * 15 + "1")["calls"]
@@ -730,10 +746,11 @@ def test_malformed_batch_records_are_damage_and_lose_only_themselves(
 
 def test_odd_values_in_a_batch_are_coerced_not_fatal(data_dir: str, store: DuckDBStore) -> None:
     w = SegmentWriter(data_dir)
-    w.write(batch_record(2, status=["two hundred", 404], user=[7, None], ncalls=[0, 0]))
+    big_id = (1 << 64) - 2  # a trace id over 2**63 travels as a negative int64
+    w.write(batch_record(2, id=[big_id - (1 << 64), 2], status=[None, 404], user=[7, None]))
     w.close()
     rep = store.ingest()
     assert rep.requests == 2 and not rep.damaged
     got = {r["trace_id"]: r for r in store.query("SELECT trace_id, status, user FROM requests")}
-    assert got["0" * 15 + "1"] == {"trace_id": "0" * 15 + "1", "status": None, "user": "7"}
+    assert got[f"{big_id:016x}"] == {"trace_id": f"{big_id:016x}", "status": None, "user": "7"}
     assert got["0" * 15 + "2"]["status"] == 404

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from http import HTTPStatus
 from typing import Any
 
 import pytest
@@ -16,6 +17,8 @@ import pytest
 from perfsleuth.agent import recorder, shipper
 from perfsleuth.agent.frameworks import asgi as ps_asgi
 from perfsleuth.agent.frameworks.wsgi import identity
+from perfsleuth.wire import batch as wbatch
+from perfsleuth.wire.segment import HEAD_SIZE
 
 pytestmark = pytest.mark.skipif(recorder.speedups is None, reason="the C accelerator is not built")
 
@@ -87,6 +90,9 @@ ROWS = [
     ({"gc_ns": 123, "gc_count": 2, "calls_dropped": 7}, [(b"content-length", b"nope")]),
     ({"resp_bytes": 10}, [(b"x-user", b"a" * 300), (b"x-user", b"last"), (b"x-tenant", b"")]),
     ({}, None),
+    # integers the wire cannot carry are NULL alike; an IntEnum is an int, a bool is not
+    ({"status": HTTPStatus.NOT_FOUND, "cpu_ns": 1 << 70, "req_bytes": True}, None),
+    ({"status": "200", "trace_id": (1 << 64) - 1, "resp_bytes": -5}, None),
 ]
 
 
@@ -107,6 +113,25 @@ def test_the_writer_row_is_the_python_one(
     assert c_req.headers is None and py_req.headers is None
 
 
+def test_the_row_s_integers_read_back_as_set(agent_data_dir: str) -> None:
+    recorder.configure(lambda r: None, max_calls=20000, stacks_per_site=1)
+    try:
+        req = made(None, status=HTTPStatus.NOT_FOUND, cpu_ns=1 << 70, req_bytes=True, endpoint="e")
+        req.trace_id = (1 << 64) - 1
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    ident = identity()
+    for values in (
+        recorder.speedups.row(req, ident.user_b, ident.tenant_b),
+        shipper._row_values(req),
+    ):
+        record = shipper._requests_record([(*values, None)], [bytearray()], {})
+        (got,) = wbatch.decode(record[HEAD_SIZE:])
+        assert got["id"] == "f" * 16 and got["status"] == 404 and got["endpoint"] == "e"
+        assert "cpu_ns" not in got and "req_bytes" not in got  # NULL: left out
+        assert got["dur"] == req.end - req.start and got["ts"] == req.start_wall
+
+
 def test_a_request_it_cannot_read_is_left_to_python(agent_data_dir: str) -> None:
     recorder.configure(lambda r: None, max_calls=20000, stacks_per_site=1)
     try:
@@ -114,7 +139,8 @@ def test_a_request_it_cannot_read_is_left_to_python(agent_data_dir: str) -> None
     finally:
         recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
     assert recorder.speedups.row(odd, b"x-user", b"x-tenant") is NotImplemented
-    assert shipper._row_values(odd)[5] is None  # the Python one copes (and finds no user)
+    user = wbatch.STRING_COLUMNS.index("user")
+    assert shipper._row_values(odd)[user] is None  # the Python one copes (and finds no user)
 
 
 def test_the_hand_off_notes_the_worker_thread_while_the_function_runs(

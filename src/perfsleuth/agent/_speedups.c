@@ -1129,6 +1129,25 @@ or_none(PyObject *x)
     return x != NULL && PyObject_IsTrue(x) == 1 ? Py_NewRef(x) : Py_NewRef(Py_None);
 }
 
+/* A column's integer: NULL for None or anything that is not a 64-bit int (what
+ * wire.batch.pack_ints does; an IntEnum such as HTTPStatus counts, a bool does not). */
+static long long
+int_or_null(PyObject *v)
+{
+    if (v == NULL || !PyLong_Check(v) || PyBool_Check(v))
+        return NULL_LL;
+    int overflow = 0;
+    long long n = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || n == NULL_LL || (n == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return NULL_LL;
+    }
+    return n;
+}
+
+#define N_INTS 12 /* wire.batch.INT_COLUMNS */
+#define N_ROW 8   /* wire.batch.STRING_COLUMNS, then the ints */
+
 static PyObject *
 row(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1150,7 +1169,6 @@ row(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NOTIMPLEMENTED;
     if (headers == -2)
         return NULL;
-    unsigned long long tid = PyLong_AsUnsignedLongLongMask(get_field(req, layout, F_TRACE_ID));
     PyObject *endpoint = get_field(req, layout, F_ENDPOINT);
     PyObject *method = get_field(req, layout, F_METHOD);
     PyObject *calls = get_field(req, layout, F_CALLS);
@@ -1160,10 +1178,30 @@ row(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     long long end = PyLong_AsLongLong(get_field(req, layout, F_END));
     if (PyErr_Occurred())
         return NULL;
-    char hex[17];
-    snprintf(hex, sizeof(hex), "%016llx", tid);
-    PyObject *values[19] = {
-        PyUnicode_FromStringAndSize(hex, 16),
+    /* the integer columns, as wire.batch.pack_ints packs them */
+    long long ints[N_INTS] = {
+        (long long)PyLong_AsUnsignedLongLongMask(get_field(req, layout, F_TRACE_ID)),
+        int_or_null(get_field(req, layout, F_START_WALL)),
+        end > start ? end - start : 0,
+        int_or_null(get_field(req, layout, F_STATUS)),
+        int_or_null(get_field(req, layout, F_CPU_NS)),
+        int_or_null(get_field(req, layout, F_REQ_BYTES)),
+        int_or_null(get_field(req, layout, F_RESP_BYTES)),
+        int_or_null(get_field(req, layout, F_CALLS_DROPPED)),
+        gc ? int_or_null(get_field(req, layout, F_GC_NS)) : NULL_LL,
+        gc ? int_or_null(gc_count) : NULL_LL,
+        start,
+        PyByteArray_Check(calls) ? PyByteArray_GET_SIZE(calls) / ROW : 0,
+    };
+    if (ints[7] == 0) /* calls_dropped: none is NULL */
+        ints[7] = NULL_LL;
+    if (PyErr_Occurred())
+        return NULL;
+    unsigned char packed[N_INTS * 8];
+    for (int k = 0; k < N_INTS; k++) /* little-endian, whatever the machine */
+        for (int b = 0; b < 8; b++)
+            packed[k * 8 + b] = (unsigned char)((unsigned long long)ints[k] >> (8 * b));
+    PyObject *values[N_ROW] = {
         Py_NewRef(get_field(req, layout, F_KIND)),
         Py_NewRef(method),
         PyObject_IsTrue(endpoint) == 1 ? Py_NewRef(endpoint)
@@ -1172,22 +1210,12 @@ row(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_NewRef(get_field(req, layout, F_USER)),
         Py_NewRef(get_field(req, layout, F_TENANT)),
         Py_NewRef(get_field(req, layout, F_ERROR)),
-        Py_NewRef(get_field(req, layout, F_START_WALL)),
-        PyLong_FromLongLong(end > start ? end - start : 0),
-        Py_NewRef(get_field(req, layout, F_STATUS)),
-        Py_NewRef(get_field(req, layout, F_CPU_NS)),
-        Py_NewRef(get_field(req, layout, F_REQ_BYTES)),
-        Py_NewRef(get_field(req, layout, F_RESP_BYTES)),
-        or_none(get_field(req, layout, F_CALLS_DROPPED)),
-        gc ? Py_NewRef(get_field(req, layout, F_GC_NS)) : Py_NewRef(Py_None),
-        or_none(gc_count),
-        PyLong_FromLongLong(start),
-        PyLong_FromSsize_t(PyByteArray_Check(calls) ? PyByteArray_GET_SIZE(calls) / ROW : 0),
+        PyBytes_FromStringAndSize((const char *)packed, sizeof(packed)),
     };
-    PyObject *out = PyTuple_New(19);
-    for (int k = 0; k < 19; k++) {
+    PyObject *out = PyTuple_New(N_ROW);
+    for (int k = 0; k < N_ROW; k++) {
         if (values[k] == NULL || out == NULL) {
-            for (int j = k; j < 19; j++)
+            for (int j = k; j < N_ROW; j++)
                 Py_XDECREF(values[j]);
             Py_XDECREF(out);
             return NULL;

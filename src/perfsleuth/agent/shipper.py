@@ -397,10 +397,10 @@ class _Encoder:
         sparse: dict[str, Any],
         table_of: dict[int, int],
     ) -> tuple[tuple[Any, ...], bytearray]:
-        """One request's values in _COLUMNS order, and its call rows; its attributes, tags and
-        per-call extras go into ``sparse`` under its index ``i`` in the batch, its sites into
-        the batch's site table (``table_of``: where each site entry is in it; requests share
-        entries, recorder._site_cache)."""
+        """One request's values (text columns, ints, sites: wire.batch) and its call rows; its
+        attributes, tags and per-call extras go into ``sparse`` under its index ``i`` in the
+        batch, its sites into the batch's site table (``table_of``: where each site entry is
+        in it; requests share entries, recorder._site_cache)."""
         ident = identity()
         values = _c_row(req, ident.user_b, ident.tenant_b) if _c_row is not None else None
         if values is None or values is NotImplemented:
@@ -429,20 +429,13 @@ class _Encoder:
 
 
 def _row_values(req: recorder.ActiveRequest) -> tuple[Any, ...]:
-    """A request's values for wire.batch's string and integer columns, in order (the C
-    accelerator's row() gives the same)."""
+    """A request's values for wire.batch's text columns, in order, then its integer columns
+    as wire bytes (the C accelerator's row() gives the same)."""
     if req.headers is not None:
         _read_headers(req)
     gc = req.gc_count
-    return (
-        f"{req.trace_id:016x}",
-        req.kind,
-        req.method,
-        req.endpoint or f"{req.method} <unmatched>",
-        req.path,
-        req.user,
-        req.tenant,
-        req.error,
+    ints = (
+        req.trace_id,
         req.start_wall,
         max(0, req.end - req.start),
         req.status,
@@ -454,6 +447,16 @@ def _row_values(req: recorder.ActiveRequest) -> tuple[Any, ...]:
         gc or None,
         req.start,
         len(req.calls or _NO_CALLS) // recorder.ROW,
+    )
+    return (
+        req.kind,
+        req.method,
+        req.endpoint or f"{req.method} <unmatched>",
+        req.path,
+        req.user,
+        req.tenant,
+        req.error,
+        wbatch.pack_ints(ints),
     )
 
 
@@ -468,20 +471,21 @@ def _requests_record(
 ) -> bytes:
     """One REQUESTS record (wire.batch) of rows made by _Encoder._row."""
     body: dict[str, Any] = {"v": wbatch.VERSION, "n": len(rows)}
-    body.update(zip(_COLUMNS, zip(*rows, strict=True), strict=True))
+    columns = list(zip(*rows, strict=True))
+    body.update(zip(wbatch.STRING_COLUMNS, columns, strict=False))
+    body["sites"] = columns[-1]
     for name, values in sparse.items():
         if values:
             body[name] = values
+    ints = b"".join(columns[-2])  # packed little-endian by row()
     rows_bytes = b"".join(calls_of)  # the agent's rows are the wire's, in native order
     if _BIG_ENDIAN:
         swapped = array.array("q", rows_bytes)
         swapped.byteswap()
         rows_bytes = swapped.tobytes()
-    return encode_payload(REQUESTS, encode_json(body) + wcalls.SEPARATOR + rows_bytes)
+    return encode_payload(REQUESTS, encode_json(body) + wcalls.SEPARATOR + ints + rows_bytes)
 
 
-# The column order of _Encoder._row (wire.batch's columns)
-_COLUMNS = (*wbatch.STRING_COLUMNS, *wbatch.INT_COLUMNS, "sites")
 _NO_CALLS = bytearray()
 _BIG_ENDIAN = sys.byteorder == "big"
 

@@ -295,8 +295,8 @@ class Batch:
         self._seg_index: dict[int, int] = {}
         self.raw_requests: list[bytes] = []  # JSON objects, one per request
         self.raw_calls: list[bytes | None] = []  # their binary call rows (REQUEST_BIN)
-        # REQUESTS records (wire.batch): (segment index, JSON object, rows, start, end)
-        self.columns: list[tuple[int, dict[str, Any], memoryview, int, int]] = []
+        # REQUESTS records (wire.batch): (segment index, its parts, start, end)
+        self.columns: list[tuple[int, wbatch.Batch, int, int]] = []
         self.raw_meta: list[tuple[int, int, int]] = []  # (segment index, start, end)
         self.dict_requests: list[Any] = []
         self.dict_src: list[int] = []
@@ -327,12 +327,12 @@ class Batch:
     ) -> None:
         if rtype == REQUESTS:
             try:
-                obj, rows, n = wbatch.split(payload)
+                parts = wbatch.split(payload)
             except ValueError:
                 self.add_damage(seg, start, end - start, "undecodable payload")
                 return
-            self.columns.append((self.touch(seg), obj, rows, start, end))
-            self.requests += n
+            self.columns.append((self.touch(seg), parts, start, end))
+            self.requests += parts.n
             self.request_bytes += len(payload)
             return
         if rtype in REQUEST_TYPES:
@@ -630,19 +630,20 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
                     slow.append((seg, obj, start, end))
                 except ValueError:
                     batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
-    for seg, obj, rows_view, start, end in batch.columns:
+    for seg, columns, start, end in batch.columns:
+        obj, n = columns.obj, columns.n
         try:
-            t, n = _columns_table(obj)
+            t, ncalls = _columns_table(columns)
         except (pa.ArrowException, TypeError, ValueError, OverflowError):
             try:  # odd values: request by request, coerced like a hand-written record
-                slow.extend((seg, req, start, end) for req in wbatch.decode_columns(obj, rows_view))
+                slow.extend((seg, req, start, end) for req in wbatch.decode_columns(columns))
             except ValueError:
                 batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
             continue
         parts.append(t)
         at = 0
-        for c in obj.get("ncalls") or [0] * n:
-            blobs.append(rows_view[at : at + c * wbatch.AGENT_ROW.size])
+        for c in ncalls.tolist():
+            blobs.append(columns.rows[at : at + c * wbatch.AGENT_ROW.size])
             at += c * wbatch.AGENT_ROW.size
         src.extend([seg] * n)
         agent_rows.extend([True] * n)
@@ -700,18 +701,25 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
     return wire, np.asarray(src, dtype=np.int64), decoded
 
 
-def _columns_table(obj: dict[str, Any]) -> tuple[pa.Table, int]:
-    """A REQUESTS record's columns (wire.batch) as REQUEST_WIRE rows (calls still empty)."""
-    n = obj["n"]
+def _columns_table(columns: wbatch.Batch) -> tuple[pa.Table, np.ndarray]:
+    """A REQUESTS record (wire.batch) as REQUEST_WIRE rows (calls still empty), and the
+    number of call rows of each request."""
+    obj, n = columns.obj, columns.n
     nulls = [None] * n
-    cols = {
-        f.name: pa.array(obj.get(f.name) or nulls, f.type)
-        for f in REQUEST_WIRE
-        if f.name not in ("calls", "sites")
-    }
+    ints = np.frombuffer(columns.ints, dtype=np.int64).reshape(n, len(wbatch.INT_COLUMNS))
+    cols = {}
+    for j, name in enumerate(wbatch.INT_COLUMNS):
+        col = ints[:, j]
+        if name == "id":
+            cols[name] = pa.array([f"{v:016x}" for v in col.view(np.uint64).tolist()], pa.string())
+        elif name in REQUEST_WIRE.names:
+            cols[name] = pa.array(col, pa.int64(), mask=col == wcalls.NULL)
+    for name in wbatch.STRING_COLUMNS:
+        cols[name] = pa.array(obj.get(name) or nulls, REQUEST_WIRE.field(name).type)
     cols["sites"] = pa.array(wbatch.request_sites(obj), REQUEST_WIRE.field("sites").type)
     cols["calls"] = pa.nulls(n, REQUEST_WIRE.field("calls").type)
-    return pa.table(cols, schema=REQUEST_WIRE), n
+    table = pa.table({f.name: cols[f.name] for f in REQUEST_WIRE}, schema=REQUEST_WIRE)
+    return table, ints[:, wbatch.INT_COLUMNS.index("ncalls")]
 
 
 _CALL_DTYPE = np.dtype([(name, "<" + code) for name, code in wcalls.FIELDS])

@@ -2,17 +2,15 @@
 
 The agent's writer thread wakes up to a few dozen finished requests at a time and writes them
 as one record, so the work per request is a row of references gathered into columns, and the
-encoding (JSON for the columns, one C call for all the calls' rows) is done per batch::
+encoding (JSON for the text columns, one C call each for the integers and the calls' rows)
+is done per batch::
 
-    payload := JSON object, NUL, rows
+    payload := JSON object, NUL, ints, rows
 
-The JSON object holds one list per column, each ``n`` long, values in request order:
+The JSON object holds ``v`` (2), ``n`` (the number of requests) and one list per text
+column, each ``n`` long, values in request order (null: none):
 
-    id, kind, method, endpoint, path, user, tenant, error      strings (or null)
-    ts, dur, status, cpu_ns, req_bytes, resp_bytes,              integers (or null): ns
-    calls_dropped, gc_ns, gc_count                               and bytes like REQUEST's
-    t0        perf_counter ns at the request's start, on the process clock of the rows
-    ncalls    the request's number of rows
+    kind, method, endpoint, path, user, tenant, error
     sites     per request, what its rows' ``slot`` points at: indexes into ``site_table``
 
 and ``site_table``, the sites of the batch's requests, each once (requests of a batch mostly
@@ -23,6 +21,15 @@ The sparse ones are ``{"<request index>": ...}`` maps: ``attrs``, ``tags`` and `
 (``{"<request index>": {"<call index>": {...}}}``, the per-call values of wire.calls's ``cx``
 plus ``fp``, ``status``, ``bytes``, ``hit`` and ``wait``, which a row has no room for).
 
+``ints``: request by request, its integer columns as little-endian int64 (NULL, -2**63: none),
+``len(INT_COLUMNS)`` each: decimal text and JSON escaping were most of the writer's work:
+
+    id        the trace id, 64 bits (two's complement; shown as 16 hex digits)
+    ts, dur, status, cpu_ns, req_bytes, resp_bytes,      ns and bytes like REQUEST's
+    calls_dropped, gc_ns, gc_count
+    t0        perf_counter ns at the request's start, on the process clock of the rows
+    ncalls    the request's number of rows
+
 ``rows``: the calls of every request of the batch, in order, five little-endian int64 each:
 ``slot, start, end, rows, ph`` (end 0: unfinished; NULL: no rows or no parameters), copied
 from the agent's request objects (agent.recorder) with no per-call Python.
@@ -30,9 +37,11 @@ from the agent's request objects (agent.recorder) with no per-call Python.
 
 from __future__ import annotations
 
+import array
 import json
 import struct
-from typing import Any
+import sys
+from typing import Any, NamedTuple
 
 from perfsleuth.wire.calls import (
     CALL,
@@ -44,12 +53,13 @@ from perfsleuth.wire.calls import (
     decode_parts,
 )
 
-VERSION = 1  # of the JSON object's layout ("v")
+VERSION = 2  # of the payload's layout ("v"); 1 had the integer columns in the JSON
 AGENT_ROW = struct.Struct("<qqqqq")
 AGENT_FIELDS = ("slot", "start", "end", "rows", "ph")
 SITE_FIELDS = ("fp", "stack", "site", "kind", "system")  # an entry of ``sites``
-STRING_COLUMNS = ("id", "kind", "method", "endpoint", "path", "user", "tenant", "error")
+STRING_COLUMNS = ("kind", "method", "endpoint", "path", "user", "tenant", "error")
 INT_COLUMNS = (
+    "id",
     "ts",
     "dur",
     "status",
@@ -64,13 +74,27 @@ INT_COLUMNS = (
 )
 SPARSE = ("attrs", "tags", "cx")
 _MASK63 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
+_BIG_ENDIAN = sys.byteorder == "big"
+INT_ROW = struct.Struct("<" + "q" * len(INT_COLUMNS))  # a request's ints
+_INT_SIZE = INT_ROW.size
+_NCALLS = INT_COLUMNS.index("ncalls")
 # What a row whose slot names no site gets: its timing stays, without fingerprint or site
 _NO_SITE = [NULL, NULL, NULL, OTHER, OTHER]
 
 
-def split(payload: bytes | memoryview) -> tuple[dict[str, Any], memoryview, int]:
-    """(JSON object, rows, number of requests) of a REQUESTS payload, checked for shape: every
-    column ``n`` long, whole rows, as many as ``ncalls`` says. ValueError otherwise."""
+class Batch(NamedTuple):
+    """A REQUESTS payload checked by :func:`split`."""
+
+    obj: dict[str, Any]  # the JSON object
+    ints: array.array[int]  # n * len(INT_COLUMNS) int64, native order
+    rows: memoryview  # the agent rows, little-endian
+    n: int
+
+
+def split(payload: bytes | memoryview) -> Batch:
+    """A REQUESTS payload in its parts, checked for shape: every column ``n`` long, whole
+    rows, as many as ``ncalls`` says. ValueError otherwise."""
     view = memoryview(payload)
     sep = bytes(view[: min(len(view), 1 << 26)]).find(SEPARATOR)
     if sep < 0:
@@ -79,11 +103,12 @@ def split(payload: bytes | memoryview) -> tuple[dict[str, Any], memoryview, int]
         obj = json.loads(bytes(view[:sep]))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"a REQUESTS payload whose JSON does not parse: {e}") from None
-    rows = view[sep + 1 :]
     if not isinstance(obj, dict) or type(obj.get("n")) is not int or obj["n"] < 0:
         raise ValueError("a REQUESTS payload without its number of requests")
+    if obj.get("v") != VERSION:
+        raise ValueError(f"a REQUESTS payload of layout {obj.get('v')!r}, not {VERSION}")
     n = obj["n"]
-    for name in (*STRING_COLUMNS, *INT_COLUMNS, "sites"):
+    for name in (*STRING_COLUMNS, "sites"):
         col = obj.get(name)
         if col is not None and (not isinstance(col, list) or len(col) != n):
             raise ValueError(f"a REQUESTS column {name!r} that is not {n} long")
@@ -101,20 +126,56 @@ def split(payload: bytes | memoryview) -> tuple[dict[str, Any], memoryview, int]
             or any(type(j) is not int or not 0 <= j < len(table) for j in idx)
         ):
             raise ValueError("a REQUESTS sites entry that is not indexes into site_table")
-    counts = obj.get("ncalls") or [0] * n
-    if any(type(c) is not int or c < 0 for c in counts):
+    end = sep + 1 + n * _INT_SIZE
+    if len(view) < end:
+        raise ValueError("a REQUESTS payload shorter than its integer columns")
+    ints = array.array("q")
+    ints.frombytes(view[sep + 1 : end])
+    if _BIG_ENDIAN:
+        ints.byteswap()
+    counts = ints[_NCALLS :: len(INT_COLUMNS)]
+    if any(c < 0 for c in counts):
         raise ValueError("a REQUESTS ncalls that is not a count")
+    rows = view[end:]
     if len(rows) != sum(counts) * AGENT_ROW.size:
         raise ValueError("a REQUESTS payload whose rows do not match ncalls")
-    return obj, rows, n
+    return Batch(obj, ints, rows, n)
+
+
+def int_columns(ints: array.array[int], n: int) -> dict[str, list[Any]]:
+    """The integer columns of a batch as lists (None for NULL, the id as 16 hex digits)."""
+    k = len(INT_COLUMNS)
+    cols: dict[str, list[Any]] = {
+        name: [None if v == NULL else v for v in ints[j : n * k : k]]
+        for j, name in enumerate(INT_COLUMNS)
+    }
+    cols["id"] = [f"{v & _MASK64:016x}" for v in ints[0 : n * k : k]]
+    return cols
+
+
+def pack_ints(values: tuple[Any, ...] | list[Any]) -> bytes:
+    """One request's integer columns (INT_COLUMNS order) as wire bytes: None, a bool or a
+    value that is not a 64-bit integer is NULL; the id is taken modulo 2**64."""
+    tid = values[0]
+    out = [_int64(v) for v in values]
+    if _is_int(tid):  # 64 bits of any sign: two's complement
+        out[0] = ((int(tid) + (1 << 63)) & _MASK64) - (1 << 63)
+    return INT_ROW.pack(*out)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int64(v: Any) -> int:
+    return int(v) if _is_int(v) and -_MASK63 <= v <= _MASK63 else NULL
 
 
 def decode(payload: bytes | memoryview) -> list[dict[str, Any]]:
     """A REQUESTS payload as JSON-shaped requests (``calls``: one dict per call, absent values
     left out, as wire.calls.decode_request gives them): for tools, tests and the store's slow
     path (the store reads batches vectorised). ValueError if malformed."""
-    obj, rows, _ = split(payload)
-    return decode_columns(obj, rows)
+    return decode_columns(split(payload))
 
 
 def request_sites(obj: dict[str, Any]) -> list[list[list[int]] | None]:
@@ -127,17 +188,21 @@ def request_sites(obj: dict[str, Any]) -> list[list[list[int]] | None]:
     ]
 
 
-def decode_columns(obj: dict[str, Any], rows: bytes | memoryview) -> list[dict[str, Any]]:
-    """:func:`decode` of a payload already :func:`split` (its object checked for shape)."""
-    n = obj["n"]
+def decode_columns(batch: Batch) -> list[dict[str, Any]]:
+    """:func:`decode` of a payload already :func:`split`."""
+    obj, n = batch.obj, batch.n
     sites_of = request_sites(obj)
+    ints = int_columns(batch.ints, n)
     out = []
     at = 0
     for i in range(n):
         req: dict[str, Any] = {}
-        for name in (*STRING_COLUMNS, *INT_COLUMNS):
+        for name in STRING_COLUMNS:
             col = obj.get(name)
             if col is not None and col[i] is not None:
+                req[name] = col[i]
+        for name, col in ints.items():
+            if col[i] is not None:
                 req[name] = col[i]
         for name in SPARSE:
             v = (obj.get(name) or {}).get(str(i))
@@ -145,7 +210,7 @@ def decode_columns(obj: dict[str, Any], rows: bytes | memoryview) -> list[dict[s
                 req[name] = v
         req["sites"] = sites_of[i]
         k = req.get("ncalls", 0) * AGENT_ROW.size
-        mine = bytes(rows[at : at + k])
+        mine = bytes(batch.rows[at : at + k])
         at += k
         try:
             packed = b"".join(CALL.pack(*r) for r in call_rows(req, mine))
