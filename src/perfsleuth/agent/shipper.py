@@ -34,7 +34,7 @@ from typing import Any
 
 from perfsleuth.agent import recorder, stacks
 from perfsleuth.agent.config import Config
-from perfsleuth.agent.frameworks.wsgi import content_length, identity, identity_value
+from perfsleuth.agent.frameworks.wsgi import Identity, content_length, identity, identity_value
 from perfsleuth.wire import (
     CLOSED_SUFFIX,
     FINGERPRINT,
@@ -361,9 +361,10 @@ class _Encoder:
         calls_of: list[bytearray] = []  # the agent rows of each request, in order
         sparse: dict[str, Any] = {"attrs": {}, "tags": {}, "cx": {}, "site_table": []}
         table_of: dict[int, int] = {}  # id(site entry) -> its index in sparse["site_table"]
+        ident = identity()
         for req in reqs:
             try:
-                row, calls = self._row(seg, out, req, len(rows), sparse, table_of)
+                row, calls = self._row(seg, out, req, ident, len(rows), sparse, table_of)
             except Exception:
                 recorder.internal_error()
                 continue
@@ -393,6 +394,7 @@ class _Encoder:
         seg: _Segment,
         out: list[bytes],
         req: recorder.ActiveRequest,
+        ident: Identity,
         i: int,
         sparse: dict[str, Any],
         table_of: dict[int, int],
@@ -400,8 +402,8 @@ class _Encoder:
         """One request's values (text columns, ints, sites: wire.batch) and its call rows; its
         attributes, tags and per-call extras go into ``sparse`` under its index ``i`` in the
         batch, its sites into the batch's site table (``table_of``: where each site entry is
-        in it; requests share entries, recorder._site_cache)."""
-        ident = identity()
+        in it; requests share entries, recorder._site_cache). ``ident``: the identity
+        headers."""
         values = _c_row(req, ident.user_b, ident.tenant_b) if _c_row is not None else None
         if values is None or values is NotImplemented:
             values = _row_values(req)
