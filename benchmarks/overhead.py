@@ -291,37 +291,38 @@ SETUPS: dict[str, Callable[[str, str], Setup]] = {
 
 
 def run_child(args: argparse.Namespace) -> None:
+    """A variant's process: set up, warm up, then run the slices the parent asks for, one at a
+    time (``run FIRST N`` on stdin: a result line on stdout), then ``check TOTAL``."""
     if args.cpu >= 0:  # before any thread starts, so that every thread inherits it
         os.sched_setaffinity(0, {args.cpu})
     tmp = tempfile.mkdtemp(prefix="perfsleuth-overhead-")
     try:
         app, flush, check = SETUPS[args.variant](args.db, tmp)
 
-        async def timed(first: int, n: int) -> tuple[float, float, int]:
+        async def timed(first: int, n: int) -> dict[str, Any]:
             gc.collect()
             c0, w0 = time.process_time_ns(), time.perf_counter_ns()
             bad = 0
             for i in range(first, first + n):
                 bad += await request(app, i % ORDERS + 1) != 200
-            flush()  # the run's deferred work (writer, batch processor) counts in the run
+            flush()  # the slice's deferred work (writer, batch processor) counts in it
             cpu, wall = time.process_time_ns() - c0, time.perf_counter_ns() - w0
-            return cpu / n / 1000, wall / n / 1000, bad
+            return {"cpu_us": cpu / n / 1000, "wall_us": wall / n / 1000, "bad": bad}
 
-        async def runs() -> dict[str, Any]:
-            bad = (await timed(0, args.warmup))[2]
-            out: dict[str, Any] = {"cpu_us": [], "wall_us": []}
-            for r in range(args.repeats):
-                cpu, wall, b = await timed(args.warmup + r * args.requests, args.requests)
-                out["cpu_us"].append(cpu)
-                out["wall_us"].append(wall)
-                bad += b
-            return {**out, "bad": bad}
+        async def serve() -> None:
+            loop = asyncio.get_running_loop()
+            warm = await timed(0, args.warmup)
+            print(RESULT + json.dumps(warm), flush=True)
+            while True:
+                line = (await loop.run_in_executor(None, sys.stdin.readline)).split()
+                if not line or line[0] != "run":
+                    total = int(line[1]) if line else 0
+                    ok, text = check(total)
+                    print(RESULT + json.dumps({"ok": ok, "check": text}), flush=True)
+                    return
+                print(RESULT + json.dumps(await timed(int(line[1]), int(line[2]))), flush=True)
 
-        out = asyncio.run(runs())
-        ok, text = check(args.warmup + args.repeats * args.requests)
-        if out["bad"]:
-            ok, text = False, f"{out['bad']} responses not 200; {text}"
-        print(RESULT + json.dumps({**out, "ok": ok, "check": text}), flush=True)
+        asyncio.run(serve())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -348,33 +349,111 @@ def default_cpu() -> int:
     return max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else -1
 
 
-def run_variant(name: str, db: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--variant", name, "--db", db]
-    for opt in ("requests", "repeats", "warmup", "cpu"):
-        cmd += [f"--{opt}", str(getattr(args, opt))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT):
-            result: dict[str, Any] = json.loads(line[len(RESULT) :])
-            return result
-    tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-    return {"ok": False, "check": f"child failed: {tail}", "cpu_us": [], "wall_us": []}
+class Child:
+    """One variant's process, driven slice by slice over pipes."""
+
+    def __init__(self, name: str, db: str, args: argparse.Namespace) -> None:
+        self.name = name
+        cmd = [sys.executable, os.path.abspath(__file__), "--variant", name, "--db", db]
+        for opt in ("warmup", "cpu"):
+            cmd += [f"--{opt}", str(getattr(args, opt))]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.requests = args.warmup
+        self.error = ""
+
+    def result(self) -> dict[str, Any] | None:
+        """The child's next result line; None (and ``error`` set) if it died."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(RESULT):
+                out: dict[str, Any] = json.loads(line[len(RESULT) :])
+                return out
+        self.proc.wait()
+        tail = " | ".join((self.proc.stderr.read() if self.proc.stderr else "").splitlines()[-3:])
+        self.error = self.error or f"child failed: {tail}"
+        return None
+
+    def ask(self, command: str) -> dict[str, Any] | None:
+        if self.error or self.proc.stdin is None:
+            return None
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it died: result() says how
+        return self.result()
+
+    def run(self, n: int) -> dict[str, Any] | None:
+        out = self.ask(f"run {self.requests} {n}")
+        self.requests += n
+        return out
+
+    def finish(self) -> tuple[bool, str]:
+        out = self.ask(f"check {self.requests}")
+        self.proc.wait(timeout=300)
+        if out is None:
+            return False, self.error
+        return bool(out["ok"]), str(out["check"])
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median over a child's repeats, then median over rounds (None if no child succeeded)."""
-    good = [r for r in runs if r["cpu_us"]]
-    cpu = [statistics.median(r["cpu_us"]) for r in good]
-    wall = [statistics.median(r["wall_us"]) for r in good]
+def run_round(names: list[str], db: str, args: argparse.Namespace, rnd: int) -> dict[str, Any]:
+    """One round: a fresh process per variant, all alive at once; slice after slice, each
+    variant in turn runs ``--requests`` requests (the order rotating from slice to slice), so
+    neighbouring slices of different variants see the same state of a shared machine."""
+    children = [Child(name, db, args) for name in names]
+    runs: dict[str, dict[str, Any]] = {n: {"cpu_us": [], "wall_us": [], "bad": 0} for n in names}
+    for child in children:  # warm-ups ran side by side; wait for all of them
+        warm = child.result()
+        if warm is not None:
+            runs[child.name]["bad"] += warm["bad"]
+    for s in range(args.repeats):
+        for child in children[s % len(children) :] + children[: s % len(children)]:
+            res = child.run(args.requests)
+            if res is None:
+                continue
+            for key in ("cpu_us", "wall_us"):
+                runs[child.name][key].append(res[key])
+            runs[child.name]["bad"] += res["bad"]
+    for child in children:
+        ok, text = child.finish()
+        r = runs[child.name]
+        if r["bad"]:
+            ok, text = False, f"{r['bad']} responses not 200; {text}"
+        r.update(ok=ok and not child.error, check=text)
+        if child.error:  # a slice list with holes cannot be paired
+            r["cpu_us"], r["wall_us"] = [], []
+        cpu = statistics.median(r["cpu_us"]) if r["cpu_us"] else float("nan")
+        msg = f"  round {rnd}: {child.name:<22}{cpu:8.1f} µs CPU/request  {text}"
+        print(msg, file=sys.stderr, flush=True)
+    return runs
+
+
+def summarise(runs: list[dict[str, Any]], bare: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-request figures (median over every slice) and the overhead: the median over
+    slices of the ratio to bare's slice next to it (same round, same slice number)."""
     med = statistics.median
+    cpu = [x for r in runs for x in r["cpu_us"]]
+    wall = [x for r in runs for x in r["wall_us"]]
+    ratios = [
+        (a / b, c / d)
+        for r, base in zip(runs, bare, strict=True)
+        if len(r["cpu_us"]) == len(base["cpu_us"])
+        for a, b, c, d in zip(
+            r["cpu_us"], base["cpu_us"], r["wall_us"], base["wall_us"], strict=True
+        )
+    ]
+    cpu_r = sorted(x[0] for x in ratios)
+    q = statistics.quantiles(cpu_r, n=4) if len(cpu_r) >= 2 else [cpu_r[0]] * 3 if cpu_r else []
     return {
         "cpu_us": med(cpu) if cpu else None,
         "wall_us": med(wall) if wall else None,
-        # (max - min) / median over rounds: a feel for the noise
-        "spread_pct": (max(cpu) - min(cpu)) / med(cpu) * 100 if cpu else None,
-        "cpu_us_rounds": cpu,
-        "wall_us_rounds": wall,
-        "cpu_us_runs": [r["cpu_us"] for r in good],  # every timed run, by round
+        "ratio_cpu": med(cpu_r) if cpu_r else None,
+        "ratio_wall": med(x[1] for x in ratios) if ratios else None,
+        # the middle half of the paired ratios, in points of overhead: a feel for the noise
+        "iqr_pct": [(q[0] - 1) * 100, (q[2] - 1) * 100] if q else None,
+        "cpu_us_slices": [r["cpu_us"] for r in runs],  # every slice, by round
         "ok": bool(runs) and all(r["ok"] for r in runs),
         "check": runs[-1]["check"] if runs else "",
     }
@@ -382,8 +461,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=3000, help="requests per timed run")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per child process")
+    ap.add_argument("--requests", type=int, default=1000, help="requests per timed slice")
+    ap.add_argument("--repeats", type=int, default=15, help="slices per variant and round")
     ap.add_argument("--warmup", type=int, default=300, help="untimed requests first")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the variants")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(SETUPS)}")
@@ -396,7 +475,7 @@ def main() -> None:
     if args.variant:
         return run_child(args)
     if args.quick:
-        args.requests, args.repeats, args.warmup, args.rounds = 500, 2, 100, 1
+        args.requests, args.repeats, args.warmup, args.rounds = 500, 4, 100, 1
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     if "bare" not in names or set(names) - set(SETUPS):
         ap.error(f"--variants must include bare, among: {', '.join(SETUPS)}")
@@ -407,8 +486,8 @@ def main() -> None:
     print(f"perfsleuth agent overhead: Python {platform.python_version()}, {os.cpu_count()} CPUs")
     print("versions: " + ", ".join(f"{d} {version(d) or '-'}" for d in dists))
     print(
-        f"{args.rounds} rounds x {args.repeats} runs x {args.requests} requests (+{args.warmup} "
-        f"warm-up) per variant, 1 + {LINES} sqlite3 queries per request, {pin}\n"
+        f"{args.rounds} rounds x {args.repeats} slices x {args.requests} requests (+{args.warmup} "
+        f"warm-up) per variant, interleaved, 1 + {LINES} sqlite3 queries per request, {pin}\n"
     )
     skipped = [v for v in names if any(version(d) is None for d in NEEDS.get(v, ()))]
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in names if v not in skipped}
@@ -417,34 +496,30 @@ def main() -> None:
         db = os.path.join(tmp, "shop.db")
         seed_db(db)
         for rnd in range(1, args.rounds + 1):
-            for name in runs:
-                res = run_variant(name, db, args)
+            for name, res in run_round(list(runs), db, args, rnd).items():
                 runs[name].append(res)
-                cpu = statistics.median(res["cpu_us"]) if res["cpu_us"] else float("nan")
-                msg = f"  round {rnd}: {name:<22}{cpu:8.1f} µs CPU/request  {res['check']}"
-                print(msg, file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    summary = {name: summarise(rs) for name, rs in runs.items()}
+    summary = {name: summarise(rs, runs["bare"]) for name, rs in runs.items()}
     base = summary["bare"]
-    head = f"{'variant':<22}{'CPU µs/req':>11}{'× bare':>8}{'overhead':>10}{'spread':>9}"
+    head = f"{'variant':<22}{'CPU µs/req':>11}{'× bare':>8}{'overhead':>10}{'IQR':>16}"
     head += f"{'wall µs/req':>13}{'× bare':>8}   check"
     print(head + "\n" + "-" * len(head))
     for name in names:
         s = summary.get(name)
         if s is None:
             print(f"{name:<22}skipped (not installed)")
-        elif s["cpu_us"] is None or base["cpu_us"] is None:
+        elif s["ratio_cpu"] is None or base["cpu_us"] is None:
             print(f"{name:<22}failed: {s['check']}")
         else:
-            s["ratio_cpu"] = s["cpu_us"] / base["cpu_us"]
-            s["ratio_wall"] = s["wall_us"] / base["wall_us"]
             s["overhead_pct"] = (s["ratio_cpu"] - 1) * 100
             over = "-" if name == "bare" else f"{s['overhead_pct']:+.1f} %"
+            lo, hi = s["iqr_pct"]
+            iqr = "-" if name == "bare" else f"{lo:+.1f}..{hi:+.1f} %"
             print(
-                f"{name:<22}{s['cpu_us']:>11.1f}{s['ratio_cpu']:>7.2f}x{over:>10}"
-                f"{s['spread_pct']:>7.1f} %{s['wall_us']:>13.1f}{s['ratio_wall']:>7.2f}x   "
+                f"{name:<22}{s['cpu_us']:>11.1f}{s['ratio_cpu']:>7.2f}x{over:>10}{iqr:>16}"
+                f"{s['wall_us']:>13.1f}{s['ratio_wall']:>7.2f}x   "
                 + ("" if s["ok"] else "FAILED: ")
                 + s["check"]
             )

@@ -727,21 +727,46 @@ def test_malformed_batch_records_are_damage_and_lose_only_themselves(
     w.write(batch_record(2, ints=INT_ROW.pack(*[1] * 12)))  # ints for one request of two
     w.write(batch_record(1, ncalls=[-1]))  # a negative count
     w.write(batch_record(1, v=1))  # the first layout (its ints in the JSON)
+    w.write(batch_record(1, method={"every": "GET"}))  # a shared value's map, misspelt
     w.request("GET /fine", dur_ms=1)
     w.close()
     rep = store.ingest()
     # the first record says one call but has no rows; the third and fourth do not add up;
     # the fifth has rows it cannot place (no t0), the sixth a site its table has not; the
     # seventh is short of ints, the eighth counts -1 calls, the ninth is of a layout not
-    # written any more: damage, each; the second is fine
+    # written any more, the tenth's map is not {"all": value}: damage, each; the second is fine
     assert sorted(d.reason for d in rep.damaged) == [
         "call rows without sites",
-        *["undecodable payload"] * 7,
+        *["undecodable payload"] * 8,
     ]
     assert count(store) == 2 + 1 + 1  # the fine batch, the JSON request, the one without t0
     (c,) = store.trace("0" * 15 + "1")["calls"]
     assert (c["offset_ms"], c["duration_ms"], c["rows"]) == (50 / MS, 100 / MS, 1)
     assert count(store, "calls") == 1
+
+
+def test_a_value_every_request_of_a_batch_shares_is_written_once(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    from perfsleuth.wire.batch import AGENT_ROW, decode
+
+    rows = b"".join(AGENT_ROW.pack(0, 100 + i, 200 + i, i, 7) for i in range(3))
+    shared = {"endpoint": {"all": "GET /y"}, "tenant": {"all": None}, "sites": {"all": [0]}}
+    record = batch_record(
+        3, rows=rows, ncalls=[1] * 3, t0=[50] * 3, site_table=[[1, 2, 3, 0, 0]], **shared
+    )
+    decoded = decode(memoryview(record)[11:])  # the payload after the record head
+    assert [r["endpoint"] for r in decoded] == ["GET /y"] * 3
+    assert all("tenant" not in r for r in decoded)
+    assert [[c["rows"] for c in r["calls"]] for r in decoded] == [[0], [1], [2]]
+    w = SegmentWriter(data_dir)
+    w.write(record)
+    w.close()
+    rep = store.ingest()
+    assert rep.requests == 3 and rep.calls == 3 and not rep.damaged
+    got = store.query("SELECT endpoint, tenant, count(*) AS n FROM requests GROUP BY ALL")
+    assert got == [{"endpoint": "GET /y", "tenant": None, "n": 3}]
+    assert count(store, "calls") == 3
 
 
 def test_odd_values_in_a_batch_are_coerced_not_fatal(data_dir: str, store: DuckDBStore) -> None:

@@ -226,6 +226,13 @@ def test_sqlite3_row_counting_and_shortcuts(
         cur.fetchall()
     conn.close()
     assert n_iter == 50 and len(shortcut) == 10
+    # the C wrappers read a plain cursor's fields in place (the Python ones by name)
+    assert type(cur).execute.__class__.__name__ == (
+        "CursorMethod" if sqlite_wrappers == "c" else "function"
+    )
+    assert sqlite_wrappers != "c" or all(
+        getattr(type(cur), m).in_place for m in ("execute", "fetchone", "fetchall")
+    )
     calls = db_calls(one_request(captured))
     rows = [c.get("rows") for c in calls]
     assert rows == [50, 10, 5, 10, 7, 2, None, 0, 1]
@@ -271,6 +278,26 @@ def test_sqlite3_row_factory_and_user_factories(
     calls = db_calls(one_request(captured))
     assert [c["rows"] for c in calls[:2]] == [2, 1]
     assert len(calls) == 3
+
+
+def test_sqlite3_cursor_factory_with_slots(tmp_path, in_request, captured, sqlite_wrappers) -> None:
+    """A factory that adds slots of its own cannot be mixed with the instrumented cursor (both
+    lay out slots): its calls are still recorded, rows counted by name."""
+
+    class SlotCursor(sqlite3.Cursor):
+        __slots__ = ("mine",)
+
+    conn = sqlite3.connect(str(tmp_path / "s.db"))
+    with in_request("GET /slots"):
+        cur = conn.cursor(SlotCursor)
+        cur.mine = 1
+        cur.execute("SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3")
+        assert len(cur.fetchall()) == 3
+        assert isinstance(cur, SlotCursor) and cur.mine == 1
+        assert not hasattr(cur, "__dict__")
+    conn.close()
+    calls = db_calls(one_request(captured))
+    assert [c["rows"] for c in calls] == [3]
 
 
 def test_sqlite3_patch_is_idempotent(tmp_path, in_request, captured, sqlite_wrappers) -> None:
@@ -823,7 +850,7 @@ def test_nothing_recorded_outside_a_request(tmp_path, captured, sqlite_wrappers)
     conn.execute("SELECT 1").fetchall()
     cur = conn.cursor()
     cur.execute("SELECT 1")
-    assert cur._perfsleuth_rows is None  # no call kept on the cursor either
+    assert getattr(cur, "_perfsleuth_rows", None) is None  # no call kept on the cursor either
     conn.close()
     with psycopg.connect(PG_DSN) as pg:
         pg.execute("SELECT 1").fetchall()

@@ -228,11 +228,74 @@ failed(void)
     }
 }
 
-static void
-set_counting(PyObject *cursor, PyObject *value)
+typedef struct {
+    PyObject_HEAD
+    PyObject *method; /* the C method it wraps, e.g. sqlite3.Cursor.execute */
+    int kind;
+    vectorcallfunc vectorcall;
+    /* CONN_CURSOR, CONN_EXECUTE: the instrumented cursor class, the Python method for other
+     * arguments (a cursor factory), and the EXECUTE wrapper of the cursor class */
+    PyObject *cursor_class, *fallback, *execute;
+    /* Cursor kinds given cursor_class: where a cursor of exactly that class keeps its
+     * _perfsleuth_rows slot and sqlite3's description and rowcount, read and written in place
+     * (by name, each is a lookup through the class and more work than the rest of the
+     * wrapper). NULL: by name (the class is not laid out as expected). */
+    PyMemberDef *m_rows, *m_description, *m_rowcount;
+} WrapperObject;
+
+/* The cursor's fields are at the offsets of w's members: it is of the class they came from
+ * (a subclass could override description with a property). */
+static inline int
+in_place(WrapperObject *w, PyObject *cursor)
 {
-    if (PyObject_SetAttr(cursor, s_rows_attr, value) < 0)
+    return w->m_rows != NULL && (PyObject *)Py_TYPE(cursor) == w->cursor_class;
+}
+
+#define FIELD(obj, m, type) (*(type *)((char *)(obj) + (m)->offset))
+
+/* Set the (calls, ROWS offset) the cursor counts fetched rows into; NULL: none. */
+static void
+set_counting(WrapperObject *w, PyObject *cursor, PyObject *value)
+{
+    if (in_place(w, cursor)) {
+        Py_XSETREF(FIELD(cursor, w->m_rows, PyObject *), Py_XNewRef(value));
+        return;
+    }
+    if (PyObject_SetAttr(cursor, s_rows_attr, value ? value : Py_None) < 0)
         failed();
+}
+
+/* The cursor's counting target (a new reference), or NULL (not counting, or an error: failed()
+ * was called). */
+static PyObject *
+get_counting(WrapperObject *w, PyObject *cursor)
+{
+    if (in_place(w, cursor))
+        return Py_XNewRef(FIELD(cursor, w->m_rows, PyObject *));
+    PyObject *counting = PyObject_GetAttr(cursor, s_rows_attr);
+    if (counting == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError))
+            PyErr_Clear(); /* a slot never set: not counting */
+        else
+            failed();
+    }
+    return counting;
+}
+
+/* The member of a class named ``name`` if it is a plain member of ``type`` (T_OBJECT...). */
+static PyMemberDef *
+member_of(PyObject *cls, const char *name, int type, int other_type)
+{
+    PyObject *d = PyObject_GetAttrString(cls, name);
+    PyMemberDef *m = NULL;
+    if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        m = ((PyMemberDescrObject *)d)->d_member; /* lives as long as the class */
+        if (m->type != type && m->type != other_type)
+            m = NULL;
+    }
+    Py_XDECREF(d);
+    PyErr_Clear();
+    return m;
 }
 
 /* The fast path of record_call: the row offset, -1 when the call is not on it (no error set),
@@ -620,15 +683,6 @@ record_slow(PyObject *req, PyObject *sql, PyObject *params)
     return i;
 }
 
-typedef struct {
-    PyObject_HEAD
-    PyObject *method; /* the C method it wraps, e.g. sqlite3.Cursor.execute */
-    int kind;
-    vectorcallfunc vectorcall;
-    /* CONN_CURSOR, CONN_EXECUTE: the instrumented cursor class, the Python method for other
-     * arguments (a cursor factory), and the EXECUTE wrapper of the cursor class */
-    PyObject *cursor_class, *fallback, *execute;
-} WrapperObject;
 
 static PyObject *
 forward(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -661,7 +715,7 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
     }
     if (i < 0) {
         Py_XDECREF(req);
-        set_counting(self, Py_None);
+        set_counting(w, self, NULL);
         return forward(w, args, nargsf, NULL);
     }
     PyObject *result = forward(w, args, nargsf, NULL);
@@ -669,7 +723,7 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         PyErr_NormalizeException(&type, &value, &tb);
-        set_counting(self, Py_None);
+        set_counting(w, self, NULL);
         PyObject *index = PyLong_FromSsize_t(i);
         PyObject *r = index ? PyObject_CallMethodObjArgs(req, s_fail_call, index,
                                                          value ? value : Py_None, NULL)
@@ -693,23 +747,38 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
         return result;
     }
     put(calls, i + END, end);
-    PyObject *description = PyObject_GetAttr(self, s_description);
+    int fast = in_place(w, self);
+    PyObject *description;
+    if (fast) {
+        description = FIELD(self, w->m_description, PyObject *);
+        description = Py_NewRef(description ? description : Py_None);
+    }
+    else {
+        description = PyObject_GetAttr(self, s_description);
+    }
     if (description == Py_None) { /* not a SELECT: the driver knows the rows changed */
-        set_counting(self, Py_None);
-        PyObject *rc = PyObject_GetAttr(self, s_rowcount);
-        if (rc != NULL && PyLong_Check(rc)) {
-            long long n = PyLong_AsLongLong(rc);
+        set_counting(w, self, NULL);
+        if (fast) {
+            long n = FIELD(self, w->m_rowcount, long);
             if (n >= 0)
                 put(calls, i + ROWS, n);
         }
-        Py_XDECREF(rc);
+        else {
+            PyObject *rc = PyObject_GetAttr(self, s_rowcount);
+            if (rc != NULL && PyLong_Check(rc)) {
+                long long n = PyLong_AsLongLong(rc);
+                if (n >= 0)
+                    put(calls, i + ROWS, n);
+            }
+            Py_XDECREF(rc);
+        }
     }
     else if (description != NULL) { /* a SELECT: rows are counted as they are fetched */
         put(calls, i + ROWS, 0);
         PyObject *index = PyLong_FromSsize_t(i + ROWS);
         PyObject *counting = index ? PyTuple_Pack(2, calls, index) : NULL;
         if (counting != NULL)
-            set_counting(self, counting);
+            set_counting(w, self, counting);
         Py_XDECREF(counting);
         Py_XDECREF(index);
     }
@@ -722,16 +791,14 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
 
 /* Add n to the row count the cursor is counting into (if any); stop counting when asked. */
 static void
-count_rows(PyObject *cursor, Py_ssize_t n, int stop)
+count_rows(WrapperObject *w, PyObject *cursor, Py_ssize_t n, int stop)
 {
-    PyObject *counting = PyObject_GetAttr(cursor, s_rows_attr);
-    if (counting == NULL) {
-        failed();
+    PyObject *counting = get_counting(w, cursor);
+    if (counting == NULL)
         return;
-    }
     if (PyTuple_CheckExact(counting) && PyTuple_GET_SIZE(counting) == 2) {
         if (stop)
-            set_counting(cursor, Py_None);
+            set_counting(w, cursor, NULL);
         PyObject *calls = PyTuple_GET_ITEM(counting, 0);
         Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(counting, 1));
         if (n > 0 && PyByteArray_CheckExact(calls) && at >= 0 &&
@@ -754,17 +821,17 @@ fetch(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
     switch (w->kind) {
     case FETCHONE:
         if (result == Py_None)
-            set_counting(cursor, Py_None);
+            set_counting(w, cursor, NULL);
         else
-            count_rows(cursor, 1, 0);
+            count_rows(w, cursor, 1, 0);
         break;
     case NEXT:
-        count_rows(cursor, 1, 0);
+        count_rows(w, cursor, 1, 0);
         break;
     case FETCHMANY:
     case FETCHALL: {
         Py_ssize_t n = PyList_Check(result) ? PyList_GET_SIZE(result) : 0;
-        count_rows(cursor, n, w->kind == FETCHALL);
+        count_rows(w, cursor, n, w->kind == FETCHALL);
         break;
     }
     }
@@ -840,6 +907,14 @@ wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     w->cursor_class = Py_XNewRef(cursor_class);
     w->fallback = Py_XNewRef(fallback);
     w->execute = Py_XNewRef(execute_wrapper);
+    w->m_rows = w->m_description = w->m_rowcount = NULL;
+    if (kind < CONN_CURSOR && cursor_class != NULL && PyType_Check(cursor_class)) {
+        w->m_rows = member_of(cursor_class, "_perfsleuth_rows", T_OBJECT_EX, T_OBJECT_EX);
+        w->m_description = member_of(cursor_class, "description", T_OBJECT, T_OBJECT_EX);
+        w->m_rowcount = member_of(cursor_class, "rowcount", T_LONG, T_LONG);
+        if (w->m_description == NULL || w->m_rowcount == NULL)
+            w->m_rows = NULL;
+    }
     return (PyObject *)w;
 }
 
@@ -870,8 +945,16 @@ wrapper_wrapped(WrapperObject *w, void *closure)
     return Py_NewRef(w->method);
 }
 
+static PyObject *
+wrapper_in_place(WrapperObject *w, void *closure)
+{
+    return PyBool_FromLong(w->m_rows != NULL);
+}
+
 static PyGetSetDef wrapper_getset[] = {
     {"__wrapped__", (getter)wrapper_wrapped, NULL, "the C method wrapped", NULL},
+    {"in_place", (getter)wrapper_in_place, NULL,
+     "whether the cursor's fields are read in place (cursor kinds given a cursor_class)", NULL},
     {NULL},
 };
 
@@ -880,7 +963,8 @@ static PyTypeObject WrapperType = {
     .tp_name = "perfsleuth.agent._speedups.CursorMethod",
     .tp_doc = "CursorMethod(method, kind, cursor_class=None, fallback=None, execute=None): a "
               "recording sqlite3 cursor method (kinds: EXECUTE, FETCHONE, FETCHMANY, FETCHALL, "
-              "NEXT) or connection method (CONN_CURSOR, CONN_EXECUTE: method is "
+              "NEXT; cursor_class: the instrumented cursor class, whose fields are then read in "
+              "place) or connection method (CONN_CURSOR, CONN_EXECUTE: method is "
               "Connection.cursor).",
     .tp_basicsize = sizeof(WrapperObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |

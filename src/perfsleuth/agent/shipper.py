@@ -62,8 +62,9 @@ MAX_WRITER_RESTARTS = 3
 # drops what the writer does not need), and the application's thread measured the same.
 WAKE_AT = 512
 # Requests per REQUESTS record at most: damage to a record (a bad disk sector) loses all of its
-# requests, and the per-record costs (framing, checksum, column names) are small beside 16.
-BATCH_MAX = 16
+# requests, and the per-record costs (framing, checksum, column names, the site table) are small
+# beside 64 (from 16 to 64, the writer's instructions per request fell by a tenth).
+BATCH_MAX = 64
 
 stats = recorder.stats
 stats.update(
@@ -474,8 +475,13 @@ def _requests_record(
     """One REQUESTS record (wire.batch) of rows made by _Encoder._row."""
     body: dict[str, Any] = {"v": wbatch.VERSION, "n": len(rows)}
     columns = list(zip(*rows, strict=True))
-    body.update(zip(wbatch.STRING_COLUMNS, columns, strict=False))
-    body["sites"] = columns[-1]
+    names = (*wbatch.STRING_COLUMNS, "sites")
+    for name, col in zip(names, (*columns[: len(wbatch.STRING_COLUMNS)], columns[-1]), strict=True):
+        # The requests of a batch mostly share their kind, method, endpoint, tenant, error and
+        # sites: one value then, not one per request (JSON encoding was a third of the writer's
+        # work). ``count`` compares by identity first: shared strings cost next to nothing.
+        first = col[0]
+        body[name] = {"all": first} if col.count(first) == len(col) else col
     for name, values in sparse.items():
         if values:
             body[name] = values

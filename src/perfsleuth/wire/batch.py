@@ -8,7 +8,8 @@ is done per batch::
     payload := JSON object, NUL, ints, rows
 
 The JSON object holds ``v`` (2), ``n`` (the number of requests) and one list per text
-column, each ``n`` long, values in request order (null: none):
+column, each ``n`` long, values in request order (null: none), or ``{"all": value}`` when
+every request of the batch has the same value (most batches share most columns):
 
     kind, method, endpoint, path, user, tenant, error
     sites     per request, what its rows' ``slot`` points at: indexes into ``site_table``
@@ -110,6 +111,10 @@ def split(payload: bytes | memoryview) -> Batch:
     n = obj["n"]
     for name in (*STRING_COLUMNS, "sites"):
         col = obj.get(name)
+        if isinstance(col, dict):  # {"all": value}: every request's
+            if list(col) != ["all"]:
+                raise ValueError(f"a REQUESTS column {name!r} that is a map but not {{'all'}}")
+            col = obj[name] = [col["all"]] * n
         if col is not None and (not isinstance(col, list) or len(col) != n):
             raise ValueError(f"a REQUESTS column {name!r} that is not {n} long")
     for name in SPARSE:

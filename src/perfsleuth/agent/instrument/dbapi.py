@@ -137,6 +137,17 @@ def _mark(wrapper: Any, orig: Any) -> Any:
     return wrapper
 
 
+# What _subclass does not copy from a mixin: the slot's descriptor (__slots__ makes a new one)
+_NOT_COPIED = (
+    "__dict__",
+    "__weakref__",
+    "__module__",
+    "__qualname__",
+    "__doc__",
+    "_perfsleuth_rows",
+)
+
+
 def _subclass(base: type, mixin: type, cache: dict[Any, Any]) -> Any:
     """``base`` with ``mixin`` after it in the MRO (cached); ``base`` itself if impossible."""
     try:
@@ -147,12 +158,15 @@ def _subclass(base: type, mixin: type, cache: dict[Any, Any]) -> Any:
         return base
     cls: Any = base
     if isinstance(base, type) and not issubclass(base, mixin):
+        names = {"__module__": base.__module__, "__qualname__": base.__qualname__}
         try:
-            cls = type(
-                base.__name__,
-                (base, mixin),
-                {"__module__": base.__module__, "__qualname__": base.__qualname__},
-            )
+            cls = type(base.__name__, (base, mixin), names)
+        except TypeError:  # both add slots (a layout conflict): the mixin's dict on top
+            own = {k: v for k, v in vars(mixin).items() if k not in _NOT_COPIED}
+            try:
+                cls = type(base.__name__, (base,), {**own, **names})
+            except Exception:
+                cls = base
         except Exception:
             cls = base
     if len(cache) > 1000:
@@ -181,9 +195,12 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
     cursor_classes: dict[Any, Any] = {}
 
     class Cursor(base_cur):  # type: ignore[misc, valid-type]
-        # (the request's call rows, offset of the ROWS of the SELECT being fetched): sqlite
-        # only knows how many rows a SELECT returns as they are stepped through
-        _perfsleuth_rows: tuple[bytearray, int] | None = None
+        # _perfsleuth_rows: (the request's call rows, offset of the ROWS of the SELECT being
+        # fetched), as sqlite only knows how many rows a SELECT returns as they are stepped
+        # through; unset or None: not counting. A slot, not an instance dict (a plain sqlite3
+        # cursor has none either): the C wrappers read and write it in place.
+        __slots__ = ("_perfsleuth_rows",)
+        _perfsleuth_rows: tuple[bytearray, int] | None
 
         def execute(self, sql: Any, parameters: Any = empty, /) -> Any:
             # The hottest wrapper of all (a statement takes microseconds): the call's row is
@@ -265,34 +282,34 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
 
         def fetchone(self) -> Any:
             row = c_fetchone(self)
-            counting = self._perfsleuth_rows
+            counting: Any = getattr(self, "_perfsleuth_rows", None)
             if counting is not None:
                 if row is None:
                     self._perfsleuth_rows = None
                 else:
-                    _add_rows(*counting, 1)
+                    _add_rows(counting[0], counting[1], 1)
             return row
 
         def fetchmany(self, *args: Any, **kwargs: Any) -> Any:
             rows = c_fetchmany(self, *args, **kwargs)
-            counting = self._perfsleuth_rows
+            counting: Any = getattr(self, "_perfsleuth_rows", None)
             if counting is not None:
-                _add_rows(*counting, len(rows))
+                _add_rows(counting[0], counting[1], len(rows))
             return rows
 
         def fetchall(self) -> Any:
             rows = c_fetchall(self)
-            counting = self._perfsleuth_rows
+            counting: Any = getattr(self, "_perfsleuth_rows", None)
             if counting is not None:
                 self._perfsleuth_rows = None
-                _add_rows(*counting, len(rows))
+                _add_rows(counting[0], counting[1], len(rows))
             return rows
 
         def __next__(self) -> Any:
             row = c_next(self)  # StopIteration at the end propagates as the protocol wants
-            counting = self._perfsleuth_rows
+            counting: Any = getattr(self, "_perfsleuth_rows", None)
             if counting is not None:
-                _add_rows(*counting, 1)
+                _add_rows(counting[0], counting[1], 1)
             return row
 
     def cursor_class(factory: Any) -> Any:
@@ -330,7 +347,7 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
         try:
             method = speedups.CursorMethod
             c_methods = {
-                name: method(getattr(base_cur, name), getattr(speedups, kind))
+                name: method(getattr(base_cur, name), getattr(speedups, kind), Cursor)
                 for name, kind in _ACCELERATED.items()
             }
             c_conn = {
