@@ -32,6 +32,8 @@
 - PERFSLEUTH_CAPTURE_SECRETS (0): 1 keeps the values of secret headers (redacted by default)
 - PERFSLEUTH_REDACT_HEADERS (""): comma list of more header names to redact
 - PERFSLEUTH_HEAP (1): 0 installs no SIGUSR2 heap-histogram handler (agent.heap)
+- PERFSLEUTH_SPEEDUPS (1): 0 leaves out the C accelerator (agent/_speedups.c, built at install
+  when a compiler is there): the Python code records the same values, at more cost per call
 """
 
 from __future__ import annotations
