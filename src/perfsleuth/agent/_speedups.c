@@ -683,7 +683,6 @@ record_slow(PyObject *req, PyObject *sql, PyObject *params)
     return i;
 }
 
-
 static PyObject *
 forward(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
