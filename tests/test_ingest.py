@@ -640,7 +640,7 @@ BATCH_SCRIPT = textwrap.dedent(
     def lookup(i):
         return con.execute("select v from t where id = ?", (i,)).fetchall()
 
-    for n in range(40):  # more than one record's worth
+    for n in range(int(sys.argv[2])):
         req = recorder.begin("web", "GET", f"/b/{n}")
         req.endpoint = "GET /b/{n}"
         recorder.attr("n", n)
@@ -661,15 +661,19 @@ BATCH_SCRIPT = textwrap.dedent(
 def test_batched_records_ingest_as_the_python_decoder_reads_them(data_dir: str) -> None:
     """The store reads the agent's REQUESTS records vectorised; wire.batch.decode reads them
     request by request in Python: both give every request, call and value alike."""
+    from perfsleuth.agent.shipper import BATCH_MAX
     from spoolread import read_spool
 
-    subprocess.run([sys.executable, "-c", BATCH_SCRIPT, data_dir], check=True, timeout=60)
+    n = 2 * BATCH_MAX + 8  # more than two records' worth: the last one partly full
+    subprocess.run([sys.executable, "-c", BATCH_SCRIPT, data_dir, str(n)], check=True, timeout=60)
     sent = read_spool(data_dir)
-    assert len(sent) == 40
+    assert len(sent) == n
+    # per request: n % 4 lookups, one range query, a failing statement every fifth
+    calls = sum(i % 4 + 1 + (i % 5 == 0) for i in range(n))
     with DuckDBStore(data_dir) as store:
         rep = store.ingest()
-        assert rep.requests == 40 and not rep.damaged
-        assert rep.calls == sum(len(r["calls"]) for r in sent) == 40 * 1 + 60 + 8
+        assert rep.requests == n and not rep.damaged
+        assert rep.calls == sum(len(r["calls"]) for r in sent) == calls
         for req in sent:
             got = store.trace(req["id"])
             assert got["path"] == req["path"] and got["attributes"] == req["attrs"]
