@@ -357,8 +357,11 @@ class Child:
         cmd = [sys.executable, os.path.abspath(__file__), "--variant", name, "--db", db]
         for opt in ("warmup", "cpu"):
             cmd += [f"--{opt}", str(getattr(args, opt))]
+        # stderr into a file, not a pipe: nobody reads it while the child runs, and a child
+        # whose library logs a lot would block on a full pipe
+        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115  (closed by finish())
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True
         )
         self.requests = args.warmup
         self.error = ""
@@ -371,7 +374,8 @@ class Child:
                 out: dict[str, Any] = json.loads(line[len(RESULT) :])
                 return out
         self.proc.wait()
-        tail = " | ".join((self.proc.stderr.read() if self.proc.stderr else "").splitlines()[-3:])
+        self.stderr.seek(0)
+        tail = " | ".join(self.stderr.read().splitlines()[-3:])
         self.error = self.error or f"child failed: {tail}"
         return None
 
@@ -393,6 +397,7 @@ class Child:
     def finish(self) -> tuple[bool, str]:
         out = self.ask(f"check {self.requests}")
         self.proc.wait(timeout=300)
+        self.stderr.close()
         if out is None:
             return False, self.error
         return bool(out["ok"]), str(out["check"])
