@@ -280,8 +280,7 @@ class _Encoder:
                 self._intern_site(seg, out, kind, target, flat)
                 hit[4] = seg.serial
             return hit[1]  # type: ignore[no-any-return]
-        fid = self._intern_site(seg, out, kind, target, flat)
-        sid, where = self.stack(seg, out, flat) if flat else (NULL, NULL)
+        fid, sid, where = self._intern_site(seg, out, kind, target, flat)
         resolved = [
             fid,
             sid,
@@ -296,12 +295,12 @@ class _Encoder:
 
     def _intern_site(
         self, seg: _Segment, out: list[bytes], kind: str, target: Any, flat: tuple[Any, ...]
-    ) -> int:
-        """Write what a site needs into this segment; its fingerprint id (NULL: none, the
-        calls carry their own targets)."""
-        if flat:
-            self.stack(seg, out, flat)
-        return NULL if target is None else self.fingerprint(seg, out, kind, target)
+    ) -> tuple[int, int, int]:
+        """Write what a site needs into this segment: (fingerprint id, stack id, call-site
+        location id), NULL for what it has not (a fingerprint: the calls carry their own
+        targets)."""
+        sid, where = self.stack(seg, out, flat) if flat else (NULL, NULL)
+        return NULL if target is None else self.fingerprint(seg, out, kind, target), sid, where
 
     def _extras(
         self,

@@ -801,8 +801,8 @@ def _with_binary_calls(
     ext_rows: list[tuple[int, Any]],
 ) -> pa.Table:
     """``wire`` with its ``calls`` column built from the binary rows of REQUEST_BIN and
-    REQUEST_ROWS records (a few vectorised steps per batch), keeping the JSON calls of the
-    other rows in place."""
+    REQUESTS (wire.batch) records, in a few vectorised steps per batch, keeping the JSON calls
+    of the other rows in place."""
     n = wire.num_rows
     has = np.fromiter((b is not None for b in blobs), dtype=bool, count=n)
     is_agent = np.fromiter(agent_rows, dtype=bool, count=n)
@@ -838,7 +838,7 @@ def _with_binary_calls(
     return wire.set_column(wire.schema.get_field_index("calls"), "calls", merged)
 
 
-# cx keys that replace a value of the call's binary row (REQUEST_ROWS carries them there)
+# cx keys that replace a value of the call's binary row (REQUESTS records carry them there)
 _ROW_EXT = {"fp": "fp", "status": "status", "bytes": "bytes", "wait": "wait"}
 
 
