@@ -838,8 +838,9 @@ def _with_binary_calls(
     return wire.set_column(wire.schema.get_field_index("calls"), "calls", merged)
 
 
-# cx keys that replace a value of the call's binary row (REQUESTS records carry them there)
-_ROW_EXT = {"fp": "fp", "status": "status", "bytes": "bytes", "wait": "wait"}
+# cx keys that replace an integer of the call's binary row (REQUESTS records carry them
+# there; "hit", a bool, is read apart)
+_ROW_EXT_INTS = tuple(k for k in wcalls.ROW_EXT_KEYS if k != "hit")
 
 
 def _binary_struct(
@@ -875,10 +876,10 @@ def _binary_struct(
                 kind[j] = _str(x.get("kind"))
             if "system" in x:
                 system[j] = _str(x.get("system"))
-            for name, field_ in _ROW_EXT.items():
+            for name in _ROW_EXT_INTS:
                 v = as_int(x.get(name))
                 if v is not None:
-                    arr[field_][j] = v if name != "status" or -(2**31) < v < 2**31 else 0
+                    arr[name][j] = v if name != "status" or -(2**31) < v < 2**31 else 0
             if isinstance(x.get("hit"), bool):
                 arr["hit"][j] = 1 if x["hit"] else 0
 
