@@ -44,8 +44,8 @@ static PyObject *getrandbits;   /* random.getrandbits */
 static PyObject *no_sites;      /* recorder._NO_SITES */
 static PyObject *default_class; /* recorder.ActiveRequest */
 
-static PyObject *s_sites, *s_calls, *s_rows_attr, *s_description, *s_rowcount;
-static PyObject *s_record_call, *s_fail_call, *s_dropped, *s_db, *s_sqlite, *s_site_list;
+static PyObject *s_rows_attr, *s_description, *s_rowcount;
+static PyObject *s_record_call, *s_fail_call, *s_dropped, *s_db, *s_sqlite;
 static PyObject *null_value;    /* recorder.NULL: -(1 << 63) */
 static PyObject *s_empty;       /* "" */
 static PyObject *zero, *one, *up_one, *empty_tuple;
@@ -1205,13 +1205,6 @@ read_headers(PyObject *req, Layout *layout, PyObject *user_name, PyObject *tenan
     return 0;
 }
 
-/* x or None: a count of 0 is written as null */
-static PyObject *
-or_none(PyObject *x)
-{
-    return x != NULL && PyObject_IsTrue(x) == 1 ? Py_NewRef(x) : Py_NewRef(Py_None);
-}
-
 /* A column's integer: NULL for None or anything that is not a 64-bit int (what
  * wire.batch.pack_ints does; an IntEnum such as HTTPStatus counts, a bool does not). */
 static long long
@@ -1460,8 +1453,6 @@ typedef struct {
     PyObject *func;
     vectorcallfunc vectorcall;
 } MarkedObject;
-
-static PyObject *s_worker;
 
 /* The frame that runs the pool's work (anyio's worker loop, concurrent.futures' work item) is
  * where the request enters the application in that thread: classified as the agent's, like
@@ -1745,8 +1736,6 @@ PyInit__speedups(void)
     if (PyType_Ready(&WrapperType) < 0 || PyType_Ready(&MarkedType) < 0 ||
         PyType_Ready(&HandOffType) < 0 || PyType_Ready(&SendTapType) < 0)
         return NULL;
-    INTERN(s_sites, "sites");
-    INTERN(s_calls, "calls");
     INTERN(s_rows_attr, "_perfsleuth_rows");
     INTERN(s_description, "description");
     INTERN(s_rowcount, "rowcount");
@@ -1755,8 +1744,6 @@ PyInit__speedups(void)
     INTERN(s_dropped, "_dropped");
     INTERN(s_db, "db");
     INTERN(s_sqlite, "sqlite");
-    INTERN(s_site_list, "site_list");
-    INTERN(s_worker, "worker");
     INTERN(s_requests_recorded, "requests_recorded");
     INTERN(s_type, "type");
     INTERN(s_body, "body");
