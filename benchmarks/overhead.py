@@ -1,6 +1,6 @@
 """Agent overhead benchmark: the reference app bare, with perfsleuth, and with three peers.
 
-    .venv/bin/python benchmarks/overhead.py [--requests 3000] [--repeats 5] [--rounds 3]
+    .venv/bin/python benchmarks/overhead.py [--requests 1000] [--repeats 15] [--rounds 3]
         [--variants bare,perfsleuth,otel,sentry,ddtrace] [--cpu N] [--json FILE] [--quick]
 
 The reference app: a FastAPI sync endpoint ``GET /orders/{order_id}`` making 1 + 10 sqlite3
@@ -8,13 +8,15 @@ queries (an N+1 loop) on a small file database. Requests go straight into the AS
 one after another on one event loop (no sockets, no HTTP parsing); FastAPI runs the endpoint
 in anyio's thread pool, the same for every variant.
 
-Each variant runs in a fresh child process (this script with ``--variant``), so
-instrumentations never mix; the variants are interleaved over ``--rounds`` rounds, so drift of
-a shared machine hits them alike. In a child: a warm-up, then ``--repeats`` timed runs of
-``--requests`` requests, each ending with a flush of the variant's background writer or
-exporter, so deferred work is inside the run. CPU is ``time.process_time_ns()``: every thread
-of the process (event loop, pool thread, perfsleuth's writer, OpenTelemetry's batch processor).
-A figure is the median over a child's runs, then the median over rounds; ratios are to bare.
+Each variant runs in a child process of its own (this script with ``--variant``), so
+instrumentations never mix. In each of ``--rounds`` rounds, fresh children for all variants
+are alive at once; after a warm-up they take turns, ``--repeats`` slices of ``--requests``
+requests each, the order rotating from slice to slice, so drift of a shared machine hits
+neighbouring slices alike. A slice ends with a flush of the variant's background writer or
+exporter, so deferred work is inside it. CPU is ``time.process_time_ns()``: every thread of
+the process (event loop, pool thread, perfsleuth's writer, OpenTelemetry's batch processor).
+A variant's overhead is the median over all slices of its ratio to bare's slice of the same
+round and number; its µs per request, the median over its slices.
 
 The peers export into dropping sinks (their serialisation and I/O are not counted), while
 perfsleuth's writer really encodes and writes its spool; afterwards (not timed) the perfsleuth
