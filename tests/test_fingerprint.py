@@ -75,3 +75,56 @@ def test_params_hash_absent_and_unhashable() -> None:
     assert fpr.params_hash(nested) != fpr.params_hash(([1, 3], {"x": [3]}))
     h = fpr.params_hash((1,))
     assert h is not None and 0 <= h < 2**63
+
+
+# The C tokenizer (wire/_fingerprint.c) against the Python reference, on statements as apps
+# write them and on odd inputs: unterminated quotes and comments, dollar quotes with and
+# without tags, non-ASCII letters, digits and spaces, NUL, placeholders of every driver.
+ODD_SQL = [
+    "",
+    "   ",
+    "SELECT 1",
+    "select * from t where a = 'it''s' and b = E'\\n' and c = x'ff' and d = N'é'",
+    "SELECT $$body$$, $tag$ a $$ b $tag$, $a$ unterminated",
+    "select $1, $23, $, $$, $x, $x$",
+    "/* traceparent='00-abc-01' */ SELECT a -- trailing 42\nFROM t /* unterminated",
+    'select [col], [a b], "q""uoted", `back``tick`, "open',
+    "update t set a = %s, b = %(name)s, c = %(bad) where d = :id and e = ::text and f=:x",
+    "select 0x1F, 0x, 1e5, 1.e-3, .5, 1.5E+10, 3.14, 12abc, a12, -7, - 8, (-9)",
+    "select ٣ + ٤, ʼn, café, naïve, '\u3000', a\u3000b, \u00a0x",
+    "select 'unterminated",
+    "select \x00 from t\x00",
+    "SELECT * FROM t WHERE id IN (1, 2, 3) AND x in(?) AND y IN ( ? , ? ) AND z ıN (1)",
+    "INSERT INTO t (a, b) VALUES (1, 'x'), (2, DEFAULT), (NULL, ?) ; ",
+    "insert into t values (1, now()), (2, 3)",
+    "select a-1, b = -1, c = (- 2), d =-?",
+    "SELECT 😀 FROM t WHERE e = '😀'",
+    "\t\n select\r\n1 ;;",
+    "select a::int, b:: c, :1, ?::jsonb",
+]
+
+
+@pytest.mark.skipif(fpr._c_tokens is None, reason="C tokenizer not built")
+def test_c_tokenizer_gives_the_python_tokens_on_odd_inputs() -> None:
+    import random
+
+    for sql in ODD_SQL:
+        assert fpr._c_tokens(sql) == fpr._tokens(sql), sql
+    # random strings over the characters each alternative of the scanner turns on
+    pieces = [*"abXYZ_ eExXnN019.+-*/$'\"`[]()%s?:;,\n\t=<>", "é", "٣", "\u3000", "\x00",
+              "😀", "--", "/*", "*/", "$$", "$a$", "''", "0x1F", "1e5", "%(x)s", "::",
+              " IN (", "VALUES", "İ", "ı", "ſ"]  # fmt: skip
+    rng = random.Random(7)
+    for _ in range(20000):
+        sql = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        assert fpr._c_tokens(sql) == fpr._tokens(sql), repr(sql)
+
+
+def test_normalize_with_and_without_c_tokenizer_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    with_c = [fpr.normalize_sql(s) for s in ODD_SQL]
+    monkeypatch.setattr(fpr, "_c_tokens", None)
+    assert [fpr.normalize_sql(s) for s in ODD_SQL] == with_c
+    assert (
+        fpr.normalize_sql("SELECT * FROM t WHERE x ıN (1, 2)") == "SELECT * FROM t WHERE x ıN (...)"
+    )
+    assert fpr.normalize_sql("insert into t values (DEFAULT, NULL)") == "insert into t values (...)"
