@@ -1,0 +1,346 @@
+"""Shared machinery of the real-world suite: app venvs, servers under `perfsleuth run`, traffic,
+findings and the verdict of one run.
+
+A case (one module in ``cases/``) names a PyPI app at two pinned releases, the buggy one and the
+one that fixed the documented problem, writes the small project that serves it (settings, URLs,
+seed data: what a user of the app writes, never the app's own code), and says what perfsleuth
+should find: the finding kind, the endpoint and the documented line. Everything here is driven
+by plain HTTP on 127.0.0.1 and ephemeral ports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import http.cookiejar
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_CACHE = REPO / ".venvs" / "realworld"
+# The launcher and the analysis run from the project's own venv; the app runs from its venv.
+TOOLS_BIN = Path(sys.executable).parent
+PERFSLEUTH = str(TOOLS_BIN / "perfsleuth")
+APP_PYTHON = "python3.11"  # the agent's C accelerator is built for the project's interpreter
+
+
+def log(msg: str) -> None:
+    print(f"[realworld {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- venvs -----------------------------------------------------------------------------------
+
+
+def app_venv(name: str, requirements: list[str]) -> Path:
+    """A venv with ``requirements`` (pinned) and this project (the agent), cached by their hash.
+
+    The project goes in with ``--no-deps``: the app's process only needs the agent, which is
+    stdlib-only, and perfsleuth's own dependencies (FastAPI among them) could clash with the
+    app's pins. The CLI that launches and analyses runs from the project's venv.
+    """
+    key = hashlib.sha256("\n".join([APP_PYTHON, *sorted(requirements)]).encode()).hexdigest()[:10]
+    venv = VENV_CACHE / f"{name}-{key}"
+    ready = venv / ".ready"
+    if ready.exists():
+        return venv
+    log(f"creating venv {venv.name}: {' '.join(requirements)}")
+    if venv.exists():
+        subprocess.run(["rm", "-rf", str(venv)], check=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([APP_PYTHON, "-m", "venv", str(venv)], check=True)
+    pip = [
+        str(venv / "bin" / "python"),
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+    ]
+    subprocess.run([*pip, *requirements], check=True)
+    subprocess.run([*pip, "--no-deps", "-e", str(REPO)], check=True)
+    ready.write_text("\n".join(requirements) + "\n")
+    return venv
+
+
+# -- servers ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A server command run under ``perfsleuth run`` with its own data dir; stopped by SIGTERM."""
+
+    def __init__(
+        self, argv: list[str], data: Path, port: int, cwd: Path, env: dict[str, str]
+    ) -> None:
+        self.port = port
+        self.data = data
+        self.log_path = data.parent / f"{data.name}-server.log"
+        full_env = {**os.environ, **env, "PERFSLEUTH_DATA": str(data)}
+        full_env.pop("PYTHONPATH", None)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [PERFSLEUTH, "run", "--data", str(data), "--", *argv],
+            cwd=cwd,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, path: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}): {self.tail()}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", path)
+                conn.getresponse().read()
+                conn.close()
+                return
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError(f"server not ready after {timeout:.0f} s: {self.tail()}")
+
+    def tail(self, n: int = 2000) -> str:
+        self._log.flush()
+        return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+# -- traffic ---------------------------------------------------------------------------------
+
+
+class Client:
+    """A browser-like HTTP client: a cookie jar, Django's CSRF token on POSTs."""
+
+    def __init__(self, port: int) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        self.jar = http.cookiejar.CookieJar()
+        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.jar))
+
+    def request(self, method: str, path: str, form: dict[str, str] | None = None) -> int:
+        data = None
+        headers = {"User-Agent": "perfsleuth-realworld"}
+        if form is not None:
+            data = urllib.parse.urlencode(form).encode()
+            headers["Content-Type"] = "application/x-www-form-urlencoded"
+            headers["Referer"] = self.base + path
+            token = self.cookie("csrftoken")
+            if token:
+                headers["X-CSRFToken"] = token
+        req = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)
+        try:
+            with self.opener.open(req, timeout=120) as resp:
+                resp.read()
+                return int(resp.status)
+        except urllib.error.HTTPError as e:
+            e.read()
+            return int(e.code)
+
+    def get(self, path: str) -> int:
+        return self.request("GET", path)
+
+    def cookie(self, name: str) -> str | None:
+        for c in self.jar:
+            if c.name == name:
+                return c.value
+        return None
+
+    def django_login(self, user: str, password: str, login_path: str = "/admin/login/") -> None:
+        self.get(login_path)
+        token = self.cookie("csrftoken") or ""
+        form = {"username": user, "password": password, "csrfmiddlewaretoken": token}
+        status = self.request("POST", login_path + "?next=/admin/", form)
+        if self.cookie("sessionid") is None:
+            raise RuntimeError(f"login as {user} failed (status {status})")
+
+
+def drive(plan: Iterable[tuple[Callable[[], int], int]], threads: int = 1) -> dict[str, Any]:
+    """Run each ``(call, times)`` of the plan, interleaved, on ``threads`` threads; count statuses."""
+    work: list[Callable[[], int]] = []
+    items = [(call, n) for call, n in plan]
+    rounds = max((n for _, n in items), default=0)
+    for i in range(rounds):
+        work.extend(call for call, n in items if i < n)
+    statuses: dict[int, int] = {}
+    lock = threading.Lock()
+    it = iter(work)
+
+    def worker() -> None:
+        while True:
+            with lock:
+                call = next(it, None)
+            if call is None:
+                return
+            status = call()
+            with lock:
+                statuses[status] = statuses.get(status, 0) + 1
+
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return {"requests": len(work), "statuses": statuses}
+
+
+# -- perfsleuth's answer ---------------------------------------------------------------------
+
+
+def perfsleuth_json(*args: str, data: Path) -> Any:
+    out = subprocess.run(
+        [PERFSLEUTH, *args, "--data", str(data), "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return json.loads(out.stdout)
+
+
+def requests_by_endpoint(data: Path) -> dict[str, int]:
+    rows = perfsleuth_json(
+        "sql",
+        "select endpoint, count(*) as n from requests where kind = 'web' group by 1",
+        data=data,
+    )
+    if isinstance(rows, dict):
+        rows = rows.get("rows", [])
+    out: dict[str, int] = {}
+    for r in rows:
+        if isinstance(r, dict):
+            out[str(r["endpoint"])] = int(r["n"])
+        else:
+            out[str(r[0])] = int(r[1])
+    return out
+
+
+def locations(obj: Any) -> list[tuple[str, int]]:
+    """Every ``{file, line}`` a finding names (its call site and its evidence), in order."""
+    found: list[tuple[str, int]] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, dict):
+            f, ln = o.get("file"), o.get("line")
+            if isinstance(f, str) and isinstance(ln, int):
+                found.append((f, ln))
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return found
+
+
+@dataclass
+class Expect:
+    """What perfsleuth should say about the documented problem."""
+
+    kinds: tuple[str, ...]  # finding kinds that name this problem (any of them)
+    endpoint: str  # as perfsleuth names it, e.g. "GET /admin/"
+    file_suffix: str  # e.g. "django_admin_index/models.py"
+    line: int  # the documented line, in the buggy release
+    problem: str  # a few words for the table
+    also: tuple[str, ...] = ()  # other endpoints the same documented code runs on
+
+
+@dataclass
+class RunResult:
+    """One release of one case: what was driven, what perfsleuth said, the verdict."""
+
+    app: str
+    version: str
+    role: str  # "buggy" or "fixed"
+    problem: str
+    requests: dict[str, int] = field(default_factory=dict)  # endpoint -> requests stored
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    found: bool | None = None  # the problem's finding on its endpoint
+    line_ok: bool | None = None  # buggy: that finding names the documented line
+    named_line: str = ""  # the call site perfsleuth named
+    false_alarms: list[str] = field(default_factory=list)  # "kind @ endpoint: title"
+    other: list[str] = field(default_factory=list)  # other findings on the affected pages
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        if self.error:
+            return False
+        if self.role == "buggy":
+            return bool(self.found and self.line_ok and not self.false_alarms)
+        return not self.found and not self.false_alarms
+
+
+def judge(
+    result: RunResult, expect: Expect, clean: list[str], min_requests: dict[str, int]
+) -> None:
+    """Fill the verdict of ``result`` from its findings.
+
+    Both releases: a finding of ``expect.kinds`` on ``expect.endpoint`` is the problem found; on
+    the buggy release it must name ``expect.file_suffix:expect.line`` (as its call site or in its
+    evidence), on the fixed release it must be gone (from ``expect.also`` too). Any finding on a
+    clean endpoint is a false alarm. Other findings (other kinds on the affected endpoints, pages
+    that are neither) are listed, not judged: the documented bug is not all a real page does. Every
+    endpoint driven must have its requests stored, so that silence is never mistaken for a pass.
+    """
+    for ep, n in min_requests.items():
+        got = result.requests.get(ep, 0)
+        if got < n:
+            result.error = f"only {got} requests stored for {ep} (expected >= {n})"
+    hits = [
+        f for f in result.findings if f["kind"] in expect.kinds and f["endpoint"] == expect.endpoint
+    ]
+    result.found = bool(hits)
+    want = (expect.file_suffix, expect.line)
+    result.line_ok = False
+    for f in hits:
+        site = f.get("callsite") or {}
+        if site and not result.named_line:
+            result.named_line = f"{_short(site.get('file'))}:{site.get('line')}"
+        if any(fl.endswith(want[0]) and ln == want[1] for fl, ln in locations(f)):
+            result.line_ok = True
+    if result.role == "fixed":
+        hits += [
+            f for f in result.findings if f["kind"] in expect.kinds and f["endpoint"] in expect.also
+        ]
+        result.found = bool(hits)
+    for f in result.findings:
+        text = f"{f['kind']} @ {f['endpoint']}: {f['title']}"
+        if f["endpoint"] in clean:
+            result.false_alarms.append(text)
+        elif f not in hits:
+            result.other.append(text)
+
+
+def _short(path: Any) -> str:
+    p = str(path or "")
+    marker = "site-packages/"
+    return p.split(marker, 1)[1] if marker in p else p
