@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint format bench bench-ingest bench-accuracy bench-findings bench-evidence bench-capture bench-ui bench-instructions clean
+.PHONY: setup demo test check-wheel lint format bench bench-ingest bench-accuracy bench-findings bench-evidence bench-capture bench-ui bench-instructions bench-pressure bench-realworld clean
 
 setup:
 	@bash scripts/setup.sh
@@ -12,6 +12,10 @@ demo: setup
 
 test: setup
 	$(BIN)/pytest -q
+
+# The wheel a user installs: built, installed with no extras into a new venv, demo + findings + UI.
+check-wheel: setup
+	@bash scripts/check_wheel.sh
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
@@ -46,5 +50,12 @@ bench-capture: setup
 bench-instructions: setup
 	$(BIN)/python benchmarks/instructions.py
 
+bench-pressure: setup
+	$(BIN)/python benchmarks/pressure.py
+
+# Real open-source apps from PyPI at releases with documented performance bugs (long; network).
+bench-realworld: setup
+	$(BIN)/python benchmarks/realworld/run.py
+
 clean:
-	rm -rf $(VENV) .perfsleuth .perfsleuth-demo build dist src/*.egg-info
+	rm -rf $(VENV) .venvs .perfsleuth .perfsleuth-demo build dist src/*.egg-info
