@@ -5,7 +5,10 @@ While a request is in flight on a loop, each evidence tick posts a ping into it
 (``call_soon_threadsafe``) unless one is still waiting; the loop answers when it next runs its
 callbacks, noting how long the ping waited. A ping waiting longer than ``loop_block_ms`` means
 the loop is blocked: while it stays blocked, each tick records the loop thread's stack and
-which request's task is running (``asyncio.current_task(loop)``). The answer measures how long
+the request whose code runs: the request recorded in the running task's context
+(``asyncio.current_task(loop)``; a child task inherits its parent's context, so a route run in
+a task of its own, as behind Starlette's ``BaseHTTPMiddleware``, is still found). The answer
+measures how long
 it lasted; the blocker is then shipped with its most common stacks, the request that caused
 it, the other requests that were in flight on that loop (delayed by it), and the last call that
 request had finished by the end of the block (a large result parsed on the loop shows up as its
@@ -21,6 +24,8 @@ reads up to one tick short: durations are lower bounds.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import gc
 import sys
 import threading
 import time
@@ -56,6 +61,30 @@ def _idle(flat: tuple[Any, ...]) -> bool:
     code = flat[0]
     base = code.co_filename.rsplit("/", 1)[-1]
     return (base, None) in _IDLE or (base, code.co_name) in _IDLE
+
+
+def _context_of(task: Any) -> contextvars.Context | None:
+    """The context a task's steps run in (read from another thread: only a reference)."""
+    get_context = getattr(task, "get_context", None)  # 3.12+
+    if get_context is not None:
+        return get_context()  # type: ignore[no-any-return]
+    # 3.11's C task has no accessor; its context is one of the objects it references.
+    for obj in gc.get_referents(task):
+        if type(obj) is contextvars.Context:
+            return obj
+    return None
+
+
+def task_request(task: Any) -> recorder.ActiveRequest | None:
+    """The request being recorded in ``task``'s context (its own, or the parent's that
+    created it), or None."""
+    if task is None:
+        return None
+    ctx = _context_of(task)
+    if ctx is None:
+        return None
+    req = ctx.get(recorder._current)
+    return req if isinstance(req, recorder.ActiveRequest) else None
 
 
 class _Block:
@@ -163,15 +192,15 @@ class Watchdog:
             flat = frames_flat(frame)
             if len(b.stacks) < MAX_STACKS or flat in b.stacks:
                 b.stacks[flat] += 1
-        running: Any = None
+        req = None
         try:
-            running = asyncio.current_task(e.loop)
+            req = task_request(asyncio.current_task(e.loop))
         except Exception:
             pass
         for r in list(recorder.inflight.values()):
             if r.thread != e.thread:
                 continue
-            if running is not None and r.task is running:
+            if r is req:
                 b.req = r
                 if r.keep is None:  # keep a replayable capture of the blocking request
                     r.keep = "blocker"
