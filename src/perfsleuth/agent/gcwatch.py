@@ -1,13 +1,25 @@
 """Garbage-collection pauses, from ``gc.callbacks``.
 
-Every collection stops every thread that wants the GIL, so its time is added to all requests
-in flight (``req.gc_ns``, ``req.gc_count``, stored as ``requests.gc_ms`` / ``gc_count``).
+A collection runs in the thread whose allocation triggered it, in that thread's current
+context, so the request recorded there (``recorder.current_get()``) is the one whose code ran
+when it started: on an event loop, the request whose task was stepping (a child task inherits
+the request's context); in a thread, the thread's request. The pause is charged to that request
+alone (``req.gc_ns``, ``req.gc_count``, stored as ``requests.gc_ms`` / ``gc_count``); the other
+requests in flight only waited for it, as for an event-loop blocker, and are counted as
+delayed on the pause event. A collection started outside any request (the loop's own code,
+the agent's threads) is charged to nobody.
+
 Collections of at least ``gc_event_ms`` that hit a request are also kept as GC pause events
-(generation, duration, objects collected, the requests they hit), batched and shipped by the
-evidence thread; a pause with no request in flight delayed nobody (and a server's master
-process, which serves none, writes nothing). The callback does a clock read and, at "stop",
-a walk over the requests in flight; CPython's own callback machinery costs ~1.6 µs a
-collection (measured with a no-op callback), a few per request at most.
+(generation, duration, objects collected, the request charged, the requests in flight with it
+first, how many were delayed), batched and shipped by the evidence thread; a pause with no
+request in flight delayed nobody (and a server's master process, which serves none, writes
+nothing). The callback does a clock read and, at "stop", a context lookup and a walk over the
+requests in flight; CPython's own callback machinery costs ~1.6 µs a collection (measured with
+a no-op callback), a few per request at most.
+
+The size of the heap a full collection scans is sampled by the evidence thread, after a full
+collection, at most every ``HEAP_EVERY_S`` (``len(gc.get_objects())`` walks the heap like a
+collection does): ``stats["gc_heap_objects"]``, shipped with the agent's counters.
 """
 
 from __future__ import annotations
@@ -22,12 +34,18 @@ from perfsleuth.wire import GC
 
 _perf = time.perf_counter_ns
 MAX_PENDING = 1000  # pause events waiting for the evidence thread; more are counted
+HEAP_EVERY_S = 300.0
 
-recorder.stats.update({"gc_collections": 0, "gc_events_dropped": 0})
+recorder.stats.update(
+    {"gc_collections": 0, "gc_events_dropped": 0, "gc_full_collections": 0, "gc_heap_objects": 0}
+)
 
+_current_get = recorder.current_get
 _start = [0]
 _min_ns = 1_000_000
-_pending: deque[tuple[int, int, int, int, list[str]]] = deque()
+# (ts, dur, generation, collected, charged trace id or None, ids in flight, delayed)
+_pending: deque[tuple[int, int, int, int, str | None, list[str], int]] = deque()
+_heap_due = [False, 0.0]  # a full collection ran since the last heap sample; when it was taken
 _installed = False
 _fault = False  # test-only: the callback raises (PERFSLEUTH_FAULT=evidence_crash)
 
@@ -40,18 +58,31 @@ def _callback(phase: str, info: dict[str, Any]) -> None:
         if _fault:
             raise RuntimeError("injected GC callback crash")
         dur = _perf() - _start[0]
-        recorder.stats["gc_collections"] += 1
+        stats = recorder.stats
+        stats["gc_collections"] += 1
+        gen = info.get("generation", -1)
+        if gen == 2:
+            stats["gc_full_collections"] += 1
+            _heap_due[0] = True
+        charged = _current_get()
+        if charged is not None and not charged.end:  # (end set: a context that outlived it)
+            charged.gc_ns += dur
+            charged.gc_count += 1
+        else:
+            charged = None
+        if dur < _min_ns or not recorder.inflight:
+            return  # a pause with no request in flight delayed nobody
         reqs = list(recorder.inflight.values())
-        for r in reqs:
-            r.gc_ns += dur
-            r.gc_count += 1
-        if dur >= _min_ns and reqs:  # a pause with no request in flight delayed nobody
-            if len(_pending) >= MAX_PENDING:
-                recorder.stats["gc_events_dropped"] += 1
-                return
-            ids = [f"{r.trace_id:016x}" for r in reqs[:20]]
-            gen, collected = info.get("generation", -1), info.get("collected", 0)
-            _pending.append((time.time_ns() - dur, dur, gen, collected, ids))
+        if len(_pending) >= MAX_PENDING:
+            stats["gc_events_dropped"] += 1
+            return
+        others = [r for r in reqs if r is not charged]
+        first = [charged] if charged is not None else []
+        ids = [f"{r.trace_id:016x}" for r in (first + others)[:20]]
+        by = ids[0] if charged is not None else None
+        _pending.append(
+            (time.time_ns() - dur, dur, gen, info.get("collected", 0), by, ids, len(others))
+        )
     except Exception:
         recorder.internal_error()
 
@@ -65,8 +96,22 @@ def install(min_ms: float, *, fault: bool = False) -> None:
         _installed = True
 
 
+def sample_heap(now: float) -> None:
+    """After a full collection, at most every HEAP_EVERY_S: how many objects the collector
+    tracks (what each full collection scans), in ``stats["gc_heap_objects"]``."""
+    if not _heap_due[0] or (_heap_due[1] and now - _heap_due[1] < HEAP_EVERY_S):
+        return
+    _heap_due[0] = False
+    _heap_due[1] = now
+    recorder.stats["gc_heap_objects"] = len(gc.get_objects())
+
+
 def ship() -> None:
     """Hand the pending pause events to the writer as one GC record (evidence thread)."""
+    try:
+        sample_heap(time.monotonic())
+    except Exception:
+        recorder.internal_error()
     if not _pending:
         return
     events = []
@@ -76,8 +121,9 @@ def ship() -> None:
     def build(_intern: shipper.Intern) -> dict[str, Any]:
         return {
             "pauses": [
-                {"ts": ts, "dur": dur, "gen": gen, "collected": n, "ids": ids}
-                for ts, dur, gen, n, ids in events
+                {"ts": ts, "dur": dur, "gen": gen, "collected": n, "ids": ids, "delayed": d}
+                | ({"by": by} if by is not None else {})
+                for ts, dur, gen, n, by, ids, d in events
             ]
         }
 
@@ -86,3 +132,4 @@ def ship() -> None:
 
 def after_fork() -> None:
     _pending.clear()
+    _heap_due[:] = [False, 0.0]

@@ -156,6 +156,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # ... and cost something per request on average,
         "min_ms_per_request": 5.0,
         "min_requests": 10,
+        # When this many endpoints or more are over the thresholds, at least service_coverage
+        # of the endpoints with min_requests, and their shares are within service_spread (the
+        # largest over the smallest) of each other, the collections are the service's (a large
+        # long-lived heap that every full collection scans): one finding for the service.
+        "service_min_endpoints": 3,
+        "service_coverage": 0.75,
+        "service_spread": 3.0,
     },
 }
 
