@@ -2,11 +2,14 @@
 
 The agent's watchdog records every block of PERFSLEUTH_LOOP_BLOCK_MS or more with the loop
 thread's most common stack, the request whose code ran and the other requests it delayed.
-Blockers are grouped by endpoint and the application function that ran the blocking code (the
-outermost application frame of the blocking stack: the handler, whose parse and loop may be
-sampled on different lines); the finding points at the most common innermost application line
-and lists the others, with count, total and longest block, requests delayed, and what the last
-call before the block returned (a large result parsed on the loop).
+Blockers are grouped by endpoint and handler: the application frame the framework called, the
+innermost frame of application code entered from library code (in an ``async def`` endpoint,
+the handler's line that made the synchronous call: the line to wrap in ``asyncio.to_thread``
+or to make ``def``; frames of the app above it, such as the script that started the server,
+are not where the fix goes). The finding points at that line, names the deepest application
+line (where the time went) as evidence and lists the others, with count, total and longest
+block, requests delayed, and what the last call before the block returned (a large result
+parsed on the loop).
 """
 
 from __future__ import annotations
@@ -29,6 +32,17 @@ WHERE (? IS NULL OR b.ts >= ?) AND (? IS NULL OR {_ENDPOINT} = ?)
 """
 
 
+def handler_frame(stack: list[frames.Frame]) -> frames.Frame | None:
+    """The innermost application frame called from library code (outermost first): the
+    handler the framework called, whose line made the call that blocked; None without
+    application frames."""
+    found = None
+    for i, f in enumerate(stack):
+        if f.app and (i == 0 or not stack[i - 1].app):
+            found = f
+    return found
+
+
 @register(KIND)
 def detect(ctx: Context) -> list[Finding]:
     rows = ctx.store.query(_SQL, [ctx.cutoff, ctx.cutoff, ctx.endpoint, ctx.endpoint])
@@ -40,17 +54,19 @@ def detect(ctx: Context) -> list[Finding]:
     groups: dict[tuple[str, str | None, str | None], list[dict[str, Any]]] = {}
     leaves: dict[tuple[str, str | None, str | None], Counter[frames.Frame]] = {}
     no_app: list[tuple[tuple[str, str | None, str | None], dict[str, Any]]] = []
+    handlers: dict[tuple[str, str | None, str | None], Counter[frames.Frame]] = {}
     for r in rows:
         st = stacks.get(r["stack_id"], [])
         app = [f for f in st if f.app]
         f = app[-1] if app else (st[-1] if st else frames.UNKNOWN)
-        outer = app[0] if app else f
-        key = (r["endpoint"], outer.file, outer.function)
+        entry = handler_frame(st) or f
+        key = (r["endpoint"], entry.file, entry.function)
         if not app:
             no_app.append((key, r))
             continue
         groups.setdefault(key, []).append(r)
         leaves.setdefault(key, Counter())[f] += 1
+        handlers.setdefault(key, Counter())[entry] += 1
     # A block caught with no application frame on the loop, in an endpoint whose own code also
     # blocked, is the tail of that block: the handler returned and the loop is freeing or
     # serialising what it built. It counts with the handler (largest by blocked time), not as
@@ -77,8 +93,13 @@ def detect(ctx: Context) -> list[Finding]:
         if len(rs) < min_count and longest < single_ms:
             continue
         delayed = sum(int(r["delayed"] or 0) for r in rs)
-        where = f"{file_key(leaf.file)}:{leaf.line}" if leaf is not None else "an unknown line"
-        func = key[2] or (leaf.function if leaf is not None else None) or "?"
+        handler = handlers[key].most_common(1)[0][0] if key in handlers else leaf
+        at = handler if handler is not None else leaf
+        where = f"{file_key(at.file)}:{at.line}" if at is not None else "an unknown line"
+        func = key[2] or (at.function if at is not None else None) or "?"
+        deepest = ""
+        if leaf is not None and handler is not None and leaf != handler:
+            deepest = f", the time going in {frames.label(leaf.file, leaf.line, leaf.function)}"
         big = max(rs, key=lambda r: r["last_bytes"] or r["last_rows"] or 0)
         parsed = ""
         if big["last_rows"] or big["last_bytes"]:
@@ -95,7 +116,7 @@ def detect(ctx: Context) -> list[Finding]:
         )
         title = (
             f"{func} ({where}) blocked the event loop in {ep} {len(rs):,} time(s){tail}, "
-            f"{text.ms(total)} in all, up to {text.ms(longest)}{parsed}; "
+            f"{text.ms(total)} in all, up to {text.ms(longest)}{parsed}{deepest}; "
             f"{delayed:,} other in-flight request(s) waited."
         )
         examples = [r["trace_id"] for r in sorted(rs, key=lambda r: -float(r["duration_ms"] or 0))]
@@ -106,7 +127,7 @@ def detect(ctx: Context) -> list[Finding]:
                 endpoint=ep,
                 title=title,
                 impact_ms_per_min=ctx.per_min(total),
-                callsite=leaf.site() if leaf is not None else None,
+                callsite=at.site() if at is not None else None,
                 count_per_request=None,
                 example_trace_ids=[t for t in examples if t][:3],
                 first_seen=iso(min(r["ts"] for r in rs)),
@@ -126,6 +147,7 @@ def detect(ctx: Context) -> list[Finding]:
                     "last_call": big["last_call"],
                     "last_rows": big["last_rows"],
                     "last_bytes": big["last_bytes"],
+                    "handler": handler.site() if handler is not None else None,
                     "lines": [{**f.site(), "blocks": n} for f, n in leaves[key].most_common(5)],
                 },
             )
