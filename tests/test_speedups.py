@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from http import HTTPStatus
 from typing import Any
 
@@ -201,3 +202,100 @@ def test_the_send_tap_notes_what_the_python_one_notes(messages: list[Any]) -> No
     assert sent == messages * 2  # every message reaches the server, untouched
     c, py = ((t.status, t.headers, t.sent, t.complete, t.pathsend) for t in taps)
     assert c == py
+
+
+def burn(seconds: float) -> int:
+    """Runs until this thread has used ``seconds`` of CPU time."""
+    t0 = time.thread_time()
+    n = 0
+    while time.thread_time() - t0 < seconds:
+        n += sum(range(1000))
+    return n
+
+
+def test_the_hand_off_adds_the_worker_s_cpu_time_like_the_python_one(
+    agent_data_dir: str,
+) -> None:
+    from perfsleuth.agent.instrument import threads
+
+    original = asyncio.to_thread.__wrapped__  # type: ignore[attr-defined]
+    used = {}
+    for name, to_thread in (
+        ("c", recorder.speedups.HandOff(original)),
+        ("python", threads._python_wrapper(original)),
+    ):
+
+        async def main(to_thread: Any = to_thread) -> ps_asgi._AsgiRequest:
+            req = recorder.begin("web", "GET", "/cpu", cls=ps_asgi._AsgiRequest)
+            assert req is not None
+            req.cpu_ns = 0  # as the ASGI integration starts it
+            try:
+                assert await to_thread(burn, 0.05) > 0
+            finally:
+                recorder.end(req)
+            return req
+
+        req = asyncio.run(main())
+        used[name] = req.cpu_ns
+        # a request that counts its own thread's clock (WSGI) is left alone
+        plain = recorder.begin("web", "GET", "/wsgi", cpu=True)
+        assert plain is not None
+        asyncio.run(to_thread(burn, 0.001))  # its cpu_ns is None until it ends
+        recorder.end(plain)
+        assert plain.cpu_ns is not None and plain.cpu_ns < 50_000_000
+    assert all(v is not None and v >= 50_000_000 for v in used.values()), used
+
+
+class Steps:
+    """An awaitable (not a coroutine) of two steps burning CPU, returning ``value``."""
+
+    def __init__(self, value: Any, fail: bool = False) -> None:
+        self.value = value
+        self.fail = fail
+
+    def __await__(self) -> Any:
+        burn(0.02)
+        yield None
+        burn(0.02)
+        if self.fail:
+            raise KeyError("planted")
+        return self.value
+
+
+@pytest.mark.parametrize("meter", ["c", "python"])
+def test_the_cpu_meter_counts_the_steps_it_forwards(agent_data_dir: str, meter: str) -> None:
+    cls = recorder.speedups.CpuMeter if meter == "c" else ps_asgi.CpuMeter
+
+    async def coro(value: Any) -> Any:
+        await asyncio.sleep(0)
+        return await Steps(value)
+
+    async def main() -> dict[str, Any]:
+        req = recorder.begin("web", "GET", "/m", cls=ps_asgi._AsgiRequest)
+        assert req is not None
+        req.cpu_ns = 0
+        out: dict[str, Any] = {}
+        try:
+            out["coro"] = await cls(req, coro((1, 2)))  # a tuple comes back as it is
+            out["awaitable"] = await cls(req, Steps(None))
+            with pytest.raises(KeyError):
+                await cls(req, Steps(0, fail=True))
+            sleeper = asyncio.ensure_future(cls(req, asyncio.sleep(10)))
+            await asyncio.sleep(0)
+            sleeper.cancel()  # thrown into the meter
+            with pytest.raises(asyncio.CancelledError):
+                await sleeper
+            metered = cls(req, coro(3))
+            # the sampler's walk down an await chain sees the coroutine it drives
+            assert metered.cr_frame is not None and metered.cr_frame.f_code is coro.__code__
+            assert metered.cr_await is None
+            out["late"] = await metered
+        finally:
+            recorder.end(req)
+        out["cpu_ns"] = req.cpu_ns
+        return out
+
+    out = asyncio.run(main())
+    assert out["coro"] == (1, 2) and out["awaitable"] is None and out["late"] == 3
+    # four metered awaits of two 20 ms steps each (the failing one too)
+    assert out["cpu_ns"] >= 8 * 20_000_000

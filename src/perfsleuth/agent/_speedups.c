@@ -1,6 +1,6 @@
 /* perfsleuth.agent._speedups: the agent's per-call and per-request hot paths in C: the sqlite3
- * cursor wrappers of agent.instrument.dbapi, recorder.begin/end, the ASGI send tap, the
- * thread-pool hand-off of agent.instrument.threads, and the writer's request row.
+ * cursor wrappers of agent.instrument.dbapi, recorder.begin/end, the ASGI send tap and CPU
+ * meter, the thread-pool hand-off of agent.instrument.threads, and the writer's request row.
  *
  * Optional. The agent works without it (the Python wrappers in dbapi.py are the reference:
  * same behaviour, same recorded values); with it, recording a statement costs no Python frame
@@ -1441,6 +1441,257 @@ static PyTypeObject SendTapType = {
     .tp_members = tap_members,
 };
 
+/* ------------------------------------------------------------------ CPU time of a request
+ * What agent.instrument.threads and frameworks.asgi.CpuMeter add to req.cpu_ns: the calling
+ * thread's CPU clock across a function run in a worker, or across a step of a task. */
+
+static inline long long
+thread_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* req.cpu_ns += used, when the request counts CPU that way (an int, not None); keeps the
+ * exception being raised, if any; never raises. The GIL is held throughout: no other
+ * thread's update comes in between the read and the store. */
+static void
+add_cpu(PyObject *req, Layout *layout, long long used)
+{
+    PyObject *cpu = get_field(req, layout, F_CPU_NS);
+    if (cpu == NULL || !PyLong_CheckExact(cpu))
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *delta = PyLong_FromLongLong(used);
+    PyObject *sum = delta ? PyNumber_Add(cpu, delta) : NULL;
+    Py_XDECREF(delta);
+    if (sum == NULL)
+        failed();
+    else
+        set_field(req, layout, F_CPU_NS, sum);
+    PyErr_Restore(type, value, tb);
+}
+
+/* CpuMeter(req, awaitable): frameworks.asgi.CpuMeter (the reference): awaits the awaitable,
+ * adding the thread's CPU time of every step it forwards to req.cpu_ns. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *req;
+    PyObject *aw; /* the awaitable */
+    PyObject *it; /* what it awaits: the coroutine itself, or aw.__await__() */
+} MeterObject;
+
+static PyObject *s_send, *s_throw, *s_close, *s_cr_frame, *s_cr_await;
+
+static PyObject *
+meter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *req, *aw;
+    if (!PyArg_ParseTuple(args, "OO:CpuMeter", &req, &aw))
+        return NULL;
+    PyObject *it;
+    if (PyCoro_CheckExact(aw) || PyGen_CheckExact(aw)) {
+        it = Py_NewRef(aw);
+    } else {
+        unaryfunc am_await = Py_TYPE(aw)->tp_as_async ? Py_TYPE(aw)->tp_as_async->am_await : NULL;
+        if (am_await == NULL) {
+            PyErr_Format(PyExc_TypeError, "object %.100s can't be used in 'await' expression",
+                         Py_TYPE(aw)->tp_name);
+            return NULL;
+        }
+        it = am_await(aw);
+        if (it == NULL)
+            return NULL;
+    }
+    MeterObject *m = (MeterObject *)type->tp_alloc(type, 0);
+    if (m == NULL) {
+        Py_DECREF(it);
+        return NULL;
+    }
+    m->req = Py_NewRef(req);
+    m->aw = Py_NewRef(aw);
+    m->it = it;
+    return (PyObject *)m;
+}
+
+static void
+meter_add(MeterObject *m, long long cpu0)
+{
+    long long used = thread_cpu_ns() - cpu0;
+    Layout *layout = layout_of(Py_TYPE(m->req));
+    if (layout == NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_Clear();
+        failed();
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    add_cpu(m->req, layout, used);
+}
+
+static PySendResult
+meter_am_send(MeterObject *m, PyObject *arg, PyObject **result)
+{
+    long long cpu0 = thread_cpu_ns();
+    PySendResult r = PyIter_Send(m->it, arg, result);
+    meter_add(m, cpu0);
+    return r;
+}
+
+/* A step's result as send() and __next__ give it: the value yielded, or StopIteration with
+ * the value returned, or the error. */
+static PyObject *
+meter_step(MeterObject *m, PyObject *arg)
+{
+    PyObject *result = NULL;
+    PySendResult r = meter_am_send(m, arg, &result);
+    if (r == PYGEN_NEXT)
+        return result;
+    if (r == PYGEN_RETURN) {
+        if (result == Py_None) {
+            PyErr_SetNone(PyExc_StopIteration);
+        } else { /* StopIteration(result), whatever result is (a tuple is not unpacked) */
+            PyObject *stop = PyObject_CallOneArg(PyExc_StopIteration, result);
+            if (stop != NULL) {
+                PyErr_SetObject(PyExc_StopIteration, stop);
+                Py_DECREF(stop);
+            }
+        }
+        Py_DECREF(result);
+    }
+    return NULL;
+}
+
+static PyObject *
+meter_iternext(MeterObject *m)
+{
+    return meter_step(m, Py_None);
+}
+
+static PyObject *
+meter_send(MeterObject *m, PyObject *arg)
+{
+    return meter_step(m, arg);
+}
+
+static PyObject *
+meter_throw(MeterObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "throw expected 1 to 3 arguments");
+        return NULL;
+    }
+    /* the exception itself: the three-argument form is deprecated from 3.12 */
+    PyObject *exc = nargs >= 2 && args[1] != Py_None ? args[1] : args[0];
+    long long cpu0 = thread_cpu_ns();
+    PyObject *result = PyObject_CallMethodOneArg(m->it, s_throw, exc);
+    meter_add(m, cpu0);
+    return result;
+}
+
+/* getattr(obj, name, None) as a new reference (NULL with an error set on other errors) */
+static PyObject *
+optional_attr(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return Py_NewRef(Py_None);
+    }
+    return v;
+}
+
+static PyObject *
+meter_close(MeterObject *m, PyObject *unused)
+{
+    PyObject *close = optional_attr(m->it, s_close);
+    if (close == NULL)
+        return NULL;
+    if (close == Py_None)
+        return close;
+    PyObject *r = PyObject_CallNoArgs(close);
+    Py_DECREF(close);
+    return r;
+}
+
+static PyObject *
+meter_self(PyObject *m)
+{
+    return Py_NewRef(m);
+}
+
+static PyObject *
+meter_aw_attr(MeterObject *m, void *name)
+{
+    return optional_attr(m->aw, *(PyObject **)name);
+}
+
+static int
+meter_traverse(MeterObject *m, visitproc visit, void *arg)
+{
+    Py_VISIT(m->req);
+    Py_VISIT(m->aw);
+    Py_VISIT(m->it);
+    return 0;
+}
+
+static int
+meter_clear(MeterObject *m)
+{
+    Py_CLEAR(m->req);
+    Py_CLEAR(m->aw);
+    Py_CLEAR(m->it);
+    return 0;
+}
+
+static void
+meter_dealloc(MeterObject *m)
+{
+    PyObject_GC_UnTrack(m);
+    meter_clear(m);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static PyMethodDef meter_methods[] = {
+    {"send", (PyCFunction)meter_send, METH_O, "forward one step, counting its CPU time"},
+    {"throw", (PyCFunction)(void (*)(void))meter_throw, METH_FASTCALL,
+     "throw an exception into the awaitable, counting the CPU time of the step"},
+    {"close", (PyCFunction)meter_close, METH_NOARGS, "close the awaitable"},
+    {NULL},
+};
+
+static PyGetSetDef meter_getset[] = {
+    {"cr_frame", (getter)meter_aw_attr, NULL, "the awaitable's frame", &s_cr_frame},
+    {"cr_await", (getter)meter_aw_attr, NULL, "what the awaitable awaits", &s_cr_await},
+    {NULL},
+};
+
+static PyAsyncMethods meter_as_async = {
+    .am_await = (unaryfunc)meter_self,
+    .am_send = (sendfunc)meter_am_send,
+};
+
+static PyTypeObject MeterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "perfsleuth.agent._speedups.CpuMeter",
+    .tp_doc = "CpuMeter(req, awaitable): await it, adding each step's thread CPU time to "
+              "req.cpu_ns.",
+    .tp_basicsize = sizeof(MeterObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = meter_new,
+    .tp_dealloc = (destructor)meter_dealloc,
+    .tp_traverse = (traverseproc)meter_traverse,
+    .tp_clear = (inquiry)meter_clear,
+    .tp_as_async = &meter_as_async,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)meter_iternext,
+    .tp_methods = meter_methods,
+    .tp_getset = meter_getset,
+};
+
 /* ------------------------------------------------------------------ thread-pool hand-offs
  * agent.instrument.threads in C: HandOff(run_sync) replaces anyio.to_thread.run_sync and
  * asyncio.to_thread; when a request is being recorded, the function handed to the pool is
@@ -1492,9 +1743,12 @@ marked_vectorcall(MarkedObject *m, PyObject *const *args, size_t nargsf, PyObjec
     }
     if (PyErr_Occurred())
         failed();
+    long long cpu0 = thread_cpu_ns();
     PyObject *result = PyObject_Vectorcall(m->func, args, nargsf, kwnames);
-    if (prev != NULL)
+    if (prev != NULL) {
         set_field(m->req, layout, F_WORKER, prev); /* steals prev back */
+        add_cpu(m->req, layout, thread_cpu_ns() - cpu0);
+    }
     return result;
 }
 
@@ -1734,7 +1988,8 @@ PyMODINIT_FUNC
 PyInit__speedups(void)
 {
     if (PyType_Ready(&WrapperType) < 0 || PyType_Ready(&MarkedType) < 0 ||
-        PyType_Ready(&HandOffType) < 0 || PyType_Ready(&SendTapType) < 0)
+        PyType_Ready(&HandOffType) < 0 || PyType_Ready(&SendTapType) < 0 ||
+        PyType_Ready(&MeterType) < 0)
         return NULL;
     INTERN(s_rows_attr, "_perfsleuth_rows");
     INTERN(s_description, "description");
@@ -1755,6 +2010,11 @@ PyInit__speedups(void)
     INTERN(s_pathsend, "http.response.pathsend");
     INTERN(s_zerocopy, "http.response.zerocopy");
     INTERN(s_empty, "");
+    INTERN(s_send, "send");
+    INTERN(s_throw, "throw");
+    INTERN(s_close, "close");
+    INTERN(s_cr_frame, "cr_frame");
+    INTERN(s_cr_await, "cr_await");
     if ((layouts = PyDict_New()) == NULL)
         return NULL;
     if ((null_value = PyLong_FromLongLong(-9223372036854775807LL - 1)) == NULL ||
@@ -1767,6 +2027,7 @@ PyInit__speedups(void)
     if (PyModule_AddObjectRef(m, "CursorMethod", (PyObject *)&WrapperType) < 0 ||
         PyModule_AddObjectRef(m, "HandOff", (PyObject *)&HandOffType) < 0 ||
         PyModule_AddObjectRef(m, "SendTap", (PyObject *)&SendTapType) < 0 ||
+        PyModule_AddObjectRef(m, "CpuMeter", (PyObject *)&MeterType) < 0 ||
         PyModule_AddIntConstant(m, "EXECUTE", EXECUTE) < 0 ||
         PyModule_AddIntConstant(m, "FETCHONE", FETCHONE) < 0 ||
         PyModule_AddIntConstant(m, "FETCHMANY", FETCHMANY) < 0 ||

@@ -20,6 +20,12 @@ outside the standard set are ``OTHER``.
 itself (FastAPI overrides ``build_middleware_stack`` without calling Starlette's, but its
 ``__call__`` always goes through Starlette's). Mounted sub-applications and explicit wrapping on
 top of the patch do not double-record: an inner recorder sees a request in progress and stands by.
+
+CPU time (``req.cpu_ns``): the loop thread's CPU clock across each step of the request's own
+task (the app's awaitable is driven through a :class:`CpuMeter`, which reads the clock before
+and after each step it forwards), plus the worker threads' CPU while its sync code runs in a
+thread pool (agent.instrument.threads). A route run in a child task (Starlette's
+``BaseHTTPMiddleware`` runs the rest of the app in one) is metered in that task too.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ import asyncio
 import contextlib
 import functools
 import re
+import sys
+import time
+import types
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from types import ModuleType
 from typing import Any
@@ -138,8 +147,73 @@ class _AsgiRequest(recorder.ActiveRequest):
         return message
 
 
+class CpuMeter:
+    """``await CpuMeter(req, awaitable)``: awaits ``awaitable``, adding the thread's CPU time
+    of every step it forwards (send, throw) to ``req.cpu_ns``; the task's other steps (the
+    server's code) and the loop's other tasks are not counted. Two clock reads a step (a
+    FastAPI request takes one to a few steps). The sampler's walk down a task's await chain
+    sees it as the coroutine it drives (``cr_frame``, ``cr_await``). The C accelerator has
+    the same (agent/_speedups.c)."""
+
+    __slots__ = ("aw", "it", "req")
+
+    def __init__(self, req: recorder.ActiveRequest, aw: Any) -> None:
+        self.req = req
+        self.aw = aw
+        self.it = aw if type(aw) is _Coroutine else aw.__await__()
+
+    def __await__(self) -> CpuMeter:
+        return self
+
+    def __iter__(self) -> CpuMeter:
+        return self
+
+    def __next__(self) -> Any:
+        t0 = _thread_time()
+        try:
+            return self.it.send(None)
+        finally:
+            used = _thread_time() - t0
+            self.req.cpu_ns += used  # type: ignore[operator]
+
+    def send(self, value: Any) -> Any:
+        t0 = _thread_time()
+        try:
+            return self.it.send(value)
+        finally:
+            used = _thread_time() - t0
+            self.req.cpu_ns += used  # type: ignore[operator]
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        t0 = _thread_time()
+        try:
+            # the exception itself: the three-argument form is deprecated from 3.12
+            return self.it.throw(typ if val is None else val)
+        finally:
+            used = _thread_time() - t0
+            self.req.cpu_ns += used  # type: ignore[operator]
+
+    def close(self) -> None:
+        self.it.close()
+
+    @property
+    def cr_frame(self) -> Any:
+        return getattr(self.aw, "cr_frame", None)
+
+    @property
+    def cr_await(self) -> Any:
+        return getattr(self.aw, "cr_await", None)
+
+
+_Coroutine = types.CoroutineType
+_thread_time = time.thread_time_ns
+_CpuMeter: Any = CpuMeter
+if recorder.speedups is not None and hasattr(recorder.speedups, "CpuMeter"):
+    _CpuMeter = recorder.speedups.CpuMeter
+
 _begin = recorder.begin
 _end = recorder.end
+_current_get = recorder.current_get
 # {loop: its running task} as asyncio keeps it (3.11-3.13): read directly, with the loop of each
 # thread remembered, it gives the current task without asyncio.current_task(), whose
 # get_running_loop() makes a getpid() system call every time.
@@ -172,6 +246,7 @@ def _recording(inner: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable
         req._receive = receive
         req.received = 0
         req.tap = None
+        req.cpu_ns = 0
         out = req.out = _SendTap(send)
         try:
             req.headers = scope.get("headers")
@@ -182,7 +257,7 @@ def _recording(inner: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable
         except Exception:  # the user, tenant or samples are lost, not the request
             recorder.internal_error()
         try:
-            await inner(self, scope, req.receive, out)
+            await _CpuMeter(req, inner(self, scope, req.receive, out))
         except BaseException as exc:
             try:
                 if not out.complete or not out.status:
@@ -214,6 +289,37 @@ record_asgi = _recording(lambda app, scope, receive, send: app(scope, receive, s
 PerfsleuthASGI.__call__ = _recording(  # type: ignore[method-assign]
     lambda self, scope, receive, send: self.app(scope, receive, send)
 )
+
+
+def _running_task(thread: int) -> Any:
+    loop = _loop_of.get(thread)
+    return None if loop is None or _running_tasks is None else _running_tasks.get(loop)
+
+
+class _ChildTaskMeter:
+    """The app below a ``BaseHTTPMiddleware``, which runs it in a child task of the request's:
+    its steps are metered there (the request's own task meters only its own steps)."""
+
+    __slots__ = ("app",)
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "app":
+            raise AttributeError(name)
+        return getattr(self.app, name)
+
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Any:
+        aw = self.app(scope, receive, send)
+        try:
+            req = _current_get()
+            if req is None or req.cpu_ns is None or _running_task(req.thread) is req.task:
+                return aw
+            return _CpuMeter(req, aw)
+        except Exception:
+            recorder.internal_error()
+            return aw
 
 
 def _finish(req: _AsgiRequest, scope: Scope) -> None:
@@ -456,6 +562,28 @@ def patch_starlette(module: ModuleType) -> None:
     __call__ = functools.wraps(original)(_recording(original))
     __call__._perfsleuth_original = original  # type: ignore[attr-defined]
     cls.__call__ = __call__
+    try:
+        import starlette.middleware.base as base
+
+        _patch_base_middleware(base)
+    except Exception:
+        recorder.internal_error()
+
+
+def _patch_base_middleware(module: ModuleType) -> None:
+    cls = getattr(module, "BaseHTTPMiddleware", None)
+    if cls is None or getattr(cls.__init__, "_perfsleuth_original", None) is not None:
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, app: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, app, *args, **kwargs)
+        if getattr(self, "app", None) is app:
+            self.app = _ChildTaskMeter(app)
+
+    __init__._perfsleuth_original = original  # type: ignore[attr-defined]
+    cls.__init__ = __init__
 
 
 def patch_uvicorn(module: ModuleType) -> None:
@@ -500,6 +628,11 @@ def unpatch_starlette(module: ModuleType) -> None:
     original = getattr(cls.__call__, "_perfsleuth_original", None) if cls is not None else None
     if cls is not None and original is not None:
         cls.__call__ = original
+    base = sys.modules.get("starlette.middleware.base")
+    mw = getattr(base, "BaseHTTPMiddleware", None)
+    init = getattr(getattr(mw, "__init__", None), "_perfsleuth_original", None)
+    if mw is not None and init is not None:
+        mw.__init__ = init
 
 
 __all__ = ["PerfsleuthASGI", "patch_starlette", "patch_uvicorn", "record_asgi", "route_endpoint"]

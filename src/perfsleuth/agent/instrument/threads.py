@@ -3,7 +3,10 @@
 FastAPI/Starlette run sync endpoints and dependencies with ``anyio.to_thread.run_sync``;
 ``asyncio.to_thread`` does the same for plain asyncio code. The request is in the copied
 context, so the wrapper only notes ``req.worker`` (the thread ident) while the function runs:
-the sampler then samples that thread instead of the loop, where the request only awaits.
+the sampler then samples that thread instead of the loop, where the request only awaits. It
+also adds the worker thread's CPU time across the run to ``req.cpu_ns`` when the request counts
+CPU that way (an ASGI request starts it at 0; a WSGI request, which reads its own thread's
+clock at its end, leaves it None).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -18,18 +22,25 @@ from typing import Any
 from perfsleuth.agent import recorder
 
 _get_ident = threading.get_ident
+_thread_time = time.thread_time_ns
 _current_get = recorder.current_get
 
 
 def _run_marked(
     req: recorder.ActiveRequest, func: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> Any:
-    """Run ``func`` in the worker thread, noting that thread on the request meanwhile."""
+    """Run ``func`` in the worker thread, noting that thread on the request meanwhile, and
+    its CPU time."""
     prev, req.worker = req.worker, _get_ident()
+    t0 = _thread_time()
     try:
         return func(*args, **kwargs)
     finally:
         req.worker = prev
+        used = _thread_time() - t0
+        if req.cpu_ns is not None:
+            # read, add and store with no call in between: no other thread runs inside it
+            req.cpu_ns += used
 
 
 def _marking(func: Callable[..., Any], req: recorder.ActiveRequest) -> Callable[..., Any]:
