@@ -1,0 +1,217 @@
+"""Runtime evidence on an async stack: FastAPI with a ``BaseHTTPMiddleware`` under uvicorn.
+
+- an event-loop blocker in a route run in a child task names its endpoint and the handler's
+  line that made the synchronous call (the deepest application line kept as evidence);
+- a garbage collection is charged to the request whose code started it (a big ``json.loads`` on
+  the loop), not to a request that only waited meanwhile;
+- ``requests.cpu_ms`` of ASGI requests: the worker thread's CPU for a sync endpoint, the loop
+  thread's CPU while the request's own steps run for an async one (with and without the C
+  accelerator).
+
+App: tests/apps/async_evidence_app.py, whose planted lines carry markers. The CPU endpoints burn
+a fixed amount of thread CPU time (not wall time), so the comparisons hold on a busy machine.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perfsleuth.analysis.config import Config
+from perfsleuth.analysis.findings import find
+from perfsleuth.store.duckdb_store import DuckDBStore
+from spoolwrite import SegmentWriter
+from test_run_servers import APPS, launched, uvicorn
+
+APP = os.path.join(APPS, "async_evidence_app.py")
+
+
+def line_of(marker: str) -> int:
+    with open(APP, encoding="utf-8") as fh:
+        hits = [i for i, s in enumerate(fh.read().splitlines(), 1) if marker in s]
+    assert len(hits) == 1, (marker, hits)
+    return hits[0]
+
+
+def loop_lines(marker: str) -> set[int]:
+    """The planted line and the ``while`` above it (a busy loop is sampled on either)."""
+    return {line_of(marker) - 1, line_of(marker)}
+
+
+def findings(data: Path, kinds: list[str], **overrides: Any) -> list[Any]:
+    cfg = Config()
+    for key, value in overrides.items():
+        kind, name = key.split("__")
+        cfg.set(kind, name, value)
+    with DuckDBStore(str(data), read_only=True) as store:
+        return find(store, config=cfg, kinds=kinds)
+
+
+def in_flight_during(srv: Any, path: str, during: Any) -> None:
+    """Start GET ``path``, let it reach its await, run ``during()``, wait for the answer."""
+    answered: list[int] = []
+    t = threading.Thread(target=lambda: answered.append(srv.get(path)[0]))
+    t.start()
+    time.sleep(0.15)
+    during()
+    t.join()
+    assert answered == [200]
+
+
+@pytest.fixture(scope="module")
+def async_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("async-evidence")
+    data = tmp / "data"
+    with launched(
+        tmp, data, uvicorn("async_evidence_app:app", "--loop", "asyncio"), service="aev",
+        ready="/health",
+    ) as srv:  # fmt: skip
+        for _ in range(3):
+            in_flight_during(srv, "/wait", lambda: srv.get("/block"))
+        for _ in range(4):
+            in_flight_during(srv, "/wait", lambda: srv.request("POST", "/ingest"))
+        for path in ("/cpu-sync", "/sleep-sync", "/cpu-async", "/sleep-async") * 2:
+            assert srv.get(path)[0] == 200
+        for _ in range(5):
+            assert srv.get("/health")[0] == 200
+        assert srv.stop() in (0, -15)
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+    return data
+
+
+def test_a_blocker_behind_base_http_middleware_names_its_endpoint_and_handler_line(
+    async_store: Path,
+) -> None:
+    with DuckDBStore(str(async_store), read_only=True) as store:
+        blockers = [b for b in store.blockers() if b["duration_ms"] >= 200]
+        block_ids = {t["trace_id"] for t in store.traces(endpoint="GET /block")}
+    assert len(block_ids) == 3
+    # every block of /block is its own (the watchdog found the request through the child
+    # task's context), none is "<no request>" nor blamed on the request that waited
+    mine = [b for b in blockers if b["trace_id"] in block_ids]
+    assert len(mine) == 3, blockers
+    assert {b["endpoint"] for b in mine} == {"GET /block"}
+    assert all(b["delayed"] >= 1 for b in mine)  # /wait was in flight each time
+    for b in mine:
+        app_frames = [f for f in b["stack"] if f["app"]]
+        assert app_frames[-1]["line"] in loop_lines("PLANTED-DEEP")
+
+    (f,) = [f for f in findings(async_store, ["event_loop_blocker"]) if f.endpoint == "GET /block"]
+    handler = line_of("PLANTED-HANDLER")
+    assert f.callsite == {"file": APP, "line": handler, "function": "block"}
+    assert f.title.startswith(
+        f"block (apps/async_evidence_app.py:{handler}) blocked the event loop"
+    )
+    # the deepest application frame, as evidence
+    assert f"parse_feed (async_evidence_app.py:{line_of('PLANTED-DEEP')})" in f.title or (
+        f"parse_feed (async_evidence_app.py:{line_of('PLANTED-DEEP') - 1})" in f.title
+    )
+    assert {x["line"] for x in f.evidence["lines"]} <= loop_lines("PLANTED-DEEP")
+    assert f.evidence["handler"]["line"] == handler
+
+
+def test_gc_is_charged_to_the_allocating_request_not_to_one_that_waited(
+    async_store: Path,
+) -> None:
+    with DuckDBStore(str(async_store), read_only=True) as store:
+        rows = store.query(
+            "SELECT endpoint, count(*) AS n, sum(coalesce(gc_count, 0)) AS collections,"
+            " sum(coalesce(gc_ms, 0)) AS gc_ms, sum(duration_ms) AS ms"
+            " FROM requests GROUP BY endpoint"
+        )
+    by = {r["endpoint"]: r for r in rows}
+    ingest, waited = by["POST /ingest"], by["GET /wait"]
+    assert ingest["n"] == 4 and waited["n"] == 7  # both were recorded
+    assert ingest["collections"] >= 4 * 10  # 60 parses of 5,000 objects each, per request
+    # /wait's own steps allocate a little: a stray young collection at most, not /ingest's
+    assert waited["collections"] <= ingest["collections"] / 10
+    assert waited["gc_ms"] < 0.01 * waited["ms"]
+    found = findings(
+        async_store, ["gc_pressure"], gc_pressure__min_requests=3,
+        gc_pressure__min_time_share=0.02, gc_pressure__min_ms_per_request=0.5,
+    )  # fmt: skip
+    assert "POST /ingest" in {f.endpoint for f in found}
+    assert "GET /wait" not in {f.endpoint for f in found}
+
+
+def cpu_by_endpoint(data: Path) -> dict[str, list[dict[str, Any]]]:
+    with DuckDBStore(str(data), read_only=True) as store:
+        rows = store.query(
+            "SELECT endpoint, cpu_ms, duration_ms FROM requests WHERE endpoint LIKE 'GET /%'"
+        )
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r["endpoint"], []).append(r)
+    return out
+
+
+def check_cpu(by: dict[str, list[dict[str, Any]]]) -> None:
+    for kind in ("sync", "async"):
+        cpu, sleep = by[f"GET /cpu-{kind}"], by[f"GET /sleep-{kind}"]
+        assert len(cpu) == 2 and len(sleep) == 2
+        for r in cpu + sleep:
+            assert r["cpu_ms"] is not None and 0 < r["cpu_ms"] <= r["duration_ms"], (kind, r)
+        # the endpoint burns 200 ms of its thread's CPU: all of it is counted
+        assert all(r["cpu_ms"] >= 200 for r in cpu), (kind, cpu)
+        assert max(r["cpu_ms"] for r in sleep) < min(r["cpu_ms"] for r in cpu), (kind, by)
+    # an async request's CPU is its own steps', not the loop's while it awaited
+    assert all(r["cpu_ms"] is not None for r in by["GET /wait"])
+
+
+def test_cpu_time_of_asgi_requests(async_store: Path) -> None:
+    check_cpu(cpu_by_endpoint(async_store))
+
+
+@pytest.mark.parametrize("speedups", ["0", "1"])
+def test_cpu_time_of_asgi_requests_with_and_without_the_accelerator(
+    tmp_path: Path, speedups: str
+) -> None:
+    data = tmp_path / "data"
+    with launched(
+        tmp_path, data, uvicorn("async_evidence_app:app"), service="cpu", ready="/health",
+        PERFSLEUTH_SPEEDUPS=speedups, PERFSLEUTH_EVIDENCE="0",
+    ) as srv:  # fmt: skip
+        for path in ("/cpu-sync", "/sleep-sync", "/cpu-async", "/sleep-async", "/wait") * 2:
+            assert srv.get(path)[0] == 200
+        assert srv.stop() in (0, -15)
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+    check_cpu(cpu_by_endpoint(data))
+
+
+def gc_store(data: Path, shares: dict[str, float], heap_objects: int | None) -> None:
+    """Ten 100 ms requests per endpoint, ``share`` of each in collections it started."""
+    w = SegmentWriter(str(data))
+    for endpoint, share in shares.items():
+        for _ in range(10):
+            w.request(endpoint, dur_ms=100, gc_ns=int(share * 100e6), gc_count=3)
+    if heap_objects is not None:
+        w.stats({"gc_heap_objects": heap_objects, "gc_collections": 120})
+    w.close()
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+
+
+def test_collections_costing_the_same_on_every_endpoint_are_the_service_s(
+    tmp_path: Path,
+) -> None:
+    shares = {"GET /a": 0.2, "GET /b": 0.25, "POST /c": 0.3, "GET /d": 0.22}
+    gc_store(tmp_path / "heap", shares, heap_objects=2_400_000)
+    with DuckDBStore(str(tmp_path / "heap"), read_only=True) as store:
+        assert store.query("SELECT count(*) AS n FROM requests")[0]["n"] == 40
+    (f,) = findings(tmp_path / "heap", ["gc_pressure"])
+    assert f.endpoint == "<service>"
+    assert "2,400,000 objects" in f.title and "4 of 4 endpoints" in f.title
+    assert "gc.freeze()" in f.suggestion
+    assert f.evidence["heap_objects"] == 2_400_000 and len(f.evidence["endpoints"]) == 4
+
+    # one endpoint allocating far more than the others is that endpoint's problem
+    gc_store(tmp_path / "one", {**shares, "GET /a": 0.02, "GET /b": 0.01}, heap_objects=None)
+    found = findings(tmp_path / "one", ["gc_pressure"])
+    assert sorted(f.endpoint for f in found) == ["GET /d", "POST /c"]
