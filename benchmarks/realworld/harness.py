@@ -183,7 +183,9 @@ class Client:
 
 
 def drive(plan: Iterable[tuple[Callable[[], int], int]], threads: int = 1) -> dict[str, Any]:
-    """Run each ``(call, times)`` of the plan, interleaved, on ``threads`` threads; count statuses."""
+    """Run each ``(call, times)`` of the plan, interleaved, on ``threads`` threads.
+
+    Returns the number of requests and how many got each status."""
     work: list[Callable[[], int]] = []
     items = [(call, n) for call, n in plan]
     rounds = max((n for _, n in items), default=0)
@@ -271,6 +273,7 @@ class Expect:
     line: int  # the documented line, in the buggy release
     problem: str  # a few words for the table
     also: tuple[str, ...] = ()  # other endpoints the same documented code runs on
+    other_lines: tuple[int, ...] = ()  # lines of the same file the same fix changed
 
 
 @dataclass
@@ -319,13 +322,13 @@ def judge(
         f for f in result.findings if f["kind"] in expect.kinds and f["endpoint"] == expect.endpoint
     ]
     result.found = bool(hits)
-    want = (expect.file_suffix, expect.line)
+    lines = {expect.line, *expect.other_lines}
     result.line_ok = False
     for f in hits:
         site = f.get("callsite") or {}
         if site and not result.named_line:
             result.named_line = f"{_short(site.get('file'))}:{site.get('line')}"
-        if any(fl.endswith(want[0]) and ln == want[1] for fl, ln in locations(f)):
+        if any(fl.endswith(expect.file_suffix) and ln in lines for fl, ln in locations(f)):
             result.line_ok = True
     if result.role == "fixed":
         hits += [

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import harness
 
-CASES = ["admin_index"]
+CASES = ["admin_index", "starlette_admin"]
 
 
 def main() -> int:
