@@ -82,6 +82,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # machine a primary-key lookup in the demo reached a p95 of 103 ms (median 11 ms).
         "p95_ms": 250.0,
         "min_calls": 5,
+        # ... in this many requests: five slow calls of one request are one slow request.
+        "min_requests": 3,
         # ... and it must matter to its endpoint.
         "min_time_share": 0.05,
         "kinds": ["db"],
@@ -98,21 +100,33 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "min_requests": 5,
     },
     "outlier_tenant": {
-        # Graphite's lesson: one customer's slow upstream moved the site-wide P95.
+        # Graphite's lesson: one customer's slow upstream moved the site-wide P95. A tenant is
+        # judged by its own requests against the rest of the endpoint's, never by the
+        # endpoint's p95, which unrelated noise (an event-loop blocker) may set.
         "dimensions": ["tenant", "user"],
         "min_endpoint_requests": 30,
+        # Enough requests on both sides for a median and a rank test to mean something.
         "min_requests": 5,
-        # Their share of the endpoint's time is this many times their share of its requests,
-        "min_ratio": 2.0,
+        "min_other_requests": 20,
+        # Their share of the endpoint's time is this many times their share of its requests
+        # (their mean over the endpoint's: others' slow tail, a blocker, pulls it down while
+        # their median is 12x the others'; the rank test and the median say "as a rule"),
+        "min_ratio": 1.5,
         # and large enough to matter,
         "min_time_share": 0.10,
-        # and the endpoint's p95 falls by at least this share without them.
-        "min_p95_drop": 0.20,
-        # ... and by at least this many ms: 0.8 -> 0.5 ms is a large share of nothing.
-        "min_p95_drop_ms": 10.0,
-        # ... and their median is this many times everyone else's (slow as a rule, not by
-        # the chance of a few requests meeting a busy machine).
+        # and their median is this many times everyone else's (slow as a rule, not by the
+        # chance of a few requests meeting a busy machine) ...
         "min_median_ratio": 2.0,
+        # ... and at least this many ms above it: 0.5 against 0.1 ms is a large ratio of nothing.
+        "min_median_gap_ms": 10.0,
+        # Mann-Whitney U, one-sided: the chance that requests drawn from one distribution would
+        # rank this far above the others' (Bonferroni-minded: an endpoint has many tenants).
+        "max_p_value": 0.001,
+        # A statement (or call) is named as theirs when they spend this share of its time or
+        # more, per request, against the others ...
+        "statement_min_share": 0.5,
+        # ... and it explains this share of their time beyond the others' at least.
+        "statement_min_excess_share": 0.25,
     },
     "chatty_endpoint": {
         # Many calls per request (median), the lessons' Jira case at the extreme (90,000).
@@ -165,6 +179,32 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "service_spread": 3.0,
     },
 }
+
+# The evidence each detector's findings rest on: kind -> {count in Finding.evidence: the setting
+# above holding its floor}. A finding with a count under its floor is not raised; above it, the
+# counts grade how sure the finding is (see perfsleuth.analysis.findings.assess). A new detector
+# adds one line here.
+EVIDENCE_FLOORS: dict[str, dict[str, str]] = {
+    "n_plus_one": {"requests_with_pattern": "min_requests"},
+    "repeated_query": {"requests_with_repeats": "min_requests"},
+    "oversized_result": {"calls": "min_calls"},
+    "slow_query": {"calls": "min_calls", "requests": "min_requests"},
+    "upstream_latency": {"requests_calling": "min_requests"},
+    "outlier_tenant": {"requests": "min_requests", "other_requests": "min_other_requests"},
+    "chatty_endpoint": {"requests": "min_requests"},
+    "large_request_body": {"requests_with_large_body": "min_requests"},
+    "slow_request_hotspot": {"slow_requests": "min_requests", "samples": "min_samples"},
+    "event_loop_blocker": {"blocks": "min_count"},
+    "gc_pressure": {"requests": "min_requests"},
+    "cpu_starved": {"run_ms": "min_runnable_ms"},
+}
+
+# Floors that grade a finding without holding it back: one block of event_loop_blocker's
+# ``single_ms`` or more is reported (as "low"); cpu_starved is also raised by cgroup throttling
+# alone, with little runnable time sampled.
+SOFT_FLOORS: frozenset[tuple[str, str]] = frozenset(
+    {("event_loop_blocker", "blocks"), ("cpu_starved", "run_ms")}
+)
 
 
 class ConfigError(ValueError):
