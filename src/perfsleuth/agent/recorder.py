@@ -66,6 +66,7 @@ _code_kinds = stacks._kind
 _classify = stacks.classify
 _capture = stacks.capture
 _same_stack = stacks.same
+_template_key = stacks.template_key
 _MAX_DEPTH = stacks.MAX_DEPTH
 _getrandbits = random.getrandbits  # reseeded in forked children by the random module itself
 _get_ident = threading.get_ident
@@ -139,6 +140,16 @@ def _load_speedups() -> Any:
 speedups: Any = _load_speedups()
 
 
+def _python_sites() -> None:
+    """A template engine is loaded: the accelerator's site path (its stacks have no template
+    frames) leaves new sites to Python's (stacks_per_site above 1 does that)."""
+    if speedups is not None:
+        speedups.configure(stacks_per_site=2)
+
+
+stacks.on_templates = _python_sites
+
+
 def configure(
     sink: Callable[[ActiveRequest], None] | None, *, max_calls: int, stacks_per_site: int
 ) -> None:
@@ -159,7 +170,8 @@ def configure(
             site_cache=_site_cache,
             max_depth=_MAX_DEPTH,
             max_sites=MAX_SITES,
-            stacks_per_site=_stacks_per_site,
+            # the accelerator's site path does not know template frames: Python's does them
+            stacks_per_site=2 if stacks.check_engines() else _stacks_per_site,
             sink=sink,
             inflight=inflight,
             stats=stats,
@@ -329,6 +341,12 @@ class ActiveRequest:
             where = (0, 0) if f is None else (id(f.f_code), f.f_lasti)
             statement = type(target) is str
             key = (target, *where) if statement else (kind, *where, None)
+            if stacks.templates_on:
+                # under a template, one Python line serves many template lines: their
+                # calls are sites of their own (and never on the fast paths' 3-tuple keys)
+                tkey = _template_key(frame)
+                if tkey:
+                    key = (*key, tkey)
             sites = self.sites
             slot = sites.get(key)
             if slot is None:

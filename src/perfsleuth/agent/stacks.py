@@ -2,8 +2,22 @@
 
 The hot path collects (code object, line) pairs only; turning them into file/line/function
 records happens on the writer thread. Frames of perfsleuth's agent itself are skipped.
+
 A frame is an *application* frame when its file is outside the standard library and
-site-packages (perfsleuth's own demo counts as application code).
+site-packages (perfsleuth's own demo counts as application code), or inside the directory of
+an application package installed there: the package of the served app object (``perfsleuth
+run`` passes it), Django's project (its settings, root URLconf and WSGI/ASGI application's
+packages, read once Django's settings are configured), and the packages named in
+``PERFSLEUTH_APP_PACKAGES``. A launcher script (a file
+in a virtualenv's or the interpreter's ``bin/``: console-script shims such as ``bin/uvicorn``)
+is never application code.
+
+Template frames: while a template engine (Django's, Jinja2) is loaded, a captured stack also
+carries the template lines being rendered (:mod:`perfsleuth.agent.templates`), as synthetic
+frames ``(code, line)``: a code object made for the template's file whose name is the label
+(``{% for c in checks %}``, ``{{ c.url }}``), with the template line as a plain (positive)
+line number. A Django frame rendering a node is followed by the node's template line; a
+Jinja2 template frame is replaced by its template line, followed by its enclosing loops'.
 """
 
 from __future__ import annotations
@@ -11,13 +25,17 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+import threading
 from types import CodeType, FrameType
 from typing import Any
+
+from perfsleuth.agent import templates
 
 MAX_DEPTH = 64
 _AGENT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _WIRE_DIR = os.path.join(os.path.dirname(_AGENT_DIR.rstrip(os.sep)), "wire") + os.sep
 _DEMO_MARK = os.sep + os.path.join("perfsleuth", "demo") + os.sep
+_modules = sys.modules
 
 
 def _library_prefixes() -> tuple[str, ...]:
@@ -33,7 +51,18 @@ def _library_prefixes() -> tuple[str, ...]:
     return tuple(sorted(paths))
 
 
+def _script_dirs() -> frozenset[str]:
+    """Directories of this interpreter's launcher scripts (console-script shims)."""
+    dirs = set()
+    for p in (sysconfig.get_paths().get("scripts"), os.path.dirname(sys.executable)):
+        if p:
+            dirs.add(os.path.abspath(p))
+            dirs.add(os.path.realpath(p))
+    return frozenset(dirs)
+
+
 _LIB = _library_prefixes()
+_SCRIPTS = _script_dirs()
 # id(code) -> (code, kind): kind True (application), False (library), None (perfsleuth agent:
 # skip; also the frame of a thread pool's worker that runs a request's function, marked by the
 # C hand-off, agent/_speedups.c, where the Python one has a frame of the agent's). Keyed by id
@@ -41,21 +70,167 @@ _LIB = _library_prefixes()
 # in the value so its id cannot be reused while the entry exists.
 _kind: dict[int, tuple[CodeType, bool | None]] = {}
 
+# ------------------------------------------------------------------ application packages
+
+# Directories (with a trailing separator) or single-module files of application packages
+# that live under a library prefix (site-packages).
+_app_dirs: tuple[str, ...] = ()
+# Package names given but not resolved yet (not imported yet, or not found).
+_app_pending: list[str] = []
+_app_known: set[str] = set()
+_django_read = False
+_app_lock = threading.Lock()
+
+
+def _launcher(fn: str) -> bool:
+    """Whether ``fn`` is a launcher script: a file in a ``bin``/``Scripts`` directory of this
+    interpreter or of a virtualenv (its parent holds ``pyvenv.cfg``)."""
+    d = os.path.dirname(fn)
+    if d in _SCRIPTS:
+        return True
+    if os.path.basename(d) not in ("bin", "Scripts"):
+        return False
+    try:
+        return os.path.isfile(os.path.join(os.path.dirname(d), "pyvenv.cfg"))
+    except Exception:
+        return False
+
+
+def add_app_packages(names: Any) -> None:
+    """Count the packages (or modules) named as application code: a comma-separated string
+    or an iterable of dotted names. They are located when imported (nothing is imported
+    here); what they hold is application code from then on, even in site-packages."""
+    if isinstance(names, str):
+        names = names.split(",")
+    added = False
+    for raw in names:
+        name = str(raw).strip()
+        if name and name.replace(".", "").replace("_", "").isalnum() and name not in _app_known:
+            _app_known.add(name)
+            _app_pending.append(name)
+            added = True
+    if added:
+        _resolve_app_packages()
+
+
+def app_packages() -> tuple[str, ...]:
+    """The directories (and module files) counted as application code under site-packages."""
+    _resolve_app_packages()
+    return _app_dirs
+
+
+def _location(name: str) -> str | None:
+    """Where an imported package or module lives: its directory (with a trailing separator)
+    or its file; None while it is not imported (its frames cannot run before it is)."""
+    mod = _modules.get(name)
+    if mod is None:
+        return None
+    for p in list(getattr(mod, "__path__", None) or []):
+        if isinstance(p, str) and os.path.isdir(p):
+            return os.path.abspath(p) + os.sep
+    f = getattr(mod, "__file__", None)
+    return os.path.abspath(f) if isinstance(f, str) else None
+
+
+# Django settings naming the project's own modules
+_DJANGO_PROJECT = ("SETTINGS_MODULE", "ROOT_URLCONF", "WSGI_APPLICATION", "ASGI_APPLICATION")
+
+
+def _django_packages() -> list[str]:
+    """Django's project, once Django's settings are configured: the top-level packages of
+    the settings module, the root URLconf and the WSGI/ASGI application, and the
+    INSTALLED_APPS under them. Other INSTALLED_APPS are distributions of their own (Django's
+    contrib apps, rest_framework, wagtail): their frames stay library frames, so a call site
+    is named in the project's code. Django is never imported here, nor its settings loaded."""
+    global _django_read
+    conf = _modules.get("django.conf")
+    if conf is None:
+        return []
+    try:
+        settings = conf.settings
+        if not settings.configured:
+            return []
+        _django_read = True
+        tops = set()
+        for name in _DJANGO_PROJECT:
+            value = getattr(settings, name, None)
+            if isinstance(value, str) and value:
+                tops.add(value.split(".")[0])
+        tops.discard("django")
+        names = sorted(tops)
+        for app in getattr(settings, "INSTALLED_APPS", ()):
+            if isinstance(app, str) and app.split(".")[0] in tops:
+                names.append(_app_module(app))
+        return names
+    except Exception:
+        _django_read = True
+        return []
+
+
+def _app_module(entry: str) -> str:
+    """The module of an INSTALLED_APPS entry (an app module, or an AppConfig's dotted path)."""
+    if entry in _modules:
+        return entry
+    parent, _, last = entry.rpartition(".")
+    if parent and last[:1].isupper():  # "polls.apps.PollsConfig"
+        cls = getattr(_modules.get(parent), last, None)
+        name = getattr(cls, "name", None)
+        if isinstance(name, str):
+            return name
+        return parent.rpartition(".")[0] or parent
+    return entry
+
+
+def _resolve_app_packages() -> None:
+    """Locate the named packages imported since the last call (and Django's project once its
+    settings are configured). Runs on the request threads and the writer's: under a lock."""
+    global _app_dirs
+    with _app_lock:
+        if not _django_read and "django.conf" in _modules:
+            for name in _django_packages():
+                if name not in _app_known:
+                    _app_known.add(name)
+                    _app_pending.append(name)
+        if not _app_pending:
+            return
+        found = []
+        for name in list(_app_pending):
+            where = _location(name)
+            if where is not None:
+                _app_pending.remove(name)
+                found.append(where)
+        new = [w for w in found if w not in _app_dirs]
+        if not new:
+            return
+        _app_dirs = tuple(sorted({*_app_dirs, *new}))
+        # codes classified as library before may be the application's now (in place: the C
+        # accelerator holds this dict; its own marks of agent frames are kept)
+        for key, (_, kind) in list(_kind.items()):
+            if kind is False:
+                _kind.pop(key, None)
+
+
+def _file_kind(fn: str) -> bool | None:
+    if fn.startswith((_AGENT_DIR, _WIRE_DIR)):
+        return None
+    if _DEMO_MARK in fn:
+        return True
+    if fn.startswith("<"):
+        return False
+    if fn.startswith(_LIB):
+        if _app_pending or not _django_read:
+            _resolve_app_packages()
+        return bool(_app_dirs) and fn.startswith(_app_dirs)
+    return not _launcher(fn)
+
 
 def classify(code: CodeType) -> bool | None:
     hit = _kind.get(id(code))
     if hit is not None:
         return hit[1]
-    fn = code.co_filename
-    kind: bool | None
-    if fn.startswith((_AGENT_DIR, _WIRE_DIR)):
-        kind = None
-    elif _DEMO_MARK in fn:
-        kind = True
-    elif fn.startswith("<") or fn.startswith(_LIB):
-        kind = False
-    else:
-        kind = True
+    if not templates_on:
+        check_engines()
+    kind = _file_kind(code.co_filename)
     if len(_kind) > 200_000:  # code objects of exec()'d strings could grow this forever
         _kind.clear()
     _kind[id(code)] = (code, kind)
@@ -64,11 +239,104 @@ def classify(code: CodeType) -> bool | None:
 
 def is_app_file(filename: str) -> bool:
     """Same rule as :func:`classify`, for a file name (used by the writer and the store)."""
-    if filename.startswith((_AGENT_DIR, _WIRE_DIR)):
-        return False
-    if _DEMO_MARK in filename:
-        return True
-    return not (filename.startswith("<") or filename.startswith(_LIB))
+    return bool(_file_kind(filename))
+
+
+# --------------------------------------------------------------------- template frames
+
+# Set once a template engine is loaded: stacks then carry template frames, and call sites
+# under a template are told apart by their template lines (template_key).
+templates_on = False
+# Called once when templates_on is set (the recorder routes the C accelerator's site path,
+# which does not know template frames, to Python's).
+on_templates: Any = None
+
+# (file, label) -> the synthetic code object of a template line (identity matters: the
+# recorder and the writer compare stacks by their code objects)
+_synthetic: dict[tuple[str, str], CodeType] = {}
+
+
+def check_engines() -> bool:
+    """Whether a template engine is loaded (sets templates_on the first time it is)."""
+    global templates_on
+    if not templates_on and templates.engines_loaded():
+        templates_on = True
+        hook = on_templates
+        if hook is not None:
+            try:
+                hook()
+            except Exception:
+                pass
+    return templates_on
+
+
+def engine_imported(module: Any) -> None:
+    """Import hook of the template engines' modules (``perfsleuth run`` registers it): sets
+    templates_on before the first request, whose stacks may run through a template."""
+    check_engines()
+
+
+def synthetic(file: str, label: str) -> CodeType:
+    """The code object standing for template lines of ``file`` labelled ``label``."""
+    key = (file, label)
+    code = _synthetic.get(key)
+    if code is None:
+        # the file is a constant too: code objects compare equal by content, not file
+        code = compile(repr(file), file, "eval").replace(co_name=label, co_qualname=label)
+        if len(_synthetic) > 50_000:
+            _synthetic.clear()
+        _synthetic[key] = code
+    return code
+
+
+def _template_frames(f: FrameType, engine: int, out: list[Any]) -> None:
+    """Append the frames ``f`` stands for (a template engine's)."""
+    if engine == templates.DJANGO:
+        out.append(f.f_code)
+        out.append(~f.f_lasti)
+        pos = templates.django_position(f)
+        if pos is not None:
+            out.append(synthetic(pos[0], pos[2]))
+            out.append(pos[1])
+        return
+    positions = templates.jinja_positions(f)
+    if not positions:
+        out.append(f.f_code)
+        out.append(~f.f_lasti)
+    for fn, line, label in positions:
+        out.append(synthetic(fn, label))
+        out.append(line)
+
+
+def template_key(frame: FrameType | None) -> tuple[tuple[str, int], ...]:
+    """The template lines (file, line) being rendered above ``frame``, innermost first, up
+    to where :func:`capture` stops: () when none (or no engine is loaded). Two calls from one
+    Python line under different template lines have different keys."""
+    if not templates_on:
+        return ()
+    out = []
+    f = frame
+    while f is not None and classify(f.f_code) is None:
+        f = f.f_back
+    n = 0
+    kinds = _kind
+    engine_of = templates.engine_of
+    while f is not None and n < MAX_DEPTH:
+        code = f.f_code
+        hit = kinds.get(id(code))
+        if (hit[1] if hit is not None else classify(code)) is None:
+            break
+        e = engine_of(f)
+        if e:
+            pos = templates.django_key(f) if e == templates.DJANGO else templates.jinja_key(f)
+            if pos is not None:
+                out.append(pos)
+        f = f.f_back
+        n += 1
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------ capture
 
 
 def capture(frame: FrameType | None) -> tuple[Any, ...]:
@@ -77,11 +345,14 @@ def capture(frame: FrameType | None) -> tuple[Any, ...]:
     (its wrappers) are skipped, and the stack stops at the next frame of the agent's: where the
     request entered the application (the ASGI/WSGI layer, a thread-pool hand-off), so the
     server's and the thread's frames above it, the same for every call, are neither walked nor
-    stored. At most MAX_DEPTH frames.
+    stored. At most MAX_DEPTH frames (template frames come on top).
 
     ``where`` is ``~f_lasti`` (negative), not the line: ``f_lineno`` decodes the line table
     at every frame (~40 ns each), the writer does it once per distinct place (:func:`line`).
-    Stacks taken off the request path (sampler, watchdog) carry plain line numbers."""
+    Stacks taken off the request path (sampler, watchdog) carry plain line numbers, and so do
+    template frames."""
+    if templates_on or check_engines():
+        return _capture_templates(frame)
     f = frame
     while f is not None and classify(f.f_code) is None:
         f = f.f_back
@@ -100,8 +371,40 @@ def capture(frame: FrameType | None) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def _capture_templates(frame: FrameType | None) -> tuple[Any, ...]:
+    """:func:`capture` with template frames."""
+    f = frame
+    while f is not None and classify(f.f_code) is None:
+        f = f.f_back
+    out: list[Any] = []
+    kinds = _kind
+    engine_of = templates.engine_of
+    n = 0
+    while f is not None and n < MAX_DEPTH:
+        code = f.f_code
+        hit = kinds.get(id(code))
+        if (hit[1] if hit is not None else classify(code)) is None:
+            break
+        e = engine_of(f)
+        if e:
+            _template_frames(f, e, out)
+        else:
+            out.append(code)
+            out.append(~f.f_lasti)
+        f = f.f_back
+        n += 1
+    return tuple(out)
+
+
 def same(frame: FrameType | None, flat: tuple[Any, ...]) -> bool:
-    """Whether :func:`capture` of ``frame`` would give ``flat``, found without building it."""
+    """Whether :func:`capture` of ``frame`` would give ``flat``, found without building it
+    (built when a template engine is loaded: template frames are read from the frames)."""
+    if templates_on or check_engines():
+        now = _capture_templates(frame)
+        n = len(flat)
+        if len(now) != n:
+            return False
+        return all(now[i] is flat[i] and now[i + 1] == flat[i + 1] for i in range(0, n, 2))
     f = frame
     while f is not None and classify(f.f_code) is None:
         f = f.f_back
@@ -127,3 +430,6 @@ def line(code: CodeType, where: int) -> int:
         if start <= lasti < end:
             return lineno if lineno is not None else code.co_firstlineno
     return code.co_firstlineno
+
+
+add_app_packages(os.environ.get("PERFSLEUTH_APP_PACKAGES", ""))

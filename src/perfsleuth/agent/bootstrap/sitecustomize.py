@@ -60,6 +60,11 @@ def _start_agent():
 
         if "uvicorn.server" not in instrument.PATCHES:
             instrument.register("uvicorn.server", "perfsleuth.agent.frameworks.asgi:patch_uvicorn")
+        # Stacks carry template lines once a template engine is loaded: know it at import,
+        # before a request's first stack is taken.
+        for name in ("django.template.base", "jinja2.runtime"):
+            if name not in instrument.PATCHES:
+                instrument.register(name, "perfsleuth.agent.stacks:engine_imported")
     except Exception:
         pass
 

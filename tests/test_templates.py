@@ -1,0 +1,133 @@
+"""Template lines in call stacks (issue 15 item 4, agent side): a query triggered from a Django
+or a Jinja2 template carries, in its stored stack, the template file and the lines of the
+expression and of its enclosing ``{% for %}``; calls from one Python line under two template
+lines are sites (and stacks) of their own.
+
+Real servers (gunicorn under ``perfsleuth run``, the agent as deployed, the C accelerator
+included), real Django and Flask/Jinja2 templates, the spool ingested by the real store.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perfsleuth.store.duckdb_store import DuckDBStore
+from test_run_servers import APPS, child_env, gunicorn, launched
+
+DJANGO_TEMPLATE = os.path.join(APPS, "tpl_django", "templates", "checks.html")
+JINJA_TEMPLATE = os.path.join(APPS, "tpl_flask_templates", "checks.html")
+ROWS = 5  # checks on each page
+
+
+def stored_calls(data: Path, path: str) -> list[list[dict[str, Any]]]:
+    """The db calls of every request to ``path``, with their stored stacks and sites."""
+    with DuckDBStore(str(data)) as s:
+        s.ingest()
+        tids = [
+            r["trace_id"]
+            for r in s.query("SELECT trace_id FROM requests WHERE path = ? ORDER BY ts", [path])
+        ]
+        return [[c for c in s.trace(t)["calls"] if c["kind"] == "db"] for t in tids]
+
+
+def template_frames(call: dict[str, Any], template: str) -> list[tuple[int, str, bool]]:
+    """(line, function, app) of the stack's frames in ``template``, innermost first."""
+    return [
+        (f["line"], f["function"], f["app"])
+        for f in reversed(call["stack"])
+        if f["file"] == template
+    ]
+
+
+@pytest.mark.parametrize("speedups", ["1", "0"])
+def test_django_template_lines_in_stacks(tmp_path: Path, speedups: str) -> None:
+    db = str(tmp_path / "django.sqlite3")
+    env = child_env(TPL_DJANGO_DB=db, DJANGO_SETTINGS_MODULE="tpl_django.settings")
+    seeded = subprocess.run(
+        [sys.executable, "-m", "tpl_django.seed"], cwd=APPS, env=env, capture_output=True
+    )
+    assert seeded.returncode == 0, seeded.stderr.decode()
+    data = tmp_path / "data"
+    with launched(tmp_path, data, gunicorn("tpl_django.wsgi:application", 1), service="dj",
+                  ready="/missing/", TPL_DJANGO_DB=db,
+                  DJANGO_SETTINGS_MODULE="tpl_django.settings",
+                  PERFSLEUTH_SPEEDUPS=speedups) as srv:  # fmt: skip
+        for _ in range(2):
+            status, body = srv.get("/checks/")
+            assert status == 200 and body.count(b" links") == ROWS, body
+        srv.stop()
+    pages = stored_calls(data, "/checks/")
+    assert len(pages) == 2
+    for calls in pages:  # the first request (the first stacks of the process) too
+        owners = [c for c in calls if "tpl_django_owner" in c["fingerprint"]]
+        links = [c for c in calls if "tpl_django_link" in c["fingerprint"]]
+        assert len(owners) == ROWS and len(links) == 2 * ROWS, [c["fingerprint"] for c in calls]
+        for c in owners:
+            # Django's ORM issues it: the call site is the template expression, in the loop
+            assert template_frames(c, DJANGO_TEMPLATE) == [
+                (4, "{{ check.owner.name }}", True),
+                (3, "{% for check in checks %}", True),
+            ]
+            assert c["site"] == {
+                "file": DJANGO_TEMPLATE,
+                "line": 4,
+                "function": "{{ check.owner.name }}",
+            }
+        # the model property's line issues both: the template lines tell them apart
+        seen = sorted(template_frames(c, DJANGO_TEMPLATE)[0][0] for c in links)
+        assert seen == [5] * ROWS + [6] * ROWS
+        for c in links:
+            assert template_frames(c, DJANGO_TEMPLATE)[1:] == [
+                (3, "{% for check in checks %}", True)
+            ]
+            assert c["site"]["function"] == "Check.link_count"
+            assert c["site"]["file"].endswith(os.path.join("tpl_django", "models.py"))
+
+
+@pytest.mark.parametrize("speedups", ["1", "0"])
+def test_jinja2_template_lines_in_stacks(tmp_path: Path, speedups: str) -> None:
+    data = tmp_path / "data"
+    with launched(tmp_path, data, gunicorn("tpl_flask:app", 1), service="flask",
+                  ready="/missing", PERFSLEUTH_SPEEDUPS=speedups) as srv:  # fmt: skip
+        for _ in range(2):
+            status, body = srv.get("/checks")
+            assert status == 200 and body.count(b"https://example.test/") == 2 * ROWS, body
+        srv.stop()
+    pages = stored_calls(data, "/checks")
+    assert len(pages) == 2
+    for calls in pages:
+        urls = [c for c in calls if "FROM links WHERE" in c["fingerprint"]]
+        assert len(urls) == 2 * ROWS, [c["fingerprint"] for c in calls]
+        lines = []
+        for c in urls:
+            frames = template_frames(c, JINJA_TEMPLATE)
+            # the template's compiled code is shown at its template lines, not its own
+            assert frames[1:] == [(3, "{% for check in checks %}", True)], frames
+            assert frames[0][2] is True
+            lines.append(frames[0][:2])
+            assert c["site"]["function"] == "Check.url"
+        # a line with one tag is named by it; with several, by the line
+        line4 = '<li><a href="{{ check.url }}">check {{ check.id }}</a></li>'
+        assert sorted(lines) == [(4, line4)] * ROWS + [(5, "{{ check.url }}")] * ROWS
+
+
+def test_no_template_no_template_frames(tmp_path: Path) -> None:
+    """A page without a template (same app, same engine loaded) has the plain stack."""
+    data = tmp_path / "data"
+    with launched(tmp_path, data, gunicorn("tpl_flask:app", 1), service="flask",
+                  ready="/plain") as srv:  # fmt: skip
+        assert srv.get("/plain")[0] == 200
+        srv.stop()
+    pages = stored_calls(data, "/plain")
+    assert len(pages) == 2  # the readiness probe and the request
+    for calls in pages:
+        assert len(calls) == 1
+        files = {f["file"] for f in calls[0]["stack"]}
+        assert not any(f.endswith(".html") for f in files)
+        assert calls[0]["site"]["function"] == "plain"
