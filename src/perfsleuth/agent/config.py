@@ -32,6 +32,9 @@
 - PERFSLEUTH_CAPTURE_SECRETS (0): 1 keeps the values of secret headers (redacted by default)
 - PERFSLEUTH_REDACT_HEADERS (""): comma list of more header names to redact
 - PERFSLEUTH_HEAP (1): 0 installs no SIGUSR2 heap-histogram handler (agent.heap)
+- PERFSLEUTH_APP_PACKAGES (""): comma list of packages that are application code even when
+  installed in site-packages (``perfsleuth run`` adds the served app object's package; Django's
+  project is found from its settings): their frames name call sites and blockers
 - PERFSLEUTH_SPEEDUPS (1): 0 leaves out the C accelerator (agent/_speedups.c, built at install
   when a compiler is there): the Python code records the same values, at more cost per call
 """
@@ -76,6 +79,7 @@ class Config:
     capture_secrets: bool = False
     redact_headers: str = ""
     heap: bool = True
+    app_packages: str = ""  # read by agent.stacks at import (stacks.add_app_packages)
     # Test-only fault injection: "writer_crash" makes the writer thread die on every batch;
     # "evidence_crash" makes every evidence tick and GC callback raise; "capture_crash" makes
     # every capture decision and body tap raise.

@@ -8,7 +8,10 @@ so signals from a process manager go straight to the server. Its environment get
   every Python interpreter started from there on (gunicorn/uvicorn workers, reloaders,
   ``multiprocessing`` spawns) and then runs the ``sitecustomize`` it shadows;
 * ``PERFSLEUTH_AGENT_PATH``: where this perfsleuth lives, for interpreters whose own
-  ``sys.path`` does not have it.
+  ``sys.path`` does not have it;
+* the package of the app object a server is told to serve (``uvicorn pkg.module:app``,
+  ``gunicorn pkg.wsgi:application``) added to ``PERFSLEUTH_APP_PACKAGES``: an app installed
+  into site-packages is application code (agent.stacks).
 
 Forked workers inherit the running agent; the shipper gives them their own writer at fork.
 
@@ -26,6 +29,9 @@ from typing import NoReturn
 
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
 _PYTHON = re.compile(r"^(python|pypy)[0-9.]*$")
+# Servers taking the app to serve as ``module:attribute`` (``module:factory()`` for some)
+SERVERS = frozenset({"uvicorn", "gunicorn", "hypercorn", "daphne", "granian", "waitress-serve"})
+_APP_SPEC = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_]")
 
 
 def default_service(argv: Sequence[str]) -> str:
@@ -52,6 +58,40 @@ def default_service(argv: Sequence[str]) -> str:
     return prog or "python"
 
 
+def served_packages(argv: Sequence[str]) -> list[str]:
+    """The top-level packages of the app objects a server command serves: ``pkg`` for
+    ``uvicorn pkg.module:app`` (or ``python -m uvicorn ...``, ``gunicorn pkg.wsgi:app``,
+    ``--app=pkg.module:app``); [] for other commands."""
+    if not argv:
+        return []
+    args = list(argv[1:])
+    prog = os.path.basename(argv[0])
+    if _PYTHON.match(prog):
+        prog = ""
+        while args:
+            a = args.pop(0)
+            if a == "-m" and args:
+                prog = args.pop(0)
+                break
+            if a.startswith("-m") and len(a) > 2:
+                prog = a[2:]
+                break
+            if not a.startswith("-"):
+                break
+    if prog.split(".")[0] not in SERVERS:
+        return []
+    found = []
+    for a in args:
+        if a.startswith("-"):
+            if "=" not in a:
+                continue
+            a = a.split("=", 1)[1]
+        m = _APP_SPEC.match(a)
+        if m and m.group(1) not in SERVERS and m.group(1) not in found:
+            found.append(m.group(1))
+    return found
+
+
 def command_env(
     argv: Sequence[str], data_dir: str, service: str | None, base: dict[str, str] | None = None
 ) -> dict[str, str]:
@@ -67,6 +107,12 @@ def command_env(
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *parts])
     package_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PERFSLEUTH_AGENT_PATH"] = package_dir
+    served = served_packages(argv)
+    if served:
+        named = [p.strip() for p in env.get("PERFSLEUTH_APP_PACKAGES", "").split(",")]
+        env["PERFSLEUTH_APP_PACKAGES"] = ",".join(
+            [p for p in named if p] + [p for p in served if p not in named]
+        )
     return env
 
 
