@@ -5,35 +5,77 @@ its code is:
 
 - a sync request (WSGI, or a sync endpoint running in a thread pool: ``req.worker``): the
   stack of its thread;
-- an async request whose task is running on the loop right now: the loop thread's stack;
-- an async request that is awaiting: its coroutine chain (``cr_await``), outermost first.
+- an async request whose task (or a task it started: a middleware's ``call_next`` runs the
+  endpoint in a child task) is running on the loop right now: the loop thread's stack;
+- an async request that is awaiting: the await chain (``cr_await``) of its task, outermost
+  first, or, when it started tasks of its own, of the one it is waiting for: samples parked at
+  ``await call_next(request)`` point at what runs below it, not at the await.
 
-Each sample says ``cpu``, ``wait`` or ``call``: ``call`` while the request is inside a recorded
-DB / HTTP / cache call (the call's own timing explains that time); otherwise, for a thread,
-``cpu`` when it used at least half of the wall time since the previous tick on the CPU (its
-own CPU clock, ``pthread_getcpuclockid``; waiting for the GIL counts as ``wait``), and an
-awaiting coroutine is ``wait``. Samples are kept per request up to ``samples_per_request``
-(more are counted in ``samples_dropped``) and shipped as one SAMPLES record when the request
-ends, or in chunks while a very long request is still running, so a request stuck for minutes
-is visible before it finishes.
+Each sample has a state, from the sampled thread's scheduler counters since the previous tick
+(``/proc/self/task/<tid>/schedstat``: time on the CPU, time runnable in the run queue, times
+scheduled):
+
+- ``cpu``: runnable at least half the time, more of it on the CPU than in the run queue;
+- ``starved``: runnable at least half the time, more of it waiting for a CPU (a machine with
+  more busy threads than cores, or a cgroup CPU quota): the code is CPU-bound all the same;
+- ``gil``: mostly neither, but woken repeatedly while other threads of the process used the
+  CPU: waiting for the interpreter lock another thread holds;
+- ``wait``: blocked (I/O, a lock, a sleep), and every sample of an awaiting task;
+- ``call``: inside a recorded DB / HTTP / cache call (the call's own timing explains it).
+
+Without schedstat (not Linux) the thread's CPU clock alone decides ``cpu`` or ``wait``.
+Schedstat is read only for the threads of sampled requests. Their run and run-queue times,
+and the cgroup's CPU throttling (``cpu.stat``), are shipped as STATS counters about once a
+second while they change (analysis.detectors.cpu_starved reads them).
+
+Samples are kept per request up to ``samples_per_request`` (more are counted in
+``samples_dropped``) and shipped as one SAMPLES record when the request ends, or in chunks
+while a very long request is still running, so a request stuck for minutes is visible before
+it finishes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import gc
+import os
 import sys
+import threading
 import time
 from types import FrameType
 from typing import Any
 
 from perfsleuth.agent import recorder, shipper, stacks
 from perfsleuth.agent.config import Config
-from perfsleuth.wire import SAMPLES
+from perfsleuth.wire import SAMPLES, STATS
 
 _perf = time.perf_counter_ns
 CHUNK = 100  # samples per record while a request is still in flight
 MAX_TRACKED = 64  # requests sampled at once; more slow requests in flight are skipped
+FIGURES_EVERY_NS = 1_000_000_000  # process figures (STATS) at most this often
+CHILDREN_EVERY_NS = 100_000_000  # how long a request's list of child tasks is reused
+
+CPU, STARVED, GIL, WAIT, CALL = "cpu", "starved", "gil", "wait", "call"
 
 recorder.stats.update({"samples_taken": 0, "samples_dropped": 0})
+
+_running_tasks: dict[Any, Any] | None = getattr(asyncio.tasks, "_current_tasks", None)
+if type(_running_tasks) is not dict:
+    _running_tasks = None
+
+
+def classify(wall: int, cpu: int, queue: int, slices: int | None, others_cpu: int) -> str:
+    """The state of a thread over ``wall`` ns in which it ran ``cpu`` ns, waited ``queue`` ns
+    in the run queue and was scheduled ``slices`` times (None: no scheduler counters), while
+    the process's other threads ran ``others_cpu`` ns."""
+    if (cpu + queue) * 2 >= wall:
+        return CPU if cpu >= queue else STARVED
+    # A thread waiting for the GIL sleeps on a condition with a 5 ms timeout (the switch
+    # interval) and wakes over and over; one blocked in I/O or a lock stays asleep.
+    if slices is not None and slices >= 2 and others_cpu * 4 >= wall:
+        return GIL
+    return WAIT
 
 
 def frames_flat(frame: FrameType | None, limit: int = stacks.MAX_DEPTH) -> tuple[Any, ...]:
@@ -41,18 +83,18 @@ def frames_flat(frame: FrameType | None, limit: int = stacks.MAX_DEPTH) -> tuple
     and WSGI wrappers sit in the middle of a request's stack)."""
     out: list[Any] = []
     f = frame
-    classify = stacks.classify
+    classify_code = stacks.classify
     while f is not None and len(out) < 2 * limit:
         code = f.f_code
-        if classify(code) is not None:
+        if classify_code(code) is not None:
             out.append(code)
             out.append(f.f_lineno)
         f = f.f_back
     return tuple(out)
 
 
-def coroutine_flat(task: Any) -> tuple[Any, ...]:
-    """The await chain of an asyncio task, as frames_flat would give it (innermost first)."""
+def _chain(task: Any) -> list[FrameType]:
+    """The frames of a task's await chain, outermost first."""
     chain: list[FrameType] = []
     coro = task.get_coro()
     for _ in range(stacks.MAX_DEPTH):
@@ -63,12 +105,21 @@ def coroutine_flat(task: Any) -> tuple[Any, ...]:
             break
         chain.append(frame)
         coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return chain
+
+
+def coroutine_flat(task: Any) -> tuple[Any, ...]:
+    """The await chain of an asyncio task, as frames_flat would give it (innermost first)."""
     out: list[Any] = []
-    for frame in reversed(chain):
+    for frame in reversed(_chain(task)):
         if stacks.classify(frame.f_code) is not None:
             out.append(frame.f_code)
             out.append(frame.f_lineno)
     return tuple(out)
+
+
+def _app_frames(flat: tuple[Any, ...]) -> int:
+    return sum(1 for code in flat[::2] if stacks.classify(code))
 
 
 def _task_frame(task: Any) -> FrameType | None:
@@ -88,14 +139,122 @@ def _on_stack(frame: FrameType | None, target: FrameType) -> bool:
     return False
 
 
+def task_context(task: Any) -> contextvars.Context | None:
+    """The context a task's steps run in (only a reference: safe from another thread)."""
+    get_context = getattr(task, "get_context", None)  # 3.12+
+    if get_context is not None:
+        ctx = get_context()
+        return ctx if isinstance(ctx, contextvars.Context) else None
+    for obj in gc.get_referents(task):  # 3.11's C task: its context is one of its referents
+        if type(obj) is contextvars.Context:
+            return obj
+    return None
+
+
+def _request_of(task: Any) -> Any:
+    ctx = task_context(task)
+    return None if ctx is None else ctx.get(recorder._current)
+
+
+# ----------------------------------------------------------------- scheduler and cgroup figures
+
+
+def read_schedstat(fd: int) -> tuple[int, int, int] | None:
+    """(ns on the CPU, ns runnable in the run queue, times scheduled) from an open schedstat."""
+    try:
+        parts = os.pread(fd, 128, 0).split()
+        return int(parts[0]), int(parts[1]), int(parts[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cgroup_cpu_dir(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> str:
+    """The directory holding this process's cgroup ``cpu.stat`` (v2, or v1's cpu controller),
+    or '' when there is none."""
+    try:
+        with open(proc_cgroup, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return ""
+    candidates: list[str] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        path = path.lstrip("/")
+        if controllers == "":
+            candidates += [os.path.join(root, path), root]
+        elif "cpu" in controllers.split(","):
+            for mount in (controllers, "cpu", "cpu,cpuacct"):
+                candidates += [os.path.join(root, mount, path), os.path.join(root, mount)]
+    for d in candidates:
+        if os.path.isfile(os.path.join(d, "cpu.stat")):
+            return d.rstrip("/")
+    return ""
+
+
+def read_cpu_stat(cg_dir: str) -> dict[str, int]:
+    """Throttling counters of a cgroup: periods, throttled (periods), throttled_us."""
+    out: dict[str, int] = {}
+    try:
+        with open(os.path.join(cg_dir, "cpu.stat"), encoding="utf-8") as fh:
+            raw = dict(line.split()[:2] for line in fh if len(line.split()) >= 2)
+    except (OSError, ValueError):
+        return out
+    try:
+        if "nr_periods" in raw:
+            out["periods"] = int(raw["nr_periods"])
+        if "nr_throttled" in raw:
+            out["throttled"] = int(raw["nr_throttled"])
+        if "throttled_usec" in raw:  # v2
+            out["throttled_us"] = int(raw["throttled_usec"])
+        elif "throttled_time" in raw:  # v1, in ns
+            out["throttled_us"] = int(raw["throttled_time"]) // 1000
+    except ValueError:
+        return {}
+    return out
+
+
+def cpu_limit(cg_dir: str) -> float | None:
+    """CPUs the cgroup's quota allows (None: no quota)."""
+    try:
+        with open(os.path.join(cg_dir, "cpu.max"), encoding="utf-8") as fh:  # v2
+            quota, period = [*fh.read().split(), "100000"][:2]
+        if quota == "max":
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(cg_dir, "cpu.cfs_quota_us"), encoding="utf-8") as fh:  # v1
+            q = int(fh.read())
+        with open(os.path.join(cg_dir, "cpu.cfs_period_us"), encoding="utf-8") as fh:
+            p = int(fh.read())
+        return q / p if q > 0 and p > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def cpus_available(cg_dir: str) -> float:
+    try:
+        n = float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        n = float(os.cpu_count() or 1)
+    limit = cpu_limit(cg_dir) if cg_dir else None
+    return min(n, limit) if limit else n
+
+
 class _Tracked:
-    __slots__ = ("req", "samples", "sent", "taken")
+    __slots__ = ("children", "children_at", "req", "samples", "sent", "taken")
 
     def __init__(self, req: recorder.ActiveRequest) -> None:
         self.req = req
         self.samples: list[tuple[int, str, tuple[Any, ...]]] = []  # (offset ns, state, flat)
         self.taken = 0
         self.sent = 0
+        self.children: list[Any] = []  # asyncio tasks the request started (weakly: see _kids)
+        self.children_at = 0
 
 
 class Sampler:
@@ -103,20 +262,35 @@ class Sampler:
         self.after_ns = int(cfg.sample_after_ms * 1e6)
         self.limit = max(1, cfg.samples_per_request)
         self.tracked: dict[int, _Tracked] = {}
-        # thread ident -> (wall ns, thread CPU ns) at the previous look
-        self.cpu_seen: dict[int, tuple[int, int]] = {}
+        # thread ident -> (wall ns, CPU ns, run-queue ns, slices or None, process CPU ns) at
+        # the previous look
+        self.seen: dict[int, tuple[int, int, int, int | None, int]] = {}
+        self.fds: dict[int, int] = {}  # thread ident -> open schedstat file (-1: none)
+        self.states: dict[int, str | None] = {}  # this tick's state per thread
+        self.schedstat = os.path.isdir("/proc/self/task")
+        # Process figures shipped as STATS counters (cumulative over this process's life).
+        self.figures = {"sched_run_ns": 0, "sched_queue_ns": 0, "sched_wall_ns": 0}
+        self.cg_dir = cgroup_cpu_dir()
+        self.cg_base = read_cpu_stat(self.cg_dir) if self.cg_dir else {}
+        self.cpus = cpus_available(self.cg_dir)
+        self.figures_at = 0
+        self.shipped: dict[str, int] = {}
 
     def tick(self, frames: dict[int, FrameType] | None = None) -> None:
         now = _perf()
+        if now - self.figures_at >= FIGURES_EVERY_NS:
+            self.figures_at = now
+            self.ship_figures()
         due = [r for r in list(recorder.inflight.values()) if now - r.start >= self.after_ns]
         for key in [k for k, t in self.tracked.items() if k not in recorder.inflight]:
             self._ship(self.tracked.pop(key), final=True)
         if not due:
-            self.cpu_seen.clear()
+            self._forget(set())
             return
         if frames is None:
             frames = sys._current_frames()
-        seen_threads: set[int] = set()
+        self.states = {}
+        proc_cpu = time.process_time_ns()
         for req in due:
             t = self.tracked.get(id(req))
             if t is None:
@@ -124,49 +298,141 @@ class Sampler:
                     recorder.stats["samples_dropped"] += 1
                     continue
                 t = self.tracked[id(req)] = _Tracked(req)
-            self._sample(t, frames, now, seen_threads)
-        for ident in [i for i in self.cpu_seen if i not in seen_threads]:
-            del self.cpu_seen[ident]
+            self._sample(t, frames, now, proc_cpu)
+        self._forget(set(self.states))
 
-    def _state(self, ident: int, now: int, seen: set[int]) -> str | None:
-        """'cpu' / 'wait' from the thread's CPU clock since the last look (None at the first)."""
-        seen.add(ident)
-        try:
-            cpu = time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
-        except (OSError, AttributeError, OverflowError):
-            return "cpu"  # no per-thread clock here: a running thread is the best guess
-        prev = self.cpu_seen.get(ident)
-        self.cpu_seen[ident] = (now, cpu)
-        if prev is None or now <= prev[0]:
-            return None
-        return "cpu" if (cpu - prev[1]) * 2 >= now - prev[0] else "wait"
+    def _forget(self, keep: set[int]) -> None:
+        """Drop the baselines (and close the schedstat files) of threads not looked at now."""
+        for ident in [i for i in self.seen if i not in keep]:
+            del self.seen[ident]
+        for ident in [i for i in self.fds if i not in keep]:
+            fd = self.fds.pop(ident)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
-    def _sample(self, t: _Tracked, frames: dict[int, FrameType], now: int, seen: set[int]) -> None:
+    def _sched(self, ident: int) -> tuple[int, int, int] | None:
+        fd = self.fds.get(ident)
+        if fd is None:
+            fd = -1
+            thread = threading._active.get(ident)  # type: ignore[attr-defined]
+            native = getattr(thread, "native_id", None)
+            if self.schedstat and native is not None:
+                try:
+                    fd = os.open(f"/proc/self/task/{native}/schedstat", os.O_RDONLY)
+                except OSError:
+                    fd = -1
+            self.fds[ident] = fd
+        return read_schedstat(fd) if fd >= 0 else None
+
+    def _state(self, ident: int, now: int, proc_cpu: int) -> str | None:
+        """The thread's state since the last look (None at the first look: a baseline)."""
+        if ident in self.states:
+            return self.states[ident]
+        state: str | None = None
+        sched = self._sched(ident)
+        slices: int | None
+        if sched is not None:
+            cpu, queue, slices = sched
+        else:
+            try:
+                cpu = time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
+            except (OSError, AttributeError, OverflowError):
+                self.states[ident] = CPU  # no per-thread clock: a running thread is the guess
+                return CPU
+            queue, slices = 0, None
+        prev = self.seen.get(ident)
+        self.seen[ident] = (now, cpu, queue, slices, proc_cpu)
+        if prev is not None and now > prev[0]:
+            wall, d_cpu, d_queue = now - prev[0], cpu - prev[1], queue - prev[2]
+            d_slices = None if slices is None or prev[3] is None else slices - prev[3]
+            others = max(0, proc_cpu - prev[4] - d_cpu)
+            state = classify(wall, d_cpu, d_queue, d_slices, others)
+            if sched is not None:
+                f = self.figures
+                f["sched_run_ns"] += d_cpu
+                f["sched_queue_ns"] += d_queue
+                f["sched_wall_ns"] += wall
+        self.states[ident] = state
+        return state
+
+    def _kids(self, t: _Tracked, now: int) -> list[Any]:
+        """Unfinished tasks started in the request's context, other than its own (refreshed
+        every CHILDREN_EVERY_NS: listing a loop's tasks costs one step per task)."""
+        req = t.req
+        if now - t.children_at >= CHILDREN_EVERY_NS:
+            t.children_at = now
+            try:
+                tasks = asyncio.all_tasks(req.task.get_loop())
+            except Exception:
+                tasks = set()
+            t.children = [k for k in tasks if k is not req.task and _request_of(k) is req]
+        t.children = [k for k in t.children if not k.done()]
+        return t.children
+
+    def _parked_flat(self, t: _Tracked, now: int) -> tuple[Any, ...]:
+        """Where an awaiting request waits: its own await chain, or the chain of the task it
+        started that goes deepest into application code (the endpoint below a middleware's
+        ``await call_next``), or nothing when its tasks show no application frame yet."""
+        kids = self._kids(t, now)
+        own = coroutine_flat(t.req.task)
+        if not kids:
+            return own
+        best: tuple[Any, ...] = ()
+        best_key = (0, 0)
+        for k in kids:
+            flat = coroutine_flat(k)
+            key = (_app_frames(flat), len(flat))
+            if key > best_key:
+                best, best_key = flat, key
+        if best_key[0] == 0:
+            # Nothing of the application runs below the await yet: keep only the library part
+            # of the own chain, so the await line is not charged with it.
+            lib: list[Any] = []
+            for i in range(0, len(own), 2):
+                if not stacks.classify(own[i]):
+                    lib += own[i : i + 2]
+            return tuple(lib)
+        return best
+
+    def _sample(self, t: _Tracked, frames: dict[int, FrameType], now: int, proc: int) -> None:
         req = t.req
         worker = req.worker
         flat: tuple[Any, ...] = ()
         state: str | None
         if worker is not None and worker in frames:
-            state = self._state(worker, now, seen)
+            state = self._state(worker, now, proc)
             flat = frames_flat(frames[worker])
         elif req.task is not None:
             loop_frame = frames.get(req.thread)
             coro_frame = _task_frame(req.task)
             if coro_frame is not None and _on_stack(loop_frame, coro_frame):
-                state = self._state(req.thread, now, seen)
+                running = True
+            else:
+                running = False
+                try:
+                    current = _running_tasks.get(req.task.get_loop()) if _running_tasks else None
+                except Exception:
+                    current = None
+                if current is not None and current is not req.task:
+                    running = _request_of(current) is req  # a task the request started
+            if running:
+                state = self._state(req.thread, now, proc)
                 flat = frames_flat(loop_frame)
             else:
-                state = "wait"
-                flat = coroutine_flat(req.task)
+                state = WAIT
+                flat = self._parked_flat(t, now)
         elif req.thread in frames:
-            state = self._state(req.thread, now, seen)
+            state = self._state(req.thread, now, proc)
             flat = frames_flat(frames[req.thread])
         else:
             return
         if state is None or not flat:
-            return  # the first look at a thread only sets its CPU baseline
+            return  # the first look at a thread only sets its baseline
         if req.open_call():
-            state = "call"  # inside a recorded DB / HTTP / cache call: the call explains it
+            state = CALL  # inside a recorded DB / HTTP / cache call: the call explains it
         t.taken += 1
         if len(t.samples) + t.sent >= self.limit:
             recorder.stats["samples_dropped"] += 1
@@ -175,6 +441,26 @@ class Sampler:
         t.samples.append((now - req.start, state, flat))
         if len(t.samples) >= CHUNK:
             self._ship(t, final=False)
+
+    def ship_figures(self) -> None:
+        """Ship the process figures as a STATS record when they changed since the last one."""
+        counters = dict(self.figures)
+        if self.cg_dir:
+            cur = read_cpu_stat(self.cg_dir)
+            for k, v in cur.items():
+                counters[f"cgroup_{k}"] = max(0, v - self.cg_base.get(k, 0))
+        if counters == self.shipped:
+            return
+        self.shipped = counters
+        body = dict(counters)
+        body["cpus_milli"] = int(self.cpus * 1000)
+        try:
+            body["load1_milli"] = int(os.getloadavg()[0] * 1000)
+        except OSError:
+            pass
+        ts = time.time_ns()
+        pid = os.getpid()
+        shipper.emit(STATS, lambda intern: {"ts": ts, "pid": pid, "counters": body})
 
     def _ship(self, t: _Tracked, *, final: bool) -> None:
         samples, t.samples = t.samples, []
@@ -204,3 +490,4 @@ class Sampler:
             if key not in recorder.inflight:
                 del self.tracked[key]
                 self._ship(t, final=True)
+        self.ship_figures()
