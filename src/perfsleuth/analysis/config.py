@@ -178,6 +178,19 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "service_coverage": 0.75,
         "service_spread": 3.0,
     },
+    "cpu_starved": {
+        # Request threads (those the agent samples) wait in the run queue at least this share
+        # of the time they are runnable: with one busy thread per core it is near 0; a share of
+        # 0.5 means they wait for a CPU as long as they run (two runnable threads per core).
+        "min_queue_share": 0.5,
+        # ... over enough runnable time to judge (a second of CPU-bound request code).
+        "min_runnable_ms": 1000.0,
+        # Or the cgroup's CPU quota throttled the service in this share of its periods
+        # (Kubernetes guides alert on 25 %) ...
+        "min_throttled_share": 0.25,
+        # ... for at least this long in the window.
+        "min_throttled_ms": 1000.0,
+    },
 }
 
 # The evidence each detector's findings rest on: kind -> {count in Finding.evidence: the setting
@@ -196,15 +209,13 @@ EVIDENCE_FLOORS: dict[str, dict[str, str]] = {
     "slow_request_hotspot": {"slow_requests": "min_requests", "samples": "min_samples"},
     "event_loop_blocker": {"blocks": "min_count"},
     "gc_pressure": {"requests": "min_requests"},
-    "cpu_starved": {"run_ms": "min_runnable_ms"},
+    # Only the figure of the condition that fired is graded: runnable time, or throttled time.
+    "cpu_starved": {"runnable_ms": "min_runnable_ms", "throttled_ms": "min_throttled_ms"},
 }
 
 # Floors that grade a finding without holding it back: one block of event_loop_blocker's
-# ``single_ms`` or more is reported (as "low"); cpu_starved is also raised by cgroup throttling
-# alone, with little runnable time sampled.
-SOFT_FLOORS: frozenset[tuple[str, str]] = frozenset(
-    {("event_loop_blocker", "blocks"), ("cpu_starved", "run_ms")}
-)
+# ``single_ms`` or more is reported (as "low").
+SOFT_FLOORS: frozenset[tuple[str, str]] = frozenset({("event_loop_blocker", "blocks")})
 
 
 class ConfigError(ValueError):

@@ -25,6 +25,70 @@ FrameKey = tuple[str | None, str | None]  # (file, function)
 # request's when it has finished, else method and path.
 ENDPOINT_OF_SAMPLE = "coalesce(nullif(s.endpoint, ''), r.endpoint, s.method || ' ' || s.path)"
 
+# A sample's state (agent.sampler): what its thread did since the previous sample.
+STATES: dict[str, str] = {
+    "cpu": "on the CPU",
+    "starved": "runnable, waiting for a CPU",
+    "gil": "waiting for the GIL",
+    "wait": "waiting (I/O, a lock, a sleep, an await)",
+    "call": "in a recorded DB / HTTP / cache call",
+}
+# The code computes: on a CPU, or runnable and waiting for one (a busy machine, a CPU quota).
+CPU_BOUND = ("cpu", "starved")
+
+
+@dataclass
+class Verdict:
+    """What a set of samples says about the code they are in: ``cpu`` (computing: on the CPU
+    or starved of it), ``gil`` (waiting for another thread's interpreter lock) or ``wait``
+    (blocked), with the shares of each state and the advice that fits."""
+
+    kind: str
+    shares: dict[str, float]
+    advice: str
+
+    def summary(self) -> str:
+        """'60% on the CPU, 35% runnable, waiting for a CPU, 5% waiting (...)'."""
+        return ", ".join(
+            f"{self.shares[s]:.0%} {name}" for s, name in STATES.items() if self.shares.get(s)
+        )
+
+
+def verdict(states: dict[str, int]) -> Verdict:
+    """The class of code whose samples have these states (``call`` samples left out: the
+    recorded call explains them)."""
+    counted = {s: n for s, n in states.items() if s != "call" and n}
+    total = sum(counted.values())
+    shares = {s: n / total for s, n in counted.items()} if total else {}
+    cpu_bound = sum(shares.get(s, 0.0) for s in CPU_BOUND)
+    gil = shares.get("gil", 0.0)
+    if total and cpu_bound >= 0.5:
+        advice = (
+            "The code is CPU-bound: make the work smaller (cache, index, a better algorithm) "
+            "or move it off the request."
+        )
+        if shares.get("starved", 0.0) >= shares.get("cpu", 0.0):
+            advice += (
+                " Its thread waited for a CPU more than it ran: the machine or the container's "
+                "CPU quota is oversubscribed (more busy threads than cores), which stretches "
+                "every CPU-bound request."
+            )
+        return Verdict("cpu", shares, advice)
+    if gil and gil + cpu_bound >= 0.5:  # it would have computed, given the lock
+        return Verdict(
+            "gil",
+            shares,
+            "The thread waited for the interpreter lock (GIL) while other threads of the "
+            "process computed: the process is CPU-bound; run more processes (workers) rather "
+            "than threads, or make the other threads' work smaller.",
+        )
+    return Verdict(
+        "wait",
+        shares,
+        "The time here is spent waiting, not computing: find what it waits on (a lock, a "
+        "slow socket, a sleep) and give it a timeout or move it off the request.",
+    )
+
 
 @dataclass
 class Node:
@@ -62,8 +126,10 @@ class Profile:
     endpoint: str
     requests: int  # requests with samples
     samples: int
-    states: dict[str, int]  # samples by state (cpu / wait)
+    states: dict[str, int]  # samples by state (STATES)
     stacks: list[tuple[list[frames.Frame], int]]  # (frames outermost first, samples)
+    # (frames outermost first, samples, state)
+    stacks_by_state: list[tuple[list[frames.Frame], int, str]] = field(default_factory=list)
 
     def trimmed(self) -> list[tuple[list[frames.Frame], int]]:
         """The stacks without the outermost frames they all share."""
@@ -139,6 +205,18 @@ class Profile:
             return None, 0
         f, n = c.most_common(1)[0]
         return f, n
+
+    def verdict(self) -> Verdict:
+        return verdict(self.states)
+
+    def hotspot_verdict(self, hot: frames.Frame) -> Verdict:
+        """The class of the samples whose innermost application frame is ``hot``."""
+        c: Counter[str] = Counter()
+        for st, k, state in self.stacks_by_state:
+            app = [f for f in st if f.app]
+            if app and app[-1] == hot:
+                c[state] += k
+        return verdict(dict(c))
 
     def speedscope(self) -> dict[str, Any]:
         """The speedscope file format (https://www.speedscope.app/file-format-schema.json):
@@ -262,9 +340,11 @@ def load(
     resolved = frames.stacks(store, (r["stack_id"] for r in rows))
     merged: Counter[int] = Counter()
     states: Counter[str] = Counter()
+    by_state: list[tuple[list[frames.Frame], int, str]] = []
     for r in rows:
         if r["stack_id"] is not None:
             merged[r["stack_id"]] += r["n"]
+            by_state.append((resolved.get(r["stack_id"], []), r["n"], r["state"] or "?"))
         states[r["state"] or "?"] += r["n"]
     stacks = [(resolved.get(sid, []), n) for sid, n in merged.most_common()]
-    return Profile(endpoint, int(reqs or 0), sum(merged.values()), dict(states), stacks)
+    return Profile(endpoint, int(reqs or 0), sum(merged.values()), dict(states), stacks, by_state)

@@ -58,7 +58,12 @@ def profile(
     since: SinceOpt = None,
     state: Annotated[
         str | None,
-        typer.Option("--state", help="Only samples on the CPU (cpu) or waiting (wait)."),
+        typer.Option(
+            "--state",
+            help="Only samples in this state: cpu (on the CPU), starved (runnable, waiting for "
+            "a CPU), gil (waiting for the GIL), wait (I/O, lock, sleep, await) or call (in a "
+            "recorded call).",
+        ),
     ] = None,
     svg: Annotated[
         str | None, typer.Option("--svg", metavar="FILE", help="Write a flame graph (SVG).")
@@ -80,8 +85,8 @@ def profile(
     --svg / --speedscope write a flame graph.
     """
     positive(limit, "--limit")
-    if state is not None and state not in ("cpu", "wait"):
-        raise CLIError(f"invalid --state {state!r}: use cpu or wait")
+    if state is not None and state not in prof.STATES:
+        raise CLIError(f"invalid --state {state!r}: use {', '.join(prof.STATES)}")
     if endpoint is None and trace_id is None:
         raise CLIError('give an endpoint (e.g. "GET /search") or --trace ID')
     window = parse_since(since)
@@ -100,6 +105,9 @@ def profile(
     if speedscope:
         _write(speedscope, _json.dumps(p.speedscope()))
     top = p.top(limit)
+    v = p.verdict()
+    hot, n = p.hotspot()
+    hv = p.hotspot_verdict(hot) if hot is not None else v
     if json:
         print_json(
             {
@@ -107,6 +115,18 @@ def profile(
                 "requests": p.requests,
                 "samples": p.samples,
                 "states": p.states,
+                "class": v.kind,
+                "advice": v.advice,
+                "hotspot": None
+                if hot is None
+                else {
+                    "function": hot.function,
+                    "file": hot.file,
+                    "line": hot.line,
+                    "samples": n,
+                    "class": hv.kind,
+                    "advice": hv.advice,
+                },
                 "top": top,
                 "tree": p.tree(),
             }
@@ -121,17 +141,20 @@ def profile(
             )
         )
         return
-    states = ", ".join(f"{render.pct(n / p.samples)} {s}" for s, n in sorted(p.states.items()))
+    states = ", ".join(
+        f"{render.pct(k / p.samples)} {prof.STATES.get(s, s)}"
+        for s, k in sorted(p.states.items(), key=lambda kv: -kv[1])
+    )
     out.print(Text(f"{endpoint}: {p.samples:,} samples of {p.requests:,} slow requests ({states})"))
-    hot, n = p.hotspot()
     if hot is not None:
         out.print(
             Text(
                 f"Hotspot: {hot.function} at {_where(hot.file, hot.line)} "
-                f"({render.pct(n / p.samples)} of the samples)",
+                f"({render.pct(n / p.samples)} of the samples: {hv.summary()})",
                 style="bold",
             )
         )
+        out.print(Text(hv.advice))
     t = Table(box=box.SIMPLE_HEAD)
     for col in ("self", "total", "function", "where"):
         t.add_column(col, justify="right" if col in ("self", "total") else "left")

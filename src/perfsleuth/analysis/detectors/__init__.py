@@ -26,6 +26,7 @@ def register(kind: str) -> Callable[[Detector], Detector]:
 # Imported for their registration (order = the order they run in; ranking is by impact).
 from perfsleuth.analysis.detectors import (  # noqa: E402
     chatty_endpoint,
+    cpu_starved,
     event_loop_blocker,
     gc_pressure,
     large_request_body,
@@ -42,6 +43,7 @@ __all__ = [
     "DETECTORS",
     "Detector",
     "chatty_endpoint",
+    "cpu_starved",
     "event_loop_blocker",
     "gc_pressure",
     "large_request_body",

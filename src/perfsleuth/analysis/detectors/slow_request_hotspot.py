@@ -5,6 +5,10 @@ Each sample is attributed to its innermost application frame (the app's own line
 whatever library code was running); the finding is the line holding the largest share of the
 endpoint's samples, when that share is high enough to be "the" hotspot.
 
+The finding says what the line's samples were doing (agent.sampler's states): computing (on
+the CPU, or runnable and waiting for a CPU on a busy machine), waiting for the GIL, or waiting
+(I/O, a lock, a sleep, an await), with the advice that fits (analysis.profile.verdict).
+
 Time other detectors already explain is left out: samples taken inside a recorded DB / HTTP /
 cache call (state ``call``), samples at a recorded call site of the endpoint (within a few
 lines: a statement spans lines, and fetching its rows happens right after it), and the samples
@@ -85,16 +89,16 @@ def detect(ctx: Context) -> list[Finding]:
         if share < min_share:
             continue
         slow_ms = sum(float(r["duration_ms"] or 0) for r in ep_reqs)
-        st = states[(ep, hot)]
-        cpu = st.get("cpu", 0) / n
+        v = profile.verdict(dict(states[(ep, hot)]))
         examples = [str(r["trace_id"]) for r in sorted(ep_reqs, key=lambda r: -int(r["n"]))[:3]]
         first, last = seen[ep]
         where = f"{file_key(hot.file)}:{hot.line}"
         title = (
             f"Slow requests of {ep} spend {text.pct(share)} of their sampled time in "
-            f"{hot.function} ({where}), {text.pct(cpu)} of it on the CPU "
+            f"{hot.function} ({where}): {v.summary()} "
             f"({n:,} of {total:,} samples over {len(ep_reqs):,} slow requests)."
         )
+        how = f'perfsleuth profile "{ep}"' + ("" if v.kind == "cpu" else f" --state {v.kind}")
         out.append(
             Finding(
                 id=stable_id(KIND, ep, (file_key(hot.file), hot.function, hot.line)),
@@ -106,21 +110,16 @@ def detect(ctx: Context) -> list[Finding]:
                 example_trace_ids=examples,
                 first_seen=iso(first),
                 last_seen=iso(last),
-                suggestion=(
-                    "Profile this line: on the CPU, make the work smaller (cache, index, a "
-                    "better algorithm) or move it off the request; waiting, find what it "
-                    "waits on (a lock, a socket without timeout). `perfsleuth profile` shows "
-                    "the flame graph."
-                    if cpu >= 0.5
-                    else "The time here is spent waiting, not computing: find what it waits "
-                    "on (a lock, a slow socket, a sleep) and give it a timeout or move it off "
-                    "the request. `perfsleuth profile --state wait` shows where."
-                ),
+                suggestion=f"{v.advice} `{how}` shows the flame graph.",
                 evidence={
                     "samples": total,
                     "hotspot_samples": n,
                     "share": share,
-                    "cpu_share": cpu,
+                    "class": v.kind,
+                    "cpu_share": v.shares.get("cpu", 0.0),
+                    "starved_share": v.shares.get("starved", 0.0),
+                    "gil_share": v.shares.get("gil", 0.0),
+                    "wait_share": v.shares.get("wait", 0.0),
                     "slow_requests": len(ep_reqs),
                     "slow_requests_ms": slow_ms,
                 },
