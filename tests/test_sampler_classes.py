@@ -1,0 +1,292 @@
+"""What a stack sample says about its thread (issue 21, items 1 and 5), with real servers.
+
+- On a machine with more busy processes than cores, CPU-bound code is classed as on the CPU or
+  starved (runnable, waiting for a CPU), never as waiting; a sleep or an await stays waiting;
+  ``cpu_starved`` reports the run-queue share. The busy processes are started by the test
+  (4 per core, each ending by itself after BUSY_SECONDS, killed when the test ends).
+- Behind a BaseHTTPMiddleware, samples of a request parked at ``await call_next(request)``
+  point at the endpoint's own lines (its child task), not at the middleware's await.
+
+Apps: tests/apps/sampler_classes_app.py and middleware_app.py (planted lines carry markers).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perfsleuth.agent import sampler
+from perfsleuth.analysis import profile
+from perfsleuth.analysis.config import Config
+from perfsleuth.analysis.findings import find
+from perfsleuth.store.duckdb_store import DuckDBStore
+from test_run_servers import APPS, launched, uvicorn
+
+CLASSES_APP = os.path.join(APPS, "sampler_classes_app.py")
+MIDDLEWARE_APP = os.path.join(APPS, "middleware_app.py")
+FAST_SAMPLING = {"PERFSLEUTH_SAMPLE_AFTER_MS": "100"}
+BUSY_PER_CORE = 4
+BUSY_SECONDS = 60  # a bound only: the test kills them as soon as its traffic is done
+CPU_CLASSES = ("cpu", "starved")
+
+
+def line_of(path: str, marker: str) -> int:
+    with open(path, encoding="utf-8") as fh:
+        hits = [i for i, s in enumerate(fh.read().splitlines(), 1) if marker in s]
+    assert len(hits) == 1, (path, marker, hits)
+    return hits[0]
+
+
+@contextmanager
+def oversubscribed() -> Iterator[None]:
+    """BUSY_PER_CORE pure-Python busy loops per core, for as long as the block runs."""
+    n = BUSY_PER_CORE * (os.cpu_count() or 1)
+    code = f"import time\nend = time.time() + {BUSY_SECONDS}\nwhile time.time() < end: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(timeout=30)
+
+
+def _leaf(st: list[Any]) -> Any:
+    app = [f for f in st if f.app]
+    return app[-1] if app else None
+
+
+def _findings(data: Path, **overrides: Any) -> list[Any]:
+    cfg = Config()
+    for key, value in overrides.items():
+        kind, name = key.split("__")
+        cfg.set(kind, name, value)
+    with DuckDBStore(str(data), read_only=True) as store:
+        return find(store, config=cfg)
+
+
+@pytest.fixture(scope="module")
+def busy_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("sampler-busy")
+    data = tmp / "data"
+    with launched(
+        tmp, data, uvicorn("sampler_classes_app:app"), service="busy", ready="/fast",
+        **FAST_SAMPLING,
+    ) as srv:  # fmt: skip
+        with oversubscribed():
+            for path in ("/cpu", "/sleep", "/await") * 3:
+                assert srv.get(path)[0] == 200
+        assert srv.stop() in (0, -15)
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+    return data
+
+
+def test_cpu_bound_code_on_an_oversubscribed_machine_is_classed_cpu(busy_store: Path) -> None:
+    planted = line_of(CLASSES_APP, "PLANTED-CPU")
+    with DuckDBStore(str(busy_store), read_only=True) as store:
+        p = profile.load(store, "GET /cpu")
+        sleep = profile.load(store, "GET /sleep")
+        awaiting = profile.load(store, "GET /await")
+    print("cpu", p.states, "sleep", sleep.states, "await", awaiting.states)
+    assert p.requests == 3 and p.samples >= 30
+    at_line = sum(
+        n for st, n in p.stacks if (leaf := _leaf(st)) and leaf.line in (planted, planted - 1)
+    )
+    assert at_line / p.samples >= 0.5
+    on_cpu = sum(p.states.get(s, 0) for s in CPU_CLASSES)
+    assert on_cpu / p.samples >= 0.8, p.states
+    for w in (sleep, awaiting):
+        assert w.requests == 3 and w.samples >= 30
+        assert w.states.get("wait", 0) / w.samples >= 0.8, w.states
+
+
+def test_hotspot_advice_and_cpu_starved_on_an_oversubscribed_machine(busy_store: Path) -> None:
+    found = _findings(busy_store)
+    for f in found:
+        print(f.kind, f.endpoint, f.title, f.suggestion, f.evidence)
+    hot = {f.endpoint: f for f in found if f.kind == "slow_request_hotspot"}
+    cpu = hot["GET /cpu"]
+    assert cpu.callsite is not None and cpu.callsite["function"] == "crunch"
+    assert cpu.evidence["class"] == "cpu"
+    assert "CPU-bound" in cpu.suggestion and "waits on" not in cpu.suggestion
+    for ep in ("GET /sleep", "GET /await"):
+        assert hot[ep].evidence["class"] == "wait", hot[ep].title
+        assert "waiting" in hot[ep].suggestion
+    (starved,) = [f for f in found if f.kind == "cpu_starved"]
+    assert starved.evidence["service"] == "busy"
+    assert starved.evidence["run_queue_share"] >= 0.5
+    assert "waited for a CPU" in starved.title
+
+
+@pytest.fixture(scope="module")
+def middleware_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("sampler-middleware")
+    data = tmp / "data"
+    with launched(
+        tmp, data, uvicorn("middleware_app:app", "--loop", "asyncio"), service="mw",
+        ready="/health", **FAST_SAMPLING,
+    ) as srv:  # fmt: skip
+        for path in ("/io", "/crunch") * 3:
+            assert srv.get(path)[0] == 200
+        for _ in range(5):
+            assert srv.get("/health")[0] == 200
+        assert srv.stop() in (0, -15)
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+    return data
+
+
+def test_samples_behind_a_base_http_middleware_point_below_call_next(
+    middleware_store: Path,
+) -> None:
+    call_next = line_of(MIDDLEWARE_APP, "PLANTED-CALL-NEXT")
+    io_line = line_of(MIDDLEWARE_APP, "PLANTED-IO")
+    crunch = line_of(MIDDLEWARE_APP, "PLANTED-CRUNCH")
+    with DuckDBStore(str(middleware_store), read_only=True) as store:
+        io = profile.load(store, "GET /io")
+        busy = profile.load(store, "GET /crunch")
+    for p in (io, busy):
+        assert p.requests == 3 and p.samples >= 20
+        leaves = [(_leaf(st), n) for st, n in p.stacks]
+        at_call_next = sum(n for leaf, n in leaves if leaf is not None and leaf.line == call_next)
+        assert at_call_next == 0, (p.endpoint, p.states, leaves)
+    # The awaiting endpoint is found at its own await, as waiting.
+    hot, n = io.hotspot()
+    assert hot is not None and hot.line == io_line and n / io.samples >= 0.8
+    assert io.hotspot_verdict(hot).kind == "wait"
+    # The endpoint computing on the loop (in the middleware's child task) is on the CPU.
+    hot, n = busy.hotspot()
+    assert hot is not None and hot.line in (crunch - 1, crunch) and n / busy.samples >= 0.5
+    assert busy.hotspot_verdict(hot).kind == "cpu"
+
+    found = [f for f in _findings(middleware_store) if f.kind == "slow_request_hotspot"]
+    assert [f.endpoint for f in found] == ["GET /io"]  # /crunch blocked the loop: a blocker
+    assert found[0].callsite is not None and found[0].callsite["line"] == io_line
+
+
+def test_cpu_starved_is_silent_when_request_threads_wait_rather_than_compute(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "data"
+    with launched(
+        tmp_path, data, uvicorn("sampler_classes_app:app"), service="idle", ready="/fast",
+        **FAST_SAMPLING,
+    ) as srv:  # fmt: skip
+        for path in ("/sleep", "/await") * 3:
+            assert srv.get(path)[0] == 200
+        assert srv.stop() in (0, -15)
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+        figures = {
+            r["name"]: r["v"]
+            for r in store.query(
+                "SELECT name, max(value) AS v FROM agent_stats WHERE service = 'idle' GROUP BY 1"
+            )
+        }
+    # The sleeping request threads were sampled and their figures ingested ...
+    assert figures.get("sched_wall_ns", 0) >= 500_000_000, figures
+    assert figures.get("cpus_milli", 0) >= 1000
+    # ... and a thread that sleeps is not starved, however busy the machine is.
+    assert [f for f in _findings(data) if f.kind == "cpu_starved"] == []
+
+
+def _stats(w: Any, ts_ns: int, **counters: int) -> None:
+    from perfsleuth.wire import STATS
+
+    w.event(STATS, {"ts": ts_ns, "pid": 4242, "counters": counters})
+
+
+def test_cpu_starved_reports_cgroup_throttling_and_stays_silent_on_a_clean_service(
+    tmp_path: Path,
+) -> None:
+    """Figures as the agent ships them from a cgroup's cpu.stat (a quota the machine running
+    the tests may not allow setting up): cumulative counters, read over the window."""
+    import time
+
+    from spoolwrite import SegmentWriter
+
+    now = time.time_ns()
+    data = str(tmp_path / "data")
+    quota = SegmentWriter(data, service="quota", pid=4242)
+    clean = SegmentWriter(data, service="clean", pid=4343, seq=2)
+    for w in (quota, clean):
+        for _ in range(5):
+            w.request("GET /report", dur_ms=400.0)
+    # 60 s: 600 periods of 100 ms, 300 of them throttled for 12 s in all; request threads ran
+    # 30 s and waited 1 s in the run queue (a quota, not a crowded machine).
+    _stats(quota, now - 60 * 10**9, cpus_milli=500, load1_milli=300)
+    _stats(
+        quota, now, sched_run_ns=30 * 10**9, sched_queue_ns=10**9, sched_wall_ns=62 * 10**9,
+        cgroup_periods=600, cgroup_throttled=300, cgroup_throttled_us=12 * 10**6,
+        cpus_milli=500, load1_milli=400,
+    )  # fmt: skip
+    _stats(
+        clean, now, sched_run_ns=30 * 10**9, sched_queue_ns=10**9, sched_wall_ns=62 * 10**9,
+        cgroup_periods=600, cgroup_throttled=3, cgroup_throttled_us=50_000, cpus_milli=4000,
+        load1_milli=1200,
+    )  # fmt: skip
+    quota.close()
+    clean.close()
+    with DuckDBStore(data) as store:
+        store.ingest()
+        assert store.query("SELECT count(DISTINCT service) AS n FROM agent_stats")[0]["n"] == 2
+    found = [f for f in _findings(Path(data)) if f.kind == "cpu_starved"]
+    assert [f.evidence["service"] for f in found] == ["quota"]
+    (f,) = found
+    assert f.evidence["cgroup_throttled_share"] == 0.5
+    assert f.evidence["cgroup_throttled_ms"] == 12_000
+    assert f.evidence["cpus"] == 0.5
+    assert "throttled it in 50% of the periods" in f.title and "0.5 CPUs" in f.title
+    assert "waited for a CPU" not in f.title  # 1 s queued against 30 s running
+
+
+def test_classify_from_scheduler_counters() -> None:
+    ms = 1_000_000
+    # Runnable most of the interval: on the CPU, or starved when queued longer than it ran.
+    assert sampler.classify(20 * ms, 18 * ms, 1 * ms, 1, 0) == "cpu"
+    assert sampler.classify(20 * ms, 4 * ms, 15 * ms, 6, 0) == "starved"
+    # Neither running nor queued: blocked, or waking again and again while another thread
+    # of the process computes (the interpreter lock's 5 ms switch interval).
+    assert sampler.classify(20 * ms, 0, 0, 0, 20 * ms) == "wait"
+    assert sampler.classify(20 * ms, 1 * ms, 0, 4, 18 * ms) == "gil"
+    assert sampler.classify(20 * ms, 1 * ms, 0, 4, 1 * ms) == "wait"
+    # No scheduler counters (not Linux): the CPU clock alone.
+    assert sampler.classify(20 * ms, 2 * ms, 0, None, 18 * ms) == "wait"
+
+
+def test_cgroup_cpu_stat_v1_and_v2(tmp_path: Path) -> None:
+    v2 = tmp_path / "v2"
+    (v2 / "svc").mkdir(parents=True)
+    (v2 / "svc" / "cpu.stat").write_text(
+        "usage_usec 100\nnr_periods 40\nnr_throttled 10\nthrottled_usec 2500\n"
+    )
+    (v2 / "svc" / "cpu.max").write_text("150000 100000\n")
+    cg = tmp_path / "cgroup"
+    cg.write_text("0::/svc\n")
+    d = sampler.cgroup_cpu_dir(str(cg), str(v2))
+    assert d == str(v2 / "svc")
+    assert sampler.read_cpu_stat(d) == {"periods": 40, "throttled": 10, "throttled_us": 2500}
+    assert sampler.cpu_limit(d) == 1.5
+
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "docker" / "abc").mkdir(parents=True)
+    base = v1 / "cpu,cpuacct" / "docker" / "abc"
+    (base / "cpu.stat").write_text("nr_periods 7\nnr_throttled 2\nthrottled_time 3000000\n")
+    (base / "cpu.cfs_quota_us").write_text("-1\n")
+    (base / "cpu.cfs_period_us").write_text("100000\n")
+    cg.write_text("12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n1:name=systemd:/x\n")
+    d = sampler.cgroup_cpu_dir(str(cg), str(v1))
+    assert d == str(base)
+    assert sampler.read_cpu_stat(d) == {"periods": 7, "throttled": 2, "throttled_us": 3000}
+    assert sampler.cpu_limit(d) is None
+    cg.write_text("0::/gone\n")
+    assert sampler.cgroup_cpu_dir(str(cg), str(tmp_path / "none")) == ""
