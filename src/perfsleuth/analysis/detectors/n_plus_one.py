@@ -27,12 +27,38 @@ WITH cand AS (     -- statements issued more often than once per request somewhe
     GROUP BY ALL
     HAVING count(*) >= ? AND count(*) >= ? * approx_count_distinct(trace_id)
 ),
+seq AS (           -- each call with the time to the next call of its pattern in the request,
+                   -- and how many other calls start in between
+    SELECT *,
+        median(period) OVER pattern AS typical_period,
+        median(between_calls) OVER pattern AS typical_between
+    FROM (
+        SELECT endpoint, kind, fingerprint_id, site_id, site_key, trace_id, duration_ms, ts,
+            stack_id, lead(offset_ms) OVER w - offset_ms AS period,
+            lead(seq) OVER w - seq - 1 AS between_calls
+        FROM (SELECT *, coalesce(site_id, -1) AS site_key FROM c) c
+            SEMI JOIN cand USING (endpoint, kind, fingerprint_id, site_key)
+        WINDOW w AS (PARTITION BY trace_id, kind, fingerprint_id, site_key
+            ORDER BY offset_ms, seq)
+    )
+    WINDOW pattern AS (PARTITION BY trace_id, kind, fingerprint_id, site_key)
+),
 per AS (           -- one row per request x call kind x statement x call site
     SELECT endpoint, kind, fingerprint_id, any_value(site_id) AS site_id, trace_id,
         count(*) AS n, sum(duration_ms) AS ms, min(ts) AS ts,
-        any_value(stack_id) AS stack_id    -- later calls of a site may carry no stack
-    FROM (SELECT *, coalesce(site_id, -1) AS site_key FROM c) c
-        SEMI JOIN cand USING (endpoint, kind, fingerprint_id, site_key)
+        any_value(stack_id) AS stack_id,    -- later calls of a site may carry no stack
+        list(DISTINCT stack_id) FILTER (WHERE stack_id IS NOT NULL) AS stack_ids,
+        -- What the loop costs: from its first call to its last, with the work around each
+        -- call, less one call (what a batched query would take): the sum of the periods from
+        -- one call to the next. A period with more other calls in it than an iteration has is
+        -- not an iteration but other code between two runs of the pattern: it counts as a
+        -- typical period. Never less than the calls' own time beyond the first (calls that
+        -- overlap in time).
+        greatest(
+            sum(CASE WHEN between_calls > typical_between THEN typical_period ELSE period END),
+            sum(duration_ms) - sum(duration_ms) / count(*)
+        ) AS cost_ms
+    FROM seq
     GROUP BY endpoint, kind, fingerprint_id, site_key, trace_id
     HAVING count(*) >= ?
 ),
@@ -41,15 +67,18 @@ ep AS (SELECT endpoint, count(*) AS requests, sum(duration_ms) AS total_ms FROM 
 SELECT hit.endpoint, hit.kind, hit.fingerprint_id, any_value(hit.site_id) AS site_id,
     count(*) AS requests_hit, median(n) AS typical, max(n) AS max_n, sum(n) AS calls,
     sum(ms) AS ms, sum(ms - ms / n) AS excess_ms, sum(req_ms) AS req_ms,
+    sum(cost_ms) AS cost_ms, median(cost_ms) AS cost_p50, median(req_ms) AS req_p50,
     -- the stack of the worst request (a helper's site can be reached from several loops)
     max_by(stack_id, (n, stack_id)) FILTER (WHERE stack_id IS NOT NULL) AS stack_id,
+    -- every stack seen (the places the calls come from, when they part ways)
+    list_distinct(flatten(list(stack_ids))) AS stack_ids,
     min(ts) AS first_ts, max(ts) AS last_ts,
     max_by(trace_id, (n, trace_id), 3) AS examples,
     any_value(ep.requests) AS ep_requests, any_value(ep.total_ms) AS ep_total_ms
 FROM hit JOIN ep USING (endpoint)
 GROUP BY hit.endpoint, hit.kind, hit.fingerprint_id, coalesce(hit.site_id, -1)
 HAVING count(*) >= ? AND count(*) >= ? * any_value(ep.requests)
-    AND (sum(ms) / count(*) >= ? OR sum(ms) >= ? * sum(req_ms) OR median(n) >= ?)
+    AND (sum(cost_ms) / count(*) >= ? OR sum(cost_ms) >= ? * sum(req_ms) OR median(n) >= ?)
 """
 
 _SUGGEST = {
@@ -90,16 +119,43 @@ def detect(ctx: Context) -> list[Finding]:
     )
     if not rows:
         return []
-    stacks = frames.stacks(ctx.store, (r["stack_id"] for r in rows))
+    stacks = frames.stacks(
+        ctx.store, (i for r in rows for i in [r["stack_id"], *(r["stack_ids"] or [])])
+    )
     sites = frames.locations(ctx.store, (r["site_id"] for r in rows))
     fps = ctx.fingerprints({r["fingerprint_id"] for r in rows})
     out = []
     for r in rows:
         site = sites.get(r["site_id"])
-        loop, found = frames.looping_frame(stacks.get(r["stack_id"], []), site)
+        stack = stacks.get(r["stack_id"], [])
+        loop, found = frames.looping_frame(stack, site)
         if r["kind"] == "cache" and not found:
             continue  # cache reads in a row without a loop in sight: not worth a finding
-        out.append(_finding(ctx, r, fps.get(r["fingerprint_id"]), loop, found, site))
+        # A helper reached from several loops: every loop's line. Without a loop in sight,
+        # the lines of the caller's code where the calls part ways.
+        seen = [stacks[i] for i in sorted(r["stack_ids"] or []) if i in stacks]
+        paths = [frames.app_frames(s, site) for s in seen]
+        lines: list[frames.Frame] = []
+        how: str | None = None
+        if found:
+            loops_seen = {
+                (f.file, f.line): f for f in (frames.looping_frame(s, site)[0] for s in seen) if f
+            }
+            if len(loops_seen) > 1:
+                lines, how = (
+                    sorted(loops_seen.values(), key=lambda f: (f.file or "", f.line or 0)),
+                    "stacks",
+                )
+        else:
+            lines = frames.parting_frames(paths)
+            how = "stacks" if lines else None
+            if not lines and paths:
+                lines = frames.caller_lines(paths[0])
+                how = "source" if lines else None
+        tpl = frames.template_context(stack, site)
+        out.append(
+            _finding(ctx, r, fps.get(r["fingerprint_id"]), loop, found, site, tpl, lines, how)
+        )
     return out
 
 
@@ -110,18 +166,30 @@ def _finding(
     loop: frames.Frame | None,
     found: bool,
     site: frames.Frame | None,
+    tpl: dict[str, Any] | None,
+    lines: list[frames.Frame],
+    how: str | None,
 ) -> Finding:
     typical = float(r["typical"])
     callsite = loop.site() if loop is not None else None
     share_req = r["requests_hit"] / max(r["ep_requests"], 1)
-    share_time = r["ms"] / r["ep_total_ms"] if r["ep_total_ms"] else 0.0
+    cost = float(r["cost_ms"] or 0.0)
+    share_time = cost / r["ep_total_ms"] if r["ep_total_ms"] else 0.0
+    per_request = cost / max(r["requests_hit"], 1)
     noun = {"db": "query", "http": "HTTP call", "cache": "cache call"}.get(r["kind"], "call")
-    where = f"the loop in {text.where(callsite)}" if found else f"{text.where(callsite)}"
+    if tpl is not None:
+        where = f"the template's {frames.template_text(tpl)}"
+    elif len(lines) > 1:
+        where = "the loops in " if found else ""
+        where += frames.lines_text(lines)
+    else:
+        where = f"the loop in {text.where(callsite)}" if found else f"{text.where(callsite)}"
     title = (
         f"{r['endpoint']} repeats the {noun} `{text.statement(fp, 70)}` "
         f"{text.count(typical)} times per request (up to {text.count(r['max_n'])}) from {where}, "
-        f"in {text.pct(share_req)} of its requests: {text.ms(r['ms'])} in all, "
-        f"{text.pct(share_time)} of the endpoint's time."
+        f"in {text.pct(share_req)} of its requests: the loop takes {text.ms(per_request)} per "
+        f"request with the work around each call ({text.ms(r['ms'] / max(r['requests_hit'], 1))} "
+        f"in the calls themselves), {text.pct(share_time)} of the endpoint's time."
     )
     key = (
         r["kind"],
@@ -134,7 +202,7 @@ def _finding(
         kind=KIND,
         endpoint=r["endpoint"],
         title=title,
-        impact_ms_per_min=ctx.per_min(r["excess_ms"]),
+        impact_ms_per_min=ctx.per_min(cost),
         callsite=callsite,
         fingerprint=fp,
         count_per_request=typical,
@@ -154,7 +222,15 @@ def _finding(
             "calls": r["calls"],
             "ms": r["ms"],
             "ms_beyond_first": r["excess_ms"],
+            # The loop's cost: first to last call, less one call (see _SQL)
+            "loop_ms": cost,
+            "loop_ms_per_request": per_request,
+            "loop_ms_per_request_median": r["cost_p50"],
+            "request_ms_median": r["req_p50"],
             "share_of_endpoint_time": share_time,
-            "share_of_affected_requests_time": r["ms"] / r["req_ms"] if r["req_ms"] else None,
+            "share_of_affected_requests_time": cost / r["req_ms"] if r["req_ms"] else None,
+            "template": tpl,
+            "call_lines": [f.site() for f in lines] or None,
+            "call_lines_from": how,
         },
     )

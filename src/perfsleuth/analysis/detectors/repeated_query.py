@@ -8,7 +8,7 @@ remove them.
 
 from __future__ import annotations
 
-from perfsleuth.analysis import text
+from perfsleuth.analysis import frames, text
 from perfsleuth.analysis.detectors import register
 from perfsleuth.analysis.findings import Context, Finding, file_key, iso, stable_id
 
@@ -26,7 +26,8 @@ per AS (           -- the details, for those calls only
     SELECT c.endpoint, c.kind, c.fingerprint_id, c.params_hash, c.trace_id,
         count(*) AS n, sum(c.duration_ms) AS ms,
         sum(c.duration_ms) - arg_min(c.duration_ms, c.seq) AS excess_ms,
-        mode(c.site_id) AS site_id, min(c.ts) AS ts
+        mode(c.site_id) AS site_id, min(c.ts) AS ts,
+        list(DISTINCT c.stack_id) FILTER (WHERE c.stack_id IS NOT NULL) AS stack_ids
     FROM c
     WHERE params_hash IS NOT NULL
         AND hash(trace_id, fingerprint_id, params_hash) IN (SELECT k FROM rep)
@@ -35,7 +36,7 @@ per AS (           -- the details, for those calls only
 byreq AS (         -- a request may repeat several parameter sets of the same statement
     SELECT endpoint, kind, fingerprint_id, trace_id, sum(n) AS n, sum(ms) AS ms,
         sum(excess_ms) AS excess_ms, mode(site_id) AS site_id, min(ts) AS ts,
-        count(*) AS param_sets
+        count(*) AS param_sets, flatten(list(stack_ids)) AS stack_ids
     FROM per GROUP BY ALL
 ),
 ep AS (SELECT endpoint, count(*) AS requests, sum(duration_ms) AS total_ms FROM r GROUP BY 1)
@@ -44,6 +45,8 @@ SELECT b.endpoint, b.kind, b.fingerprint_id, mode(b.site_id) AS site_id,
     median(b.param_sets) AS param_sets, sum(b.ms) AS ms, sum(b.excess_ms) AS excess_ms,
     min(b.ts) AS first_ts, max(b.ts) AS last_ts,
     max_by(b.trace_id, (b.n, b.trace_id), 3) AS examples,
+    -- the stacks of the repeats (a few requests' worth), to find where they part ways
+    list_distinct(flatten(list(b.stack_ids)))[:64] AS stack_ids,
     any_value(ep.requests) AS ep_requests, any_value(ep.total_ms) AS ep_total_ms
 FROM byreq b JOIN ep USING (endpoint)
 GROUP BY b.endpoint, b.kind, b.fingerprint_id
@@ -65,16 +68,29 @@ def detect(ctx: Context) -> list[Finding]:
     )
     if not rows:
         return []
+    stacks = frames.stacks(ctx.store, (i for r in rows for i in r["stack_ids"] or []))
+    sites = frames.locations(ctx.store, (r["site_id"] for r in rows))
     out = []
     for r, fp, callsite in ctx.with_statements(rows):
         typical = float(r["typical"])
         share_req = r["requests_hit"] / max(r["ep_requests"], 1)
         noun = "query" if r["kind"] == "db" else "cache read"
+        # Where the repeats come from: the lines of the callers' code where their stacks part
+        # ways (a helper called from three lines), and the template expression, if any.
+        site = sites.get(r["site_id"])
+        seen = [stacks[i] for i in sorted(r["stack_ids"] or []) if i in stacks]
+        lines, how = frames.calling_lines(seen, site)
+        tpl = frames.template_context(seen[0], site) if seen else None
+        origin = f"from {text.where(callsite)}"
+        if lines:
+            origin += f", called from {frames.lines_text(lines)}"
+        elif tpl is not None:
+            origin += f", for the template's {frames.template_text(tpl)}"
         title = (
             f"{r['endpoint']} runs the same {noun} `{text.statement(fp, 70)}` with the same "
             f"parameters {text.count(typical)} times per request (up to "
-            f"{text.count(r['max_n'])}) in {text.pct(share_req)} of its requests, from "
-            f"{text.where(callsite)}; the repeats cost {text.ms(r['excess_ms'])} in all."
+            f"{text.count(r['max_n'])}) in {text.pct(share_req)} of its requests, {origin}; "
+            f"the repeats cost {text.ms(r['excess_ms'])} in all."
         )
         key = (r["kind"], fp, file_key(callsite["file"] if callsite else None))
         out.append(
@@ -107,6 +123,9 @@ def detect(ctx: Context) -> list[Finding]:
                     "share_of_endpoint_time": (
                         r["excess_ms"] / r["ep_total_ms"] if r["ep_total_ms"] else None
                     ),
+                    "call_lines": [f.site() for f in lines] or None,
+                    "call_lines_from": how,
+                    "template": tpl,
                 },
             )
         )
