@@ -39,8 +39,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # DB and HTTP loops always; cache loops only when a loop in the source is found
         # (peers' users complain about Redis N+1 noise).
         "kinds": ["db", "http", "cache"],
-        # The pattern must cost something: on average per affected request either this many
-        # ms (Sentry: 50 ms for DB, 300 ms for HTTP) ...
+        # The pattern must cost something: on average per affected request, the loop's span
+        # from its first call to its last less one call, either this many ms (Sentry: 50 ms
+        # for DB, 300 ms for HTTP) ...
         "min_ms_per_request": 50.0,
         # ... or this share of those requests' time (sub-ms SQLite calls still add up: the
         # lessons' Jira case is ~1 ms per call, 90,000 calls per export).
