@@ -18,6 +18,9 @@ already in progress: one request is one record.
 
 Errors: Django turns view exceptions into 500 responses inside the chain, so the exception's
 class is taken where that happens (``response_for_exception``), for WSGI and ASGI alike.
+
+Statements: ``patch_django`` also has every Django connection recorded through Django's own
+execute hook (:mod:`perfsleuth.agent.instrument.django_db`).
 """
 
 from __future__ import annotations
@@ -231,6 +234,9 @@ def patch_django(module: ModuleType) -> None:
     setattr(load_middleware, _ORIGINAL, original)
     cls.load_middleware = load_middleware
     _patch_exceptions()
+    from perfsleuth.agent.instrument import django_db
+
+    django_db.install()  # statements through Django's execute hook, for every backend
 
 
 def _patch_exceptions() -> None:
