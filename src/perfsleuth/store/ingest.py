@@ -48,6 +48,7 @@ from perfsleuth.wire import (
     REQUESTS,
     STACK,
     STATS,
+    internal_sql,
 )
 from perfsleuth.wire import batch as wbatch
 from perfsleuth.wire import calls as wcalls
@@ -284,6 +285,19 @@ class BatchDamage:
 
 _DICTIONARY_TYPES = frozenset({LOCATION, STACK, FINGERPRINT})
 
+# Ids of the fingerprints of framework-internal statements (wire.internal_sql) met by this
+# process: their calls are filed under "db.internal". A fingerprint record comes once per
+# segment, before the calls that use it; a batch that continues a segment where an earlier
+# batch of this process stopped finds it here. (Ids are hashes of the text: valid for any store.)
+_internal_fps: set[int] = set()
+_MAX_INTERNAL_FPS = 100_000
+
+
+def _remember_internal(fid: int) -> None:
+    if len(_internal_fps) >= _MAX_INTERNAL_FPS:
+        _internal_fps.clear()
+    _internal_fps.add(fid)
+
 
 class Batch:
     """Records gathered for one transaction. ``seen`` holds the dictionary record payloads
@@ -398,11 +412,11 @@ class Batch:
         elif rtype == FINGERPRINT:
             fid = _id(obj.get("id"))
             if fid is not None:
-                self.fingerprints[fid] = (
-                    _str(obj.get("kind")),
-                    _str(obj.get("op")),
-                    _str(obj.get("text")),
-                )
+                kind, text = _str(obj.get("kind")), _str(obj.get("text"))
+                if kind == "db" and text is not None and internal_sql.is_internal(text):
+                    kind = internal_sql.INTERNAL_KIND
+                    _remember_internal(fid)
+                self.fingerprints[fid] = (kind, _str(obj.get("op")), text)
         elif rtype == STATS:
             self._add_stats(seg, obj)
 
@@ -949,7 +963,7 @@ def _event_tables(
     starts = np.cumsum(counts) - counts
     seq = np.arange(m, dtype=np.int64) - np.repeat(starts, counts)
     cf = dict(zip([f.name for f in _CALL_WIRE], flat.flatten(), strict=True))
-    ckind = pc.fill_null(cf["kind"], "unknown")
+    ckind = _internal_kind(pc.fill_null(cf["kind"], "unknown"), cf["fp"])
     cdur = _ms(cf["dur"])
     cdur_np = _np(cdur, 0.0)
     parent_pa = pa.array(parent)
@@ -1040,6 +1054,18 @@ def _event_tables(
                 "attributes": attrs.filter(pa.array(in_day[np.asarray(attr_rows, np.int64)])),
             }
         out.days[key] = parts
+
+
+def _internal_kind(kind: pa.Array, fp: pa.Array) -> pa.Array:
+    """``kind`` with the ``db`` calls of framework-internal statements (their fingerprint is
+    one, see :mod:`perfsleuth.wire.internal_sql`) as ``db.internal``."""
+    if not _internal_fps or not len(kind):
+        return kind
+    hit = pc.and_(
+        pc.equal(kind, "db"),
+        pc.is_in(fp, value_set=pa.array(sorted(_internal_fps), pa.int64())),
+    )
+    return pc.if_else(pc.fill_null(hit, False), internal_sql.INTERNAL_KIND, kind)
 
 
 def _int32_col(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
