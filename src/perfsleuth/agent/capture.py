@@ -43,7 +43,7 @@ REDACTED = "[redacted]"
 SECRET_HEADERS = frozenset(
     {"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "x-auth-token"}
 )
-PENDING_MAX = 16 * 1024 * 1024  # bytes of request bodies held for possible captures, in all
+PENDING_MAX = 8 * 1024 * 1024  # bytes of request bodies held for possible captures, in all
 
 recorder.stats.update({"captures": 0, "captures_dropped": 0, "captures_sample_capped": 0})
 stats = recorder.stats
@@ -68,11 +68,14 @@ _lock = threading.Lock()
 
 def configure(cfg: Any) -> None:
     global on, _slow_ns, _sample, _sample_per_min, _countdown, _body_max, _secrets, _redact, _fault
+    global PENDING_MAX
     _slow_ns = int(float(cfg.capture_slow_ms) * 1e6)
     _sample = max(0.0, min(1.0, float(cfg.capture_sample)))
     _sample_per_min = max(0, int(cfg.capture_sample_per_min))
     _countdown = _gap()
     _body_max = max(0, int(cfg.capture_body_max))
+    # a quarter of the agent's memory budget (the shipper shares out the rest)
+    PENDING_MAX = max(1 << 18, int(float(cfg.memory_budget_mb) * (1 << 20)) // 4)
     _secrets = bool(cfg.capture_secrets)
     extra = {h.strip().lower() for h in str(cfg.redact_headers or "").split(",") if h.strip()}
     _redact = SECRET_HEADERS | frozenset(extra)

@@ -6,6 +6,12 @@
 - PERFSLEUTH_USER_HEADER (x-user), PERFSLEUTH_TENANT_HEADER (x-tenant): request headers
   holding the user and tenant ids
 - PERFSLEUTH_QUEUE_SIZE (10000): finished requests waiting for the writer; past it, drop
+- PERFSLEUTH_MEMORY_BUDGET_MB (32): bytes the agent may hold: queued requests (their call rows,
+  statements, attributes, captured bodies), the batch being encoded and the writer's caches;
+  a request past it is dropped and counted (dropped_memory)
+- PERFSLEUTH_FINGERPRINT_CPU_PCT (5): the share of one core the writer may spend fingerprinting
+  statements it has not seen; past it a new statement keeps its timing and a hash of its text
+  but no normalised text (counted: fingerprints_skipped)
 - PERFSLEUTH_MAX_CALLS (20000): calls kept per request; the rest are only counted
 - PERFSLEUTH_SEGMENT_BYTES (8000000), PERFSLEUTH_SEGMENT_SECONDS (30): segment rotation
 - PERFSLEUTH_FLUSH_SECONDS (0.2): how often the writer wakes up to write
@@ -58,6 +64,8 @@ class Config:
     user_header: str = "x-user"
     tenant_header: str = "x-tenant"
     queue_size: int = 10000
+    memory_budget_mb: float = 32.0
+    fingerprint_cpu_pct: float = 5.0
     max_calls: int = 20000
     segment_bytes: int = 8_000_000
     segment_seconds: float = 30.0

@@ -29,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -79,12 +80,37 @@ stats.update(
         "segments_written": 0,
         "events_written": 0,
         "dropped_events": 0,
+        "dropped_memory": 0,
+        "fingerprints_skipped": 0,
+        "cache_resets": 0,
     }
 )
 last_error = ""
 
 _cfg: Config | None = None
 _queue: collections.deque[recorder.ActiveRequest] = collections.deque()
+
+# The memory budget (PERFSLEUTH_MEMORY_BUDGET_MB), in bytes, shared out so that the parts
+# together stay within it: 3/8 for the queued requests, 1/4 for request bodies held for
+# captures (agent.capture), 1/8 for the writer's caches (statements, fingerprints, stacks),
+# 1/8 for the statements of the recorder's site cache (bounded on the request path: a stalled
+# writer must not let it grow) and 1/8 for the slice of the queue being encoded (the writer
+# drains the queue in slices of at most that many bytes, never all of a backlog at once).
+_queue_limit = 12 << 20
+_cache_limit = 4 << 20
+_slice_limit = 4 << 20
+# The estimated bytes of each queued request (in _queue's order) and their sum. A request's
+# estimate: its object and fields, its call rows, its attributes and, when it made site entries
+# (the recorder's site cache grew: statements it ran for the first time), its statements and
+# their entries. Repeated statements share their entries across requests: those cost nothing
+# more, and their requests skip the look at their sites.
+_sizes: collections.deque[int] = collections.deque()
+_queue_bytes = 0
+REQUEST_BYTES = 700  # an ActiveRequest, its strings and ints, the deque slots
+SITE_ENTRY_BYTES = 400  # a site entry, its key and captured stack, beside the statement
+_site_cache = recorder._site_cache
+_sites_seen = 0  # len(_site_cache) at the last enqueue
+_site_cache_bytes = 0  # what the entries added to it since it was last cleared hold
 # (record type, build): ``build(intern)`` returns the record's JSON body on the writer thread;
 # ``intern(flat_stack)`` gives the stack id of a stacks.capture()-style tuple.
 Intern = Callable[[tuple[Any, ...]], int | None]
@@ -98,6 +124,7 @@ _host = socket.gethostname().replace("-", "_")[:64] or "host"
 
 
 def enqueue(req: recorder.ActiveRequest) -> None:
+    global _queue_bytes, _sites_seen, _site_cache_bytes
     cfg = _cfg
     if cfg is None:
         return
@@ -105,9 +132,46 @@ def enqueue(req: recorder.ActiveRequest) -> None:
         stats["dropped_queue_full"] += 1
         _check_writer()
         return
+    calls = req.calls
+    size = REQUEST_BYTES
+    if calls is not None:
+        size += len(calls)
+        if len(_site_cache) != _sites_seen:
+            grew = 0
+            for entry in req.site_list or ():
+                target = entry[2]
+                grew += SITE_ENTRY_BYTES + (len(target) if type(target) is str else 0)
+            size += grew
+            _site_cache_bytes += grew
+            if _site_cache_bytes > _cache_limit:
+                _site_cache.clear()  # loses reuse only: requests hold their own entries
+                _site_cache_bytes = 0
+                stats["cache_resets"] += 1
+            _sites_seen = len(_site_cache)
+    if req.attrs is not None:
+        size += 128 * len(req.attrs)
+    if _queue_bytes + size > _queue_limit:
+        stats["dropped_memory"] += 1
+        _wake.set()
+        _check_writer()
+        return
+    _queue_bytes += size
+    _sizes.append(size)
     _queue.append(req)
     if len(_queue) == WAKE_AT:
         _wake.set()
+
+
+def _take(max_bytes: int) -> list[recorder.ActiveRequest]:
+    """Pop queued requests up to ``max_bytes`` of estimated size (at least one)."""
+    global _queue_bytes
+    taken: list[recorder.ActiveRequest] = []
+    total = 0
+    while _queue and total < max_bytes:
+        taken.append(_queue.popleft())
+        total += _sizes.popleft() if _sizes else 0
+    _queue_bytes = sum(_sizes) if len(_sizes) < 4096 else max(0, _queue_bytes - total)
+    return taken
 
 
 def emit(rtype: bytes, build: Callable[[Intern], dict[str, Any] | None]) -> bool:
@@ -197,22 +261,42 @@ class _Segment:
 class _Encoder:
     """Turns requests into records; caches survive across segments, emitted-sets do not."""
 
-    def __init__(self) -> None:
+    def __init__(self, fingerprint_cpu_pct: float = 5.0) -> None:
         # Keyed by id(code): hashing code objects is not cached by CPython. Values keep the
         # code objects alive, so their ids stay unique while cached.
         self.locs: dict[tuple[int, int], tuple[int, dict[str, Any], Any]] = {}
         self.stack_ids: dict[tuple[int, ...], tuple[int, list[int], Any, int]] = {}
-        self.fps: dict[tuple[str, Any], tuple[int, dict[str, Any]]] = {}
+        # (kind, hash of the target): a statement's text is not kept as a key (distinct
+        # statements would fill the cache with their literals); str hashes are cached by
+        # CPython, so a hit costs no pass over the text.
+        self.fps: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}
+        # Bytes the caches hold (statements, fingerprint texts, stacks), estimated as they
+        # are added; past the cache budget they are all cleared (cache_resets).
+        self.cache_bytes = 0
+        self.cache_limit = _cache_limit
+        # CPU budget of fingerprinting: the wall time spent normalising new targets (the
+        # writer holds the interpreter lock meanwhile, so the application waits as long) in
+        # the current second; past ``fp_budget_ns`` a new target is written with a hash of its
+        # text in place of its fingerprint (fingerprints_skipped), until the next second.
+        self.fp_budget_ns = int(max(0.0, fingerprint_cpu_pct) * 10_000_000)
+        self.fp_window = 0
+        self.fp_spent_ns = 0
+        self.skipped = False  # the last fingerprint() was a hash only
         # site key (recorder.record_call) -> [the stack last seen there, its sites entry, kind,
         # system, serial of the segment holding its dictionary records]: most requests
         # repeat the sites of the previous ones
         self.sites: dict[Any, list[Any]] = {}
         self.unlisted = False  # a site had a kind or system the wire has no code for
 
-    def _bounded(self) -> None:
-        for cache in (self.locs, self.stack_ids, self.fps, self.sites):
-            if len(cache) > 50_000:
-                cache.clear()  # type: ignore[attr-defined]
+    def reset(self) -> None:
+        """Empty the caches (the recorder's site cache too: its keys hold the same
+        statements)."""
+        global _site_cache_bytes
+        for cache in (self.locs, self.stack_ids, self.fps, self.sites, _site_cache):
+            cache.clear()  # type: ignore[attr-defined]
+        _site_cache_bytes = 0
+        self.cache_bytes = 0
+        stats["cache_resets"] += 1
 
     def location(self, seg: _Segment, out: list[bytes], frame: tuple[Any, int]) -> int:
         code, where = frame
@@ -225,8 +309,10 @@ class _Encoder:
             lid = fpr.stable_id(fn, line, func)
             rec = {"id": lid, "file": fn, "line": line, "func": func, "app": stacks.is_app_file(fn)}
             hit = self.locs[key] = (lid, rec, code)
+            self.cache_bytes += 300 + len(fn) + len(func)
         if hit[0] not in seg.locations:
             seg.locations.add(hit[0])
+            self.cache_bytes += SEEN_BYTES
             out.append(encode_record(LOCATION, hit[1]))
         return hit[0]
 
@@ -248,23 +334,42 @@ class _Encoder:
             site = next((i for i, fr in enumerate(frames) if stacks.classify(fr[0])), 0)
             site_id = ids[len(ids) - 1 - site] if ids else NULL
             hit = self.stack_ids[key] = (fpr.stable_id(*ids), ids, flat, site_id)
+            self.cache_bytes += 200 + 48 * len(flat)
         if hit[0] not in seg.stacks:
             for fr in zip(flat[::2], flat[1::2], strict=True):
                 if stacks.classify(fr[0]) is not None:
                     self.location(seg, out, fr)
             seg.stacks.add(hit[0])
+            self.cache_bytes += SEEN_BYTES
             out.append(encode_record(STACK, {"id": hit[0], "frames": hit[1]}))
         return hit[0], hit[3]
 
     def fingerprint(self, seg: _Segment, out: list[bytes], kind: str, target: Any) -> int:
-        key = (kind, target)
+        self.skipped = False
+        try:
+            key = (kind, hash(target))
+        except TypeError:  # an unhashable target (a list of URL parts): by its text
+            key = (kind, hash(repr(target)))
         hit = self.fps.get(key)
         if hit is None:
-            text, op = _fingerprint_text(kind, target)
-            fid = fpr.stable_id(kind, text)
-            hit = self.fps[key] = (fid, {"id": fid, "kind": kind, "text": text, "op": op})
+            now = _perf_ns()
+            if now - self.fp_window >= 1_000_000_000:
+                self.fp_window, self.fp_spent_ns = now, 0
+            if self.fp_spent_ns >= self.fp_budget_ns:
+                # Over budget: detail goes, speed stays. Not cached, so the target gets its
+                # fingerprint when it comes again within budget.
+                hit = _unfingerprinted(kind, target)
+                stats["fingerprints_skipped"] += 1
+                self.skipped = True
+            else:
+                text, op = _fingerprint_text(kind, target)
+                fid = fpr.stable_id(kind, text)
+                hit = self.fps[key] = (fid, {"id": fid, "kind": kind, "text": text, "op": op})
+                self.cache_bytes += 250 + len(text)
+                self.fp_spent_ns += _perf_ns() - now
         if hit[0] not in seg.fingerprints:
             seg.fingerprints.add(hit[0])
+            self.cache_bytes += SEEN_BYTES
             out.append(encode_record(FINGERPRINT, hit[1]))
         return hit[0]
 
@@ -281,6 +386,7 @@ class _Encoder:
                 hit[4] = seg.serial
             return hit[1]  # type: ignore[no-any-return]
         fid, sid, where = self._intern_site(seg, out, kind, target, flat)
+        skipped = self.skipped and target is not None
         resolved = [
             fid,
             sid,
@@ -290,7 +396,10 @@ class _Encoder:
         ]
         if resolved[3] == wcalls.OTHER or resolved[4] == wcalls.OTHER:
             self.unlisted = True
-        self.sites[key] = [flat, resolved, kind, system, seg.serial]
+        if not skipped:  # a site whose fingerprint was skipped is resolved again next time
+            self.sites[key] = [flat, resolved, kind, system, seg.serial]
+            # the statement and stack it keeps
+            self.cache_bytes += 120 + 16 * len(flat) + (len(target) if type(target) is str else 0)
         return resolved
 
     def _intern_site(
@@ -355,7 +464,6 @@ class _Encoder:
         this segment, then one REQUESTS record (wire.batch). Per request, a row of references
         gathered into columns; the encoding is done once for all. A request that cannot be
         encoded is left out (and counted as an internal error)."""
-        self._bounded()
         out: list[bytes] = []
         rows: list[tuple[Any, ...]] = []
         calls_of: list[bytearray] = []  # the agent rows of each request, in order
@@ -524,6 +632,20 @@ def _host_of(target: Any) -> str:
     return rest.split("/", 1)[0].rsplit("@", 1)[-1]
 
 
+_perf_ns = time.perf_counter_ns
+SEEN_BYTES = 72  # an id in a segment's set of what it holds: the int and its slot
+
+
+def _unfingerprinted(kind: str, target: Any) -> tuple[int, dict[str, Any]]:
+    """The fingerprint record of a target the writer had no CPU left to normalise: a hash of
+    its text (statements differing in a literal differ here too), never the text itself."""
+    raw = target if type(target) is str else repr(target)
+    digest = zlib.crc32(raw.encode("utf-8", "replace"))
+    text = f"[not fingerprinted: {len(raw)} chars, crc32 {digest:08x}]"
+    fid = fpr.stable_id(kind, text)
+    return fid, {"id": fid, "kind": kind, "text": text, "op": "OTHER"}
+
+
 def call_text(kind: str, target: Any) -> str:
     """The fingerprint text of a call (normalised SQL, URL template, cache command)."""
     return _fingerprint_text(kind, target)[0]
@@ -551,7 +673,7 @@ class _Writer:
         self.cfg = cfg
         self.seq = 0
         self.seg: _Segment | None = None
-        self.enc = _Encoder()
+        self.enc = _Encoder(cfg.fingerprint_cpu_pct)
         self.retry_at = 0.0
         self.backoff = 0.5
         self.last_status = 0.0
@@ -597,11 +719,12 @@ class _Writer:
         return self.spool_is_full
 
     def drain(self) -> None:
-        """Write everything queued; called by the writer thread and at exit."""
-        batch: list[recorder.ActiveRequest] = []
-        while _queue:
-            batch.append(_queue.popleft())
-        if batch:
+        """Write everything queued (in slices of bounded bytes: a backlog is never encoded
+        into one buffer); called by the writer thread and at exit."""
+        left = len(_queue)  # what came later waits for the next round
+        while left > 0 and _queue:
+            batch = _take(_slice_limit)
+            left -= len(batch)
             self._write_batch(batch)
         if _events:
             self._write_events()
@@ -613,6 +736,11 @@ class _Writer:
             write_status(self.cfg)
 
     def _write_batch(self, batch: list[recorder.ActiveRequest]) -> None:
+        if self.enc.cache_bytes > self.enc.cache_limit:
+            # Past the cache budget: the caches start again, and so does the segment (its sets
+            # of the ids it holds grow with every distinct statement).
+            self._rotate()
+            self.enc.reset()
         seg = self._open()
         if seg is None:
             stats["dropped_write_error"] += len(batch)
@@ -747,7 +875,9 @@ def write_status(cfg: Config) -> None:
 
 
 def start(cfg: Config) -> None:
-    global _cfg, _writer
+    global _cfg, _writer, _queue_limit, _cache_limit, _slice_limit
+    budget = max(1 << 20, int(cfg.memory_budget_mb * (1 << 20)))
+    _queue_limit, _cache_limit, _slice_limit = budget * 3 // 8, budget // 8, budget // 8
     _cfg = cfg
     _writer = _Writer(cfg)
     recorder.configure(enqueue, max_calls=cfg.max_calls, stacks_per_site=cfg.stacks_per_site)
@@ -773,6 +903,7 @@ def flush(timeout: float = 5.0) -> None:
         # account for what it will never write and leave a status file behind.
         stats["dropped_writer_dead"] += len(_queue)
         _queue.clear()
+        _sizes.clear()
         write_status(_cfg)
         return
     if not _lock.acquire(timeout=timeout):
@@ -807,8 +938,10 @@ def _after_fork_in_child() -> None:
 
     Requests queued in the parent at fork time are the parent's to write: drop our copy.
     """
-    global _lock, _wake, _writer
+    global _lock, _wake, _writer, _queue_bytes
     _queue.clear()
+    _sizes.clear()
+    _queue_bytes = 0
     _events.clear()
     _lock = threading.Lock()
     _wake = threading.Event()

@@ -1,0 +1,139 @@
+"""The agent under pressure: statements that never repeat, a stalled writer, a full disk,
+SIGTERM. It sheds detail before speed, holds at most its memory budget in bytes, and counts
+every request it could not write where `perfsleuth top` and stderr show it.
+
+Each case runs in a fresh interpreter (the agent's state is process-wide) with real sqlite3
+statements through the agent's instrumentation. No timing thresholds: counts and byte bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spoolread import read_spool
+
+# argv: data dir, agent settings (JSON), requests, statements per request, stall the writer
+# (0/1), distinct statements (0/1). Prints the agent's counters and traced memory figures.
+APP = r"""
+import json, sqlite3, sys, tracemalloc
+import perfsleuth.agent as ps
+from perfsleuth.agent import recorder, shipper
+
+data, cfg, n, per, stall, distinct = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:7])
+assert ps.start(data, service="pressure", **cfg)
+db = sqlite3.connect(":memory:")
+db.execute("create table orders (id integer primary key, note text, amount real)")
+filler = ", ".join(f"'{'x' * 20}{k}' AS c{k}" for k in range(40))  # ~1.5 KB of literals
+
+def statement(i, j):
+    if not distinct:
+        return "select id, note from orders where id = ?", (j,)
+    ids = ", ".join(str(i * 100 + k) for k in range(j % 7 + 1))
+    return (f"/* trace='{i:08x}{j:04x}' */ select id, {filler}, {i} * {j} from orders "
+            f"where id in ({ids}) and note <> 'n{i}-{j}'"), ()
+
+tracemalloc.start()
+if stall:
+    shipper._lock.acquire()  # the writer thread blocks on it: nothing is written meanwhile
+base = tracemalloc.get_traced_memory()[0]
+for i in range(n):
+    req = recorder.begin("web", "GET", f"/orders/{i}")
+    req.endpoint = "GET /orders/{id}"
+    for j in range(per):
+        db.execute(*statement(i, j)).fetchall()
+    req.status = 200
+    recorder.end(req)
+held = tracemalloc.get_traced_memory()[0] - base
+tracemalloc.reset_peak()
+if stall:
+    shipper._lock.release()
+ps.flush()
+peak = tracemalloc.get_traced_memory()[1] - base
+after = tracemalloc.get_traced_memory()[0] - base
+print(json.dumps({"stats": ps.stats(), "held": held, "peak": peak, "after": after}))
+"""
+
+
+def run_app(
+    data: Path, n: int, per: int, *, stall: bool = False, distinct: bool = True, **cfg: object
+) -> dict:
+    args = [str(data), json.dumps(cfg), str(n), str(per), str(int(stall)), str(int(distinct))]
+    out = subprocess.run(
+        [sys.executable, "-c", APP, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def dropped(stats: dict) -> int:
+    return sum(v for k, v in stats.items() if k.startswith("dropped_") and k != "dropped_events")
+
+
+def test_over_its_cpu_budget_the_writer_skips_fingerprints_and_counts_them(
+    tmp_path: Path,
+) -> None:
+    res = run_app(tmp_path, 30, 5, fingerprint_cpu_pct=0)
+    stats = res["stats"]
+    assert stats["requests_written"] == 30
+    # every statement is new and the budget is nil: none normalised, each counted
+    assert stats.get("fingerprints_skipped") == 30 * 5
+    reqs = read_spool(str(tmp_path))
+    assert sum(len(r["calls"]) for r in reqs) == 30 * 5  # the calls and their timing stay
+    texts = {c["fingerprint"] for r in reqs for c in r["calls"]}
+    assert len(texts) == 30 * 5  # a hash per distinct text: never lumped together
+    assert all(t.startswith("[not fingerprinted:") and "xxxx" not in t for t in texts)
+    assert all(c["dur"] >= 0 and c["off"] >= 0 for r in reqs for c in r["calls"])
+
+
+def test_within_its_cpu_budget_the_writer_fingerprints_every_statement(tmp_path: Path) -> None:
+    res = run_app(tmp_path, 30, 5)
+    assert res["stats"].get("fingerprints_skipped", 0) == 0
+    reqs = read_spool(str(tmp_path))
+    assert sum(len(r["calls"]) for r in reqs) == 30 * 5
+    texts = {c["fingerprint"] for r in reqs for c in r["calls"]}
+    assert all(t.startswith("select id, ?") and "in (...)" in t for t in texts), texts
+
+
+@pytest.mark.parametrize("distinct", [True, False])
+def test_stalled_writer_holds_at_most_the_memory_budget(tmp_path: Path, distinct: bool) -> None:
+    budget_mb = 4
+    res = run_app(tmp_path, 1500, 20, stall=True, distinct=distinct, memory_budget_mb=budget_mb)
+    stats = res["stats"]
+    # at most the budget held, measured in traced bytes (the app's own share: sqlite3's
+    # statement cache, under 1 MB)
+    assert res["held"] <= budget_mb * (1 << 20) * 1.1 + (1 << 20), res
+    if distinct:
+        assert stats.get("dropped_memory", 0) > 0
+    # after the stall the backlog drains in bounded slices: no buffer of the whole backlog
+    assert res["peak"] <= budget_mb * (1 << 20) * 1.1 + res["held"], res
+    # every request recorded is written or counted as dropped, exactly
+    assert stats["requests_recorded"] == 1500
+    assert stats["requests_written"] + dropped(stats) == 1500, stats
+    assert len(read_spool(str(tmp_path))) == stats["requests_written"]
+
+
+def test_distinct_statements_do_not_grow_the_caches_past_the_budget(tmp_path: Path) -> None:
+    res = run_app(tmp_path, 1500, 20, memory_budget_mb=2)
+    stats = res["stats"]
+    assert stats["requests_written"] > 0
+    assert stats["requests_written"] + dropped(stats) == 1500, stats
+    assert stats.get("cache_resets", 0) > 0
+    # the statements, fingerprints and stacks kept after everything was written
+    assert res["after"] <= 2 * (1 << 20), res
+
+
+def test_repeated_statements_keep_their_caches(tmp_path: Path) -> None:
+    res = run_app(tmp_path, 300, 20, distinct=False, memory_budget_mb=2)
+    stats = res["stats"]
+    assert stats["requests_written"] == 300 and dropped(stats) == 0
+    assert stats.get("cache_resets", 0) == 0 and stats.get("fingerprints_skipped", 0) == 0
+    assert len({c["fingerprint"] for r in read_spool(str(tmp_path)) for c in r["calls"]}) == 1
