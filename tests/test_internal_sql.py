@@ -31,7 +31,6 @@ QUOTE = "SELECT QUOTE(?)"
         "/* django */ SET search_path TO app",
         "show standard_conforming_strings",
         "SELECT QUOTE(?), QUOTE(?), QUOTE(?)",
-        "SELECT 1",
         "select pg_catalog.version()",
         "SELECT typarray FROM pg_type WHERE typname = %s",
         "SELECT name FROM sqlite_master WHERE type = 'table'",
@@ -53,6 +52,8 @@ def test_internal_statements(sql: str) -> None:
         "UPDATE settings SET value = ? WHERE name = ?",
         "SELECT QUOTE(name) FROM items",
         "SELECT ? FROM items",
+        "SELECT 1",
+        "SAVEPOINT s1",
         "WITH x AS (SELECT 1) SELECT * FROM x",
     ],
 )

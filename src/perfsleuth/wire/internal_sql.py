@@ -10,8 +10,11 @@ the application's page.
   ``SELECT set_config(?, ?, false)``, Django's time zone with psycopg 3), the server's version
   and current schema or database;
 * **helpers**: Django's ``SELECT QUOTE(?), ...`` (sqlite ``last_executed_query`` with
-  ``DEBUG=True``, run on a raw cursor after each statement), and the liveness ping
-  ``SELECT 1`` (Django's ``is_usable``, SQLAlchemy's ``pool_pre_ping``).
+  ``DEBUG=True``, run on a raw cursor after each statement).
+
+Not among them: ``SELECT 1`` (a liveness ping, but after normalisation it is any one-value
+``SELECT``, the shape of many a toy statement and of some real ones) and transaction control
+(``BEGIN``, ``SAVEPOINT``: real round trips the application's code asks for).
 
 How they are kept (the smallest change to the wire -> store path): the agent records them as
 it records every statement, and the store files a call whose fingerprint is internal under the
@@ -41,7 +44,6 @@ _CATALOG = re.compile(
 _HELPER = re.compile(
     r"SELECT\s+(?:"
     r"QUOTE\(\s*(?:\?|%s)\s*\)(?:\s*,\s*QUOTE\(\s*(?:\?|%s)\s*\))*"  # Django sqlite DEBUG
-    r"|(?:1|\?)"  # liveness ping
     r"|(?:pg_catalog\.)?(?:version|current_schema|current_database|database|set_config"
     r"|current_setting)\s*\([^()]*\)"
     r")(?:\s+AS\s+\w+)?\s*;?\s*",
