@@ -54,6 +54,7 @@ def test_internal_statements(sql: str) -> None:
         "SELECT ? FROM items",
         "SELECT 1",
         "SAVEPOINT s1",
+        "SELECT * FROM pg_sleep(?)",
         "WITH x AS (SELECT 1) SELECT * FROM x",
     ],
 )

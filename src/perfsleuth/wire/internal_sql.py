@@ -37,7 +37,7 @@ INTERNAL_KIND = "db.internal"
 _SETUP = re.compile(r"(?:PRAGMA|SET|SHOW|RESET)\b", re.IGNORECASE)
 _CATALOG = re.compile(
     r"\b(?:sqlite_\w+|information_schema|pg_catalog)\b"  # sqlite reserves sqlite_* names
-    r"|\b(?:FROM|JOIN)\s+pg_\w+"
+    r"|\b(?:FROM|JOIN)\s+pg_\w+\b(?!\s*\()"  # a pg_* table, not a function (pg_sleep)
     r"|@@\w+",
     re.IGNORECASE,
 )
