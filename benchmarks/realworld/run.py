@@ -33,7 +33,7 @@ from pathlib import Path
 
 import harness
 
-CASES = ["admin_index", "starlette_admin"]
+CASES = ["admin_index", "starlette_admin", "auditlog"]
 
 
 def main() -> int:
@@ -74,7 +74,7 @@ def main() -> int:
 
 
 def print_table(results: list[harness.RunResult]) -> None:
-    header = ("app", "version", "problem", "found?", "line", "false alarms", "verdict")
+    header = ("app", "version", "problem", "found?", "line", "false alarms", "lost", "verdict")
     rows = []
     for r in results:
         if r.role == "buggy":
@@ -91,6 +91,7 @@ def print_table(results: list[harness.RunResult]) -> None:
                 found,
                 line,
                 str(len(r.false_alarms)),
+                str(len(r.lost)),
                 "ok" if r.ok else "FAIL",
             )
         )
@@ -103,6 +104,8 @@ def print_table(results: list[harness.RunResult]) -> None:
     for r in results:
         for alarm in r.false_alarms:
             print(f"  false alarm, {r.app} {r.version}: {alarm}")
+        for lost in r.lost:
+            print(f"  requests lost, {r.app} {r.version}: {lost}")
         for other in r.other:
             print(f"  also reported, {r.app} {r.version}: {other}")
         if r.error:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import uuid
 from pathlib import Path
 
+import django_site
 import harness
 from harness import Client, Expect, RunResult, Server
 
@@ -48,13 +48,7 @@ REQUIREMENTS = [
     "gunicorn==23.0.0",
 ]
 
-SETTINGS = """\
-import os
-
-SECRET_KEY = "realworld-suite"
-DEBUG = False
-ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
-INSTALLED_APPS = [
+APPS = [
     "django_admin_index",
     "ordered_model",
     "django.contrib.auth",
@@ -64,57 +58,6 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django.contrib.admin",
 ]
-MIDDLEWARE = [
-    "django.middleware.security.SecurityMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-]
-ROOT_URLCONF = "proj.urls"
-TEMPLATES = [
-    {
-        "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "APP_DIRS": True,
-        "OPTIONS": {
-            "context_processors": [
-                "django.template.context_processors.request",
-                "django.contrib.auth.context_processors.auth",
-                "django.contrib.messages.context_processors.messages",
-            ]
-        },
-    }
-]
-DATABASES = {
-    "default": {
-        "ENGINE": "django.db.backends.postgresql",
-        "NAME": os.environ["REALWORLD_DB"],
-        "USER": "postgres",
-        "HOST": "127.0.0.1",
-        "PORT": "5432",
-    }
-}
-STATIC_URL = "/static/"
-USE_TZ = True
-DEFAULT_AUTO_FIELD = "django.db.models.AutoField"
-"""
-
-URLS = """\
-from django.contrib import admin
-from django.urls import path
-
-urlpatterns = [path("admin/", admin.site.urls)]
-"""
-
-WSGI = """\
-import os
-
-from django.core.wsgi import get_wsgi_application
-
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
-application = get_wsgi_application()
-"""
 
 SEED = """\
 import django
@@ -142,14 +85,6 @@ print("seeded", AppGroup.objects.count(), "groups", AppLink.objects.count(), "li
 """
 
 
-def psql(sql: str) -> None:
-    subprocess.run(
-        ["psql", "-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-q", "-c", sql],
-        check=True,
-        capture_output=True,
-    )
-
-
 def run(role: str, workdir: Path) -> RunResult:
     version = BUGGY if role == "buggy" else FIXED
     result = RunResult(APP, version, role, PROBLEM)
@@ -157,61 +92,52 @@ def run(role: str, workdir: Path) -> RunResult:
         f"admin-index-{version}", [f"django-admin-index=={version}", *REQUIREMENTS]
     )
     proj = workdir / "site"
-    (proj / "proj").mkdir(parents=True)
-    (proj / "proj" / "__init__.py").write_text("")
-    (proj / "proj" / "settings.py").write_text(SETTINGS)
-    (proj / "proj" / "urls.py").write_text(URLS)
-    (proj / "proj" / "wsgi.py").write_text(WSGI)
+    django_site.write_project(proj, APPS, django_site.POSTGRES)
     (proj / "seed.py").write_text(SEED.format(groups=GROUPS, links=LINKS_PER_GROUP))
-    db = f"realworld_admin_index_{uuid.uuid4().hex[:8]}"
-    env = {"REALWORLD_DB": db, "DJANGO_SETTINGS_MODULE": "proj.settings"}
     py = str(venv / "bin" / "python")
-    psql(f"CREATE DATABASE {db}")
     server = None
-    try:
-        run_env = {**os.environ, **env}
-        subprocess.run(
-            [py, "-m", "django", "migrate", "-v", "0"], cwd=proj, env=run_env, check=True
-        )
-        subprocess.run([py, "seed.py"], cwd=proj, env=run_env, check=True)
-        port = harness.free_port()
-        data = workdir / "data"
-        server = Server(
-            [str(venv / "bin" / "gunicorn"), "-w", "2", "-b", f"127.0.0.1:{port}", "proj.wsgi"],
-            data=data,
-            port=port,
-            cwd=proj,
-            env={**env, "PERFSLEUTH_SERVICE": "admin-index"},
-        )
-        server.wait_ready("/admin/login/")
-        admin = Client(port)
-        admin.django_login("admin", "admin-pass")
-        anon = Client(port)
-        traffic = harness.drive(
-            [
-                (lambda: admin.get("/admin/"), ROUNDS),
-                (lambda: admin.get("/admin/auth/user/"), ROUNDS),
-                (lambda: admin.get("/admin/jsi18n/"), ROUNDS),
-                (lambda: anon.get("/admin/login/"), ROUNDS),
-            ]
-        )
-        if set(traffic["statuses"]) != {200}:
-            result.error = f"unexpected statuses {traffic['statuses']}"
-        server.stop()
-        result.requests = harness.requests_by_endpoint(data)
-        result.findings = harness.perfsleuth_json("findings", "--limit", "100", data=data)
-        harness.judge(
-            result,
-            EXPECT,
-            CLEAN,
-            {ep: ROUNDS for ep in [EXPECT.endpoint, *EXPECT.also, *CLEAN]},
-        )
-    except Exception as e:  # a case that cannot run is a failed case, with the reason
-        result.error = f"{type(e).__name__}: {e}"
-        if server is not None:
-            result.error += f" | server log: {server.tail(600)}"
-    finally:
-        if server is not None:
+    with django_site.PostgresDatabase("admin_index") as db:
+        env = {"REALWORLD_DB": db, "DJANGO_SETTINGS_MODULE": "proj.settings"}
+        try:
+            django_site.manage(py, proj, env, "migrate", "-v", "0")
+            subprocess.run([py, "seed.py"], cwd=proj, env={**os.environ, **env}, check=True)
+            port = harness.free_port()
+            data = workdir / "data"
+            server = Server(
+                [str(venv / "bin" / "gunicorn"), "-w", "2", "-b", f"127.0.0.1:{port}", "proj.wsgi"],
+                data=data,
+                port=port,
+                cwd=proj,
+                env={**env, "PERFSLEUTH_SERVICE": "admin-index"},
+            )
+            server.wait_ready("/admin/login/")
+            admin = Client(port)
+            admin.django_login("admin", "admin-pass")
+            anon = Client(port)
+            traffic = harness.drive(
+                [
+                    (lambda: admin.get("/admin/"), ROUNDS),
+                    (lambda: admin.get("/admin/auth/user/"), ROUNDS),
+                    (lambda: admin.get("/admin/jsi18n/"), ROUNDS),
+                    (lambda: anon.get("/admin/login/"), ROUNDS),
+                ]
+            )
+            if set(traffic["statuses"]) != {200}:
+                result.error = f"unexpected statuses {traffic['statuses']}"
             server.stop()
-        psql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+            result.requests = harness.requests_by_endpoint(data)
+            result.findings = harness.perfsleuth_json("findings", "--limit", "100", data=data)
+            harness.judge(
+                result,
+                EXPECT,
+                CLEAN,
+                {ep: ROUNDS for ep in [EXPECT.endpoint, *EXPECT.also, *CLEAN]},
+            )
+        except Exception as e:  # a case that cannot run is a failed case, with the reason
+            result.error = f"{type(e).__name__}: {e}"
+            if server is not None:
+                result.error += f" | server log: {server.tail(600)}"
+        finally:
+            if server is not None:
+                server.stop()
     return result
