@@ -290,3 +290,39 @@ def test_cgroup_cpu_stat_v1_and_v2(tmp_path: Path) -> None:
     assert sampler.cpu_limit(d) is None
     cg.write_text("0::/gone\n")
     assert sampler.cgroup_cpu_dir(str(cg), str(tmp_path / "none")) == ""
+
+
+def test_the_demo_shops_cpu_work_is_classed_cpu_on_an_oversubscribed_machine(
+    tmp_path: Path,
+) -> None:
+    """The demo's planted CPU problems: the fuzzy search (thread pool) and the catalog import
+    parsed on the event loop; both compute, however long they wait for a CPU."""
+    from perfsleuth.demo import db
+
+    db_path = str(tmp_path / "demo.sqlite3")
+    db.seed(db_path)
+    data = tmp_path / "data"
+    with launched(
+        tmp_path, data, uvicorn("perfsleuth.demo.shop:app"), service="shop", ready="/health",
+        PERFSLEUTH_DEMO_DB=db_path, **FAST_SAMPLING,
+    ) as srv:  # fmt: skip
+        with oversubscribed():
+            for _ in range(3):
+                assert srv.get("/search?q=backpak")[0] == 200
+            for _ in range(2):
+                assert srv.request("POST", "/catalog/import", body=b"{}")[0] == 200
+        assert srv.stop() in (0, -15)
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+        for ep, least in (("GET /search", 20), ("POST /catalog/import", 5)):
+            p = profile.load(store, ep)
+            v = p.verdict()
+            assert p.samples >= least, (ep, p.states)
+            assert v.kind == "cpu", (ep, p.states)
+            assert sum(v.shares.get(s, 0) for s in CPU_CLASSES) >= 0.8, (ep, p.states)
+    (hot,) = [
+        f
+        for f in _findings(data)
+        if f.kind == "slow_request_hotspot" and f.endpoint == "GET /search"
+    ]
+    assert hot.evidence["class"] == "cpu" and "CPU-bound" in hot.suggestion
