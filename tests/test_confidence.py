@@ -9,6 +9,10 @@ tests/test_detectors.py); the CLI and the API server run for real on them.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +25,9 @@ from perfsleuth.analysis.config import DEFAULTS, EVIDENCE_FLOORS, SOFT_FLOORS, C
 from perfsleuth.analysis.detectors import DETECTORS
 from perfsleuth.analysis.findings import Finding, assess, find
 from perfsleuth.cli.main import app
+from perfsleuth.cli.ui import free_port
 from perfsleuth.server import create_app
+from perfsleuth.server.app import STATIC_DIR
 from perfsleuth.store.duckdb_store import DuckDBStore
 from spoolwrite import SegmentWriter, call
 
@@ -178,3 +184,60 @@ def test_confidence_in_findings_explain_and_the_api(synth: Any) -> None:
         assert [x["confidence"] for x in listed if x["id"] == f["id"]] == ["high"]
         one = client.get(f"/api/findings/{f['id']}", params={"since": "7d"}).json()
         assert one["confidence_basis"] == f["confidence_basis"]
+
+
+def test_the_findings_page_shows_how_sure(demo_data: str, tmp_path: Path) -> None:
+    """The web UI (built by setup) in headless Chromium on the demo's data: each finding's
+    grade in its head, and the counts behind it in its evidence."""
+    import test_ui
+
+    if not os.path.isfile(os.path.join(STATIC_DIR, "index.html")):
+        pytest.fail("the web UI is not built: run `make setup` (npm ci, npm run build)")
+    if not os.path.exists(test_ui.CHROMIUM):
+        pytest.fail(f"{test_ui.CHROMIUM} is missing: run `make setup`")
+    import uvicorn
+    from playwright.sync_api import sync_playwright
+
+    data = str(tmp_path / "data")
+    shutil.copytree(demo_data, data)
+    port = free_port("127.0.0.1", 0)
+    srv = uvicorn.Server(
+        uvicorn.Config(
+            create_app(data, token=test_ui.TOKEN, ingest_every=0),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+        )
+    )
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.started
+        base = f"http://127.0.0.1:{port}"
+        found = test_ui.api(base, "findings", since="24h")
+        assert found and all(f["confidence"] in ("high", "medium", "low") for f in found)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=test_ui.CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = browser.new_page()
+                test_ui.open_page(page, base, "findings?since=24h&refresh=0")
+                for f in found:
+                    item = page.locator(f"li.finding[data-id='{f['id']}']")
+                    badge = item.locator(".finding-head .confidence")
+                    assert badge.inner_text() == f"{f['confidence']} confidence"
+                f = found[0]
+                item = page.locator(f"li.finding[data-id='{f['id']}']")
+                item.get_by_role("button", name="evidence").click()
+                note = item.locator(".evidence .confidence-note")
+                note.wait_for()
+                name, b = next(iter(f["confidence_basis"].items()))
+                assert note.inner_text().startswith(f"How sure: {f['confidence']}: ")
+                assert f"{b['count']:,.0f} {name.replace('_', ' ')}" in note.inner_text()
+            finally:
+                browser.close()
+    finally:
+        srv.should_exit = True
+        t.join(timeout=30)

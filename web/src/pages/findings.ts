@@ -2,6 +2,19 @@ import { api, type Finding } from "../api";
 import type { Ctx } from "../main";
 import { h, fmtInt, fmtMs, fmtNum, site, link, section } from "../util";
 
+// How sure a finding is (high / medium / low) and the evidence counts it rests on.
+type Rated = Finding & {
+  confidence?: string | null;
+  confidence_basis?: Record<string, { count: number; floor: number }>;
+};
+
+function confidenceNote(f: Rated): string {
+  const counts = Object.entries(f.confidence_basis ?? {}).map(
+    ([k, b]) => `${fmtInt(b.count)} ${k.replace(/_/g, " ")} (floor ${fmtInt(b.floor)})`,
+  );
+  return [f.confidence ?? "unrated", counts.join(", ")].filter(Boolean).join(": ");
+}
+
 export function findingList(ctx: Ctx, found: Finding[], open: string | null): HTMLElement {
   if (!found.length) return h("p", { class: "dim" }, "No findings in this window.");
   return h(
@@ -17,6 +30,7 @@ export function findingList(ctx: Ctx, found: Finding[], open: string | null): HT
           { class: "finding-head" },
           h("span", { class: "impact", title: "time this problem costs per minute of traffic" }, `${fmtMs(f.impact_ms_per_min)} ms/min`),
           h("span", { class: "kind" }, f.kind),
+          h("span", { class: `kind confidence confidence-${(f as Rated).confidence ?? "unrated"}`, title: confidenceNote(f) }, `${(f as Rated).confidence ?? "unrated"} confidence`),
           link(ctx.href("endpoint", { name: f.endpoint }), f.endpoint, { class: "endpoint-link" }),
         ),
         h("div", { class: "finding-title" }, f.title),
@@ -50,6 +64,7 @@ async function toggle(ctx: Ctx, f: Finding, box: HTMLElement): Promise<void> {
       d.source_line ? h("pre", { class: "code" }, `${d.callsite?.line ?? ""} | ${d.source_line}`) : null,
       d.fingerprint ? h("div", {}, h("b", {}, "Statement: "), h("code", {}, d.fingerprint)) : null,
       d.count_per_request !== null ? h("div", {}, h("b", {}, "Per request: "), fmtNum(d.count_per_request)) : null,
+      h("div", { class: "confidence-note" }, h("b", {}, "How sure: "), confidenceNote(d)),
       h(
         "table",
         { class: "grid kv" },
