@@ -9,8 +9,10 @@ statements through the agent's instrumentation. No timing thresholds: counts and
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -137,3 +139,67 @@ def test_repeated_statements_keep_their_caches(tmp_path: Path) -> None:
     assert stats["requests_written"] == 300 and dropped(stats) == 0
     assert stats.get("cache_resets", 0) == 0 and stats.get("fingerprints_skipped", 0) == 0
     assert len({c["fingerprint"] for r in read_spool(str(tmp_path)) for c in r["calls"]}) == 1
+
+
+@pytest.fixture
+def tiny_data_dir(tmp_path: Path) -> Iterator[Path]:
+    """A real 384 KiB filesystem holding the whole data dir (spool and status files), so
+    writes fail with ENOSPC once it is full."""
+    data = tmp_path / "data"
+    data.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=384k", "tmpfs", str(data)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield data
+    finally:
+        subprocess.run(["umount", "-l", str(data)], check=False)
+
+
+def test_drops_on_a_full_disk_reach_the_status_file_and_stderr(tiny_data_dir: Path) -> None:
+    # ~1.5 KB statements, all distinct, into a filesystem that holds a fraction of them; the
+    # writer is woken often so that it retries many times while the disk is full
+    cfg = {"segment_bytes": 50_000, "flush_seconds": 0.01}
+    args = [str(tiny_data_dir), json.dumps(cfg), "1500", "20", "0", "1"]
+    out = subprocess.run(
+        [sys.executable, "-c", APP, *args], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    stats = json.loads(out.stdout.strip().splitlines()[-1])["stats"]
+    lost = dropped(stats)
+    assert lost > 0 and stats["requests_written"] + lost == 1500, stats
+    # the status file, on the full disk too, has the final counts
+    (status_path,) = (tiny_data_dir / "agents").glob("*.json")
+    status = json.loads(status_path.read_text())
+    assert status["requests_written"] == stats["requests_written"]
+    assert dropped(status) == lost
+    # the process said so on its way out
+    assert f"perfsleuth: {lost:,} requests were not written" in out.stderr, out.stderr
+    # no empty segments left behind by the retries
+    for seg in (tiny_data_dir / "spool").iterdir():
+        assert seg.stat().st_size > 200, seg.name
+
+
+def test_sigterm_to_a_server_without_a_handler_writes_what_it_queued(tmp_path: Path) -> None:
+    from test_run_servers import launched
+
+    data = tmp_path / "data"
+    cmd = [sys.executable, "-m", "django", "runserver", "--noreload", "127.0.0.1:{port}"]
+    # The writer would wait 60 s: everything answered is still queued when SIGTERM comes.
+    with launched(tmp_path, data, cmd, service="runserver", ready="/health/",
+                  DJANGO_SETTINGS_MODULE="djproject.settings",
+                  PERFSLEUTH_FLUSH_SECONDS="60") as srv:  # fmt: skip
+        for i in range(40):
+            assert srv.get(f"/health/?i={i}")[0] == 200
+        rc = srv.stop()
+        answered = srv.answered
+    assert rc == -signal.SIGTERM  # it still dies of the signal, as without the agent
+    recs = read_spool(str(data))
+    assert len(recs) == answered
+    (status_path,) = (data / "agents").glob("*.json")
+    status = json.loads(status_path.read_text())
+    assert status["requests_written"] == answered and dropped(status) == 0

@@ -25,6 +25,7 @@ import collections
 import itertools
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -81,6 +82,7 @@ stats.update(
         "events_written": 0,
         "dropped_events": 0,
         "dropped_memory": 0,
+        "dropped_shutdown": 0,
         "fingerprints_skipped": 0,
         "cache_resets": 0,
     }
@@ -225,9 +227,11 @@ class _Segment:
         }
         try:
             self.write(FILE_MAGIC + encode_record(HEADER, header))
-        except OSError:
+        except OSError:  # a full disk: no empty segment left behind by each retry
             self.fh.close()
+            _unlink(self.path)
             raise
+        self.header_size = self.size
 
     def write(self, data: bytes) -> None:
         """Write all of ``data``; on failure ``self.partial`` says how much did land."""
@@ -253,9 +257,18 @@ class _Segment:
                 os.fsync(self.fh.fileno())
         finally:
             self.fh.close()
-            if complete:
+            if complete and self.size <= self.header_size:
+                _unlink(self.path)  # a header and nothing else: nothing to read
+            elif complete:
                 os.replace(self.path, self.base + CLOSED_SUFFIX)
                 stats["segments_written"] += 1
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class _Encoder:
@@ -849,8 +862,18 @@ def _start_thread() -> None:
     _thread = t
 
 
+# A status file is padded to this size (JSON allows trailing spaces), so that on a full disk it
+# can still be overwritten in place, in the blocks it already has.
+STATUS_BYTES = 4096
+status_written = True  # whether the last status update reached the file
+
+
 def write_status(cfg: Config) -> None:
-    """Replace DATA/agents/<host>-<pid>.json with the current counters (best effort)."""
+    """Replace DATA/agents/<host>-<pid>.json with the current counters (best effort). When
+    the disk is full, the file is overwritten in place; the counters stay in memory and are
+    written by the next update that succeeds, and shutdown() reports drops on stderr."""
+    global status_written
+    status_written = False
     try:
         os.makedirs(cfg.agents_dir, exist_ok=True)
         path = os.path.join(cfg.agents_dir, f"{_host}-{os.getpid()}.json")
@@ -866,10 +889,20 @@ def write_status(cfg: Config) -> None:
             last_error=last_error,
             queued=len(_queue),
         )
+        data = json.dumps(body).encode()
+        data += b" " * (STATUS_BYTES - len(data) - 1) + b"\n"
         tmp = path + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(body, fh)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            _unlink(tmp)
+            if len(data) > STATUS_BYTES:
+                raise
+            with open(path, "r+b") as fh:  # no new blocks needed: a full disk allows it
+                fh.write(data)
+        status_written = True
     except Exception:
         pass  # nowhere to report to: the in-memory counters still hold the truth
 
@@ -885,6 +918,7 @@ def start(cfg: Config) -> None:
 
     capture.configure(cfg)
     _start_thread()
+    _install_sigterm()
     try:
         import multiprocessing.util
 
@@ -920,17 +954,76 @@ def flush(timeout: float = 5.0) -> None:
 
 
 def shutdown() -> None:
-    """Flush and close the open segment (renamed to .seg). Registered with atexit."""
-    if _writer is None or _cfg is None:
+    """Flush and close the open segment (renamed to .seg), then say on stderr how many
+    requests could not be written, if any. Registered with atexit."""
+    global _writer
+    w, cfg = _writer, _cfg
+    if w is None or cfg is None:
         return
     flush()
     if _lock.acquire(timeout=5.0):
         try:
-            _writer.close()
+            if _queue:  # still queued: could not be written in time
+                stats["dropped_shutdown"] = stats.get("dropped_shutdown", 0) + len(_queue)
+                _queue.clear()
+                _sizes.clear()
+            w.close()
+            _writer = None  # once: atexit after a SIGTERM flush has nothing left to do
         except Exception:
             recorder.internal_error()
         finally:
             _lock.release()
+    else:
+        stats["dropped_shutdown"] = stats.get("dropped_shutdown", 0) + len(_queue)
+        write_status(cfg)
+    report_drops(cfg)
+
+
+def report_drops(cfg: Config) -> None:
+    """One line on stderr when requests recorded in this process were dropped: the status file
+    may not say so (a full disk), and the counters die with the process."""
+    drops = {k[8:]: v for k, v in stats.items() if k.startswith("dropped_") and v}
+    total = sum(v for k, v in drops.items() if k != "events")
+    if total <= 0:
+        return
+    reasons = ", ".join(f"{k.replace('_', ' ')}: {v:,}" for k, v in drops.items())
+    where = "" if status_written else " (the status file could not be updated)"
+    line = f"perfsleuth: {total:,} requests were not written ({reasons}){where}"
+    if last_error:
+        line += f"; last error: {last_error}"
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM in a process that left it at its default: write what is queued, then die of
+    it as the default would have (atexit does not run on a signal death)."""
+    try:
+        evidence = sys.modules.get("perfsleuth.agent.evidence")
+        if evidence is not None:
+            evidence.flush()
+        shutdown()
+    except Exception:
+        recorder.internal_error()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm() -> None:
+    """Flush on SIGTERM where the application has no handler of its own (Django's runserver,
+    a plain script); one installed later replaces this one, as it should."""
+    try:
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        ):
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError, AttributeError):
+        pass
 
 
 def _after_fork_in_child() -> None:
