@@ -35,6 +35,8 @@ from typing import Any
 import pytest
 
 from conftest import PG_DSN
+from perfsleuth.analysis import Config, find
+from perfsleuth.store.duckdb_store import DuckDBStore
 from test_run_servers import START_TIMEOUT, Server, child_env, free_port
 
 pytestmark = pytest.mark.venvs  # makes virtualenvs on a cold cache (see the module docstring)
@@ -201,19 +203,10 @@ def stop(srv: Server, server: str) -> None:
     assert srv.proc.wait(timeout=START_TIMEOUT) in (0, 1, -signal.SIGINT), srv.log.read_text()
 
 
-def cli(data: Path, *args: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "perfsleuth", *args, "--data", str(data)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
 def sql(data: Path, query: str) -> list[dict[str, Any]]:
-    return list(json.loads(cli(data, "sql", query, "--json", "--no-ingest", "--limit", "100000")))
+    with DuckDBStore(str(data)) as store:
+        cols, rows = store.sql(query, limit=100_000)
+    return [dict(zip(cols, row, strict=True)) for row in rows]
 
 
 PAGES = {"/n1/": "GET /n1/", "/clean/": "GET /clean/", "/raw/": "GET /raw/"}
@@ -238,7 +231,8 @@ def run(django_python: Any, tmp_path: Path, series: str, db: str, server: str, r
     ):
         drive(srv, rounds)
         stop(srv, server)
-    cli(data, "ingest")
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
     return data
 
 
@@ -315,7 +309,8 @@ def test_debug_helpers_raise_no_finding(django_python: Any, tmp_path: Path, seri
     data = run(django_python, tmp_path, series, "sqlite", "runserver", rounds=6)
     internal = sql(data, "SELECT count(*) AS n FROM calls WHERE kind = 'db.internal'")
     assert internal[0]["n"] > 0  # the helpers were recorded and ingested
-    found = json.loads(cli(data, "findings", "--json"))
+    with DuckDBStore(str(data)) as store:
+        found = [f.to_dict() for f in find(store, config=Config())]
     by_endpoint = {(f["kind"], f["endpoint"]) for f in found}
     assert ("n_plus_one", "GET /n1/") in by_endpoint, found
     n1 = next(f for f in found if f["kind"] == "n_plus_one")
