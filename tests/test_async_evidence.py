@@ -89,7 +89,7 @@ def test_a_blocker_behind_base_http_middleware_names_its_endpoint_and_handler_li
     async_store: Path,
 ) -> None:
     with DuckDBStore(str(async_store), read_only=True) as store:
-        blockers = [b for b in store.blockers() if b["duration_ms"] >= 200]
+        blockers = store.blockers()
         block_ids = {t["trace_id"] for t in store.traces(endpoint="GET /block")}
     assert len(block_ids) == 3
     # every block of /block is its own (the watchdog found the request through the child
@@ -132,12 +132,19 @@ def test_gc_is_charged_to_the_allocating_request_not_to_one_that_waited(
     # /wait's own steps allocate a little: a stray young collection at most, not /ingest's
     assert waited["collections"] <= ingest["collections"] / 10
     assert waited["gc_ms"] < 0.01 * waited["ms"]
+    # thresholds low enough for a few requests (/block allocates too: its parsing is charged
+    # to it), judged per endpoint
     found = findings(
         async_store, ["gc_pressure"], gc_pressure__min_requests=3,
         gc_pressure__min_time_share=0.02, gc_pressure__min_ms_per_request=0.5,
+        gc_pressure__service_min_endpoints=99,
     )  # fmt: skip
     assert "POST /ingest" in {f.endpoint for f in found}
     assert "GET /wait" not in {f.endpoint for f in found}
+    # /ingest's surviving documents bring full collections: the heap they scan was sampled
+    with DuckDBStore(str(async_store), read_only=True) as store:
+        heap = store.query("SELECT max(value) AS n FROM agent_stats WHERE name = 'gc_heap_objects'")
+    assert heap[0]["n"] and heap[0]["n"] > 10_000
 
 
 def cpu_by_endpoint(data: Path) -> dict[str, list[dict[str, Any]]]:

@@ -19,18 +19,19 @@ a no-op callback), a few per request at most.
 
 The size of the heap a full collection scans is sampled by the evidence thread, after a full
 collection, at most every ``HEAP_EVERY_S`` (``len(gc.get_objects())`` walks the heap like a
-collection does): ``stats["gc_heap_objects"]``, shipped with the agent's counters.
+collection does): ``stats["gc_heap_objects"]``, shipped as a STATS record (agent_stats).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections import deque
 from typing import Any
 
 from perfsleuth.agent import recorder, shipper
-from perfsleuth.wire import GC
+from perfsleuth.wire import GC, STATS
 
 _perf = time.perf_counter_ns
 MAX_PENDING = 1000  # pause events waiting for the evidence thread; more are counted
@@ -103,7 +104,11 @@ def sample_heap(now: float) -> None:
         return
     _heap_due[0] = False
     _heap_due[1] = now
-    recorder.stats["gc_heap_objects"] = len(gc.get_objects())
+    stats = recorder.stats
+    stats["gc_heap_objects"] = objects = len(gc.get_objects())
+    counters = {"gc_heap_objects": objects, "gc_full_collections": stats["gc_full_collections"]}
+    ts, pid = time.time_ns(), os.getpid()
+    shipper.emit(STATS, lambda _intern: {"ts": ts, "pid": pid, "counters": counters})
 
 
 def ship() -> None:
