@@ -9,11 +9,15 @@ from __future__ import annotations
 import inspect
 import os
 import sqlite3
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from conftest import MYSQL, PG_DSN
+from perfsleuth.wire.internal_sql import is_internal
 
 HERE = os.path.abspath(__file__)
 
@@ -167,3 +171,77 @@ def test_outside_a_request_nothing_is_kept(django_conn: Any) -> None:
         assert cur.fetchall() == [("n1",)]
         assert getattr(cur.cursor, "_perfsleuth_rows", None) is None
     assert recorder.stats["internal_errors"] == errors
+
+
+@pytest.fixture(params=["postgresql", "mysql"])
+def server_conn(request: pytest.FixtureRequest, django_conn: Any) -> Iterator[tuple[Any, str]]:
+    """A Django connection (its own alias, not yet connected) to PostgreSQL (psycopg 3) or
+    MariaDB (PyMySQL as MySQLdb), and a table of 10 rows there."""
+    from urllib.parse import urlsplit
+
+    from django.db import connections
+
+    table = f"djdb_{uuid.uuid4().hex[:10]}"
+    if request.param == "postgresql":
+        import psycopg
+
+        pg = urlsplit(PG_DSN)
+        settings = {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": pg.path.lstrip("/"),
+            "USER": pg.username or "postgres",
+            "PASSWORD": pg.password or "",
+            "HOST": pg.hostname or "127.0.0.1",
+            "PORT": str(pg.port or 5432),
+        }
+        raw: Any = psycopg.connect(PG_DSN, autocommit=True)
+    else:
+        import pymysql
+
+        pymysql.install_as_MySQLdb()  # Django's mysql backend on PyMySQL
+        settings = {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": MYSQL["database"],
+            "USER": MYSQL["user"],
+            "PASSWORD": MYSQL["password"],
+            "HOST": MYSQL["host"],
+            "PORT": str(MYSQL["port"]),
+        }
+        raw = pymysql.connect(**MYSQL, autocommit=True)
+    with raw.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, name TEXT)")
+        cur.executemany(f"INSERT INTO {table} VALUES (%s, %s)", [(i, f"n{i}") for i in range(10)])
+    alias = f"perfsleuth_django_db_{request.param}"
+    connections.settings[alias] = connections.configure_settings({"default": {}, alias: settings})[
+        alias
+    ]
+    conn = connections[alias]
+    conn.close()
+    try:
+        yield conn, table
+    finally:
+        conn.close()
+        with raw.cursor() as cur:
+            cur.execute(f"DROP TABLE {table}")
+        raw.close()
+
+
+def test_server_backends_each_statement_once(
+    server_conn: tuple[Any, str], in_request: Any, captured: Any
+) -> None:
+    """The hook on Django's PostgreSQL and MySQL backends (Python driver patches): each
+    statement once, from the view's line, with its rows; the connection's own set-up, made in
+    the request, is there too and is what the store files as internal."""
+    conn, table = server_conn
+    with in_request("GET /django-db-server"), conn.cursor() as cur:
+        for i in range(3):
+            loop_line = here() + 1
+            cur.execute(f"SELECT name FROM {table} WHERE id = %s", [i])
+            assert list(cur.fetchall()) == [(f"n{i}",)]
+    calls = db_calls(one_request(captured))
+    app = [c for c in calls if not is_internal(c["fingerprint"])]
+    assert [c["fingerprint"] for c in app] == [f"SELECT name FROM {table} WHERE id = ?"] * 3
+    assert [c["site_loc"]["line"] for c in app] == [loop_line] * 3
+    assert [c["rows"] for c in app] == [1, 1, 1]
+    assert {c["system"] for c in app} == {conn.vendor}
+    assert len(calls) > len(app)  # the connection's set-up, recorded
