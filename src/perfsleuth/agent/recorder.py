@@ -345,7 +345,7 @@ class ActiveRequest:
                 # under a template, one Python line serves many template lines: their
                 # calls are sites of their own (and never on the fast paths' 3-tuple keys)
                 tkey = _template_key(frame)
-                if tkey:
+                if tkey is not None:
                     key = (*key, tkey)
             sites = self.sites
             slot = sites.get(key)

@@ -308,32 +308,34 @@ def _template_frames(f: FrameType, engine: int, out: list[Any]) -> None:
         out.append(line)
 
 
-def template_key(frame: FrameType | None) -> tuple[tuple[str, int], ...]:
-    """The template lines (file, line) being rendered above ``frame``, innermost first, up
-    to where :func:`capture` stops: () when none (or no engine is loaded). Two calls from one
-    Python line under different template lines have different keys."""
+def template_key(frame: FrameType | None) -> tuple[str, int] | None:
+    """The innermost template line (file, line) being rendered above ``frame``, up to where
+    :func:`capture` stops; None when there is none (or no engine is loaded). Two calls from
+    one Python line under different template lines have different keys. (The walk stops at
+    the innermost template frame: it runs for every call under a template. One template
+    line reached through two others, an include in two loops, is one site of a request.)"""
     if not templates_on:
-        return ()
-    out = []
+        return None
     f = frame
     while f is not None and classify(f.f_code) is None:
         f = f.f_back
     n = 0
     kinds = _kind
+    engines = templates._engine
     engine_of = templates.engine_of
     while f is not None and n < MAX_DEPTH:
         code = f.f_code
         hit = kinds.get(id(code))
         if (hit[1] if hit is not None else classify(code)) is None:
-            break
-        e = engine_of(f)
-        if e:
-            pos = templates.django_key(f) if e == templates.DJANGO else templates.jinja_key(f)
-            if pos is not None:
-                out.append(pos)
+            return None
+        e = engines.get(id(code))
+        if (e[1] if e is not None else engine_of(f)) != 0:
+            if engine_of(f) == templates.DJANGO:
+                return templates.django_key(f)
+            return templates.jinja_key(f)
         f = f.f_back
         n += 1
-    return tuple(out)
+    return None
 
 
 # ------------------------------------------------------------------------------ capture
