@@ -123,6 +123,25 @@ def test_internal_calls_of_a_later_batch(data_dir: str, store: DuckDBStore) -> N
     assert kinds(store, "GET /second") == {"db": 2, INTERNAL_KIND: 3}
 
 
+def test_internal_calls_of_a_segment_another_process_began(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new process continues a segment: the fingerprint records are before its offset; the
+    ids of the internal ones come from the store's fingerprints."""
+    from perfsleuth.store import ingest
+
+    w = SegmentWriter(data_dir, pid=os.getpid())
+    debug_page(w, "GET /first")
+    assert store.ingest().requests == 1
+    debug_page(w, "GET /second")
+    w.close()
+    monkeypatch.setattr(ingest, "_internal_fps", set())  # what a new process knows
+    known = store.sql("SELECT id FROM fingerprints WHERE kind = 'db.internal'")[1]
+    ingest.remember_internal_fingerprints(fid for (fid,) in known)
+    assert store.ingest().requests == 1
+    assert kinds(store, "GET /second") == {"db": 2, INTERNAL_KIND: 3}
+
+
 def test_internal_calls_raise_no_finding(data_dir: str, store: DuckDBStore) -> None:
     """Repeated helpers with the same parameters on every request of a clean page: no
     repeated_query, no n_plus_one; the same repeats of an application statement are found."""

@@ -23,6 +23,7 @@ import os
 import socket
 import struct
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import date, timedelta
 from typing import Any
@@ -297,6 +298,14 @@ def _remember_internal(fid: int) -> None:
     if len(_internal_fps) >= _MAX_INTERNAL_FPS:
         _internal_fps.clear()
     _internal_fps.add(fid)
+
+
+def remember_internal_fingerprints(ids: Iterable[int]) -> None:
+    """Take the ids of internal fingerprints a store already holds (its ``fingerprints`` rows
+    of kind ``db.internal``): a process that continues a segment another process began reads
+    calls whose fingerprint records came before its offset."""
+    for fid in ids:
+        _remember_internal(int(fid))
 
 
 class Batch:
