@@ -27,35 +27,37 @@ WITH cand AS (     -- statements issued more often than once per request somewhe
     GROUP BY ALL
     HAVING count(*) >= ? AND count(*) >= ? * approx_count_distinct(trace_id)
 ),
-seq AS (           -- each call with the time to the next call of its pattern in the request,
-                   -- and how many other calls start in between
-    SELECT *,
-        median(period) OVER pattern AS typical_period,
-        median(between_calls) OVER pattern AS typical_between
-    FROM (
-        SELECT endpoint, kind, fingerprint_id, site_id, site_key, trace_id, duration_ms, ts,
-            stack_id, lead(offset_ms) OVER w - offset_ms AS period,
-            lead(seq) OVER w - seq - 1 AS between_calls
-        FROM (SELECT *, coalesce(site_id, -1) AS site_key FROM c) c
-            SEMI JOIN cand USING (endpoint, kind, fingerprint_id, site_key)
-        WINDOW w AS (PARTITION BY trace_id, kind, fingerprint_id, site_key
-            ORDER BY offset_ms, seq)
-    )
-    WINDOW pattern AS (PARTITION BY trace_id, kind, fingerprint_id, site_key)
+pat AS (           -- the candidates' calls
+    SELECT endpoint, kind, fingerprint_id, site_id, site_key, trace_id, seq, offset_ms,
+        duration_ms, ts, stack_id
+    FROM (SELECT *, coalesce(site_id, -1) AS site_key FROM c) c
+        SEMI JOIN cand USING (endpoint, kind, fingerprint_id, site_key)
+),
+slot AS (          -- every call of those requests: the time from its start to the next call's
+    SELECT trace_id, seq,
+        lead(offset_ms) OVER (PARTITION BY trace_id ORDER BY offset_ms, seq) - offset_ms AS slot
+    FROM c SEMI JOIN (SELECT DISTINCT trace_id FROM pat) p USING (trace_id)
+),
+seq AS (
+    SELECT pat.*, slot.slot,
+        row_number() OVER (PARTITION BY trace_id, kind, fingerprint_id, site_key
+            ORDER BY offset_ms DESC, seq DESC) = 1 AS last_call
+    FROM pat JOIN slot USING (trace_id, seq)
 ),
 per AS (           -- one row per request x call kind x statement x call site
     SELECT endpoint, kind, fingerprint_id, any_value(site_id) AS site_id, trace_id,
         count(*) AS n, sum(duration_ms) AS ms, min(ts) AS ts,
         any_value(stack_id) AS stack_id,    -- later calls of a site may carry no stack
         list(DISTINCT stack_id) FILTER (WHERE stack_id IS NOT NULL) AS stack_ids,
-        -- What the loop costs: from its first call to its last, with the work around each
-        -- call, less one call (what a batched query would take): the sum of the periods from
-        -- one call to the next. A period with more other calls in it than an iteration has is
-        -- not an iteration but other code between two runs of the pattern: it counts as a
-        -- typical period. Never less than the calls' own time beyond the first (calls that
-        -- overlap in time).
+        -- What the loop costs: each of its calls with the work that follows it up to the
+        -- next call of any statement (the ORM's and the driver's work around the query, the
+        -- rest of the iteration), the last one without what follows the loop; less one of
+        -- them (what one batched query would take). Other statements' calls in the loop get
+        -- their own share, so two N+1s in one loop do not both count the whole loop. Never
+        -- less than the calls' own time beyond the first (calls that overlap in time).
         greatest(
-            sum(CASE WHEN between_calls > typical_between THEN typical_period ELSE period END),
+            sum(CASE WHEN last_call THEN duration_ms ELSE slot END)
+                - median(CASE WHEN last_call THEN NULL ELSE slot END),
             sum(duration_ms) - sum(duration_ms) / count(*)
         ) AS cost_ms
     FROM seq
@@ -177,7 +179,15 @@ def _finding(
     share_time = cost / r["ep_total_ms"] if r["ep_total_ms"] else 0.0
     per_request = cost / max(r["requests_hit"], 1)
     noun = {"db": "query", "http": "HTTP call", "cache": "cache call"}.get(r["kind"], "call")
-    if tpl is not None:
+    if tpl is not None and len(lines) > 1 and all(frames.is_template(f) for f in lines):
+        # one statement from several lines of a template loop: each line, then the loop
+        where = f"the template's {frames.lines_text(lines)}"
+        if tpl.get("loop"):
+            loop_site = tpl["loop"]
+            where += " in " + frames.label(
+                loop_site["file"], loop_site["line"], loop_site["function"]
+            )
+    elif tpl is not None:
         where = f"the template's {frames.template_text(tpl)}"
     elif len(lines) > 1:
         where = "the loops in " if found else ""
