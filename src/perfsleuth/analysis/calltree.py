@@ -6,6 +6,9 @@ numbers are the sums over its subtree (a node where some calls end, a call site 
 on the way to deeper ones, keeps the difference as its own). Small branches are folded into
 one "(N smaller paths)" node per parent so that the totals still add up, as a treemap needs.
 
+A template frame (the agent adds the template lines being rendered: ``{% for c in checks %}``,
+``{{ c.url }}``) is a node like any other, flagged ``template``.
+
 Calls without a stack of their own (the agent keeps one per call site and request) take the
 stack of the same site in the same trace. Only application frames are kept unless asked:
 the frames of the server and the framework above them are the same for every call.
@@ -38,12 +41,14 @@ class Node:
     calls: int = 0
     ms: float = 0.0
     children: dict[Any, Node] = field(default_factory=dict)
+    template: bool = False  # a template line (tag or expression), not a Python frame
 
     def child(self, f: frames.Frame) -> Node:
         key = (f.file, f.line, f.function)
         node = self.children.get(key)
         if node is None:
             node = Node(frames.label(f.file, f.line, f.function), f.file, f.line, f.function)
+            node.template = frames.is_template(f)
             self.children[key] = node
         return node
 
@@ -59,6 +64,7 @@ class Node:
             "function": self.function,
             "calls": self.calls,
             "ms": round(self.ms, 6),  # ns resolution: sums in another order print the same
+            "template": self.template,
             "children": [c.to_dict() for c in self.ordered()],
         }
 

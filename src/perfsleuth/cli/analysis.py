@@ -18,7 +18,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from perfsleuth.analysis import calltree as ct
-from perfsleuth.analysis import loops
+from perfsleuth.analysis import frames, loops
 from perfsleuth.analysis.config import DEFAULTS, Config, ConfigError, load_config
 from perfsleuth.analysis.findings import Finding, find
 from perfsleuth.cli import render
@@ -193,8 +193,16 @@ def explain(
     f = matches[0]
     site = f.callsite or {}
     code = loops.source_line(site.get("file"), site.get("line")) if site else None
+    tpl = f.evidence.get("template") or None
+    tpl_lines = _template_lines(tpl)
+    called = [c for c in f.evidence.get("call_lines") or () if isinstance(c, dict)]
     if json:
-        print_json({**f.to_dict(), "source_line": code})
+        doc = {**f.to_dict(), "source_line": code}
+        if tpl_lines:
+            doc["template_lines"] = tpl_lines
+        if called:
+            doc["call_lines_source"] = [loops.source_line(c["file"], c["line"]) for c in called]
+        print_json(doc)
         return
     d = _data_args(data)
     out = out_console()
@@ -212,6 +220,36 @@ def explain(
         parts.append(line)
         if code:
             parts.append(Text(f"    {site.get('line')} | {code}", style="cyan"))
+    if tpl:
+        # The template expression the call ran from, and the loop around it (loop first,
+        # as in the template).
+        line = Text("Template: ", style="bold")
+        line.append(frames.template_text(tpl))
+        parts.append(line)
+        shown = [
+            (tpl.get("loop"), tpl_lines.get("loop")),
+            (tpl["expression"], tpl_lines.get("expression")),
+        ]
+        for where, src in shown:
+            if where and src:
+                parts.append(
+                    Text(
+                        f"    {render.short_path(where['file'])}:{where['line']} | {src}",
+                        style="cyan",
+                    )
+                )
+    if len(called) > 1:
+        line = Text("Called from: ", style="bold")
+        line.append(
+            frames.lines_text(
+                [frames.Frame(0, c["file"], c["line"], c["function"], True) for c in called]
+            )
+        )
+        parts.append(line)
+        for c in called:
+            src = loops.source_line(c["file"], c["line"])
+            if src:
+                parts.append(Text(f"    {c['line']} | {src}", style="cyan"))
     if f.fingerprint:
         parts.append(Text("\nStatement: ", style="bold").append(f.fingerprint, style=""))
     if f.count_per_request is not None:
@@ -238,10 +276,37 @@ def explain(
         out.print(Text(title, style="bold"))
         out.print(Text("  " + _cmd("perfsleuth", *args(f), *d), style="green"), soft_wrap=True)
     elif f.callsite or f.kind == "chatty_endpoint":
-        kind = str(f.evidence.get("call_kind") or "db")
+        kind = _call_kind(f)
         out.print(Text("Where the calls come from:", style="bold"))
         tree_cmd = _cmd("perfsleuth", "calltree", f.endpoint, "--kind", kind, *d)
         out.print(Text("  " + tree_cmd, style="green"), soft_wrap=True)
+
+
+def _template_lines(tpl: dict[str, Any] | None) -> dict[str, str]:
+    """The template's text at the expression and at its loop (those that can be read)."""
+    out: dict[str, str] = {}
+    for part in ("expression", "loop"):
+        where = (tpl or {}).get(part)
+        if where:
+            src = loops.source_line(where.get("file"), where.get("line"))
+            if src:
+                out[part] = src
+    return out
+
+
+# Findings about calls of one kind that do not say which in their evidence
+_CALL_KIND = {"upstream_latency": "http"}
+
+
+def _call_kind(f: Finding) -> str:
+    """The kind of calls a finding is about, for ``calltree --kind``: its evidence's
+    call_kind, else the kind the detector is about, else (chatty_endpoint) the kind with the
+    most time."""
+    kind = f.evidence.get("call_kind") or _CALL_KIND.get(f.kind)
+    if kind is None:
+        ms = {k: f.evidence.get(f"{k}_ms") or 0 for k in ct.KINDS}
+        kind = max(ms, key=lambda k: ms[k]) if any(ms.values()) else "db"
+    return str(kind)
 
 
 _NEXT: dict[str, tuple[str, Callable[[Finding], tuple[str, ...]]]] = {
@@ -266,6 +331,9 @@ def _label(node: ct.Node, root: ct.Node, *, is_root: bool = False) -> Text:
         t.append(node.name, style="bold")
     elif node.file is None:
         t.append(node.name, style="dim italic")
+    elif node.template:
+        t.append(node.function or "?", style="bold magenta")
+        t.append(f"  template {render.short_path(node.file)}:{node.line}", style="dim")
     else:
         t.append(node.function or "?", style="bold")
         t.append(f"  {render.short_path(node.file)}:{node.line}", style="dim")

@@ -15,6 +15,23 @@ function confidenceNote(f: Rated): string {
   return [f.confidence ?? "unrated", counts.join(", ")].filter(Boolean).join(": ");
 }
 
+type Where = { file?: string | null; line?: number | null; function?: string | null };
+
+// The template expression a call ran from and the {% for %} around it (evidence.template).
+function templateNote(f: Finding): HTMLElement | null {
+  const t = f.evidence.template as { expression?: Where; loop?: Where | null } | null | undefined;
+  if (!t?.expression) return null;
+  const text = `template: ${site(t.expression)}${t.loop ? ` in ${site(t.loop)}` : ""}`;
+  return h("div", { class: "mono template-lines", title: t.expression.file ?? "" }, text);
+}
+
+// The lines of the callers' code where the repeats part ways (evidence.call_lines).
+function callLinesNote(f: Finding): HTMLElement | null {
+  const lines = f.evidence.call_lines as Where[] | null | undefined;
+  if (!lines || lines.length < 2) return null;
+  return h("div", { class: "mono call-lines" }, `called from: ${lines.map((l) => site(l)).join(", ")}`);
+}
+
 export function findingList(ctx: Ctx, found: Finding[], open: string | null): HTMLElement {
   if (!found.length) return h("p", { class: "dim" }, "No findings in this window.");
   return h(
@@ -35,6 +52,8 @@ export function findingList(ctx: Ctx, found: Finding[], open: string | null): HT
         ),
         h("div", { class: "finding-title" }, f.title),
         f.callsite ? h("div", { class: "mono dim" }, `at ${site(f.callsite)} — ${f.callsite.file ?? ""}`) : null,
+        templateNote(f),
+        callLinesNote(f),
         h(
           "div",
           { class: "examples" },
