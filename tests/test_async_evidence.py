@@ -222,3 +222,42 @@ def test_collections_costing_the_same_on_every_endpoint_are_the_service_s(
     gc_store(tmp_path / "one", {**shares, "GET /a": 0.02, "GET /b": 0.01}, heap_objects=None)
     found = findings(tmp_path / "one", ["gc_pressure"])
     assert sorted(f.endpoint for f in found) == ["GET /d", "POST /c"]
+
+
+def test_a_blocker_is_named_by_its_handler_not_by_the_script_that_started_the_server(
+    tmp_path: Path,
+) -> None:
+    """``python main.py`` running ``uvicorn.run(app)``: the script's ``<module>`` frame is the
+    outermost application frame of every stack on the loop; the finding names the handler's
+    line that made the blocking call, and the deepest application line as evidence."""
+    data = tmp_path / "data"
+    w = SegmentWriter(str(data))
+    script = ("/srv/app/main.py", 210, "<module>", True)
+    lib = [
+        ("/venv/site-packages/uvicorn/main.py", 580, "run", False),
+        ("/usr/lib/python3.11/asyncio/events.py", 80, "Handle._run", False),
+        ("/venv/site-packages/fastapi/routing.py", 212, "run_endpoint_function", False),
+    ]
+    handler = ("/srv/app/main.py", 40, "import_feed", True)
+    helper = ("/srv/app/feeds.py", 12, "parse", True)
+    json_lib = ("/usr/lib/python3.11/json/decoder.py", 353, "raw_decode", False)
+    stacks = [
+        w.stack([script, *lib, handler, helper, json_lib]),
+        w.stack([script, *lib, handler, ("/srv/app/feeds.py", 14, "parse", True)]),
+    ]
+    for i in range(4):
+        trace = f"{i + 1:016x}"
+        w.request("POST /import", trace_id=trace, dur_ms=400)
+        w.event(
+            b"B",
+            {"ts": time.time_ns(), "dur": 300_000_000, "delayed": 1, "id": trace,
+             "endpoint": "POST /import", "stacks": [[stacks[i % 2], 5]]},
+        )  # fmt: skip
+    w.close()
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+    (f,) = findings(data, ["event_loop_blocker"])
+    assert f.callsite == {"file": "/srv/app/main.py", "line": 40, "function": "import_feed"}
+    assert f.title.startswith("import_feed (app/main.py:40) blocked the event loop in POST /import")
+    assert "<module>" not in f.title and "parse (feeds.py:1" in f.title
+    assert {x["line"] for x in f.evidence["lines"]} == {12, 14}
