@@ -1,6 +1,6 @@
-"""A FastAPI app behind a BaseHTTPMiddleware (``@app.middleware("http")``), for
-tests/test_sampler_classes.py: the middleware runs each endpoint in a child task and waits for
-it at ``await call_next(request)``. Markers name the planted lines.
+"""A FastAPI app behind two BaseHTTPMiddlewares (``@app.middleware("http")``), for
+tests/test_sampler_classes.py: each middleware runs what is below it in a child task and waits
+for it at ``await call_next(request)``. Markers name the planted lines.
 """
 
 from __future__ import annotations
@@ -18,8 +18,16 @@ app = FastAPI()
 @app.middleware("http")
 async def timing(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Any:
     t0 = time.perf_counter()
-    response = await call_next(request)  # PLANTED-CALL-NEXT
+    response = await call_next(request)  # PLANTED-CALL-NEXT-OUTER
     response.headers["x-elapsed"] = f"{time.perf_counter() - t0:.3f}"
+    return response
+
+
+@app.middleware("http")
+async def tagging(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Any:
+    """A second BaseHTTPMiddleware: the endpoint runs two child tasks down."""
+    response = await call_next(request)  # PLANTED-CALL-NEXT-INNER
+    response.headers["x-tag"] = "1"
     return response
 
 

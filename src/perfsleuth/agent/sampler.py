@@ -54,7 +54,10 @@ _perf = time.perf_counter_ns
 CHUNK = 100  # samples per record while a request is still in flight
 MAX_TRACKED = 64  # requests sampled at once; more slow requests in flight are skipped
 FIGURES_EVERY_NS = 1_000_000_000  # process figures (STATS) at most this often
-CHILDREN_EVERY_NS = 100_000_000  # how long a request's list of child tasks is reused
+# A loop's tasks are listed (to find the tasks each awaiting request started) at most this
+# often, and not at all past MAX_TASKS_LISTED tasks: it costs about 1 us a task.
+CHILDREN_EVERY_NS = 250_000_000
+MAX_TASKS_LISTED = 2000
 
 CPU, STARVED, GIL, WAIT, CALL = "cpu", "starved", "gil", "wait", "call"
 
@@ -246,10 +249,11 @@ def cpus_available(cg_dir: str) -> float:
 
 
 class _Tracked:
-    __slots__ = ("children", "children_at", "req", "samples", "sent", "taken")
+    __slots__ = ("children", "children_at", "req", "samples", "sent", "since", "taken")
 
-    def __init__(self, req: recorder.ActiveRequest) -> None:
+    def __init__(self, req: recorder.ActiveRequest, since: int) -> None:
         self.req = req
+        self.since = since  # when it was first sampled (perf_counter_ns)
         self.samples: list[tuple[int, str, tuple[Any, ...]]] = []  # (offset ns, state, flat)
         self.taken = 0
         self.sent = 0
@@ -267,6 +271,8 @@ class Sampler:
         self.seen: dict[int, tuple[int, int, int, int | None, int]] = {}
         self.fds: dict[int, int] = {}  # thread ident -> open schedstat file (-1: none)
         self.states: dict[int, str | None] = {}  # this tick's state per thread
+        # id(loop) -> (when listed, id(request) -> tasks started in its context)
+        self.loop_tasks: dict[int, tuple[int, dict[int, list[Any]]]] = {}
         self.schedstat = os.path.isdir("/proc/self/task")
         # Process figures shipped as STATS counters (cumulative over this process's life).
         self.figures = {"sched_run_ns": 0, "sched_queue_ns": 0, "sched_wall_ns": 0}
@@ -286,6 +292,7 @@ class Sampler:
             self._ship(self.tracked.pop(key), final=True)
         if not due:
             self._forget(set())
+            self.loop_tasks.clear()
             return
         if frames is None:
             frames = sys._current_frames()
@@ -297,7 +304,7 @@ class Sampler:
                 if len(self.tracked) >= MAX_TRACKED:
                     recorder.stats["samples_dropped"] += 1
                     continue
-                t = self.tracked[id(req)] = _Tracked(req)
+                t = self.tracked[id(req)] = _Tracked(req, now)
             self._sample(t, frames, now, proc_cpu)
         self._forget(set(self.states))
 
@@ -359,16 +366,30 @@ class Sampler:
         return state
 
     def _kids(self, t: _Tracked, now: int) -> list[Any]:
-        """Unfinished tasks started in the request's context, other than its own (refreshed
-        every CHILDREN_EVERY_NS: listing a loop's tasks costs one step per task)."""
+        """Unfinished tasks started in the request's context, other than its own. One listing
+        of a loop's tasks serves every request awaiting on it for CHILDREN_EVERY_NS."""
         req = t.req
         if now - t.children_at >= CHILDREN_EVERY_NS:
             t.children_at = now
             try:
-                tasks = asyncio.all_tasks(req.task.get_loop())
+                loop = req.task.get_loop()
             except Exception:
-                tasks = set()
-            t.children = [k for k in tasks if k is not req.task and _request_of(k) is req]
+                loop = None
+            at, by_req = self.loop_tasks.get(id(loop), (0, {}))
+            # A listing from before this request was first sampled may predate its tasks.
+            if loop is not None and (now - at >= CHILDREN_EVERY_NS or at < t.since):
+                by_req = {}
+                try:
+                    tasks = asyncio.all_tasks(loop)
+                except Exception:
+                    tasks = set()
+                if len(tasks) <= MAX_TASKS_LISTED:
+                    for k in tasks:
+                        r = _request_of(k)
+                        if r is not None and k is not getattr(r, "task", None):
+                            by_req.setdefault(id(r), []).append(k)
+                self.loop_tasks[id(loop)] = (now, by_req)
+            t.children = by_req.get(id(req), [])
         t.children = [k for k in t.children if not k.done()]
         return t.children
 
