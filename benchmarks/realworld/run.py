@@ -33,7 +33,7 @@ from pathlib import Path
 
 import harness
 
-CASES = ["admin_index", "starlette_admin", "auditlog"]
+CASES = ["admin_index", "starlette_admin", "auditlog", "appbuilder"]
 
 
 def main() -> int:
@@ -79,7 +79,8 @@ def print_table(results: list[harness.RunResult]) -> None:
     for r in results:
         if r.role == "buggy":
             found = "yes" if r.found else "no"
-            line = f"{r.named_line} ({'right' if r.line_ok else 'wrong'})" if r.found else "-"
+            verdict = f"right, in the {r.line_where}" if r.line_ok else "wrong"
+            line = f"{r.named_line} ({verdict})" if r.found else "-"
         else:
             found = "still reported" if r.found else "no (fixed)"
             line = r.named_line or "-"
