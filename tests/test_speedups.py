@@ -299,3 +299,27 @@ def test_the_cpu_meter_counts_the_steps_it_forwards(agent_data_dir: str, meter: 
     assert out["coro"] == (1, 2) and out["awaitable"] is None and out["late"] == 3
     # four metered awaits of two 20 ms steps each (the failing one too)
     assert out["cpu_ns"] >= 8 * 20_000_000
+
+
+def test_the_cpu_meter_takes_what_await_takes(agent_data_dir: str) -> None:
+    import types
+
+    @types.coroutine
+    def legacy() -> Any:
+        yield None
+        return "legacy"
+
+    req = recorder.begin("web", "GET", "/m", cls=ps_asgi._AsgiRequest)
+    assert req is not None
+    req.cpu_ns = 0
+    try:
+        for cls in (recorder.speedups.CpuMeter, ps_asgi.CpuMeter):
+            with pytest.raises(TypeError, match="can't be used in 'await' expression"):
+                cls(req, 42)
+
+            async def main(cls: Any = cls) -> Any:
+                return await cls(req, legacy())
+
+            assert asyncio.run(main()) == "legacy"
+    finally:
+        recorder.end(req)

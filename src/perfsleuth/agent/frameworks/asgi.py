@@ -164,9 +164,16 @@ class CpuMeter:
     __slots__ = ("aw", "it", "req")
 
     def __init__(self, req: recorder.ActiveRequest, aw: Any) -> None:
+        if type(aw) is _Coroutine or type(aw) is _Generator:
+            it = aw
+        else:
+            get = getattr(type(aw), "__await__", None)
+            if get is None:  # what ``await aw`` would raise
+                raise TypeError(f"object {type(aw).__name__} can't be used in 'await' expression")
+            it = get(aw)
         self.req = req
         self.aw = aw
-        self.it = aw if type(aw) is _Coroutine else aw.__await__()
+        self.it = it
 
     def __await__(self) -> CpuMeter:
         return self
@@ -216,6 +223,7 @@ class CpuMeter:
 
 SHORT_STEP_NS = 50_000
 _Coroutine = types.CoroutineType
+_Generator = types.GeneratorType  # a @types.coroutine generator is awaited as it is
 _thread_time = time.thread_time_ns
 _perf = time.perf_counter_ns
 _CpuMeter: Any = CpuMeter
@@ -320,6 +328,12 @@ class _ChildTaskMeter:
         if name == "app":
             raise AttributeError(name)
         return getattr(self.app, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "app":
+            object.__setattr__(self, name, value)
+        else:  # the middleware's code sets what it means to set on the app below
+            setattr(self.app, name, value)
 
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Any:
         aw = self.app(scope, receive, send)
