@@ -203,3 +203,38 @@ def test_sigterm_to_a_server_without_a_handler_writes_what_it_queued(tmp_path: P
     (status_path,) = (data / "agents").glob("*.json")
     status = json.loads(status_path.read_text())
     assert status["requests_written"] == answered and dropped(status) == 0
+
+
+def imported_by(code: str) -> set[str]:
+    """The modules a fresh interpreter imports to run ``code``."""
+    probe = (
+        "import sys, json; before = set(sys.modules)\n"
+        + code
+        + "\nprint(json.dumps(sorted(set(sys.modules) - before)))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_importing_the_agent_imports_next_to_nothing() -> None:
+    # a launcher imports it before the application: what the app never uses is not imported
+    loaded = imported_by("import perfsleuth.agent")
+    assert not loaded & {"perfsleuth.agent.recorder", "perfsleuth.agent.capture", "typing"}
+    assert not loaded & {"hashlib", "base64", "urllib.parse", "threading"}
+    # and what the app calls still works
+    loaded = imported_by("import perfsleuth.agent as ps; ps.attr('x', 1); ps.keep_capture()")
+    assert "perfsleuth.agent.recorder" in loaded and "perfsleuth.agent.capture" in loaded
+
+
+def test_starting_the_agent_imports_only_what_it_runs(tmp_path: Path) -> None:
+    loaded = imported_by(f"import perfsleuth.agent as ps; assert ps.start({str(tmp_path)!r})")
+    assert "perfsleuth.agent.shipper" in loaded
+    assert not loaded & {"importlib.abc", "multiprocessing", "multiprocessing.util"}
+    # multiprocessing imported later is still hooked (its children flush at exit)
+    loaded = imported_by(
+        f"import perfsleuth.agent as ps; assert ps.start({str(tmp_path)!r})\n"
+        "import multiprocessing.util\n"
+        "from perfsleuth.agent import shipper\n"
+        "assert shipper._mp_hook in multiprocessing.util._afterfork_registry.values()"
+    )

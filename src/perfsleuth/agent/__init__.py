@@ -10,11 +10,14 @@ with ps.task("sync-avatars"): ...   # background work, recorded as kind "backgro
 
 from __future__ import annotations
 
-import threading
-from typing import Any
+import _thread
 
-from perfsleuth.agent.capture import keep_capture
-from perfsleuth.agent.recorder import attr, current, set_user, tag, task
+TYPE_CHECKING = False  # typing itself is not imported here: it costs milliseconds
+if TYPE_CHECKING:
+    from typing import Any
+
+    from perfsleuth.agent.capture import keep_capture
+    from perfsleuth.agent.recorder import attr, current, set_user, tag, task
 
 __all__ = [
     "DjangoMiddleware",
@@ -33,7 +36,7 @@ __all__ = [
 ]
 
 _started = False
-_start_lock = threading.Lock()
+_start_lock = _thread.allocate_lock()
 
 
 def start(
@@ -69,6 +72,10 @@ def start(
                 from perfsleuth.agent import instrument as _instrument
 
                 _instrument.install()
+            else:  # no import hooks: multiprocessing's children are hooked now
+                import multiprocessing.util
+
+                shipper.hook_multiprocessing(multiprocessing.util)
             _started = True
             return True
     except Exception:
@@ -117,9 +124,28 @@ def wsgi(app: Any) -> Any:
         return app
 
 
+# Imported on first use: ``import perfsleuth.agent`` (by a launcher, before the app) stays
+# cheap, and what the app never calls is never imported.
+_LAZY = {
+    "attr": "perfsleuth.agent.recorder",
+    "current": "perfsleuth.agent.recorder",
+    "set_user": "perfsleuth.agent.recorder",
+    "tag": "perfsleuth.agent.recorder",
+    "task": "perfsleuth.agent.recorder",
+    "keep_capture": "perfsleuth.agent.capture",
+}
+
+
 def __getattr__(name: str) -> Any:
     if name == "DjangoMiddleware":  # imported lazily: importing Django is not free
         from perfsleuth.agent.frameworks.django import PerfsleuthMiddleware
 
         return PerfsleuthMiddleware
-    raise AttributeError(name)
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(name)
+    import importlib
+
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value

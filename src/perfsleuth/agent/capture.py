@@ -27,15 +27,13 @@ X-Auth-Token and of ``PERFSLEUTH_REDACT_HEADERS`` (comma list) are replaced by
 
 from __future__ import annotations
 
-import base64
-import hashlib
+import binascii
 import math
 import os
 import random
 import threading
 import time
 from typing import Any
-from urllib.parse import quote
 
 from perfsleuth.agent import recorder
 
@@ -355,6 +353,12 @@ def _text(v: Any) -> str:
     return bytes(v).decode("latin-1") if isinstance(v, bytes | bytearray) else str(v)
 
 
+def _sha256(data: bytes) -> Any:
+    import hashlib  # on the writer thread, at the first capture: not at start-up
+
+    return hashlib.sha256(data)
+
+
 def _record(
     fields: tuple[Any, ...], headers: list[Any], parts: tuple[Any, ...], tap: BodyTap | None
 ) -> dict[str, Any]:
@@ -385,6 +389,8 @@ def _record(
         if raw_uri:
             path, _, query = str(raw_uri).partition("?")
         else:
+            from urllib.parse import quote  # on the writer thread; not at start-up
+
             path = quote(str(path).encode("latin-1"), safe="/:@!$&'()*+,;=-._~%")
     url = f"{scheme}://{host or server}{path or '/'}" + (f"?{query}" if query else "")
     body = b"".join(tap.chunks) if tap is not None else b""
@@ -408,9 +414,9 @@ def _record(
         "url": url,
         "headers": pairs,
         "redacted": sorted(set(redacted)),
-        "body_b64": base64.b64encode(body[:_body_max]).decode("ascii"),
+        "body_b64": binascii.b2a_base64(body[:_body_max], newline=False).decode("ascii"),
         "body_size": size,
-        "body_sha256": hashlib.sha256(body).hexdigest() if complete else None,
+        "body_sha256": _sha256(body).hexdigest() if complete else None,
         "body_truncated": truncated,
     }
 

@@ -49,15 +49,16 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, fields
 
 
 def _flag(v: str) -> bool:
     return v.strip().lower() in ("1", "true", "yes", "on")
 
 
-@dataclass
 class Config:
+    # A plain class (its defaults are class attributes, all immutable): importing dataclasses
+    # cost the agent's start milliseconds.
+
     data_dir: str = ".perfsleuth"
     service: str = ""
     disabled: bool = False
@@ -106,11 +107,11 @@ def load(**overrides: object) -> Config:
     """Build the config from the environment; unknown or malformed values fall back to defaults."""
     cfg = Config()
     env = os.environ
-    for f in fields(Config):
-        raw = env.get("PERFSLEUTH_" + ("DATA" if f.name == "data_dir" else f.name.upper()))
+    for name in Config.__annotations__:
+        raw = env.get("PERFSLEUTH_" + ("DATA" if name == "data_dir" else name.upper()))
         if raw is None or raw == "":
             continue
-        default = getattr(cfg, f.name)
+        default = getattr(cfg, name)
         try:
             if isinstance(default, bool):
                 value: object = _flag(raw)
@@ -122,7 +123,7 @@ def load(**overrides: object) -> Config:
                 value = raw
         except ValueError:
             continue  # a typo in an env var must not stop the app
-        setattr(cfg, f.name, value)
+        setattr(cfg, name, value)
     for k, v in overrides.items():
         if v is not None and hasattr(cfg, k):
             setattr(cfg, k, v)

@@ -919,10 +919,16 @@ def start(cfg: Config) -> None:
     capture.configure(cfg)
     _start_thread()
     _install_sigterm()
-    try:
-        import multiprocessing.util
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:  # else when it is imported (instrument.registry)
+        hook_multiprocessing(mp_util)
 
-        multiprocessing.util.register_after_fork(_mp_hook, _MultiprocessingHook.after_fork)
+
+def hook_multiprocessing(mp_util: Any) -> None:
+    """Make multiprocessing's children flush at exit (see _MultiprocessingHook); called with
+    ``multiprocessing.util`` when it is imported, so the agent's start does not import it."""
+    try:
+        mp_util.register_after_fork(_mp_hook, _MultiprocessingHook.after_fork)
     except Exception:
         recorder.internal_error()
 

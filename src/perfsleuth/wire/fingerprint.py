@@ -7,7 +7,6 @@ password in a string literal fingerprints to the same text as one with ``?``.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import zlib
@@ -61,6 +60,11 @@ def _load_c_tokens() -> Callable[[str], str] | None:
 
 
 _c_tokens = _load_c_tokens()
+
+try:  # the agent imports this module at start: hashlib (and OpenSSL) cost milliseconds
+    from _blake2 import blake2b as _blake2b
+except ImportError:  # pragma: no cover - a Python built without it
+    from hashlib import blake2b as _blake2b
 
 
 def normalize_sql(sql: str) -> str:
@@ -153,7 +157,7 @@ def sql_operation(normalized: str) -> str:
 
 def stable_id(*parts: str | int) -> int:
     """A 63-bit id that is the same in every process and on every machine."""
-    h = hashlib.blake2b("\x1f".join(map(str, parts)).encode("utf-8", "replace"), digest_size=8)
+    h = _blake2b("\x1f".join(map(str, parts)).encode("utf-8", "replace"), digest_size=8)
     return int.from_bytes(h.digest(), "big") & MASK63
 
 

@@ -8,7 +8,6 @@ patch leaves the library untouched (and is counted), it never breaks the import.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
 import sys
 import threading
@@ -45,7 +44,9 @@ def _apply(name: str, module: ModuleType) -> None:
         recorder.internal_error()
 
 
-class _Loader(importlib.abc.Loader):
+# The finder and loader follow importlib's protocols without subclassing importlib.abc, whose
+# import (importlib.resources, tempfile, shutil...) cost milliseconds at the agent's start.
+class _Loader:
     def __init__(self, loader: Any, name: str) -> None:
         self._loader = loader
         self._name = name
@@ -61,7 +62,7 @@ class _Loader(importlib.abc.Loader):
         return getattr(self._loader, item)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     """Finds watched modules through the other finders and wraps their loader."""
 
     _busy = threading.local()
@@ -83,7 +84,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             self._busy.on = False
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _Loader(spec.loader, fullname)
+        spec.loader = _Loader(spec.loader, fullname)  # type: ignore[assignment]
         return spec
 
 

@@ -37,6 +37,9 @@ register("flask.app", f"{F}.wsgi:patch_flask")
 register("django.core.handlers.base", f"{F}.django:patch_django")
 register("uvicorn.server", f"{F}.asgi:patch_uvicorn")
 
+# multiprocessing's children leave through os._exit: a finalizer flushes them
+register("multiprocessing.util", "perfsleuth.agent.shipper:hook_multiprocessing")
+
 # Heap snapshots on SIGUSR2: gunicorn resets the signal in workers, takes it in the master
 register("gunicorn.workers.base", "perfsleuth.agent.heap:patch_gunicorn_worker")
 register("gunicorn.arbiter", "perfsleuth.agent.heap:patch_gunicorn_arbiter")
