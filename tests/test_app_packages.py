@@ -238,3 +238,27 @@ def test_app_packages_setting_and_django_project(venv: Path) -> None:
     r = subprocess.run([str(venv / "bin" / "python"), "-c", shim, launcher],
                        capture_output=True, text=True, env=child_env())  # fmt: skip
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_console_script_shims_are_never_application_code(venv: Path, tmp_path: Path) -> None:
+    """pip's shim copied out of any bin/ directory is still a launcher; a script of the
+    application's without an extension is application code."""
+    from perfsleuth.agent import stacks
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    shim = tools / "serve"
+    shim.write_bytes((venv / "bin" / "uvicorn").read_bytes())
+    legacy = tools / "serve-legacy"  # what pip wrote before removesuffix
+    legacy.write_text(
+        "import re\nimport sys\nfrom uvicorn.main import main\n"
+        "if __name__ == '__main__':\n"
+        "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+        "    sys.exit(main())\n"
+    )
+    own = tools / "manage"
+    own.write_text("import sys\nfrom shop.cli import run\nsys.exit(run())\n")
+    assert stacks.is_app_file(str(shim)) is False
+    assert stacks.is_app_file(str(legacy)) is False
+    assert stacks.is_app_file(str(own)) is True
+    assert stacks.is_app_file(str(venv / "bin" / "python")) is False

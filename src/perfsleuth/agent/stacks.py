@@ -54,7 +54,11 @@ def _library_prefixes() -> tuple[str, ...]:
 def _script_dirs() -> frozenset[str]:
     """Directories of this interpreter's launcher scripts (console-script shims)."""
     dirs = set()
-    for p in (sysconfig.get_paths().get("scripts"), os.path.dirname(sys.executable)):
+    try:
+        user = sysconfig.get_path("scripts", f"{os.name}_user")
+    except Exception:
+        user = None
+    for p in (sysconfig.get_paths().get("scripts"), os.path.dirname(sys.executable), user):
         if p:
             dirs.add(os.path.abspath(p))
             dirs.add(os.path.realpath(p))
@@ -84,16 +88,34 @@ _app_lock = threading.Lock()
 
 def _launcher(fn: str) -> bool:
     """Whether ``fn`` is a launcher script: a file in a ``bin``/``Scripts`` directory of this
-    interpreter or of a virtualenv (its parent holds ``pyvenv.cfg``)."""
+    interpreter, of its user scheme or of a virtualenv (its parent holds ``pyvenv.cfg``), or
+    a console-script shim pip wrote anywhere else."""
     d = os.path.dirname(fn)
     if d in _SCRIPTS:
         return True
-    if os.path.basename(d) not in ("bin", "Scripts"):
-        return False
     try:
-        return os.path.isfile(os.path.join(os.path.dirname(d), "pyvenv.cfg"))
+        if os.path.basename(d) in ("bin", "Scripts") and os.path.isfile(
+            os.path.join(os.path.dirname(d), "pyvenv.cfg")
+        ):
+            return True
+        if fn.endswith(".py"):
+            return False
+        shim = _shims.get(fn)
+        if shim is None:
+            with open(fn, "rb") as fh:
+                head = fh.read(2048)
+            # what pip's (distlib's) shims do with their name before calling the entry point
+            shim = b"sys.exit(" in head and any(m in head for m in _SHIM_MARKS)
+            if len(_shims) > 10_000:
+                _shims.clear()
+            _shims[fn] = shim
+        return shim
     except Exception:
         return False
+
+
+_shims: dict[str, bool] = {}  # file (not .py) -> whether it is a console-script shim
+_SHIM_MARKS = (b"-script\\.pyw", b"removesuffix('.exe')", b'removesuffix(".exe")')
 
 
 def add_app_packages(names: Any) -> None:
