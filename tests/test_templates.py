@@ -131,3 +131,48 @@ def test_no_template_no_template_frames(tmp_path: Path) -> None:
         files = {f["file"] for f in calls[0]["stack"]}
         assert not any(f.endswith(".html") for f in files)
         assert calls[0]["site"]["function"] == "plain"
+
+
+def test_jinja2_nested_loops_and_macros_in_process(tmp_path: Path) -> None:
+    """The template frames of a call under a macro called from nested loops, innermost
+    first: the macro's line, the caller's line, then each enclosing loop's line."""
+    import jinja2
+
+    from perfsleuth.agent import stacks
+
+    (tmp_path / "page.html").write_text(
+        "{% macro row(c) %}\n"
+        "  <td>{{ c.probe }}</td>\n"
+        "{% endmacro %}\n"
+        "{% for group in groups %}\n"
+        "  {% for c in group %}\n"
+        "    {{ row(c) }}\n"
+        "  {% endfor %}\n"
+        "{% endfor %}\n"
+    )
+    seen: list[list[tuple[str, int, str]]] = []
+
+    class Probe:
+        @property
+        def probe(self) -> str:
+            flat = stacks.capture(sys._getframe())
+            seen.append(
+                [
+                    (code.co_filename, stacks.line(code, where), code.co_qualname)
+                    for code, where in zip(flat[::2], flat[1::2], strict=True)
+                ]
+            )
+            return "x"
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(tmp_path)))
+    env.get_template("page.html").render(groups=[[Probe()], [Probe(), Probe()]])
+    page = str(tmp_path / "page.html")
+    assert len(seen) == 3
+    for frames in seen:
+        assert [(line, name) for fn, line, name in frames if fn == page] == [
+            (2, "{{ c.probe }}"),
+            (6, "{{ row(c) }}"),
+            (5, "{% for c in group %}"),
+            (4, "{% for group in groups %}"),
+        ]
+        assert frames[0][2].endswith("probe")  # the property itself, innermost
