@@ -96,7 +96,6 @@ def test_cpu_bound_code_on_an_oversubscribed_machine_is_classed_cpu(busy_store: 
         p = profile.load(store, "GET /cpu")
         sleep = profile.load(store, "GET /sleep")
         awaiting = profile.load(store, "GET /await")
-    print("cpu", p.states, "sleep", sleep.states, "await", awaiting.states)
     assert p.requests == 3 and p.samples >= 30
     at_line = sum(
         n for st, n in p.stacks if (leaf := _leaf(st)) and leaf.line in (planted, planted - 1)
@@ -111,8 +110,6 @@ def test_cpu_bound_code_on_an_oversubscribed_machine_is_classed_cpu(busy_store: 
 
 def test_hotspot_advice_and_cpu_starved_on_an_oversubscribed_machine(busy_store: Path) -> None:
     found = _findings(busy_store)
-    for f in found:
-        print(f.kind, f.endpoint, f.title, f.suggestion, f.evidence)
     hot = {f.endpoint: f for f in found if f.kind == "slow_request_hotspot"}
     cpu = hot["GET /cpu"]
     assert cpu.callsite is not None and cpu.callsite["function"] == "crunch"
@@ -331,3 +328,52 @@ def test_the_demo_shops_cpu_work_is_classed_cpu_on_an_oversubscribed_machine(
         if f.kind == "slow_request_hotspot" and f.endpoint == "GET /search"
     ]
     assert hot.evidence["class"] == "cpu" and "CPU-bound" in hot.suggestion
+
+
+@contextmanager
+def cpu_quota_cgroup(name: str, cpus: float) -> Iterator[str]:
+    """A cgroup v1 ``cpu`` group limited to ``cpus`` CPUs (skips the test where the machine
+    does not allow creating one); removed afterwards."""
+    path = os.path.join("/sys/fs/cgroup/cpu", name)
+    try:
+        os.mkdir(path)
+    except OSError as e:
+        pytest.skip(f"cannot create a cpu cgroup here: {e}")
+    try:
+        with open(os.path.join(path, "cpu.cfs_period_us"), "w") as fh:
+            fh.write("100000")
+        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as fh:
+            fh.write(str(int(cpus * 100000)))
+        yield path
+    finally:
+        for _ in range(100):  # the killed server leaves it within moments
+            try:
+                os.rmdir(path)
+                break
+            except OSError:
+                import time
+
+                time.sleep(0.1)
+
+
+def test_cpu_starved_reports_a_real_cgroup_quota(tmp_path: Path) -> None:
+    """The server runs in a cgroup allowed a fifth of a CPU: its CPU-bound requests are
+    throttled; samples are starved (throttled time counts as run-queue wait) and cpu_starved
+    names the quota with the throttled share."""
+    data = tmp_path / "data"
+    with cpu_quota_cgroup(f"perfsleuth-test-{os.getpid()}", 0.2) as cg:
+        cmd = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh",
+               *uvicorn("sampler_classes_app:app")]  # fmt: skip
+        with launched(tmp_path, data, cmd, service="quota", ready="/fast", **FAST_SAMPLING) as srv:
+            for _ in range(2):
+                assert srv.get("/cpu")[0] == 200
+            assert srv.stop() in (0, -15)
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+        p = profile.load(store, "GET /cpu")
+    assert p.requests == 2 and p.verdict().kind == "cpu", p.states
+    assert p.states.get("starved", 0) > p.states.get("cpu", 0), p.states
+    (f,) = [f for f in _findings(data) if f.kind == "cpu_starved"]
+    assert f.evidence["cgroup_throttled_share"] >= 0.5, f.evidence
+    assert f.evidence["cpus"] == 0.2
+    assert "CPU quota throttled it" in f.title
