@@ -17,7 +17,8 @@ scheduled):
 
 - ``cpu``: runnable at least half the time, more of it on the CPU than in the run queue;
 - ``starved``: runnable at least half the time, more of it waiting for a CPU (a machine with
-  more busy threads than cores, or a cgroup CPU quota): the code is CPU-bound all the same;
+  more busy threads than cores, or a cgroup CPU quota: throttled time counts as run-queue
+  wait): the code is CPU-bound all the same;
 - ``gil``: mostly neither, but woken repeatedly while other threads of the process used the
   CPU: waiting for the interpreter lock another thread holds;
 - ``wait``: blocked (I/O, a lock, a sleep), and every sample of an awaiting task;
