@@ -3,8 +3,10 @@ own hook, whatever the backend and the Django version.
 
 **Django's hook.** ``connection.execute_wrappers`` (Django >= 2.0) run around every
 ``execute``/``executemany`` of Django's cursor wrapper, for every backend. :func:`execute_wrapper`
-is put on each connection when it connects (the ``connection_created`` signal; connections
-already open when the agent starts are not covered). It records the statement as Django hands
+is put on each connection when it connects (the ``connection_created`` signal, hooked by
+:func:`install` when Django's request handler, its sqlite backend or its backends' signals
+module is imported; connections already open when the agent starts are not covered), outermost
+of the connection's wrappers. It records the statement as Django hands
 it to the backend (``%s`` placeholders: the fingerprint normalises them like ``?``), its
 parameters, duration and rows, from the application frame above Django's (the view or model
 line), exactly as the driver patches do.
