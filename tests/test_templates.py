@@ -176,3 +176,34 @@ def test_jinja2_nested_loops_and_macros_in_process(tmp_path: Path) -> None:
             (4, "{% for group in groups %}"),
         ]
         assert frames[0][2].endswith("probe")  # the property itself, innermost
+
+
+def test_same_stack_tells_template_lines_apart(tmp_path: Path) -> None:
+    """stacks.same (the site cache's reuse check) agrees with capture under a template: the
+    same template line again is the same stack, another template line of the same Python
+    line is not."""
+    import jinja2
+
+    from perfsleuth.agent import stacks
+
+    (tmp_path / "t.html").write_text(
+        "{% for c in items %}\n  {{ c.probe }}\n  {{ c.probe }}\n{% endfor %}\n"
+    )
+    stacks_seen: list[tuple[Any, ...]] = []
+    same_as_first: list[bool] = []
+
+    class Probe:
+        @property
+        def probe(self) -> str:
+            frame = sys._getframe(1)  # the caller: it stays where it is during the checks
+            flat = stacks.capture(frame)
+            if not stacks_seen:
+                stacks_seen.append(flat)
+            same_as_first.append(stacks.same(frame, stacks_seen[0]))
+            assert stacks.same(frame, flat)
+            return ""
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(tmp_path)))
+    env.get_template("t.html").render(items=[Probe(), Probe()])
+    # line 2, line 3, line 2, line 3
+    assert same_as_first == [True, False, True, False]

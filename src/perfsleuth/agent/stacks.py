@@ -424,11 +424,7 @@ def same(frame: FrameType | None, flat: tuple[Any, ...]) -> bool:
     """Whether :func:`capture` of ``frame`` would give ``flat``, found without building it
     (built when a template engine is loaded: template frames are read from the frames)."""
     if templates_on or check_engines():
-        now = _capture_templates(frame)
-        n = len(flat)
-        if len(now) != n:
-            return False
-        return all(now[i] is flat[i] and now[i + 1] == flat[i + 1] for i in range(0, n, 2))
+        return _same_templates(frame, flat)
     f = frame
     while f is not None and classify(f.f_code) is None:
         f = f.f_back
@@ -443,6 +439,40 @@ def same(frame: FrameType | None, flat: tuple[Any, ...]) -> bool:
         return False
     # it must also end where capture would stop: the root, MAX_DEPTH or an agent frame
     return f is None or n >= 2 * MAX_DEPTH or classify(f.f_code) is None
+
+
+def _same_templates(frame: FrameType | None, flat: tuple[Any, ...]) -> bool:
+    """:func:`same` with template frames: compared frame by frame as
+    :func:`_capture_templates` would make them, up to the first difference."""
+    f = frame
+    while f is not None and classify(f.f_code) is None:
+        f = f.f_back
+    n = len(flat)
+    i = 0
+    depth = 0
+    kinds = _kind
+    engines = templates._engine
+    while f is not None and depth < MAX_DEPTH:
+        code = f.f_code
+        hit = kinds.get(id(code))
+        if (hit[1] if hit is not None else classify(code)) is None:
+            break
+        e = engines.get(id(code))
+        engine = e[1] if e is not None else templates.engine_of(f)
+        if not engine:
+            if i >= n or flat[i] is not code or flat[i + 1] != ~f.f_lasti:
+                return False
+            i += 2
+        else:
+            part: list[Any] = []
+            _template_frames(f, engine, part)
+            for j in range(0, len(part), 2):
+                if i >= n or flat[i] is not part[j] or flat[i + 1] != part[j + 1]:
+                    return False
+                i += 2
+        f = f.f_back
+        depth += 1
+    return i == n
 
 
 def line(code: CodeType, where: int) -> int:
