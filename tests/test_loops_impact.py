@@ -26,8 +26,9 @@ import psycopg
 import pytest
 
 import apps.loop_twins as twins
-from perfsleuth.analysis import Config, find
+from perfsleuth.analysis import Config, find, frames, loops
 from perfsleuth.analysis.findings import Finding
+from perfsleuth.analysis.frames import Frame
 from perfsleuth.store.duckdb_store import DuckDBStore
 from test_detectors import line_of
 from zoo.harness import Server, free_port
@@ -189,3 +190,114 @@ def test_repeated_query_names_the_lines_calling_the_helper(
         ["GET /members/<int:member_id>/card-once"],
     )
     assert once["n"] == 12 and once["calls"] >= 1
+
+
+# ------------------------------------------------------------- the source readers, directly
+
+VIEWS = """\
+def get_member(cur, member_id):
+    cur.execute("SELECT 1")  # SITE
+
+
+def plan_of(cur, member_id):
+    return get_member(cur, member_id)[2]  # VIA
+
+
+def card(cur, member_id):
+    name = get_member(cur, member_id)[1]  # CALL-A
+    plan = plan_of(cur, member_id)  # CALL-B
+    again = get_member(cur, member_id)  # CALL-C
+    unrelated = len(name)  # OTHER
+    return name, plan, again, unrelated
+
+
+def page(orders):
+    return [row(o) for o in orders.all()]  # SHARED
+
+
+def listing(orders):
+    out = []
+    for o in orders:
+        out.append(page(o))  # FOR-BODY
+    return [
+        x.name  # ELT
+        for x in out
+    ]
+"""
+
+TEMPLATE = """\
+<ul>
+{% for order in orders %}
+  <li>{{ order.customer.name }}</li>
+  {%- for line in order.lines -%}
+    {{ line.sku }}
+  {% endfor %}
+  {{ order.total }}
+{% endfor %}
+</ul>
+{{ footer }}
+"""
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> dict[str, Any]:
+    views = tmp_path / "views.py"
+    views.write_text(VIEWS)
+    tpl = tmp_path / "orders.html"
+    tpl.write_text(TEMPLATE)
+    return {"views": str(views), "tpl": str(tpl), "line": lambda m: line_of(str(views), f"# {m}")}
+
+
+def test_a_comprehension_sharing_its_line_with_its_iterable_is_only_maybe_a_loop(
+    sources: dict[str, Any],
+) -> None:
+    v, line = sources["views"], sources["line"]
+    assert loops.loop_certainty(v, line("SHARED")) == "maybe"
+    assert loops.loop_certainty(v, line("FOR-BODY")) == "yes"
+    assert loops.loop_certainty(v, line("ELT")) == "yes"
+    assert loops.loop_certainty(v, line("OTHER")) == "no"
+    # The looping frame: a sure loop further out wins over a maybe further in ...
+    stack = [
+        Frame(1, v, line("FOR-BODY"), "listing", True),
+        Frame(2, v, line("SHARED"), "page", True),
+    ]
+    assert frames.looping_frame(stack, None) == (stack[0], True)
+    # ... and the maybe is kept when nothing else loops.
+    assert frames.looping_frame(stack[1:], None) == (stack[1], True)
+
+
+def test_caller_lines_follow_helpers_within_the_file(sources: dict[str, Any]) -> None:
+    v, line = sources["views"], sources["line"]
+    calls = [line("CALL-A"), line("CALL-B"), line("CALL-C")]
+    assert loops.call_lines(v, line("CALL-A"), "get_member") == calls
+    path = [
+        Frame(1, v, line("CALL-A"), "card", True),
+        Frame(2, v, line("SITE"), "get_member", True),
+    ]
+    found = frames.caller_lines(path)
+    assert [(f.line, f.function) for f in found] == [(c, "card") for c in calls]
+    # One recorded stack: the lines come from the source; several: from where they part ways.
+    assert frames.calling_lines([path], None)[1] == "source"
+    other = [Frame(3, v, line("CALL-C"), "card", True), path[1]]
+    parted, how = frames.calling_lines([path, other], None)
+    assert how == "stacks" and [f.line for f in parted] == [line("CALL-A"), line("CALL-C")]
+
+
+def test_template_loops_from_the_stack_or_the_template(sources: dict[str, Any]) -> None:
+    t = sources["tpl"]
+    assert loops.template_loop(t, 3) == (2, "{% for order in orders %}")
+    assert loops.template_loop(t, 5) == (4, "{%- for line in order.lines -%}")
+    assert loops.template_loop(t, 7) == (2, "{% for order in orders %}")  # after the inner one
+    assert loops.template_loop(t, 10) is None  # after both loops
+    assert loops.source_line(t, 3) == "<li>{{ order.customer.name }}</li>"
+    view = Frame(1, sources["views"], sources["line"]("OTHER"), "card", True)
+    expr = Frame(2, t, 3, "{{ order.customer.name }}", True)
+    # The stack without the loop's frame: the template names it.
+    assert frames.template_context([view, expr]) == {
+        "expression": expr.site(),
+        "loop": {"file": t, "line": 2, "function": "{% for order in orders %}"},
+    }
+    assert frames.looping_frame([view, expr], None) == (expr, True)
+    # A template line outside any loop is no loop.
+    footer = Frame(3, t, 10, "{{ footer }}", True)
+    assert frames.looping_frame([view, footer], None) == (footer, False)
