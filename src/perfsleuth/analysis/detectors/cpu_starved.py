@@ -125,7 +125,8 @@ def detect(ctx: Context) -> list[Finding]:
                 kind=KIND,
                 endpoint=SERVICE,
                 title=title,
-                impact_ms_per_min=ctx.per_min(queue_ms + throttled_ms),
+                # Throttled time is run-queue wait too: the larger of the two, not their sum.
+                impact_ms_per_min=ctx.per_min(max(queue_ms, throttled_ms)),
                 first_seen=iso(svc["first"]),
                 last_seen=iso(svc["last"]),
                 suggestion=(
