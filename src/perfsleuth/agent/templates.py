@@ -182,7 +182,8 @@ def _label(fn: str, line: int, loop: bool) -> str:
         label = _short(m.group(0)) if m else "{% for %}"
     else:
         tags = re.findall(r"\{\{.*?\}\}|\{%.*?%\}", text)
-        label = _short(tags[0] if len(tags) == 1 else text.strip() or f"line {line}")
+        # the line's tags (which of several made the call is not known), else its text
+        label = _short(" ".join(tags) if tags else text.strip() or f"line {line}")
     if len(_labels) > _MAX_CACHE:
         _labels.clear()
     _labels[key] = label
