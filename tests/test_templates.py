@@ -12,17 +12,26 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from perfsleuth.store.duckdb_store import DuckDBStore
+from test_django_versions import DJANGOS, _venv
 from test_run_servers import APPS, child_env, gunicorn, launched
 
 DJANGO_TEMPLATE = os.path.join(APPS, "tpl_django", "templates", "checks.html")
 JINJA_TEMPLATE = os.path.join(APPS, "tpl_flask_templates", "checks.html")
 ROWS = 5  # checks on each page
+
+
+def django_python(series: str) -> str:
+    """The python to run Django ``series`` with (the venvs of test_django_versions)."""
+    if metadata.version("django") == DJANGOS[series]:
+        return sys.executable
+    return str(_venv(series))
 
 
 def stored_calls(data: Path, path: str) -> list[list[dict[str, Any]]]:
@@ -45,16 +54,21 @@ def template_frames(call: dict[str, Any], template: str) -> list[tuple[int, str,
     ]
 
 
-@pytest.mark.parametrize("speedups", ["1", "0"])
-def test_django_template_lines_in_stacks(tmp_path: Path, speedups: str) -> None:
+@pytest.mark.parametrize(
+    ("series", "speedups"),
+    [("5.x", "1"), ("5.x", "0"), pytest.param("3.2", "1", marks=pytest.mark.venvs)],
+)
+def test_django_template_lines_in_stacks(tmp_path: Path, series: str, speedups: str) -> None:
+    python = django_python(series)
     db = str(tmp_path / "django.sqlite3")
     env = child_env(TPL_DJANGO_DB=db, DJANGO_SETTINGS_MODULE="tpl_django.settings")
     seeded = subprocess.run(
-        [sys.executable, "-m", "tpl_django.seed"], cwd=APPS, env=env, capture_output=True
+        [python, "-m", "tpl_django.seed"], cwd=APPS, env=env, capture_output=True
     )
     assert seeded.returncode == 0, seeded.stderr.decode()
     data = tmp_path / "data"
-    with launched(tmp_path, data, gunicorn("tpl_django.wsgi:application", 1), service="dj",
+    server = [python, *gunicorn("tpl_django.wsgi:application", 1)[1:]]
+    with launched(tmp_path, data, server, service="dj",
                   ready="/missing/", TPL_DJANGO_DB=db,
                   DJANGO_SETTINGS_MODULE="tpl_django.settings",
                   PERFSLEUTH_SPEEDUPS=speedups) as srv:  # fmt: skip
