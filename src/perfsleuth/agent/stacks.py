@@ -298,13 +298,19 @@ def engine_imported(module: Any) -> None:
     check_engines()
 
 
+_UNNAMED = compile("None", "<template>", "eval")
+
+
 def synthetic(file: str, label: str) -> CodeType:
     """The code object standing for template lines of ``file`` labelled ``label``."""
     key = (file, label)
     code = _synthetic.get(key)
     if code is None:
         # the file is a constant too: code objects compare equal by content, not file
-        code = compile(repr(file), file, "eval").replace(co_name=label, co_qualname=label)
+        try:
+            code = compile(repr(file), file, "eval").replace(co_name=label, co_qualname=label)
+        except Exception:  # a file name compile refuses (a NUL in it)
+            code = _UNNAMED.replace(co_name=label, co_qualname=label)
         if len(_synthetic) > 50_000:
             _synthetic.clear()
         _synthetic[key] = code
