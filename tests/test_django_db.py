@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import os
 import sqlite3
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -173,6 +174,30 @@ def test_outside_a_request_nothing_is_kept(django_conn: Any) -> None:
     assert recorder.stats["internal_errors"] == errors
 
 
+def _as_mysqldb() -> Callable[[], None]:
+    """PyMySQL as MySQLdb for Django's mysql backend; the function that undoes it. Django's
+    imports of ``MySQLdb.err``, ``MySQLdb.constants.*`` ... load PyMySQL's modules a second
+    time and rebind ``pymysql.err`` and alike to the copies (whose exception classes are not
+    the ones PyMySQL raises): the other tests of this process need the originals back."""
+    import pymysql
+    import pymysql.constants
+
+    packages = (pymysql, pymysql.constants)
+    saved = [(pkg, dict(vars(pkg))) for pkg in packages]
+    pymysql.install_as_MySQLdb()
+
+    def restore() -> None:
+        for pkg, attrs in saved:
+            for name in [n for n in vars(pkg) if n not in attrs]:
+                delattr(pkg, name)
+            for name, value in attrs.items():
+                setattr(pkg, name, value)
+        for name in [n for n in sys.modules if n == "MySQLdb" or n.startswith("MySQLdb.")]:
+            del sys.modules[name]
+
+    return restore
+
+
 @pytest.fixture(params=["postgresql", "mysql"])
 def server_conn(request: pytest.FixtureRequest, django_conn: Any) -> Iterator[tuple[Any, str]]:
     """A Django connection (its own alias, not yet connected) to PostgreSQL (psycopg 3) or
@@ -198,7 +223,8 @@ def server_conn(request: pytest.FixtureRequest, django_conn: Any) -> Iterator[tu
     else:
         import pymysql
 
-        pymysql.install_as_MySQLdb()  # Django's mysql backend on PyMySQL
+        restore_pymysql = _as_mysqldb()
+        request.addfinalizer(restore_pymysql)
         settings = {
             "ENGINE": "django.db.backends.mysql",
             "NAME": MYSQL["database"],
