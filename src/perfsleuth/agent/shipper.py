@@ -30,7 +30,6 @@ import socket
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -371,9 +370,14 @@ class _Encoder:
             if self.fp_spent_ns >= self.fp_budget_ns:
                 # Over budget: detail goes, speed stays. Not cached, so the target gets its
                 # fingerprint when it comes again within budget.
-                hit = _unfingerprinted(kind, target)
                 stats["fingerprints_skipped"] += 1
                 self.skipped = True
+                fid, record = _unfingerprinted(kind, target, key[1])
+                if fid not in seg.fingerprints:
+                    seg.fingerprints.add(fid)
+                    self.cache_bytes += SEEN_BYTES
+                    out.append(record)
+                return fid
             else:
                 text, op = _fingerprint_text(kind, target)
                 fid = fpr.stable_id(kind, text)
@@ -649,14 +653,21 @@ _perf_ns = time.perf_counter_ns
 SEEN_BYTES = 72  # an id in a segment's set of what it holds: the int and its slot
 
 
-def _unfingerprinted(kind: str, target: Any) -> tuple[int, dict[str, Any]]:
-    """The fingerprint record of a target the writer had no CPU left to normalise: a hash of
-    its text (statements differing in a literal differ here too), never the text itself."""
-    raw = target if type(target) is str else repr(target)
-    digest = zlib.crc32(raw.encode("utf-8", "replace"))
-    text = f"[not fingerprinted: {len(raw)} chars, crc32 {digest:08x}]"
-    fid = fpr.stable_id(kind, text)
-    return fid, {"id": fid, "kind": kind, "text": text, "op": "OTHER"}
+def _unfingerprinted(kind: str, target: Any, text_hash: int) -> tuple[int, bytes]:
+    """(id, FINGERPRINT record) of a target the writer had no CPU left to normalise: named by
+    a hash of its text (statements differing in a literal differ here too), never the text
+    itself. Made in a few string operations: skipping must cost far less than normalising
+    (the text's hash is cached by the str; it differs between processes, as do these ids)."""
+    size = len(target) if type(target) is str else 0
+    fid = hash((kind, text_hash, size)) & MASK63
+    kind_json = _KIND_JSON.get(kind) or _KIND_JSON.setdefault(kind, encode_json(str(kind)))
+    body = b'{"id":%d,"kind":%s,"text":"[not fingerprinted: %d chars, hash %016x]","op":"OTHER"}'
+    return fid, encode_payload(FINGERPRINT, body % (fid, kind_json, size, text_hash & MASK64))
+
+
+_KIND_JSON: dict[str, bytes] = {}
+MASK63 = (1 << 63) - 1
+MASK64 = (1 << 64) - 1
 
 
 def call_text(kind: str, target: Any) -> str:

@@ -1,0 +1,669 @@
+"""The agent under pressure (issue 22): each figure against its target, paired with bare.
+
+    .venv/bin/python benchmarks/pressure.py [--quick] [--only NAME,...] [--json FILE]
+
+Scenarios (each in fresh child processes: this script with ``--child``; bare and agent
+children take turns, slice by slice, so drift of a shared machine hits both alike):
+
+distinct   An in-process WSGI app (Flask, requests called straight into its WSGI callable)
+           running 20 distinct sqlite3 statements per request, ~1.5 KB each with literals
+           inline, a sqlcommenter comment and an IN list of varying length, as fast as it
+           can. Throughput >= 90 % of bare's; added peak RSS <= 40 MB.
+stall      The same app with repeating and with distinct statements while the agent's writer
+           is stalled (its lock held) for 60 s (--quick: 8 s), then released. Added RSS during
+           and after <= the memory budget + 10 %; recorded = written + dropped, exactly.
+burst      50,000 requests (--quick: 10,000) of an app with 3 repeating statements, as fast as
+           it can. Throughput >= 90 % of bare's; p99 <= 2x bare's.
+fullfs     The spool on a full filesystem (a 1 MB tmpfs mounted on DATA/spool when mount works,
+           else a spool path under a regular file: every write fails with an OSError; says
+           which). The app's p50 and p99 against bare's; every drop shown by `perfsleuth top`.
+steady     A paced app (300 requests/s, mixed repeating and distinct statements) for 10 min
+           (--quick: 60 s). RSS growth after the first minute (--quick: the first 15 s) <= 1 MB.
+startup    ``import perfsleuth.agent`` (median of 9 fresh interpreters, compiled bytecode)
+           <= 20 ms; gunicorn's first response under ``perfsleuth run`` <= 100 ms later than
+           without (median of 5 launches each).
+
+RSS is read from /proc/self/status (VmRSS, VmHWM) in the child. Throughput is requests per
+second of wall time; the agent's writer thread shares the interpreter lock, so its work is in
+it. Each agent child flushes at the end of a slice, inside the timed part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULT = "@@result "
+MB = 1 << 20
+
+
+# ------------------------------------------------------------------------------------ child
+
+
+def rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process, bytes."""
+    cur = peak = 0
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                cur = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+    return cur, peak
+
+
+FILLER = ", ".join(f"'{'v' * 12}{k}' AS c{k}" for k in range(60))
+
+
+def statement(i: int, j: int, distinct: bool) -> str:
+    if not distinct:
+        return "SELECT id, note, amount FROM orders WHERE id = ?"
+    ids = ", ".join(str(i * 37 + k) for k in range(j % 11 + 1))
+    return (
+        f"/*traceparent='00-{i:032x}-{j:016x}-01',route='/orders/{i}'*/ "
+        f"SELECT o.id, o.note, {FILLER}, {i} * {j} AS k FROM orders o "
+        f"WHERE o.id IN ({ids}) AND o.note <> 'n-{i}-{j}' AND o.amount > {i % 97}.5 LIMIT 5"
+    )
+
+
+def make_app(per: int, distinct: bool) -> Any:
+    import sqlite3
+
+    from flask import Flask
+
+    db = sqlite3.connect(":memory:", check_same_thread=False)
+    db.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, note TEXT, amount REAL)")
+    db.executemany(
+        "INSERT INTO orders VALUES (?, ?, ?)", [(k, f"n{k}", k * 1.5) for k in range(1, 2000)]
+    )
+    app = Flask("pressure")
+    counter = [0]
+
+    @app.route("/orders/<int:oid>")
+    def order(oid: int) -> str:
+        counter[0] += 1
+        i = counter[0]
+        n = 0
+        for j in range(per):
+            sql = statement(i, j, distinct)
+            rows = db.execute(sql, () if distinct else (j % 50 + 1,)).fetchall()
+            n += len(rows)
+        return str(n)
+
+    return app
+
+
+def environ(path: str) -> dict[str, Any]:
+    import io
+
+    return {
+        "REQUEST_METHOD": "GET",
+        "PATH_INFO": path,
+        "QUERY_STRING": "",
+        "SERVER_NAME": "bench",
+        "SERVER_PORT": "80",
+        "SERVER_PROTOCOL": "HTTP/1.1",
+        "wsgi.url_scheme": "http",
+        "wsgi.input": io.BytesIO(b""),
+        "wsgi.errors": sys.stderr,
+        "wsgi.multithread": False,
+        "wsgi.multiprocess": False,
+        "wsgi.run_once": False,
+        "REMOTE_ADDR": "127.0.0.1",
+    }
+
+
+class Child:
+    """One app process (bare or with the agent), driven by commands on stdin."""
+
+    def __init__(self, opts: dict[str, Any]) -> None:
+        self.opts = opts
+        self.agent = opts["mode"] == "agent"
+        if self.agent:
+            import perfsleuth.agent as ps
+
+            assert ps.start(opts["data"], service="pressure", **opts.get("cfg", {}))
+        self.app = make_app(opts["per"], opts["distinct"])
+        self.n = 0
+        self.base_rss = rss()[0]
+
+    def one(self) -> float:
+        self.n += 1
+        env = environ(f"/orders/{self.n}")
+        t = time.perf_counter()
+        body = self.app(env, lambda status, headers, exc_info=None: None)
+        for _ in body:
+            pass
+        close = getattr(body, "close", None)
+        if close is not None:
+            close()
+        return time.perf_counter() - t
+
+    def flush(self) -> None:
+        if self.agent:
+            import perfsleuth.agent as ps
+
+            ps.flush()
+
+    def slice(self, n: int, latencies: bool = False) -> dict[str, Any]:
+        lat = []
+        t = time.perf_counter()
+        for _ in range(n):
+            d = self.one()
+            if latencies:
+                lat.append(d)
+        self.flush()
+        wall = time.perf_counter() - t
+        cur, peak = rss()
+        return {"wall": wall, "n": n, "rss": cur, "hwm": peak, "lat": lat}
+
+    def paced(self, seconds: float, rate: float) -> dict[str, Any]:
+        """Requests at ``rate`` per second for ``seconds``; RSS once a second."""
+        samples = []
+        start = time.perf_counter()
+        next_sample = start
+        k = 0
+        while True:
+            now = time.perf_counter()
+            if now - start >= seconds:
+                break
+            due = start + k / rate
+            if now < due:
+                time.sleep(min(due - now, 0.01))
+                continue
+            self.one()
+            k += 1
+            if now >= next_sample:
+                samples.append((now - start, rss()[0]))
+                next_sample += 1.0
+        self.flush()
+        return {"samples": samples, "n": k}
+
+    def stall(self, seconds: float) -> dict[str, Any]:
+        """Requests as fast as they go while the writer is stalled, then released."""
+        during = 0
+        start = time.perf_counter()
+        if self.agent:
+            from perfsleuth.agent import shipper
+
+            shipper._lock.acquire()
+        k = 0
+        while time.perf_counter() - start < seconds:
+            self.one()
+            k += 1
+            if k % 50 == 0:
+                during = max(during, rss()[0])
+        if self.agent:
+            shipper._lock.release()
+        self.flush()
+        after = rss()[0]
+        out: dict[str, Any] = {"n": k, "during": during, "after": after, "base": self.base_rss}
+        if self.agent:
+            import perfsleuth.agent as ps
+
+            out["stats"] = ps.stats()
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        if not self.agent:
+            return {}
+        import perfsleuth.agent as ps
+
+        return ps.stats()
+
+
+def run_child(opts: dict[str, Any]) -> None:
+    child = Child(opts)
+    print(RESULT + json.dumps({"ready": True, "base": child.base_rss}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        if op == "exit":
+            break
+        result = getattr(child, op)(**cmd)
+        print(RESULT + json.dumps(result), flush=True)
+    if child.agent:
+        import perfsleuth.agent as ps
+
+        ps.flush()
+        print(RESULT + json.dumps({"stats": ps.stats()}), flush=True)
+
+
+# ----------------------------------------------------------------------------------- parent
+
+
+class Proc:
+    def __init__(self, opts: dict[str, Any]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", json.dumps(opts)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(os.path.join(opts["tmp"], f"{opts['mode']}-{os.getpid()}.err"), "w"),  # noqa: SIM115
+            text=True,
+            cwd=ROOT,
+        )
+        self.ready = self.read()
+
+    def read(self) -> Any:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(RESULT):
+                return json.loads(line[len(RESULT) :])
+        raise RuntimeError(f"child ended: rc={self.proc.wait()}")
+
+    def ask(self, op: str, **kw: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+        self.proc.stdin.flush()
+        last = None
+        if "agent" in str(self.proc.args):
+            try:
+                last = self.read()
+            except RuntimeError:
+                last = None
+        self.proc.wait(timeout=120)
+        return last
+
+
+def pair(
+    tmp: str, per: int, distinct: bool, cfg: dict[str, Any] | None = None
+) -> tuple[Proc, Proc]:
+    base = {"tmp": tmp, "per": per, "distinct": distinct, "data": os.path.join(tmp, "data")}
+    bare = Proc({**base, "mode": "bare"})
+    agent = Proc({**base, "mode": "agent", "cfg": cfg or {}})
+    return bare, agent
+
+
+LINES: list[str] = []
+
+
+def say(name: str, value: str, target: str, ok: bool | None) -> None:
+    mark = "" if ok is None else ("  ok" if ok else "  MISSED")
+    line = f"  {name:<52} {value:<28} target {target}{mark}"
+    LINES.append(line)
+    print(line, flush=True)
+
+
+def throughput(bare: Proc, agent: Proc, slices: int, n: int, lat: bool = False) -> dict[str, Any]:
+    """Alternate slices (order rotating); ratios of neighbouring slices."""
+    ratios, b_lat, a_lat, hwm = [], [], [], (0, 0)
+    b_rate, a_rate = [], []
+    for k in range(slices):
+        order = (bare, agent) if k % 2 == 0 else (agent, bare)
+        res = {id(p): p.ask("slice", n=n, latencies=lat) for p in order}
+        rb, ra = res[id(bare)], res[id(agent)]
+        b_rate.append(rb["n"] / rb["wall"])
+        a_rate.append(ra["n"] / ra["wall"])
+        ratios.append((ra["n"] / ra["wall"]) / (rb["n"] / rb["wall"]))
+        b_lat += rb["lat"]
+        a_lat += ra["lat"]
+        hwm = (rb["hwm"], ra["hwm"])
+    out = {
+        "ratio": statistics.median(ratios),
+        "bare_rps": statistics.median(b_rate),
+        "agent_rps": statistics.median(a_rate),
+        "bare_hwm": hwm[0],
+        "agent_hwm": hwm[1],
+    }
+    if lat:
+        out["bare_p99"] = quantile(b_lat, 0.99)
+        out["agent_p99"] = quantile(a_lat, 0.99)
+        out["bare_p50"] = quantile(b_lat, 0.5)
+        out["agent_p50"] = quantile(a_lat, 0.5)
+    return out
+
+
+def rate_text(r: dict[str, Any]) -> str:
+    return f"{r['ratio'] * 100:.1f} % ({r['agent_rps']:.0f}/{r['bare_rps']:.0f} rps)"
+
+
+def quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+
+
+def dropped(stats: dict[str, Any]) -> int:
+    return sum(v for k, v in stats.items() if k.startswith("dropped_") and k != "dropped_events")
+
+
+def scenario_distinct(tmp: str, quick: bool) -> dict[str, Any]:
+    print("distinct statements: 20 per request, ~1.5 KB each, in-process Flask", flush=True)
+    bare, agent = pair(tmp, 20, True)
+    try:
+        r = throughput(bare, agent, 6 if quick else 14, 150 if quick else 300)
+    finally:
+        bare.close()
+        last = agent.close()
+    added = (r["agent_hwm"] - r["bare_hwm"]) / MB
+    say("throughput vs bare", rate_text(r), ">= 90 %", r["ratio"] >= 0.9)
+    say("added peak RSS", f"{added:+.1f} MB", "<= 40 MB", added <= 40)
+    if last:
+        st = last["stats"]
+        say(
+            "fingerprints skipped (over the CPU budget)",
+            f"{st.get('fingerprints_skipped', 0):,}",
+            "counted",
+            None,
+        )
+        say("requests dropped", f"{dropped(st):,} of {st['requests_recorded']:,}", "counted", None)
+        r["stats"] = st
+    return r
+
+
+def scenario_stall(tmp: str, quick: bool) -> dict[str, Any]:
+    seconds = 8.0 if quick else 60.0
+    budget = 32
+    out: dict[str, Any] = {}
+    for distinct in (False, True):
+        kind = "distinct" if distinct else "repeating"
+        print(f"writer stalled {seconds:.0f} s then released, {kind} statements", flush=True)
+        sub = os.path.join(tmp, f"stall-{kind}")
+        os.makedirs(sub)
+        bare, agent = pair(sub, 20, distinct)
+        try:
+            rb = bare.ask("stall", seconds=seconds)
+            ra = agent.ask("stall", seconds=seconds)
+        finally:
+            bare.close()
+            agent.close()
+        during = ((ra["during"] - ra["base"]) - (rb["during"] - rb["base"])) / MB
+        after = ((ra["after"] - ra["base"]) - (rb["after"] - rb["base"])) / MB
+        st = ra["stats"]
+        rec, wr, dr = st["requests_recorded"], st["requests_written"], dropped(st)
+        say(
+            f"{kind}: added RSS during the stall",
+            f"{during:+.1f} MB",
+            f"<= {budget * 1.1:.1f} MB",
+            during <= budget * 1.1,
+        )
+        say(
+            f"{kind}: added RSS after it",
+            f"{after:+.1f} MB",
+            f"<= {budget * 1.1:.1f} MB",
+            after <= budget * 1.1,
+        )
+        say(
+            f"{kind}: recorded = written + dropped",
+            f"{rec:,} = {wr:,} + {dr:,}",
+            "exact",
+            rec == wr + dr,
+        )
+        out[kind] = {"during_mb": during, "after_mb": after, "stats": st}
+    return out
+
+
+def scenario_burst(tmp: str, quick: bool) -> dict[str, Any]:
+    total = 10_000 if quick else 50_000
+    print(f"burst of {total:,} requests, 3 repeating statements each", flush=True)
+    bare, agent = pair(tmp, 3, False)
+    slices = 10
+    try:
+        r = throughput(bare, agent, slices, total // slices, lat=True)
+    finally:
+        bare.close()
+        last = agent.close()
+    say("throughput vs bare", rate_text(r), ">= 90 %", r["ratio"] >= 0.9)
+    say(
+        "p99 vs bare",
+        f"{r['agent_p99'] * 1e3:.3f} / {r['bare_p99'] * 1e3:.3f} ms",
+        "<= 2x",
+        r["agent_p99"] <= 2 * r["bare_p99"],
+    )
+    if last:
+        say("requests dropped", f"{dropped(last['stats']):,}", "counted", None)
+        r["stats"] = last["stats"]
+    return r
+
+
+def mount_tiny(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", path], capture_output=True, text=True
+    )
+    if r.returncode == 0:
+        # fill it: what is left is too small for a segment's first batch
+        with open(os.path.join(path, "filler"), "wb") as fh:
+            try:
+                fh.write(b"\0" * (1 << 20))
+            except OSError:
+                pass
+        return "tmpfs of 1 MB, filled"
+    os.rmdir(path)
+    with open(path, "w") as fh:  # a file where the spool directory should be
+        fh.write("not a directory")
+    return f"no mount ({r.stderr.strip()}): a regular file where the spool should be"
+
+
+def scenario_fullfs(tmp: str, quick: bool) -> dict[str, Any]:
+    print("spool on a full filesystem", flush=True)
+    data = os.path.join(tmp, "data")
+    spool = os.path.join(data, "spool")
+    how = mount_tiny(spool)
+    say("filesystem", how, "", None)
+    bare, agent = pair(tmp, 3, False)
+    try:
+        r = throughput(bare, agent, 6, 1000 if quick else 3000, lat=True)
+    finally:
+        bare.close()
+        last = agent.close()
+        if how.startswith("tmpfs"):
+            subprocess.run(["umount", "-l", spool], check=False)
+    say(
+        "p50 vs bare",
+        f"{r['agent_p50'] * 1e3:.3f} / {r['bare_p50'] * 1e3:.3f} ms",
+        "unchanged (<= 1.1x)",
+        r["agent_p50"] <= 1.1 * r["bare_p50"],
+    )
+    say(
+        "p99 vs bare",
+        f"{r['agent_p99'] * 1e3:.3f} / {r['bare_p99'] * 1e3:.3f} ms",
+        "unchanged (<= 2x)",
+        r["agent_p99"] <= 2 * r["bare_p99"],
+    )
+    top = subprocess.run(
+        [sys.executable, "-m", "perfsleuth.cli.main", "top", "--data", data, "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    shown = None
+    try:
+        body = json.loads(top.stdout)
+        agents = body.get("agent") or body.get("agents") or body.get("drops") or {}
+        shown = agents.get("dropped_total") if isinstance(agents, dict) else None
+        if shown is None:
+            shown = _find(body, "dropped_total")
+    except ValueError:
+        pass
+    st = last["stats"] if last else {}
+    lost = dropped(st)
+    say(
+        "drops shown by `perfsleuth top`",
+        f"{shown} of {lost:,} dropped",
+        "all",
+        shown is not None and shown >= lost,
+    )
+    r["stats"] = st
+    r["top_dropped"] = shown
+    return r
+
+
+def _find(obj: Any, key: str) -> Any:
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        for v in obj.values():
+            got = _find(v, key)
+            if got is not None:
+                return got
+    elif isinstance(obj, list):
+        for v in obj:
+            got = _find(v, key)
+            if got is not None:
+                return got
+    return None
+
+
+def scenario_steady(tmp: str, quick: bool) -> dict[str, Any]:
+    seconds, warm = (60.0, 15.0) if quick else (600.0, 60.0)
+    print(f"steady for {seconds:.0f} s at 300 requests/s (warm-up {warm:.0f} s)", flush=True)
+    base = {"tmp": tmp, "per": 5, "distinct": True, "data": os.path.join(tmp, "data")}
+    agent = Proc({**base, "mode": "agent"})
+    try:
+        r = agent.ask("paced", seconds=seconds, rate=300.0)
+    finally:
+        agent.close()
+    after_warm = [b for t, b in r["samples"] if t >= warm]
+    growth = (max(after_warm) - after_warm[0]) / MB if after_warm else 0.0
+    say(f"RSS growth after the first {warm:.0f} s", f"{growth:+.2f} MB", "<= 1 MB", growth <= 1.0)
+    return {"growth_mb": growth, "requests": r["n"]}
+
+
+def scenario_startup(tmp: str, quick: bool) -> dict[str, Any]:
+    print("start-up", flush=True)
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", os.path.join(ROOT, "src")],
+        capture_output=True,
+        check=False,
+    )
+    code = (
+        "import time; t = time.perf_counter(); import perfsleuth.agent; "
+        "print((time.perf_counter() - t) * 1e3)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERFSLEUTH_")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    times = [
+        float(
+            subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+            ).stdout
+        )
+        for _ in range(9)
+    ]
+    imp = statistics.median(times)
+    say("import perfsleuth.agent", f"{imp:.1f} ms", "<= 20 ms", imp <= 20)
+    firsts: dict[str, list[float]] = {"bare": [], "perfsleuth run": []}
+    app_dir = os.path.join(tmp, "gapp")
+    os.makedirs(app_dir)
+    with open(os.path.join(app_dir, "gapp.py"), "w") as fh:
+        fh.write(
+            "def app(environ, start_response):\n"
+            "    start_response('200 OK', [('Content-Type', 'text/plain')])\n"
+            "    return [b'ok']\n"
+        )
+    bindir = os.path.dirname(sys.executable)
+    for k in range(3 if quick else 5):
+        for name in ("bare", "perfsleuth run"):
+            firsts[name].append(first_response(name, app_dir, bindir, env, tmp, k))
+    b, a = statistics.median(firsts["bare"]), statistics.median(firsts["perfsleuth run"])
+    say("gunicorn first response, bare", f"{b * 1e3:.0f} ms", "", None)
+    say(
+        "... under perfsleuth run",
+        f"{a * 1e3:.0f} ms ({(a - b) * 1e3:+.0f} ms)",
+        "<= +100 ms",
+        a - b <= 0.1,
+    )
+    return {"import_ms": imp, "gunicorn_bare_s": b, "gunicorn_run_s": a}
+
+
+def first_response(
+    name: str, app_dir: str, bindir: str, env: dict[str, str], tmp: str, k: int
+) -> float:
+    import http.client
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [os.path.join(bindir, "gunicorn"), "-w", "1", "-b", f"127.0.0.1:{port}", "gapp:app"]
+    if name != "bare":
+        data = os.path.join(tmp, f"gdata{k}")
+        cmd = [os.path.join(bindir, "perfsleuth"), "run", "--data", data, "--", *cmd]
+    t = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=app_dir,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/")
+                if conn.getresponse().status == 200:
+                    return time.perf_counter() - t
+            except OSError:
+                pass
+            if time.perf_counter() - t > 60:
+                raise RuntimeError(f"{name}: gunicorn never answered")
+            time.sleep(0.002)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+SCENARIOS = {
+    "distinct": scenario_distinct,
+    "stall": scenario_stall,
+    "burst": scenario_burst,
+    "fullfs": scenario_fullfs,
+    "steady": scenario_steady,
+    "startup": scenario_startup,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="shorter runs (each says by how much)")
+    ap.add_argument("--only", default="", help="comma list of: " + ", ".join(SCENARIOS))
+    ap.add_argument("--json", default="", help="write the figures to this file")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        run_child(json.loads(args.child))
+        return
+    names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
+    results: dict[str, Any] = {}
+    print(
+        f"perfsleuth pressure benchmark{' (--quick)' if args.quick else ''}: "
+        f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs",
+        flush=True,
+    )
+    for name in names:
+        tmp = tempfile.mkdtemp(prefix=f"pressure-{name}-")
+        try:
+            results[name] = SCENARIOS[name](tmp, args.quick)
+        except Exception as e:  # one broken scenario must not hide the others' figures
+            say(name, f"failed: {type(e).__name__}: {e}", "", False)
+            results[name] = {"error": str(e)}
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    missed = [line for line in LINES if line.endswith("MISSED")]
+    print(f"\n{len(missed)} target(s) missed" if missed else "\nevery target met")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
