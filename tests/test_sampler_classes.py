@@ -377,3 +377,25 @@ def test_cpu_starved_reports_a_real_cgroup_quota(tmp_path: Path) -> None:
     assert f.evidence["cgroup_throttled_share"] >= 0.5, f.evidence
     assert f.evidence["cpus"] == 0.2
     assert "CPU quota throttled it" in f.title
+
+
+def test_a_forked_child_closes_the_schedstat_files_it_inherited() -> None:
+    import threading
+
+    from perfsleuth.agent.config import Config as AgentConfig
+
+    s = sampler.Sampler(AgentConfig())
+    me = threading.get_ident()
+    assert s._sched(me) is not None  # a thread's counters, from its open schedstat file
+    fd = s.fds[me]
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's file must be closed
+        try:
+            os.fstat(fd)
+            os._exit(1)
+        except OSError:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    os.fstat(fd)  # still open in the parent
+    s._forget(set())

@@ -44,6 +44,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from types import FrameType
 from typing import Any
 
@@ -262,6 +263,19 @@ class _Tracked:
         self.children_at = 0
 
 
+_samplers: weakref.WeakSet[Sampler] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's threads: close the schedstat files it inherited
+    (registered before agent.evidence's hook, which then starts a new sampler)."""
+    for s in list(_samplers):
+        s._forget(set())
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Sampler:
     def __init__(self, cfg: Config) -> None:
         self.after_ns = int(cfg.sample_after_ms * 1e6)
@@ -282,6 +296,7 @@ class Sampler:
         self.cpus = cpus_available(self.cg_dir)
         self.figures_at = 0
         self.shipped: dict[str, int] = {}
+        _samplers.add(self)
 
     def tick(self, frames: dict[int, FrameType] | None = None) -> None:
         now = _perf()
