@@ -2,7 +2,10 @@
 
 The agent ships them as JSON records (wire.SAMPLES, wire.BLOCKER, wire.GC; see
 perfsleuth.agent.sampler / watchdog / gcwatch). Values are coerced like requests are: a bad
-field becomes NULL, a record that is not an object is skipped, nothing raises.
+field becomes NULL, a record that is not an object is skipped, nothing raises. A sample's
+``state`` is kept as sent (agent.sampler's cpu, starved, gil, wait or call). The sampler's
+process figures (run-queue and throttled time) come as STATS counters into ``agent_stats``
+(store.ingest), not through here.
 """
 
 from __future__ import annotations
