@@ -216,7 +216,10 @@ def drive(plan: Iterable[tuple[Callable[[], int], int]], threads: int = 1) -> di
                 call = next(it, None)
             if call is None:
                 return
-            status = call()
+            try:
+                status = call()
+            except Exception:  # a request that could not be made counts as status 0
+                status = 0
             with lock:
                 statuses[status] = statuses.get(status, 0) + 1
 
