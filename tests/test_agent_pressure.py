@@ -238,3 +238,36 @@ def test_starting_the_agent_imports_only_what_it_runs(tmp_path: Path) -> None:
         "from perfsleuth.agent import shipper\n"
         "assert shipper._mp_hook in multiprocessing.util._afterfork_registry.values()"
     )
+
+
+def test_perfsleuth_run_execs_the_command_without_importing_the_cli(tmp_path: Path) -> None:
+    from perfsleuth.cli.entry import run_args
+
+    assert run_args(["--data", "d", "--service=s", "--", "gunicorn", "app:app"]) == (
+        "d",
+        "s",
+        ["gunicorn", "app:app"],
+    )
+    assert run_args(["--help"]) is None and run_args(["--data", "d", "--"]) is None
+    # the launcher process imports neither typer nor the store before it execs the command
+    probe = (
+        "import sys\n"
+        "sys.argv = ['perfsleuth', 'run', '--data', sys.argv[1], '--', sys.executable, '-c',"
+        " 'import perfsleuth.agent as ps; print(ps.started())']\n"
+        "import perfsleuth.cli.entry as e\n"
+        "import os\n"
+        "real_execve = os.execve\n"
+        "def execve(path, args, env):\n"
+        "    print([m for m in ('typer', 'rich', 'duckdb') if m in sys.modules], flush=True)\n"
+        "    real_execve(path, args, env)\n"
+        "os.execve = execve\n"
+        "e.main()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "True"], out.stdout
