@@ -18,8 +18,9 @@ requests in flight; CPython's own callback machinery costs ~1.6 µs a collection
 a no-op callback), a few per request at most.
 
 The size of the heap a full collection scans is sampled by the evidence thread, after a full
-collection, at most every ``HEAP_EVERY_S`` (``len(gc.get_objects())`` walks the heap like a
-collection does): ``stats["gc_heap_objects"]``, shipped as a STATS record (agent_stats).
+collection that hit a request, at most every ``HEAP_EVERY_S`` (``len(gc.get_objects())``
+walks the heap like a collection does): ``stats["gc_heap_objects"]``, shipped as a STATS
+record (agent_stats).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def _callback(phase: str, info: dict[str, Any]) -> None:
         gen = info.get("generation", -1)
         if gen == 2:
             stats["gc_full_collections"] += 1
-            _heap_due[0] = True
+            if recorder.inflight:  # a process serving nothing (a server's master) ships none
+                _heap_due[0] = True
         charged = _current_get()
         if charged is not None and not charged.end:  # (end set: a context that outlived it)
             charged.gc_ns += dur
