@@ -261,3 +261,49 @@ def test_a_blocker_is_named_by_its_handler_not_by_the_script_that_started_the_se
     assert f.title.startswith("import_feed (app/main.py:40) blocked the event loop in POST /import")
     assert "<module>" not in f.title and "parse (feeds.py:1" in f.title
     assert {x["line"] for x in f.evidence["lines"]} == {12, 14}
+
+
+def test_in_threads_a_collection_is_charged_to_the_thread_s_own_request(
+    agent_data_dir: str,
+) -> None:
+    """A WSGI-style server: one request per thread; the one whose allocations start the
+    collections is charged, the one waiting on the next thread is not."""
+    import gc
+
+    from perfsleuth.agent import gcwatch, recorder
+
+    assert gcwatch._installed  # the agent in this process watches collections
+    waiting_started, allocating_done = threading.Event(), threading.Event()
+    got: dict[str, Any] = {}
+
+    def waiter() -> None:
+        req = recorder.begin("web", "GET", "/wait")
+        assert req is not None
+        waiting_started.set()
+        allocating_done.wait(60)
+        recorder.end(req)
+        got["wait"] = req
+
+    def allocator() -> None:
+        waiting_started.wait(60)
+        req = recorder.begin("web", "POST", "/alloc")
+        assert req is not None
+
+        class Node:
+            def __init__(self) -> None:
+                self.me = self
+
+        junk = [Node() for _ in range(50_000)]  # young collections as they are made
+        del junk
+        gc.collect()  # and a full one
+        recorder.end(req)
+        got["alloc"] = req
+        allocating_done.set()
+
+    threads = [threading.Thread(target=waiter), threading.Thread(target=allocator)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got["alloc"].gc_count >= 2 and got["alloc"].gc_ns > 0
+    assert got["wait"].gc_count == 0 and got["wait"].gc_ns == 0
