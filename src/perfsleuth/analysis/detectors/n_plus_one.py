@@ -27,28 +27,19 @@ WITH cand AS (     -- statements issued more often than once per request somewhe
     GROUP BY ALL
     HAVING count(*) >= ? AND count(*) >= ? * approx_count_distinct(trace_id)
 ),
-pat AS (           -- the candidates' calls
-    SELECT endpoint, kind, fingerprint_id, site_id, site_key, trace_id, seq, offset_ms,
-        duration_ms, ts, stack_id
-    FROM (SELECT *, coalesce(site_id, -1) AS site_key FROM c) c
+pat AS (           -- the candidates' calls, each with the start of the next call (calls are
+                   -- numbered in the order they started)
+    SELECT p.endpoint, p.kind, p.fingerprint_id, p.site_id, p.site_key, p.trace_id, p.seq,
+        p.duration_ms, p.ts, p.stack_id, nx.offset_ms - p.offset_ms AS slot
+    FROM (SELECT *, coalesce(site_id, -1) AS site_key FROM c) p
         SEMI JOIN cand USING (endpoint, kind, fingerprint_id, site_key)
-),
-slot AS (          -- every call of those requests: the time from its start to the next call's
-    SELECT trace_id, seq,
-        lead(offset_ms) OVER (PARTITION BY trace_id ORDER BY offset_ms, seq) - offset_ms AS slot
-    FROM c SEMI JOIN (SELECT DISTINCT trace_id FROM pat) p USING (trace_id)
-),
-seq AS (
-    SELECT pat.*, slot.slot,
-        row_number() OVER (PARTITION BY trace_id, kind, fingerprint_id, site_key
-            ORDER BY offset_ms DESC, seq DESC) = 1 AS last_call
-    FROM pat JOIN slot USING (trace_id, seq)
+        LEFT JOIN (SELECT trace_id, seq, offset_ms FROM c) nx
+            ON nx.trace_id = p.trace_id AND nx.seq = p.seq + 1
 ),
 per AS (           -- one row per request x call kind x statement x call site
     SELECT endpoint, kind, fingerprint_id, any_value(site_id) AS site_id, trace_id,
         count(*) AS n, sum(duration_ms) AS ms, min(ts) AS ts,
         any_value(stack_id) AS stack_id,    -- later calls of a site may carry no stack
-        list(DISTINCT stack_id) FILTER (WHERE stack_id IS NOT NULL) AS stack_ids,
         -- What the loop costs: each of its calls with the work that follows it up to the
         -- next call of any statement (the ORM's and the driver's work around the query, the
         -- rest of the iteration), the last one without what follows the loop; less one of
@@ -56,11 +47,11 @@ per AS (           -- one row per request x call kind x statement x call site
         -- their own share, so two N+1s in one loop do not both count the whole loop. Never
         -- less than the calls' own time beyond the first (calls that overlap in time).
         greatest(
-            sum(CASE WHEN last_call THEN duration_ms ELSE slot END)
-                - median(CASE WHEN last_call THEN NULL ELSE slot END),
+            coalesce(sum(slot), 0) - coalesce(arg_max(slot, seq), 0)
+                + arg_max(duration_ms, seq) - coalesce(median(slot), 0),
             sum(duration_ms) - sum(duration_ms) / count(*)
         ) AS cost_ms
-    FROM seq
+    FROM pat
     GROUP BY endpoint, kind, fingerprint_id, site_key, trace_id
     HAVING count(*) >= ?
 ),
@@ -72,8 +63,6 @@ SELECT hit.endpoint, hit.kind, hit.fingerprint_id, any_value(hit.site_id) AS sit
     sum(cost_ms) AS cost_ms, median(cost_ms) AS cost_p50, median(req_ms) AS req_p50,
     -- the stack of the worst request (a helper's site can be reached from several loops)
     max_by(stack_id, (n, stack_id)) FILTER (WHERE stack_id IS NOT NULL) AS stack_id,
-    -- every stack seen (the places the calls come from, when they part ways)
-    list_distinct(flatten(list(stack_ids))) AS stack_ids,
     min(ts) AS first_ts, max(ts) AS last_ts,
     max_by(trace_id, (n, trace_id), 3) AS examples,
     any_value(ep.requests) AS ep_requests, any_value(ep.total_ms) AS ep_total_ms
@@ -81,6 +70,16 @@ FROM hit JOIN ep USING (endpoint)
 GROUP BY hit.endpoint, hit.kind, hit.fingerprint_id, coalesce(hit.site_id, -1)
 HAVING count(*) >= ? AND count(*) >= ? * any_value(ep.requests)
     AND (sum(cost_ms) / count(*) >= ? OR sum(cost_ms) >= ? * sum(req_ms) OR median(n) >= ?)
+"""
+
+# Every stack the calls of the reported patterns carry (a few dozen at most): where they come
+# from, when they part ways. Apart from _SQL: only the reported patterns need them.
+_STACKS = """
+SELECT endpoint, kind, fingerprint_id, coalesce(site_id, -1) AS site_key,
+    list(DISTINCT stack_id ORDER BY stack_id)[:64] AS stack_ids
+FROM c
+WHERE list_contains(?, fingerprint_id) AND stack_id IS NOT NULL
+GROUP BY ALL
 """
 
 _SUGGEST = {
@@ -121,9 +120,19 @@ def detect(ctx: Context) -> list[Finding]:
     )
     if not rows:
         return []
-    stacks = frames.stacks(
-        ctx.store, (i for r in rows for i in [r["stack_id"], *(r["stack_ids"] or [])])
-    )
+    seen_by = {
+        (s["endpoint"], s["kind"], s["fingerprint_id"], s["site_key"]): s["stack_ids"]
+        for s in ctx.query(_STACKS, [sorted({r["fingerprint_id"] for r in rows})])
+    }
+    for r in rows:
+        key = (
+            r["endpoint"],
+            r["kind"],
+            r["fingerprint_id"],
+            -1 if r["site_id"] is None else r["site_id"],
+        )
+        r["stack_ids"] = seen_by.get(key) or []
+    stacks = frames.stacks(ctx.store, (i for r in rows for i in [r["stack_id"], *r["stack_ids"]]))
     sites = frames.locations(ctx.store, (r["site_id"] for r in rows))
     fps = ctx.fingerprints({r["fingerprint_id"] for r in rows})
     out = []
@@ -135,7 +144,7 @@ def detect(ctx: Context) -> list[Finding]:
             continue  # cache reads in a row without a loop in sight: not worth a finding
         # A helper reached from several loops: every loop's line. Without a loop in sight,
         # the lines of the caller's code where the calls part ways.
-        seen = [stacks[i] for i in sorted(r["stack_ids"] or []) if i in stacks]
+        seen = [stacks[i] for i in r["stack_ids"] if i in stacks]
         paths = [frames.app_frames(s, site) for s in seen]
         lines: list[frames.Frame] = []
         how: str | None = None
