@@ -83,6 +83,8 @@ def write_project(
     database: str,
     debug: bool = False,
     extra_middleware: list[str] | None = None,
+    urls: str = URLS,
+    extra_settings: str = "",
 ) -> None:
     """``root/proj`` (settings, urls, wsgi) and ``root/manage.py``."""
     (root / "proj").mkdir(parents=True)
@@ -91,8 +93,9 @@ def write_project(
         SETTINGS.format(
             debug=debug, apps=apps, database=database, extra_middleware=extra_middleware or []
         )
+        + extra_settings
     )
-    (root / "proj" / "urls.py").write_text(URLS)
+    (root / "proj" / "urls.py").write_text(urls)
     (root / "proj" / "wsgi.py").write_text(WSGI)
     (root / "manage.py").write_text(MANAGE)
 

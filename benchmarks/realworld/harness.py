@@ -292,6 +292,9 @@ class Expect:
     problem: str  # a few words for the table
     also: tuple[str, ...] = ()  # other endpoints the same documented code runs on
     other_lines: tuple[int, ...] = ()  # lines of the same file the same fix changed
+    # Other (file suffix, line) places that name the same problem, e.g. the template line of
+    # the loop that runs it.
+    other_places: tuple[tuple[str, int], ...] = ()
     # The documented problem's statements (prefixes of the fingerprint), when the endpoint
     # has other findings of the same kind that the fix did not touch; empty: any statement.
     statements: tuple[str, ...] = ()
@@ -359,6 +362,12 @@ def judge(
     ]
     result.found = bool(hits)
     lines = {expect.line, *expect.other_lines}
+
+    def documented(file: str, line: Any) -> bool:
+        if file.endswith(expect.file_suffix) and line in lines:
+            return True
+        return any(file.endswith(sfx) and line == ln for sfx, ln in expect.other_places)
+
     result.line_ok = False
     for f in hits:
         site = f.get("callsite") or {}
@@ -369,7 +378,7 @@ def judge(
         )
         if at_site:
             result.line_ok, result.line_where = True, "call site"
-        elif any(fl.endswith(expect.file_suffix) and ln in lines for fl, ln in locations(f)):
+        elif any(documented(fl, ln) for fl, ln in locations(f)):
             result.line_ok = True
             result.line_where = result.line_where or "evidence"
     if result.role == "fixed":

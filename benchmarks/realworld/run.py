@@ -33,7 +33,7 @@ from pathlib import Path
 
 import harness
 
-CASES = ["admin_index", "starlette_admin", "auditlog", "appbuilder", "sqladmin"]
+CASES = ["admin_index", "starlette_admin", "auditlog", "appbuilder", "sqladmin", "wagtail"]
 
 
 def main() -> int:

@@ -1,0 +1,148 @@
+"""Wagtail 5.0.5: the admin's users index runs a profile query per user listed; 5.1 joins it.
+
+Documented in the Wagtail 5.1 changelog and release notes, "Fix: Avoid N+1 queries in users
+index view" (wagtail/wagtail commit a6c9409e03). In 5.0.x each row of the users index
+(``GET /admin/users/``, 20 users a page) shows the user's avatar: the ``{% avatar user=user %}``
+tag of wagtailusers/users/list.html (line 39, in the ``{% for user in users %}`` of line 34)
+calls ``avatar_url`` (wagtail/admin/templatetags/wagtailadmin_tags.py), whose
+``hasattr(user, "wagtail_userprofile")`` (line 710) loads the user's profile: one query per
+user. 5.1 adds ``select_related("wagtail_userprofile")`` to the view's queryset.
+
+Served as a user would: a Wagtail 5 site (Django 4.2, SQLite) under gunicorn (2 sync workers),
+120 editors (a third of them with a profile), a superuser browsing the users index pages (the
+buggy page), the dashboard, the page explorer and the groups index (the clean pages).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import django_site
+import harness
+from harness import Client, Expect, RunResult, Server
+
+APP = "wagtail"
+BUGGY, FIXED = "5.0.5", "5.1"
+PROBLEM = "N+1: a profile query per user listed"
+EXPECT = Expect(
+    kinds=("n_plus_one",),
+    endpoint="GET /admin/users/",
+    file_suffix="wagtail/admin/templatetags/wagtailadmin_tags.py",
+    line=710,  # avatar_url: hasattr(user, "wagtail_userprofile")
+    other_lines=(711, 713),
+    other_places=(("wagtailusers/users/list.html", 39), ("wagtailusers/users/list.html", 34)),
+    problem=PROBLEM,
+)
+CLEAN = ["GET /admin/", "GET /admin/pages/", "GET /admin/groups/"]
+ROUNDS = 25
+
+REQUIREMENTS = ["Django==4.2.16", "gunicorn==23.0.0"]
+
+APPS = [
+    "wagtail.users",
+    "wagtail.snippets",
+    "wagtail.documents",
+    "wagtail.images",
+    "wagtail.sites",
+    "wagtail.admin",
+    "wagtail",
+    "modelcluster",
+    "taggit",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+]
+
+URLS = """\
+from django.urls import include, path
+from wagtail import urls as wagtail_urls
+from wagtail.admin import urls as wagtailadmin_urls
+
+urlpatterns = [path("admin/", include(wagtailadmin_urls)), path("", include(wagtail_urls))]
+"""
+
+EXTRA_SETTINGS = """
+WAGTAIL_SITE_NAME = "Realworld"
+WAGTAILADMIN_BASE_URL = "http://127.0.0.1"
+"""
+
+SEED = """\
+import django
+
+django.setup()
+
+from django.contrib.auth.models import Group, User
+from wagtail.users.models import UserProfile
+
+User.objects.create_superuser("admin", "admin@example.com", "admin-pass")
+editors = Group.objects.get(name="Editors")
+for i in range(120):
+    user = User.objects.create_user(
+        f"editor{{i:03d}}", f"editor{{i}}@example.com", "pw", first_name="Ed", last_name=str(i)
+    )
+    user.groups.add(editors)
+    if i % 3 == 0:
+        UserProfile.objects.create(user=user, preferred_language="en")
+print("seeded", User.objects.count(), "users", UserProfile.objects.count(), "profiles")
+"""
+
+
+def run(role: str, workdir: Path) -> RunResult:
+    version = BUGGY if role == "buggy" else FIXED
+    result = RunResult(APP, version, role, PROBLEM)
+    venv = harness.app_venv(f"wagtail-{version}", [f"wagtail=={version}", *REQUIREMENTS])
+    proj = workdir / "site"
+    django_site.write_project(
+        proj, APPS, django_site.SQLITE, urls=URLS, extra_settings=EXTRA_SETTINGS
+    )
+    (proj / "seed.py").write_text(SEED.format())
+    py = str(venv / "bin" / "python")
+    env = {"REALWORLD_DB": str(workdir / "db.sqlite3"), "DJANGO_SETTINGS_MODULE": "proj.settings"}
+    server = None
+    try:
+        django_site.manage(py, proj, env, "migrate", "-v", "0")
+        subprocess.run([py, "seed.py"], cwd=proj, env={**os.environ, **env}, check=True)
+        port = harness.free_port()
+        data = workdir / "data"
+        server = Server(
+            [str(venv / "bin" / "gunicorn"), "-w", "2", "-b", f"127.0.0.1:{port}", "proj.wsgi"],
+            data=data,
+            port=port,
+            cwd=proj,
+            env={**env, "PERFSLEUTH_SERVICE": "wagtail"},
+        )
+        server.wait_ready("/admin/login/")
+        admin = Client(port)
+        admin.django_login("admin", "admin-pass")
+        pages = iter(range(10**6))
+
+        def users() -> int:
+            return admin.get(f"/admin/users/?p={1 + next(pages) % 6}")
+
+        traffic = harness.drive(
+            [
+                (users, ROUNDS),
+                (lambda: admin.get("/admin/"), ROUNDS),
+                (lambda: admin.get("/admin/pages/"), ROUNDS),
+                (lambda: admin.get("/admin/groups/"), ROUNDS),
+            ]
+        )
+        if set(traffic["statuses"]) != {200}:
+            result.error = f"unexpected statuses {traffic['statuses']}"
+        server.stop()
+        result.requests = harness.requests_by_endpoint(data)
+        result.findings = harness.perfsleuth_json("findings", "--limit", "100", data=data)
+        harness.judge(result, EXPECT, CLEAN, {ep: ROUNDS for ep in [EXPECT.endpoint, *CLEAN]})
+    except Exception as e:  # a case that cannot run is a failed case, with the reason
+        result.error = f"{type(e).__name__}: {e}"
+        if server is not None:
+            result.error += f" | server log: {server.tail(600)}"
+    finally:
+        if server is not None:
+            server.stop()
+    return result
