@@ -307,3 +307,63 @@ def test_in_threads_a_collection_is_charged_to_the_thread_s_own_request(
         t.join(60)
     assert got["alloc"].gc_count >= 2 and got["alloc"].gc_ns > 0
     assert got["wait"].gc_count == 0 and got["wait"].gc_ns == 0
+
+
+FEED_APP = """\
+import functools
+import json
+
+
+def cached(fn):
+    @functools.wraps(fn)
+    async def wrapper(*args):
+        return await fn(*args)  # WRAPPER
+
+    return wrapper
+
+
+@cached
+async def import_feed(raw):
+    rows = [row for row in parse(raw)]  # HANDLER
+    return rows
+
+
+def parse(raw):
+    return json.loads(raw)  # DEEP
+"""
+
+
+def test_a_blocker_is_named_by_the_coroutine_that_made_the_call_not_by_its_decorator(
+    tmp_path: Path,
+) -> None:
+    """An app's own decorator around the endpoint is called by the framework too: the line to
+    wrap in to_thread is the innermost ``async def``'s (read from the source), not the
+    wrapper's ``await``; a comprehension inside the coroutine is not a coroutine of its own."""
+    src = tmp_path / "feeds.py"
+    src.write_text(FEED_APP)
+    lines = {m: i for i, s in enumerate(FEED_APP.splitlines(), 1) for m in ("WRAPPER",
+             "HANDLER", "DEEP") if f"# {m}" in s}  # fmt: skip
+    data = tmp_path / "data"
+    w = SegmentWriter(str(data))
+    stack = w.stack([
+        ("/venv/site-packages/fastapi/routing.py", 212, "run_endpoint_function", False),
+        (str(src), lines["WRAPPER"], "cached.<locals>.wrapper", True),
+        (str(src), lines["HANDLER"], "import_feed", True),
+        (str(src), lines["HANDLER"], "import_feed.<locals>.<listcomp>", True),
+        (str(src), lines["DEEP"], "parse", True),
+        ("/usr/lib/python3.11/json/decoder.py", 353, "raw_decode", False),
+    ])  # fmt: skip
+    for i in range(2):
+        trace = f"{i + 1:016x}"
+        w.request("POST /feeds", trace_id=trace, dur_ms=400)
+        w.event(
+            b"B",
+            {"ts": time.time_ns(), "dur": 300_000_000, "delayed": 0, "id": trace,
+             "endpoint": "POST /feeds", "stacks": [[stack, 5]]},
+        )  # fmt: skip
+    w.close()
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+    (f,) = findings(data, ["event_loop_blocker"])
+    assert f.callsite == {"file": str(src), "line": lines["HANDLER"], "function": "import_feed"}
+    assert f"parse (feeds.py:{lines['DEEP']})" in f.title

@@ -2,22 +2,26 @@
 
 The agent's watchdog records every block of PERFSLEUTH_LOOP_BLOCK_MS or more with the loop
 thread's most common stack, the request whose code ran and the other requests it delayed.
-Blockers are grouped by endpoint and handler: the application frame the framework called, the
-innermost frame of application code entered from library code (in an ``async def`` endpoint,
-the handler's line that made the synchronous call: the line to wrap in ``asyncio.to_thread``
-or to make ``def``; frames of the app above it, such as the script that started the server,
-are not where the fix goes). The finding points at that line, names the deepest application
-line (where the time went) as evidence and lists the others, with count, total and longest
-block, requests delayed, and what the last call before the block returned (a large result
-parsed on the loop).
+Blockers are grouped by endpoint and handler: the innermost application frame in an ``async
+def`` (read from the source: a coroutine's line that made the synchronous call, the line to
+wrap in ``asyncio.to_thread`` or to make ``def``), or, where the source cannot be read or no
+coroutine of the application is on the stack, the innermost application frame called from
+library code (the function the framework called). Frames of the app above it, such as the
+script that started the server, are not where the fix goes. The finding points at the
+handler's line, names the deepest application line (where the time went) as evidence and lists
+the others, with count, total and longest block, requests delayed, and what the last call
+before the block returned (a large result parsed on the loop).
 """
 
 from __future__ import annotations
 
+import ast
+import os
 from collections import Counter
+from functools import lru_cache
 from typing import Any
 
-from perfsleuth.analysis import frames, text
+from perfsleuth.analysis import frames, loops, text
 from perfsleuth.analysis.detectors import register
 from perfsleuth.analysis.findings import Context, Finding, file_key, iso, stable_id
 
@@ -33,14 +37,52 @@ WHERE (? IS NULL OR b.ts >= ?) AND (? IS NULL OR {_ENDPOINT} = ?)
 
 
 def handler_frame(stack: list[frames.Frame]) -> frames.Frame | None:
-    """The innermost application frame called from library code (outermost first): the
-    handler the framework called, whose line made the call that blocked; None without
-    application frames."""
-    found = None
+    """The frame whose line made the call that blocked (``stack`` outermost first): the
+    innermost application frame running an ``async def``, else the innermost application
+    frame called from library code; None without application frames."""
+    entry = None
     for i, f in enumerate(stack):
         if f.app and (i == 0 or not stack[i - 1].app):
-            found = f
-    return found
+            entry = f
+    for f in reversed(stack):
+        if f.app and in_async_def(f.file, f.line, f.function):
+            return f
+    return entry
+
+
+def in_async_def(file: str | None, line: int | None, function: str | None) -> bool:
+    """Whether ``line`` of ``file`` is in the body of an ``async def`` named like
+    ``function`` (the last part of a qualified name; a comprehension's or lambda's frame is
+    not its function's). False when the source cannot be read."""
+    path = loops.resolve(file)
+    if path is None or line is None or not function:
+        return False
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError:
+        return False
+    defs = _function_defs(path, mtime)
+    # the innermost function around the line: the latest to start of those containing it
+    inner = max((d for d in defs if d[0] <= line <= d[1]), default=None)
+    return inner is not None and inner[3] and inner[2] == function.rsplit(".", 1)[-1]
+
+
+@lru_cache(maxsize=256)
+def _function_defs(path: str, mtime_ns: int) -> tuple[tuple[int, int, str, bool], ...]:
+    """(first body line, last line, name, async) of every function of a source file."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), path)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return ()
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            name = getattr(node, "name", "<lambda>")
+            first = node.body[0].lineno if isinstance(node.body, list) else node.lineno
+            last = node.end_lineno or node.lineno
+            out.append((first, last, name, isinstance(node, ast.AsyncFunctionDef)))
+    return tuple(out)
 
 
 @register(KIND)
