@@ -56,9 +56,11 @@ _perf = time.perf_counter_ns
 CHUNK = 100  # samples per record while a request is still in flight
 MAX_TRACKED = 64  # requests sampled at once; more slow requests in flight are skipped
 FIGURES_EVERY_NS = 1_000_000_000  # process figures (STATS) at most this often
-# A loop's tasks are listed (to find the tasks each awaiting request started) at most this
-# often, and not at all past MAX_TASKS_LISTED tasks: it costs about 1 us a task.
-CHILDREN_EVERY_NS = 250_000_000
+# A loop's tasks are listed (to find the tasks each awaiting request started) at most every
+# LIST_EVERY_NS, or LIST_NS_PER_TASK per task when there are many (a listing costs about 1 us a
+# task: at most 1 % of a core), and not at all past MAX_TASKS_LISTED (one listing holds the GIL).
+LIST_EVERY_NS = 50_000_000
+LIST_NS_PER_TASK = 100_000
 MAX_TASKS_LISTED = 2000
 
 CPU, STARVED, GIL, WAIT, CALL = "cpu", "starved", "gil", "wait", "call"
@@ -251,7 +253,7 @@ def cpus_available(cg_dir: str) -> float:
 
 
 class _Tracked:
-    __slots__ = ("children", "children_at", "req", "samples", "sent", "since", "taken")
+    __slots__ = ("req", "samples", "sent", "since", "taken")
 
     def __init__(self, req: recorder.ActiveRequest, since: int) -> None:
         self.req = req
@@ -259,8 +261,6 @@ class _Tracked:
         self.samples: list[tuple[int, str, tuple[Any, ...]]] = []  # (offset ns, state, flat)
         self.taken = 0
         self.sent = 0
-        self.children: list[Any] = []  # asyncio tasks the request started (weakly: see _kids)
-        self.children_at = 0
 
 
 _samplers: weakref.WeakSet[Sampler] = weakref.WeakSet()
@@ -286,8 +286,9 @@ class Sampler:
         self.seen: dict[int, tuple[int, int, int, int | None, int]] = {}
         self.fds: dict[int, int] = {}  # thread ident -> open schedstat file (-1: none)
         self.states: dict[int, str | None] = {}  # this tick's state per thread
-        # id(loop) -> (when listed, id(request) -> tasks started in its context)
-        self.loop_tasks: dict[int, tuple[int, dict[int, list[Any]]]] = {}
+        # id(loop) -> (when listed, when to list again, id(request) -> tasks started in its
+        # context)
+        self.loop_tasks: dict[int, tuple[int, int, dict[int, list[Any]]]] = {}
         self.schedstat = os.path.isdir("/proc/self/task")
         # Process figures shipped as STATS counters (cumulative over this process's life).
         self.figures = {"sched_run_ns": 0, "sched_queue_ns": 0, "sched_wall_ns": 0}
@@ -383,31 +384,28 @@ class Sampler:
 
     def _kids(self, t: _Tracked, now: int) -> list[Any]:
         """Unfinished tasks started in the request's context, other than its own. One listing
-        of a loop's tasks serves every request awaiting on it for CHILDREN_EVERY_NS."""
+        of a loop's tasks serves every request awaiting on it until it is due again."""
         req = t.req
-        if now - t.children_at >= CHILDREN_EVERY_NS:
-            t.children_at = now
+        try:
+            loop = req.task.get_loop()
+        except Exception:
+            return []
+        at, due, by_req = self.loop_tasks.get(id(loop), (0, 0, {}))
+        # A listing from before this request was first sampled may predate its tasks.
+        if now >= due or at < t.since:
+            by_req = {}
             try:
-                loop = req.task.get_loop()
+                tasks = asyncio.all_tasks(loop)
             except Exception:
-                loop = None
-            at, by_req = self.loop_tasks.get(id(loop), (0, {}))
-            # A listing from before this request was first sampled may predate its tasks.
-            if loop is not None and (now - at >= CHILDREN_EVERY_NS or at < t.since):
-                by_req = {}
-                try:
-                    tasks = asyncio.all_tasks(loop)
-                except Exception:
-                    tasks = set()
-                if len(tasks) <= MAX_TASKS_LISTED:
-                    for k in tasks:
-                        r = _request_of(k)
-                        if r is not None and k is not getattr(r, "task", None):
-                            by_req.setdefault(id(r), []).append(k)
-                self.loop_tasks[id(loop)] = (now, by_req)
-            t.children = by_req.get(id(req), [])
-        t.children = [k for k in t.children if not k.done()]
-        return t.children
+                tasks = set()
+            if len(tasks) <= MAX_TASKS_LISTED:
+                for k in tasks:
+                    r = _request_of(k)
+                    if r is not None and k is not getattr(r, "task", None):
+                        by_req.setdefault(id(r), []).append(k)
+            due = now + max(LIST_EVERY_NS, len(tasks) * LIST_NS_PER_TASK)
+            self.loop_tasks[id(loop)] = (now, due, by_req)
+        return [k for k in by_req.get(id(req), ()) if not k.done()]
 
     def _parked_flat(self, t: _Tracked, now: int) -> tuple[Any, ...]:
         """Where an awaiting request waits: its own await chain, or the chain of the task it
