@@ -30,6 +30,7 @@ from perfsleuth.analysis import Config, find, frames, loops
 from perfsleuth.analysis.findings import Finding
 from perfsleuth.analysis.frames import Frame
 from perfsleuth.store.duckdb_store import DuckDBStore
+from spoolwrite import SegmentWriter, call
 from test_detectors import line_of
 from zoo.harness import Server, free_port
 
@@ -301,3 +302,66 @@ def test_template_loops_from_the_stack_or_the_template(sources: dict[str, Any]) 
     # A template line outside any loop is no loop.
     footer = Frame(3, t, 10, "{{ footer }}", True)
     assert frames.looping_frame([view, footer], None) == (footer, False)
+
+
+MODELS = """\
+class Order:
+    @property
+    def total(self):
+        t = 0
+        for line in self.lines:
+            t += price_of(line)  # LOOP
+        return t
+
+
+def price_of(line):
+    return db.execute("SELECT price FROM prices WHERE sku = ?", (line.sku,))  # SITE
+"""
+
+
+def test_a_python_loop_under_a_template_expression_names_both(
+    sources: dict[str, Any], tmp_path: Path
+) -> None:
+    """The query loops in a model property that a template calls once per order: the line to
+    change is the property's loop; the template line is named as where it renders from."""
+    models = tmp_path / "models.py"
+    models.write_text(MODELS)
+    m, t = str(models), sources["tpl"]
+    loop_line, site_line = line_of(m, "# LOOP"), line_of(m, "# SITE")
+    stack = [
+        (
+            "/usr/lib/python3/site-packages/django/core/handlers/base.py",
+            181,
+            "_get_response",
+            False,
+        ),
+        (sources["views"], sources["line"]("OTHER"), "card", True),
+        (t, 2, "{% for order in orders %}", True),
+        (t, 7, "{{ order.total }}", True),
+        (m, loop_line, "Order.total", True),
+        (m, site_line, "price_of", True),
+    ]
+    data = tmp_path / "data"
+    w = SegmentWriter(str(data))
+    for _ in range(4):
+        calls = [
+            call(text="SELECT price FROM prices WHERE sku = ?", dur_ms=0.5, off_ms=1.0 * i,
+                 site=stack[-1][:3], stack=stack if i == 0 else None, ph=i)
+            for i in range(25)
+        ]  # fmt: skip
+        w.request("GET /orders", dur_ms=40.0, calls=calls)
+    w.close()
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+        [f] = find(store, config=Config(), kinds=["n_plus_one"])
+    assert f.callsite == {"file": m, "line": loop_line, "function": "Order.total"}
+    assert f.evidence["template"] == {
+        "expression": {"file": t, "line": 7, "function": "{{ order.total }}"},
+        "loop": {"file": t, "line": 2, "function": "{% for order in orders %}"},
+    }
+    assert (
+        f"the loop in Order.total (models.py:{loop_line}) (rendering the template's "
+        "{{ order.total }} (orders.html:7) in {% for order in orders %} (orders.html:2))"
+    ) in f.title
+    # back-to-back calls of 0.5 ms every 1 ms: 24 of the 25 slots, 1 ms each, per request
+    assert f.evidence["loop_ms_per_request"] == pytest.approx(24 * 1.0 - 0.5, abs=0.01)

@@ -47,8 +47,8 @@ per AS (           -- one row per request x call kind x statement x call site
         -- their own share, so two N+1s in one loop do not both count the whole loop. Never
         -- less than the calls' own time beyond the first (calls that overlap in time).
         greatest(
-            coalesce(sum(slot), 0) - coalesce(arg_max(slot, seq), 0)
-                + arg_max(duration_ms, seq) - coalesce(median(slot), 0),
+            coalesce(sum(slot), 0) - arg_max(coalesce(slot, 0), seq)
+                + arg_max(coalesce(duration_ms, 0), seq) - coalesce(median(slot), 0),
             sum(duration_ms) - sum(duration_ms) / count(*)
         ) AS cost_ms
     FROM pat
@@ -188,7 +188,8 @@ def _finding(
     share_time = cost / r["ep_total_ms"] if r["ep_total_ms"] else 0.0
     per_request = cost / max(r["requests_hit"], 1)
     noun = {"db": "query", "http": "HTTP call", "cache": "cache call"}.get(r["kind"], "call")
-    if tpl is not None and len(lines) > 1 and all(frames.is_template(f) for f in lines):
+    in_template = loop is not None and frames.is_template(loop)
+    if in_template and tpl is not None and len(lines) > 1:
         # one statement from several lines of a template loop: each line, then the loop
         where = f"the template's {frames.lines_text(lines)}"
         if tpl.get("loop"):
@@ -196,13 +197,16 @@ def _finding(
             where += " in " + frames.label(
                 loop_site["file"], loop_site["line"], loop_site["function"]
             )
-    elif tpl is not None:
+    elif in_template and tpl is not None:
         where = f"the template's {frames.template_text(tpl)}"
     elif len(lines) > 1:
         where = "the loops in " if found else ""
         where += frames.lines_text(lines)
     else:
         where = f"the loop in {text.where(callsite)}" if found else f"{text.where(callsite)}"
+    if tpl is not None and not in_template:
+        # a Python loop (or none) under a template expression: name the template too
+        where += f" (rendering the template's {frames.template_text(tpl)})"
     title = (
         f"{r['endpoint']} repeats the {noun} `{text.statement(fp, 70)}` "
         f"{text.count(typical)} times per request (up to {text.count(r['max_n'])}) from {where}, "
