@@ -484,8 +484,8 @@ class Sampler:
             cur = read_cpu_stat(self.cg_dir)
             for k, v in cur.items():
                 counters[f"cgroup_{k}"] = max(0, v - self.cg_base.get(k, 0))
-        if counters == self.shipped:
-            return
+        if counters == self.shipped or (not self.shipped and not any(counters.values())):
+            return  # unchanged, or nothing to say yet (a gunicorn master never has)
         self.shipped = counters
         body = dict(counters)
         body["cpus_milli"] = int(self.cpus * 1000)

@@ -190,6 +190,13 @@ class DuckDBStore:
         done_bytes = 0  # of the segments before the current one
         reported = -1
         days = set(self._days())
+        # A segment continued past its fingerprint records still files their calls apart.
+        ing.remember_internal_fingerprints(
+            r[0]
+            for r in self._con.execute(
+                "SELECT id FROM fingerprints WHERE kind = 'db.internal'"
+            ).fetchall()
+        )
         seen: set[bytes] = set()
         batch = ing.Batch(seen)
         touched: set[str] = set()
@@ -838,11 +845,16 @@ class DuckDBStore:
         skip = {"queued", "service", "host"}
         for counters in per_proc.values():
             for k, v in counters.items():
-                if k not in skip:
+                if k not in skip and not k.startswith(_SCHED_COUNTERS):
                     out[k] = out.get(k, 0) + v
         out["dropped_total"] = sum(v for k, v in out.items() if k.startswith("dropped_"))
         out["last_error"] = last_error
         return out
+
+
+# STATS counters the sampler ships about CPU scheduling (cpu_starved reads them): figures of the
+# process, not counts of lost data.
+_SCHED_COUNTERS = ("sched_", "cgroup_", "cpus_", "load1_")
 
 
 def _attr_value(value: str | None, num: float | None) -> Any:
