@@ -14,6 +14,7 @@ a fixed amount of thread CPU time (not wall time), so the comparisons hold on a 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -367,3 +368,63 @@ def test_a_blocker_is_named_by_the_coroutine_that_made_the_call_not_by_its_decor
     (f,) = findings(data, ["event_loop_blocker"])
     assert f.callsite == {"file": str(src), "line": lines["HANDLER"], "function": "import_feed"}
     assert f"parse (feeds.py:{lines['DEEP']})" in f.title
+
+
+def test_a_block_is_charged_to_the_request_seen_running_most_often(agent_data_dir: str) -> None:
+    """The watchdog's last look at a block can come after the blocking step ended and before
+    its ping is answered (the loop first runs the callbacks queued ahead of the ping): it sees
+    the next task running. The block is the request seen on most looks, not on the last."""
+    import sys
+
+    from perfsleuth.agent import recorder, watchdog
+    from perfsleuth.agent.config import Config
+
+    a_blocking, release_a = threading.Event(), threading.Event()
+    b_blocking, release_b = threading.Event(), threading.Event()
+    reqs: dict[str, Any] = {}
+    loops: list[Any] = []
+
+    async def blocking(name: str, started: threading.Event, release: threading.Event) -> None:
+        started.set()
+        release.wait(30)  # the loop runs nothing else meanwhile
+        recorder.end(reqs[name])
+
+    async def main() -> None:
+        loops.append((asyncio.get_running_loop(), threading.get_ident()))
+        b_wakes: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def b() -> None:
+            reqs["b"] = recorder.begin("web", "GET", "/b")
+            await b_wakes
+            await blocking("b", b_blocking, release_b)
+
+        async def a() -> None:
+            reqs["a"] = recorder.begin("web", "POST", "/a")
+            b_wakes.set_result(None)  # b's step is queued before anything posted from now on
+            await blocking("a", a_blocking, release_a)
+
+        tb = asyncio.create_task(b())
+        await asyncio.sleep(0)
+        await asyncio.gather(asyncio.create_task(a()), tb)
+
+    runner = threading.Thread(target=lambda: asyncio.run(main()))
+    runner.start()
+    try:
+        assert a_blocking.wait(30)
+        loop, thread = loops[0]
+        entry = watchdog._Loop.__new__(watchdog._Loop)
+        entry.loop, entry.thread = loop, thread
+        wd = watchdog.Watchdog(Config())
+        block = watchdog._Block(time.perf_counter_ns())
+        for _ in range(3):  # the block, looked at while a's step blocks the loop
+            wd._observe(entry, block, sys._current_frames())
+        release_a.set()
+        assert b_blocking.wait(30)
+        wd._observe(entry, block, sys._current_frames())  # too late: b's step is running
+    finally:
+        release_a.set()
+        release_b.set()
+        runner.join(30)
+    assert reqs["a"] is not None and reqs["b"] is not None
+    assert block.req is reqs["a"]
+    assert block.delayed == {id(reqs["a"]), id(reqs["b"])}  # b counted as delayed

@@ -88,14 +88,23 @@ def task_request(task: Any) -> recorder.ActiveRequest | None:
 
 
 class _Block:
-    __slots__ = ("delayed", "req", "stacks", "start", "start_wall")
+    __slots__ = ("delayed", "reqs", "stacks", "start", "start_wall", "votes")
 
     def __init__(self, start: int) -> None:
         self.start = start
         self.start_wall = time.time_ns() - (_perf() - start)
         self.stacks: Counter[tuple[Any, ...]] = Counter()
-        self.req: recorder.ActiveRequest | None = None
+        # The request found running, tick by tick: the one seen most often is the block's.
+        # A tick can fall after the blocking step ended and before the ping is answered (the
+        # loop first runs the callbacks queued ahead of it): it sees another task.
+        self.votes: Counter[int] = Counter()
+        self.reqs: dict[int, recorder.ActiveRequest] = {}
         self.delayed: set[int] = set()
+
+    @property
+    def req(self) -> recorder.ActiveRequest | None:
+        top = self.votes.most_common(1)
+        return self.reqs[top[0][0]] if top else None
 
 
 class _Loop:
@@ -200,12 +209,13 @@ class Watchdog:
         for r in list(recorder.inflight.values()):
             if r.thread != e.thread:
                 continue
+            b.delayed.add(id(r))
             if r is req:
-                b.req = r
-                if r.keep is None:  # keep a replayable capture of the blocking request
+                b.votes[id(r)] += 1
+                b.reqs[id(r)] = r
+                # keep a replayable capture of the blocking request (the leading one)
+                if r.keep is None and b.req is r:
                     r.keep = "blocker"
-            else:
-                b.delayed.add(id(r))
 
     def _finish(self, e: _Loop, b: _Block) -> None:
         duration = max(e.lag, e.last - b.start)
