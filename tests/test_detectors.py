@@ -170,9 +170,11 @@ def test_every_finding_is_complete_and_its_examples_exist(
         for f in demo_findings:
             assert f.title and f.suggestion and f.first_seen and f.last_seen
             assert f.first_seen <= f.last_seen
-            assert 1 <= len(f.example_trace_ids) <= 3
+            service_wide = f.endpoint == "<service>"  # cpu_starved: the service's requests
+            assert (0 if service_wide else 1) <= len(f.example_trace_ids) <= 3
             for tid in f.example_trace_ids:
-                assert store.trace(tid)["endpoint"] == f.endpoint
+                trace = store.trace(tid)
+                assert service_wide or trace["endpoint"] == f.endpoint
 
 
 def test_upstream_latency_separates_their_time_from_ours(demo_findings: list[Finding]) -> None:
@@ -623,47 +625,6 @@ def test_outlier_tenant(synth: Any) -> None:
     assert ev["endpoint_p95_ms"] == pytest.approx(500.0)
     # the time beyond everyone else's average: 10 x (500 - 20)
     assert found[0].impact_ms_per_min == pytest.approx(4800.0)
-
-
-def test_outlier_tenant_needs_an_absolute_effect(synth: Any) -> None:
-    """The shape of test_outlier_tenant, on a sub-millisecond endpoint: same shares, a p95 drop
-    of 0.4 ms, which is no finding."""
-
-    def fill(w: SegmentWriter) -> None:
-        for i in range(100):
-            big = i % 10 == 0
-            w.request("GET /ping", dur_ms=0.5 if big else 0.1,
-                      tenant="megacorp" if big else f"t{i % 3}")  # fmt: skip
-
-    assert find(synth(fill), config=Config()) == []
-    tuned = Config()
-    tuned.apply("outlier_tenant.min_p95_drop_ms=0.1")
-    assert kinds_of(find(synth(fill), config=tuned)) == [("outlier_tenant", "GET /ping")]
-
-
-def test_outlier_tenant_needs_to_be_slow_as_a_rule(synth: Any) -> None:
-    """A tenant whose requests met a busy moment of the machine (5 of its 12 at 60 ms, the rest
-    as fast as everyone's): large shares and a large p95 drop, but their median is everyone's
-    median, so it is noise, not an outlier (seen on the demo's GET /health)."""
-
-    def fill(w: SegmentWriter, spikes: int) -> None:
-        for i in range(60):
-            odd = i % 5 == 0  # 12 requests
-            slow = odd and i // 5 < spikes
-            w.request("GET /health", dur_ms=60.0 if slow else 2.0 + (i % 3) * 0.1,
-                      tenant="t-odd" if odd else f"t{i % 3}")  # fmt: skip
-
-    assert find(synth(lambda w: fill(w, 5)), config=Config()) == []
-    # it is the median rule that tells them apart
-    lax = Config()
-    lax.apply("outlier_tenant.min_median_ratio=0")
-    assert kinds_of(find(synth(lambda w: fill(w, 5)), config=lax)) == [
-        ("outlier_tenant", "GET /health")
-    ]
-    # the same tenant slow on most of its requests is an outlier
-    [f] = find(synth(lambda w: fill(w, 9)), config=Config())
-    assert (f.kind, f.evidence["tenant"]) == ("outlier_tenant", "t-odd")
-    assert f.evidence["their_median_ms"] == pytest.approx(60.0)
 
 
 def test_chatty_endpoint_but_not_for_an_n_plus_one(synth: Any, src: dict) -> None:

@@ -131,6 +131,7 @@ def findings(
     t.add_column("#", justify="right", no_wrap=True)
     t.add_column("impact ms/min", justify="right", no_wrap=True)
     t.add_column("kind", no_wrap=True)
+    t.add_column("sure", no_wrap=True)
     t.add_column("endpoint", overflow="fold")
     t.add_column("finding", overflow="fold", ratio=1)
     t.add_column("id", no_wrap=True, style="dim")
@@ -139,6 +140,7 @@ def findings(
             Text(str(i)),
             Text(render.ms(f.impact_ms_per_min), style="bold"),
             Text(f.kind, style="yellow"),
+            Text(f.confidence or "-", style=_SURE.get(f.confidence or "", "")),
             Text(f.endpoint),
             Text(f.title),
             Text(f.id),
@@ -146,6 +148,9 @@ def findings(
     out.print(t)
     hint = _cmd("perfsleuth", "explain", shown[0].id, *_data_args(data))
     out.print(Text(f"Evidence and example traces: {hint}", style="dim"), soft_wrap=True)
+
+
+_SURE = {"high": "green", "medium": "yellow", "low": "red"}  # a finding's confidence
 
 
 # ---------------------------------------------------------------------------------- explain
@@ -213,6 +218,7 @@ def explain(
             f"ms per minute of traffic · seen {render.when(f.first_seen)} – "
             f"{render.when(f.last_seen)}"
         ),
+        Text(f"How sure: {f.confidence_note()}"),
     ]
     if f.callsite:
         line = Text("\nCode: ", style="bold")

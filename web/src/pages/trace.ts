@@ -122,17 +122,17 @@ export async function tracePage(root: HTMLElement, ctx: Ctx): Promise<void> {
       const k = site(leaf);
       const c = counts.get(k) ?? { n: 0, cpu: 0 };
       c.n++;
-      if (s.state === "cpu") c.cpu++;
+      if (s.state === "cpu" || s.state === "starved") c.cpu++; // computing, or waiting for a CPU
       counts.set(k, c);
     }
     const flame = h("div", { class: "flame-box" });
     if (t.profile) requestAnimationFrame(() => flame.append(flameGraph(t.profile!, Math.max(400, flame.clientWidth))));
     root.append(
       section(
-        `Stack samples (${fmtInt(t.stack_samples.length)}; red = on CPU, blue = in a recorded call, grey = waiting)`,
+        `Stack samples (${fmtInt(t.stack_samples.length)}; red = on CPU, orange = waiting for a CPU, purple = waiting for the GIL, blue = in a recorded call, grey = waiting)`,
         strip,
         flame,
-        h("table", { class: "grid" }, h("thead", {}, h("tr", {}, h("th", {}, "innermost application frame"), h("th", { class: "num" }, "samples"), h("th", { class: "num" }, "on CPU"))), h("tbody", {}, [...counts.entries()].sort((a, b) => b[1].n - a[1].n).map(([k, c]) => h("tr", {}, h("td", { class: "mono" }, k), h("td", { class: "num" }, fmtInt(c.n)), h("td", { class: "num" }, fmtInt(c.cpu)))))),
+        h("table", { class: "grid" }, h("thead", {}, h("tr", {}, h("th", {}, "innermost application frame"), h("th", { class: "num" }, "samples"), h("th", { class: "num" }, "on or waiting for a CPU"))), h("tbody", {}, [...counts.entries()].sort((a, b) => b[1].n - a[1].n).map(([k, c]) => h("tr", {}, h("td", { class: "mono" }, k), h("td", { class: "num" }, fmtInt(c.n)), h("td", { class: "num" }, fmtInt(c.cpu)))))),
       ),
     );
   }

@@ -148,6 +148,17 @@ def detect(ctx: Context) -> list[Finding]:
                     "load1": load,
                     **graded,
                 },
+                example_trace_ids=_most_starved(ctx, service),
             )
         )
     return out
+
+
+def _most_starved(ctx: Context, service: str, limit: int = 3) -> list[str]:
+    """The requests with the most samples that waited for a CPU: what to look at first."""
+    rows = ctx.store.query(
+        "SELECT trace_id, count(*) AS n FROM samples WHERE service = ? AND state = 'starved'"
+        " AND (? IS NULL OR ts >= ?) GROUP BY trace_id ORDER BY n DESC, trace_id LIMIT ?",
+        [service, ctx.cutoff, ctx.cutoff, limit],
+    )
+    return [r["trace_id"] for r in rows]
