@@ -34,7 +34,10 @@ VENV_CACHE = REPO / ".venvs" / "realworld"
 # The launcher and the analysis run from the project's own venv; the app runs from its venv.
 TOOLS_BIN = Path(sys.executable).parent
 PERFSLEUTH = str(TOOLS_BIN / "perfsleuth")
-APP_PYTHON = "python3.11"  # the agent's C accelerator is built for the project's interpreter
+# Apps run on the project's own interpreter (the agent's C accelerator is built for it); a
+# venv made from inside a venv is based on the same base interpreter.
+APP_PYTHON = sys.executable
+PYTHON_TAG = f"python{sys.version_info[0]}.{sys.version_info[1]}"
 
 
 def log(msg: str) -> None:
@@ -51,7 +54,7 @@ def app_venv(name: str, requirements: list[str]) -> Path:
     stdlib-only, and perfsleuth's own dependencies (FastAPI among them) could clash with the
     app's pins. The CLI that launches and analyses runs from the project's venv.
     """
-    key = hashlib.sha256("\n".join([APP_PYTHON, *sorted(requirements)]).encode()).hexdigest()[:10]
+    key = hashlib.sha256("\n".join([PYTHON_TAG, *sorted(requirements)]).encode()).hexdigest()[:10]
     venv = VENV_CACHE / f"{name}-{key}"
     ready = venv / ".ready"
     if ready.exists():
@@ -331,16 +334,15 @@ class RunResult:
         return not self.found and not self.false_alarms
 
 
-def judge(
-    result: RunResult, expect: Expect, clean: list[str], min_requests: dict[str, int]
-) -> None:
+def judge(result: RunResult, expect: Expect, min_requests: dict[str, int]) -> None:
     """Fill the verdict of ``result`` from its findings.
 
     Both releases: a finding of ``expect.kinds`` on ``expect.endpoint`` is the problem found; on
     the buggy release it must name ``expect.file_suffix:expect.line`` (as its call site or in its
-    evidence), on the fixed release it must be gone (from ``expect.also`` too). Any finding on a
-    clean endpoint is a false alarm. Other findings (other kinds on the affected endpoints, pages
-    that are neither) are listed, not judged: the documented bug is not all a real page does. Every
+    evidence), on the fixed release it must be gone (from ``expect.also`` too). Any finding on
+    another page (the clean ones driven, or a login page on the way) is a false alarm.
+    Other findings on the affected pages, and about the whole service, are listed, not judged:
+    the documented bug is not all a real page does. Every
     endpoint driven must have its requests stored, so that silence is never mistaken for a pass.
     """
     for ep, n in min_requests.items():
@@ -388,15 +390,20 @@ def judge(
             if f["kind"] in expect.kinds and f["endpoint"] in expect.also and not known(f)
         ]
         result.found = bool(hits)
+    affected = {expect.endpoint, *expect.also}
     for f in result.findings:
         text = f"{f['kind']} @ {f['endpoint']}: {f['title']}"
         why = known(f)
         if why:
             result.other.append(f"[not judged: {why}] {text}")
-        elif f["endpoint"] in clean:
-            result.false_alarms.append(text)
-        elif f not in hits:
+        elif f in hits:
+            continue
+        elif f["endpoint"] in affected or f["endpoint"].startswith("<"):
+            # Another finding on a page with the documented bug, or about the whole service
+            # (a CPU-starved machine): listed, not judged.
             result.other.append(text)
+        else:
+            result.false_alarms.append(text)
 
 
 def _short(path: Any) -> str:

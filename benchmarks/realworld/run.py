@@ -41,6 +41,7 @@ def main() -> int:
     parser.add_argument("--case", action="append", choices=CASES, help="run only these cases")
     parser.add_argument("--role", choices=["buggy", "fixed"], help="run only this release")
     parser.add_argument("--json", metavar="FILE", help="write every result (findings too) here")
+    parser.add_argument("--markdown", metavar="FILE", help="write the table as Markdown here")
     parser.add_argument("--keep", action="store_true", help="keep the work dirs (data, logs)")
     args = parser.parse_args()
     names = args.case or CASES
@@ -64,6 +65,8 @@ def main() -> int:
             else:
                 shutil.rmtree(workdir, ignore_errors=True)
     print_table(results)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_table(results))
     if args.json:
         Path(args.json).write_text(
             json.dumps([r.__dict__ | {"ok": r.ok} for r in results], indent=2, default=str)
@@ -73,9 +76,11 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def print_table(results: list[harness.RunResult]) -> None:
-    header = ("app", "version", "problem", "found?", "line", "false alarms", "lost", "verdict")
-    rows = []
+HEADER = ("app", "version", "problem", "found?", "line", "false alarms", "lost", "verdict")
+
+
+def table_rows(results: list[harness.RunResult]) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = []
     for r in results:
         if r.role == "buggy":
             found = "yes" if r.found else "no"
@@ -96,6 +101,18 @@ def print_table(results: list[harness.RunResult]) -> None:
                 "ok" if r.ok else "FAIL",
             )
         )
+    return rows
+
+
+def markdown_table(results: list[harness.RunResult]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
+    return "\n".join(lines) + "\n"
+
+
+def print_table(results: list[harness.RunResult]) -> None:
+    header = HEADER
+    rows = table_rows(results)
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     print()
     print(" | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))

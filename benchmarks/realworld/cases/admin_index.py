@@ -130,7 +130,6 @@ def run(role: str, workdir: Path) -> RunResult:
             harness.judge(
                 result,
                 EXPECT,
-                CLEAN,
                 {ep: ROUNDS for ep in [EXPECT.endpoint, *EXPECT.also, *CLEAN]},
             )
         except Exception as e:  # a case that cannot run is a failed case, with the reason

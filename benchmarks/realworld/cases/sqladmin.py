@@ -173,9 +173,7 @@ def run(role: str, workdir: Path) -> RunResult:
         server.stop()
         result.requests = harness.requests_by_endpoint(data)
         result.findings = harness.perfsleuth_json("findings", "--limit", "100", data=data)
-        harness.judge(
-            result, EXPECT, CLEAN, {EXPECT.endpoint: 2 * ROUNDS, **{ep: ROUNDS for ep in CLEAN}}
-        )
+        harness.judge(result, EXPECT, {EXPECT.endpoint: 2 * ROUNDS, **{ep: ROUNDS for ep in CLEAN}})
     except Exception as e:  # a case that cannot run is a failed case, with the reason
         result.error = f"{type(e).__name__}: {e}"
         if server is not None:

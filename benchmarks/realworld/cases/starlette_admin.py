@@ -197,7 +197,6 @@ def run(role: str, workdir: Path) -> RunResult:
         harness.judge(
             result,
             EXPECT,
-            CLEAN,
             {EXPECT.endpoint: SEARCHES + CLEAN_ROUNDS, **{ep: CLEAN_ROUNDS for ep in CLEAN}},
         )
     except Exception as e:  # a case that cannot run is a failed case, with the reason
