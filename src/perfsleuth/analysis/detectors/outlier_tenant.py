@@ -18,14 +18,16 @@ A user whose tenant is already reported for the endpoint is not reported again.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from perfsleuth.analysis import frames, text
 from perfsleuth.analysis.detectors import register
 from perfsleuth.analysis.findings import Context, Finding, iso, stable_id
+from perfsleuth.analysis.stats import mann_whitney_greater
 
 KIND = "outlier_tenant"
+
+__all__ = ["detect", "mann_whitney_greater"]
 
 # Ranks are averaged over ties (the normal approximation of U with the tie correction needs
 # the sum of t^3 - t over groups of equal durations).
@@ -131,24 +133,6 @@ def detect(ctx: Context) -> list[Finding]:
             r["u"], r["p_value"], r["other_n"] = u, p, n2
             out.append(_finding(ctx, dim, r))
     return out
-
-
-def mann_whitney_greater(rank_sum: float, n1: int, n2: int, tie_sum: float) -> tuple[float, float]:
-    """U of the first sample and the one-sided p-value that it ranks above the second by
-    chance: the normal approximation with the tie correction and a continuity correction
-    (scipy.stats.mannwhitneyu(..., alternative="greater", method="asymptotic")).
-
-    ``rank_sum`` is the sum of the first sample's ranks in both samples together (ties get
-    their average rank); ``tie_sum`` the sum of t^3 - t over groups of t equal values.
-    """
-    u = rank_sum - n1 * (n1 + 1) / 2.0
-    n = n1 + n2
-    mean = n1 * n2 / 2.0
-    var = n1 * n2 / 12.0 * ((n + 1) - tie_sum / (n * (n - 1))) if n > 1 else 0.0
-    if var <= 0:
-        return u, 1.0  # every value equal: no evidence either way
-    z = (u - mean - 0.5) / math.sqrt(var)
-    return u, 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
 def _their_statement(ctx: Context, dim: str, r: dict[str, Any], excess: float) -> dict[str, Any]:
