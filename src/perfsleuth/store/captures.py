@@ -19,34 +19,55 @@ from perfsleuth.wire import CAPTURE
 def table(batch: Batch, now_ns: int) -> pa.Table:
     rows: dict[str, dict[str, Any]] = {}
     segs = batch.segments
-    for seg_i, obj in batch.events.get(CAPTURE, ()):
-        tid = _str(obj.get("id"))
-        if not tid:
-            continue
-        ts = as_int(obj.get("ts"))
-        dur = as_int(obj.get("dur"))
-        headers = obj.get("headers")
-        pairs = [
-            [str(p[0]), str(p[1])]
-            for p in (headers if isinstance(headers, list) else ())
-            if isinstance(p, list) and len(p) == 2
-        ]
-        redacted = obj.get("redacted")
-        rows[tid.lower()] = {
-            "trace_id": tid.lower(),
-            "ts": (ts if ts is not None and 0 < ts < _TS_MAX else now_ns) // 1000,
-            "service": segs[seg_i].service or "unknown",
-            "endpoint": _str(obj.get("endpoint")),
-            "method": _str(obj.get("method")),
-            "status": _int32(obj.get("status")),
-            "duration_ms": dur / 1e6 if dur is not None else None,
-            "reason": _str(obj.get("reason")),
-            "url": _str(obj.get("url")),
-            "headers": json.dumps(pairs, ensure_ascii=False),
-            "redacted": ",".join(map(str, redacted)) if isinstance(redacted, list) else None,
-            "body_b64": _str(obj.get("body_b64")),
-            "body_size": as_int(obj.get("body_size")),
-            "body_sha256": _str(obj.get("body_sha256")),
-            "body_truncated": _bool(obj.get("body_truncated")),
-        }
+    for seg_i, obj, start, end in batch.events.get(CAPTURE, ()):
+        try:
+            row = _row(obj, segs[seg_i].service, now_ns)
+        except Exception:  # hostile input: any failure is this record's alone
+            row = None
+        if row is not None:
+            try:  # the row alone against the schema: a misfit is damage, not a failed batch
+                pa.Table.from_pylist([row], schema=schema.CAPTURES.arrow_schema())
+            except (pa.ArrowException, ValueError, TypeError, OverflowError):
+                row = None
+            else:
+                rows[row["trace_id"]] = row
+                continue
+        if start >= 0:
+            batch.add_damage(segs[seg_i], start, end - start, "invalid capture record")
+        else:  # read past damage: the segment is quarantined already
+            segs[seg_i].damaged = True
     return pa.Table.from_pylist(list(rows.values()), schema=schema.CAPTURES.arrow_schema())
+
+
+def _row(obj: dict[str, Any], service: str, now_ns: int) -> dict[str, Any] | None:
+    tid = _str(obj.get("id"))
+    if not tid:
+        return None
+    ts = as_int(obj.get("ts"))
+    dur = as_int(obj.get("dur"))
+    headers = obj.get("headers")
+    pairs = [
+        [_str(p[0]) or "", _str(p[1]) or ""]
+        for p in (headers if isinstance(headers, list) else ())
+        if isinstance(p, list) and len(p) == 2
+    ]
+    redacted = obj.get("redacted")
+    return {
+        "trace_id": tid.lower(),
+        "ts": (ts if ts is not None and 0 < ts < _TS_MAX else now_ns) // 1000,
+        "service": service or "unknown",
+        "endpoint": _str(obj.get("endpoint")),
+        "method": _str(obj.get("method")),
+        "status": _int32(obj.get("status")),
+        "duration_ms": dur / 1e6 if dur is not None else None,
+        "reason": _str(obj.get("reason")),
+        "url": _str(obj.get("url")),
+        "headers": json.dumps(pairs, ensure_ascii=False),
+        "redacted": ",".join(_str(r) or "" for r in redacted)
+        if isinstance(redacted, list)
+        else None,
+        "body_b64": _str(obj.get("body_b64")),
+        "body_size": as_int(obj.get("body_size")),
+        "body_sha256": _str(obj.get("body_sha256")),
+        "body_truncated": _bool(obj.get("body_truncated")),
+    }

@@ -327,8 +327,9 @@ class Batch:
         self.stacks: dict[int, list[int]] = {}
         self.fingerprints: dict[int, tuple[Any, ...]] = {}
         self.stats: list[tuple[Any, ...]] = []
-        # Runtime-evidence records (wire.EVENT_TYPES) by type: (segment index, object).
-        self.events: dict[bytes, list[tuple[int, dict[str, Any]]]] = {}
+        # Runtime-evidence records (wire.EVENT_TYPES) by type: (segment index, object, record
+        # start, record end; -1 for records read past damage).
+        self.events: dict[bytes, list[tuple[int, dict[str, Any], int, int]]] = {}
         self.damage: list[BatchDamage] = []
         self.requests = 0
         self.request_bytes = 0
@@ -351,7 +352,7 @@ class Batch:
         if rtype == REQUESTS:
             try:
                 parts = wbatch.split(payload)
-            except ValueError:
+            except (ValueError, RecursionError):
                 self.add_damage(seg, start, end - start, "undecodable payload")
                 return
             self.columns.append((self.touch(seg), parts, start, end))
@@ -377,14 +378,16 @@ class Batch:
                 return
             self.seen.add(payload)
         try:
-            obj = json.loads(payload)
+            obj = loads(payload)
         except ValueError:
             self.add_damage(seg, start, end - start, "undecodable payload")
             return
-        self.add(seg, rtype, obj)
+        self.add(seg, rtype, obj, start, end)
 
-    def add(self, seg: SegmentState, rtype: bytes, obj: Any) -> None:
-        """A decoded record."""
+    def add(
+        self, seg: SegmentState, rtype: bytes, obj: Any, start: int = -1, end: int = -1
+    ) -> None:
+        """A decoded record (``start``, ``end``: where it lies in its segment, if known)."""
         if rtype == REQUESTS and isinstance(obj, list):  # wire.batch.decode: its requests
             for req in obj:
                 self.add(seg, REQUEST, req)
@@ -397,7 +400,7 @@ class Batch:
         if not isinstance(obj, dict):
             return
         if rtype in EVENT_TYPES:
-            self.events.setdefault(rtype, []).append((self.touch(seg), obj))
+            self.events.setdefault(rtype, []).append((self.touch(seg), obj, start, end))
         elif rtype == HEADER:
             seg.service = _str(obj.get("service")) or seg.service
             seg.host = _str(obj.get("host")) or seg.host
@@ -445,21 +448,46 @@ class Batch:
             value = as_int(v)
             if value is not None:
                 self.stats.append(
-                    (ts, seg.service, host, pid if pid is not None else seg.pid, name, value)
+                    (ts, seg.service, host, pid if pid is not None else seg.pid, _text(name), value)
                 )
 
 
 # ------------------------------------------------------------------------ value coercion
 
 
+def loads(payload: bytes) -> Any:
+    """``json.loads``; ValueError for anything it refuses, nesting too deep included."""
+    try:
+        return json.loads(payload)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _text(s: str) -> str:
+    """``s`` as valid UTF-8 text: a lone surrogate (JSON's ``"\\ud800"``) becomes ``?``
+    (Arrow and DuckDB refuse such a string)."""
+    if s.isascii():
+        return s
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "replace").decode("utf-8")
+    return s
+
+
 def _str(v: Any) -> str | None:
-    if v is None or isinstance(v, str):
-        return v
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return _text(v)
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return str(v)
-    return json.dumps(v, default=str, ensure_ascii=False)
+    try:
+        return _text(json.dumps(v, default=str, ensure_ascii=False))
+    except (RecursionError, ValueError):
+        return None
 
 
 def as_int(v: Any) -> int | None:
@@ -649,18 +677,18 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
                 seg, start, end = meta[i]
                 try:
                     blob = batch.raw_calls[i]
-                    obj = json.loads(raw[i]) if blob is None else wcalls.decode_parts(raw[i], blob)
+                    obj = loads(raw[i]) if blob is None else wcalls.decode_parts(raw[i], blob)
                     slow.append((seg, obj, start, end))
-                except ValueError:
+                except (ValueError, RecursionError):
                     batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
     for seg, columns, start, end in batch.columns:
         obj, n = columns.obj, columns.n
         try:
             t, ncalls = _columns_table(columns)
-        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        except (pa.ArrowException, TypeError, ValueError, OverflowError, RecursionError):
             try:  # odd values: request by request, coerced like a hand-written record
                 slow.extend((seg, req, start, end) for req in wbatch.decode_columns(columns))
-            except ValueError:
+            except (ValueError, RecursionError, TypeError):
                 batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
             continue
         parts.append(t)
@@ -717,7 +745,7 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
     for row, p in attr_objs:
         if isinstance(p, bytes):
             try:
-                p = json.loads(p)
+                p = loads(p)
             except ValueError:
                 continue
         decoded.append((row, p))
@@ -881,7 +909,7 @@ def _binary_struct(
     for row, obj in ext_rows:  # rare: errors, HTTP hosts and statuses, cache hits, ...
         if isinstance(obj, bytes):
             try:
-                obj = json.loads(obj)
+                obj = loads(obj)
             except ValueError:
                 continue
         cx = obj.get("cx") if isinstance(obj, dict) else None
@@ -934,7 +962,9 @@ def _binary_struct(
 
 
 def _ms(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
-    return pc.divide(pc.cast(arr, pa.float64()), 1e6)
+    """ns -> ms. Unsafe cast: an int64 above 2**53 rounds to the nearest double instead of
+    raising (a crafted figure must not fail the batch)."""
+    return pc.divide(pc.cast(arr, pa.float64(), safe=False), 1e6)
 
 
 def _np(arr: pa.Array | pa.ChunkedArray, fill: Any) -> np.ndarray:
@@ -1099,7 +1129,7 @@ def _attributes(objs: list[tuple[int, Any]]) -> tuple[list[int], dict[str, list[
             for a, v in d.items():
                 rows.append(row)
                 kind.append(name)
-                key.append(str(a))
+                key.append(_text(str(a)))
                 value.append(_str(v))
                 num.append(
                     float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None

@@ -126,7 +126,7 @@ def read_segment(data: bytes, start: int = 0) -> ReadResult:
             else:
                 try:
                     obj = decode_payload(rtype, payload)
-                except ValueError:
+                except (ValueError, RecursionError, TypeError, OverflowError, struct.error):
                     reason = "undecodable payload"
                 else:
                     res.records.append((rtype, obj))
@@ -152,7 +152,10 @@ def decode_payload(rtype: bytes, payload: bytes) -> Any:
         return batch.decode(payload)  # a list of requests
     if rtype == REQUEST_BIN:
         return calls.decode_request(payload)
-    return json.loads(payload)
+    try:
+        return json.loads(payload)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def _resync(data: bytes, pos: int) -> int:

@@ -1,0 +1,206 @@
+"""Crafted spool input (valid checksums, hostile contents), duplicates and full disks: ingest
+skips and counts what it cannot read, commits the rest, never doubles a request and never
+stalls. Spools are written with the real wire encoder (tests/spoolwrite.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from perfsleuth.store.duckdb_store import DuckDBStore
+from perfsleuth.wire import (
+    BLOCKER,
+    CAPTURE,
+    FINGERPRINT,
+    GC,
+    HEADER,
+    LOCATION,
+    RECORD_TYPES,
+    REQUEST,
+    SAMPLES,
+    STATS,
+)
+from perfsleuth.wire.segment import REC_MAGIC
+from spoolwrite import MS, SegmentWriter, call
+
+BIG = 2**60  # ns: above 2**53, where a double stops holding every integer
+
+
+@pytest.fixture
+def data_dir(tmp_path: Any) -> str:
+    d = str(tmp_path / "data")
+    os.makedirs(os.path.join(d, "spool"))
+    return d
+
+
+@pytest.fixture
+def store(data_dir: str) -> Iterator[DuckDBStore]:
+    s = DuckDBStore(data_dir)
+    yield s
+    s.close()
+
+
+def raw_record(rtype: bytes, payload: bytes) -> bytes:
+    """A record with a valid checksum around any payload."""
+    crc = zlib.crc32(payload, zlib.crc32(rtype))
+    return struct.pack("<2scII", REC_MAGIC, rtype, len(payload), crc) + payload
+
+
+def count(store: DuckDBStore, table: str = "requests") -> int:
+    return int(store.sql(f"SELECT count(*) FROM {table}")[1][0][0])
+
+
+def healthy_segment(data_dir: str, seq: int = 99) -> str:
+    """A second, clean segment: it must commit whatever the first one holds."""
+    w = SegmentWriter(data_dir, seq=seq, service="healthy")
+    body = w.request("GET /healthy", calls=[call()])
+    w.close()
+    return str(body["id"])
+
+
+def batch_record(n: int, **ints: list[int]) -> bytes:
+    """A REQUESTS record (wire.batch) of ``n`` requests without calls; ``ints`` replace
+    integer columns."""
+    from perfsleuth.wire import REQUESTS
+    from perfsleuth.wire.batch import INT_COLUMNS, INT_ROW
+
+    values: dict[str, list[int]] = {
+        "id": list(range(1, n + 1)),
+        "ts": [1_700_000_000 * 10**9] * n,
+        "dur": [MS] * n,
+        "ncalls": [0] * n,
+    }
+    values.update(ints)
+    obj = {"v": 2, "n": n, "endpoint": {"all": "GET /batch"}}
+    null = -(2**63)
+    packed = b"".join(
+        INT_ROW.pack(*[values[c][i] if c in values else null for c in INT_COLUMNS])
+        for i in range(n)
+    )
+    return raw_record(REQUESTS, json.dumps(obj).encode() + b"\x00" + packed)
+
+
+# ------------------------------------------------------------------ item 1: crafted records
+
+
+def test_figures_above_2_53_ns_are_read_not_fatal(data_dir: str, store: DuckDBStore) -> None:
+    w = SegmentWriter(data_dir)
+    big = w.request("GET /big", dur_ms=BIG / MS, cpu_ns=BIG, gc_ns=BIG, calls=[call(dur_ms=1)])
+    calls = w.request("GET /bigcall", calls=[call(dur_ms=BIG / MS, wait=BIG)])
+    w.write(batch_record(2, dur=[BIG, 5], cpu_ns=[BIG, 1], gc_ns=[1, BIG]))
+    w.close()
+    other = healthy_segment(data_dir)
+    rep = store.ingest()
+    assert rep.requests == 5 and not rep.damaged
+    got = store.trace(big["id"])
+    assert got["duration_ms"] == pytest.approx(BIG / MS)
+    assert store.trace(calls["id"])["calls"][0]["duration_ms"] == pytest.approx(BIG / MS)
+    assert store.trace(other)["endpoint"] == "GET /healthy"
+    assert count(store) == 5
+
+
+def test_evidence_records_of_the_wrong_shape_are_read_alone(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    """A list field that is not a list reads as empty (its record adds no rows); figures past
+    any range read as NULL or their nearest double: the other records of the segment and the
+    other segments commit."""
+    w = SegmentWriter(data_dir)
+    req = w.request("GET /a")
+    w.event(GC, {"pauses": 5})
+    w.event(GC, {"pauses": {"gen": 2}})
+    w.event(BLOCKER, {"stacks": 7, "dur": MS, "ts": req["ts"]})
+    w.event(SAMPLES, {"id": req["id"], "samples": 3})
+    w.event(SAMPLES, {"id": req["id"], "ts": req["ts"], "samples": [[BIG * 8, "cpu", 1]]})
+    w.event(GC, {"pauses": [{"ts": req["ts"], "gen": 2, "dur": BIG, "ids": [req["id"]]}]})
+    w.event(
+        BLOCKER, {"ts": req["ts"], "dur": BIG, "stacks": [[1, 3]], "last_call": {"ms": 2**1100}}
+    )
+    w.request("GET /b")
+    w.close()
+    other = healthy_segment(data_dir)
+    rep = store.ingest()
+    assert rep.requests == 3 and not rep.damaged
+    assert count(store) == 3 and store.trace(other)
+    assert store.query("SELECT generation, duration_ms, trace_ids FROM gc_pauses") == [
+        {"generation": 2, "duration_ms": BIG / MS, "trace_ids": req["id"]}
+    ]
+    assert store.query("SELECT stack_id, last_ms FROM blockers ORDER BY stack_id") == [
+        {"stack_id": 1, "last_ms": None},
+        {"stack_id": None, "last_ms": None},
+    ]
+    assert count(store, "samples") == 1
+
+
+NESTED = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("rtype", sorted(RECORD_TYPES))
+def test_deeply_nested_json_is_damage_alone(
+    data_dir: str, store: DuckDBStore, rtype: bytes
+) -> None:
+    w = SegmentWriter(data_dir)
+    w.request("GET /a")
+    at = os.path.getsize(w.path)
+    w.write(raw_record(rtype, b'{"id": "1", "v": 2, "n": 1, "x": ' + NESTED + b"}"))
+    w.request("GET /b")
+    w.close()
+    other = healthy_segment(data_dir)
+    rep = store.ingest()
+    assert count(store) in (3, 4)  # a JSON request record keeps its fields, the rest are lost
+    assert store.trace(other)
+    assert [d.offset for d in rep.damaged] in ([], [at])
+    assert {(d.offset, d.reason) for d in rep.damaged} <= {(at, "undecodable payload")}
+    if rtype != REQUEST:
+        assert rep.damaged
+
+
+def test_deeply_nested_json_after_damage_is_damage_alone(data_dir: str, store: DuckDBStore) -> None:
+    """Past damage, records are decoded by wire.segment.read_segment: the same holds there."""
+    w = SegmentWriter(data_dir)
+    w.request("GET /a")
+    w.write(b"\xa5\x5aRgarbage-bytes")
+    w.write(raw_record(GC, b'{"pauses": ' + NESTED + b"}"))
+    w.request("GET /b")
+    w.close()
+    rep = store.ingest()
+    assert count(store) == 2
+    assert [d.reason for d in rep.damaged] == ["impossible record length", "undecodable payload"]
+
+
+def test_lone_surrogates_become_replacement_text(data_dir: str, store: DuckDBStore) -> None:
+    """JSON may escape half a UTF-16 pair ("\\ud800"), which no UTF-8 text holds."""
+    w = SegmentWriter(data_dir)
+    sur = b"\\ud800"
+    w.write(raw_record(HEADER, b'{"service": "svc' + sur + b'", "pid": 7}'))
+    w.write(raw_record(FINGERPRINT, b'{"id": 5, "kind": "db", "text": "SELECT ' + sur + b'"}'))
+    w.write(raw_record(LOCATION, b'{"id": 6, "file": "' + sur + b'", "line": 1}'))
+    w.write(raw_record(STATS, b'{"c' + sur + b'": 5}'))
+    tid = "00000000000000ff"
+    w.write(
+        raw_record(
+            REQUEST,
+            b'{"id": "' + tid.encode() + b'", "endpoint": "GET /' + sur + b'", '
+            b'"attrs": {"k' + sur + b'": "v' + sur + b'"}, "calls": [{"kind": "db", "fp": 5, '
+            b'"error": "E' + sur + b'"}]}',
+        )
+    )
+    w.write(raw_record(CAPTURE, b'{"id": "' + tid.encode() + b'", "url": "/' + sur + b'"}'))
+    w.write(raw_record(GC, b'{"pauses": [{"ids": ["' + sur + b'"], "gen": 1}]}'))
+    w.close()
+    rep = store.ingest()
+    assert rep.requests == 1 and not rep.damaged
+    got = store.trace(tid)
+    assert got["endpoint"] == "GET /?" and got["service"] == "svc?"
+    assert got["calls"][0]["error"] == "E?" and got["calls"][0]["fingerprint"] == "SELECT ?"
+    assert store.query("SELECT key, value FROM attributes") == [{"key": "k?", "value": "v?"}]
+    capture = store.capture(tid)
+    assert capture is not None and capture["url"] == "/?"
+    assert store.query("SELECT trace_ids FROM gc_pauses") == [{"trace_ids": "?"}]
+    assert store.query("SELECT name FROM agent_stats WHERE value = 5") == [{"name": "c?"}]
