@@ -137,8 +137,30 @@ def read_environ(req: recorder.ActiveRequest, environ: Any) -> None:
         v = environ.get(ident.tenant_env)
         if v:
             req.tenant = identity_value(v)
+    v = environ.get(LOAD_ENV)
+    if v:
+        load_tags(req, v)
     n = content_length(environ.get("CONTENT_LENGTH"))
     req.req_bytes = n if n is not None else 0
+
+
+# ``perfsleuth load`` marks its requests "<run id>;<side>": tags load_run and load_side, so that
+# ``compare --by tag:load_side`` can split the targets' data by side.
+LOAD_HEADER = "x-perfsleuth-load"
+LOAD_ENV = "HTTP_X_PERFSLEUTH_LOAD"
+
+
+def load_tags(req: recorder.ActiveRequest, raw: Any) -> None:
+    value = identity_value(raw)
+    if not value:
+        return
+    run, _, side = value.partition(";")
+    tags = req.tags
+    if tags is None:
+        tags = req.tags = {}
+    tags["load_run"] = run[:64]
+    if side:
+        tags["load_side"] = side[:64]
 
 
 def set_endpoint(template: str | None, method: str | None = None) -> None:

@@ -1,0 +1,229 @@
+"""`perfsleuth load`: traffic sources, target checks, the verdict's statistics, the agent's
+load tags, and an A/B run between two versions of a Flask app under `perfsleuth run` (one with
+a planted N+1): the right verdict, the asked rate kept, and the targets' data splitting by side.
+
+App: tests/apps/load_app.py (LOAD_APP_VERSION=nplus1 plants the N+1 on GET /orders).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perfsleuth.analysis import load as ld
+from test_run_servers import gunicorn, launched
+
+
+def cli(data: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "perfsleuth", *args, "--data", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def sql(data: Path, query: str) -> list[dict[str, Any]]:
+    res = cli(data, "sql", query, "--json")
+    assert res.returncode == 0, res.stderr
+    rows: list[dict[str, Any]] = json.loads(res.stdout)
+    return rows
+
+
+# ------------------------------------------------------------------------------- statistics
+
+
+def test_mann_whitney_matches_the_normal_approximation() -> None:
+    # U = 0, mean 4.5, variance 5.25: z = (4.5 - 0.5) / sqrt(5.25), two-sided p = 0.0809
+    assert ld.mann_whitney_p([1, 2, 3], [4, 5, 6]) == pytest.approx(0.0809, abs=1e-4)
+    assert ld.mann_whitney_p([1, 1, 1], [1, 1, 1]) == 1.0
+    assert ld.mann_whitney_p([], [1.0]) == 1.0
+
+
+def test_bh_adjust() -> None:
+    # ranked 0.01, 0.03, 0.04, 0.5: p * 4 / rank = 0.04, 0.06, 0.0533, 0.5, then kept monotone
+    q = 0.04 * 4 / 3
+    assert ld.bh_adjust([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, q, q, 0.5])
+
+
+def test_verdicts_find_the_shifted_endpoint_and_no_other() -> None:
+    for seed in range(10):
+        rng = random.Random(seed)
+
+        def lat(base: float, n: int = 80, rng: random.Random = rng) -> list[float]:
+            return [base * rng.lognormvariate(0, 0.3) for _ in range(n)]
+
+        samples = {f"GET /e{i}": {"a": lat(10), "b": lat(10)} for i in range(4)}
+        samples["GET /slow"] = {"a": lat(10), "b": lat(14)}
+        samples["GET /rare"] = {"a": lat(10, 3), "b": lat(30, 3)}
+        rows = {r["endpoint"]: r for r in ld.verdicts(samples)}
+        assert rows["GET /slow"]["verdict"] == "slower", (seed, rows["GET /slow"])
+        assert rows["GET /slow"]["significant"] and rows["GET /slow"]["p95_change"] > 0
+        assert rows["GET /rare"]["verdict"] == "too_few"
+        for i in range(4):
+            assert rows[f"GET /e{i}"]["verdict"] == "same", (seed, rows[f"GET /e{i}"])
+        line = ld.verdict_line(list(rows.values()))
+        assert line.startswith("b is faster on 0, slower on 1, unchanged on 4: GET /slow")
+        assert line.endswith("too few requests on 1")
+
+
+# ------------------------------------------------------------------------- sources, targets
+
+
+def test_targets_must_be_loopback_unless_allowed() -> None:
+    assert ld.check_target("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+    assert ld.check_target("http://localhost:8000") == "http://localhost:8000"
+    assert ld.check_target("http://[::1]:8000") == "http://[::1]:8000"
+    with pytest.raises(ld.LoadError, match="--allow-remote"):
+        ld.check_target("http://10.1.2.3:8000")
+    assert ld.check_target("http://10.1.2.3:8000", allow_remote=True) == "http://10.1.2.3:8000"
+    with pytest.raises(ld.LoadError, match="http"):
+        ld.check_target("ftp://127.0.0.1/")
+
+
+def test_sources_keep_path_and_query_only(tmp_path: Path) -> None:
+    har = tmp_path / "t.har"
+    har.write_text(
+        json.dumps(
+            {
+                "log": {
+                    "entries": [
+                        {
+                            "request": {
+                                "method": "post",
+                                "url": "https://shop.example.com/cart?x=1",
+                                "headers": [
+                                    {"name": "Host", "value": "shop.example.com"},
+                                    {"name": "Content-Type", "value": "application/json"},
+                                    {"name": "Authorization", "value": "[redacted]"},
+                                ],
+                                "postData": {"text": '{"sku": 3}'},
+                            }
+                        }
+                    ]
+                }
+            }
+        )
+    )
+    (item,) = ld.from_har(har)
+    assert item == ld.Item(
+        "POST", "/cart?x=1", "POST /cart", (("Content-Type", "application/json"),), b'{"sku": 3}'
+    )
+    urls = tmp_path / "urls.txt"
+    urls.write_text("# comment\n\nhttp://h:1/a?q=2\nDELETE /b/7\n")
+    assert [(i.method, i.path, i.endpoint) for i in ld.from_urls(urls)] == [
+        ("GET", "/a?q=2", "GET /a"),
+        ("DELETE", "/b/7", "DELETE /b/7"),
+    ]
+    with pytest.raises(ld.LoadError, match="HAR"):
+        ld.from_har(urls)
+    cap = {
+        "method": "GET",
+        "url": "http://127.0.0.1:9/orders/5?full=1",
+        "endpoint": "GET /orders/{id}",
+        "headers": json.dumps([["X-Tenant", "t1"], ["Cookie", "[redacted]"], ["Host", "x"]]),
+        "body_b64": "",
+        "body_truncated": False,
+    }
+    assert ld.from_captures([cap, {**cap, "body_truncated": True}]) == [
+        ld.Item("GET", "/orders/5?full=1", "GET /orders/{id}", (("X-Tenant", "t1"),))
+    ]
+
+
+def test_cli_refuses_a_remote_target(tmp_path: Path) -> None:
+    urls = tmp_path / "urls.txt"
+    urls.write_text("/health\n")
+    res = cli(tmp_path, "load", "--urls", str(urls), "--a", "http://192.0.2.1:80", "--rate", "5")
+    assert res.returncode != 0 and "--allow-remote" in res.stderr
+
+
+# ------------------------------------------------------------------------------ agent tags
+
+
+def test_wsgi_request_with_the_load_header_is_tagged(captured: Any) -> None:
+    from perfsleuth.agent.frameworks.wsgi import PerfsleuthWSGI
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    wrapped = PerfsleuthWSGI(app)
+    for path, header in (("/a", "run42;b"), ("/b", None)):
+        environ = {"REQUEST_METHOD": "GET", "PATH_INFO": path, "CONTENT_LENGTH": ""}
+        if header:
+            environ["HTTP_X_PERFSLEUTH_LOAD"] = header
+        assert b"".join(wrapped(environ, lambda *a: None)) == b"ok"
+    tagged, plain = captured()
+    assert tagged["path"] == "/a" and tagged["tags"] == {"load_run": "run42", "load_side": "b"}
+    assert plain["path"] == "/b" and "tags" not in plain
+
+
+# ------------------------------------------------------------------------------ A/B run
+
+
+def test_ab_run_between_two_app_versions(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    urls = tmp_path / "urls.txt"
+    urls.write_text("/orders\n/health\n/products/3\n")
+    cmd = gunicorn("load_app:app", 2)
+    with (
+        launched(tmp_path, data, cmd, service="shop-a", ready="/health") as a,
+        launched(
+            tmp_path, data, cmd, service="shop-b", ready="/health", LOAD_APP_VERSION="nplus1"
+        ) as b,
+    ):
+        res = cli(
+            tmp_path / "unused",
+            "load", "--urls", str(urls),
+            "--a", f"http://127.0.0.1:{a.port}", "--b", f"http://127.0.0.1:{b.port}",
+            "--rate", "50", "--requests", "240", "--warmup", "15", "--seed", "7", "--json",
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        report = json.loads(res.stdout)
+        # the asked rate, from the run's own counts and clock
+        assert report["measured_ticks"] == 240
+        achieved = (report["measured_ticks"] - 1) / report["send_window_s"]
+        assert 0.9 <= achieved / 50 <= 1.1, report
+        assert report["achieved_rate"] == pytest.approx(achieved, rel=1e-3)
+        for side in ("a", "b"):
+            assert report["sides"][side]["count"] == 240
+            assert report["sides"][side]["errors"] == 0
+        rows = {r["endpoint"]: r for r in report["endpoints"]}
+        assert set(rows) == {"GET /orders", "GET /health", "GET /products/3"}
+        assert rows["GET /orders"]["verdict"] == "slower", rows["GET /orders"]
+        assert rows["GET /orders"]["significant"] and rows["GET /orders"]["p50_change"] > 0.2
+        assert rows["GET /orders"]["a"]["count"] == rows["GET /orders"]["b"]["count"] == 80
+        assert rows["GET /health"]["verdict"] != "slower"
+        assert report["verdict"].startswith("b is faster on 0, slower on ")
+        run_id = report["run_id"]
+
+        # The targets tagged every request with the run and its side: the call-level data
+        # split by side says why b is slower (one items query per order).
+        want = 2 * (240 + 15)
+        deadline = time.monotonic() + 30
+        while True:
+            tagged = sql(
+                data,
+                "SELECT count(*) AS n FROM attributes WHERE kind = 'tag' AND key = 'load_run' "
+                f"AND value = '{run_id}'",
+            )[0]["n"]
+            if tagged >= want or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert tagged == want
+        by_side = sql(
+            data,
+            "SELECT r.service, t.value AS side, count(*) AS n, avg(r.db_calls) AS db_calls "
+            "FROM requests r JOIN attributes t ON t.trace_id = r.trace_id "
+            "AND t.kind = 'tag' AND t.key = 'load_side' "
+            "WHERE r.endpoint = 'GET /orders' GROUP BY 1, 2 ORDER BY 1",
+        )
+        assert [(r["service"], r["side"]) for r in by_side] == [("shop-a", "a"), ("shop-b", "b")]
+        assert by_side[0]["db_calls"] == 2 and by_side[1]["db_calls"] == 151
