@@ -14,6 +14,7 @@ stop before it and report where.
 
 from __future__ import annotations
 
+import bisect
 import json
 import struct
 import zlib
@@ -105,6 +106,7 @@ def read_segment(data: bytes, start: int = 0) -> ReadResult:
             pos = len(FILE_MAGIC)
         res.end = pos
     n = len(data)
+    resync: _Resync | None = None  # made at the first damage
     while pos < n:
         if n - pos < HEAD_SIZE:
             break
@@ -134,7 +136,9 @@ def read_segment(data: bytes, start: int = 0) -> ReadResult:
                     res.end = pos
                     continue
         # Damaged: skip to the next record marker whose record checks out.
-        nxt = _resync(data, pos + 1)
+        if resync is None:
+            resync = _Resync(data, pos + 1)
+        nxt = resync.next(pos + 1)
         res.damaged.append(Damage(pos, (nxt if nxt >= 0 else n) - pos, reason))
         if nxt < 0:
             pos = n
@@ -158,22 +162,93 @@ def decode_payload(rtype: bytes, payload: bytes) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
-def _resync(data: bytes, pos: int) -> int:
-    """Offset of the next plausible, checksum-valid record at or after ``pos``, or -1."""
-    n = len(data)
-    while True:
-        pos = data.find(REC_MAGIC, pos)
-        if pos < 0 or n - pos < HEAD_SIZE:
-            return -1
-        _, rtype, length, crc = _HEAD.unpack_from(data, pos)
-        end = pos + HEAD_SIZE + length
-        if (
-            rtype in RECORD_TYPES
-            and end <= n
-            and zlib.crc32(data[pos + HEAD_SIZE : end], zlib.crc32(rtype)) == crc
-        ):
-            return pos
-        pos += 1
+class _Resync:
+    """The offsets of the checksum-valid records of ``data[start:]``, found in time linear in
+    its size, for resynchronising after damage.
+
+    Any REC_MAGIC may start a record, so every one is a candidate; checking each candidate's
+    crc over its payload is quadratic when candidates overlap (a crafted run of headers, each
+    claiming the rest of the file). Instead the crc of the data is computed once, at every
+    candidate's payload start and end (one pass), and each candidate's crc follows from the
+    two in O(log length): for a payload X of L bytes, ``crc32(X, a) ^ crc32(X, b)`` is the
+    register ``a ^ b`` advanced over L zero bytes (CRC is linear), see :func:`_zeros`.
+    """
+
+    def __init__(self, data: bytes, start: int) -> None:
+        n = len(data)
+        found: list[tuple[int, int, int, int, bytes]] = []  # (pos, payload start, end, crc, type)
+        pos = data.find(REC_MAGIC, start)
+        while 0 <= pos <= n - HEAD_SIZE:
+            _, rtype, length, crc = _HEAD.unpack_from(data, pos)
+            end = pos + HEAD_SIZE + length
+            if rtype in RECORD_TYPES and length <= MAX_RECORD and end <= n:
+                found.append((pos, pos + HEAD_SIZE, end, crc, rtype))
+            pos = data.find(REC_MAGIC, pos + 1)
+        view = memoryview(data)
+        at: dict[int, int] = {}  # offset -> crc32(data[start:offset])
+        value, prev = 0, start
+        for p in sorted({q for c in found for q in (c[1], c[2])}):
+            value = zlib.crc32(view[prev:p], value)
+            at[p] = value
+            prev = p
+        self.valid = [
+            pos
+            for pos, lo, hi, crc, rtype in found
+            if at[hi] ^ _zeros(zlib.crc32(rtype) ^ at[lo], hi - lo) == crc
+        ]
+
+    def next(self, pos: int) -> int:
+        """The first valid record at or after ``pos``, or -1."""
+        i = bisect.bisect_left(self.valid, pos)
+        return self.valid[i] if i < len(self.valid) else -1
+
+
+# _ZERO_TABLES[p][d]: byte tables of "advance over d * 16**p zero bytes" (d = 1..15)
+_ZERO_TABLES: list[list[list[list[int]]]] = []
+
+
+def _zeros(v: int, length: int) -> int:
+    """The crc register difference ``v`` advanced over ``length`` zero bytes."""
+    if not _ZERO_TABLES:
+        _make_zero_tables()
+    p = 0
+    while length:
+        d = length & 15
+        if d:
+            v = _apply(_ZERO_TABLES[p][d], v)
+        length >>= 4
+        p += 1
+    return v
+
+
+def _apply(tables: list[list[int]], v: int) -> int:
+    t0, t1, t2, t3 = tables
+    return t0[v & 255] ^ t1[(v >> 8) & 255] ^ t2[(v >> 16) & 255] ^ t3[v >> 24]
+
+
+def _byte_tables(cols: list[int]) -> list[list[int]]:
+    """A linear map of 32-bit values given by its columns, as four byte-indexed tables."""
+    out = []
+    for i in range(4):
+        t = [0] * 256
+        for b in range(1, 256):
+            low = b & -b
+            t[b] = t[b ^ low] ^ cols[8 * i + low.bit_length() - 1]
+        out.append(t)
+    return out
+
+
+def _make_zero_tables() -> None:
+    base = zlib.crc32(b"\0", 0)
+    cols = [zlib.crc32(b"\0", 1 << j) ^ base for j in range(32)]  # one zero byte
+    for _ in range((MAX_RECORD.bit_length() + 3) // 4):
+        per_digit: list[list[list[int]]] = [[]]
+        power = cols
+        for _ in range(15):
+            per_digit.append(_byte_tables(power))
+            power = [_apply(per_digit[1], c) for c in power]  # one more 16**p zero bytes
+        _ZERO_TABLES.append(per_digit)
+        cols = power  # 16 * 16**p
 
 
 def iter_records(data: bytes) -> Iterator[tuple[bytes, Any]]:
