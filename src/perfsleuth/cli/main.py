@@ -440,6 +440,7 @@ def main() -> None:
 
 
 from perfsleuth.cli import analysis as _analysis  # noqa: E402, F401  (findings, explain, calltree)
+from perfsleuth.cli import compare as _compare  # noqa: E402, F401  (compare)
 from perfsleuth.cli import evidence as _evidence  # noqa: E402, F401  (profile, blockers)
 from perfsleuth.cli import load as _load  # noqa: E402, F401  (load)
 from perfsleuth.cli import replay as _replay  # noqa: E402, F401  (replay, heap)
