@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from perfsleuth.store.base import StoreError
 from perfsleuth.store.duckdb_store import DuckDBStore
 from perfsleuth.wire import (
     BLOCKER,
@@ -268,3 +271,148 @@ def test_resync_finds_every_valid_record_among_damage() -> None:
         parts += [rec, stray]
     res = read_segment(b"".join(parts))
     assert [obj["i"] for _, obj in res.records] == want
+
+
+# ------------------------------------------------------------------ item 9: duplicates
+
+
+def ids_and_counts(store: DuckDBStore) -> tuple[int, int, int, int]:
+    """(requests, distinct trace ids, calls, attributes) in the store."""
+    (row,) = store.sql(
+        "SELECT (SELECT count(*) FROM requests), (SELECT count(DISTINCT trace_id) FROM "
+        "requests), (SELECT count(*) FROM calls), (SELECT count(*) FROM attributes)"
+    )[1]
+    return row
+
+
+def test_a_record_repeated_in_a_segment_adds_its_request_once(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    w = SegmentWriter(data_dir)
+    w.request("GET /a", calls=[call(), call("cache", "GET k")], attrs={"plan": "gold"})
+    with open(w.path, "rb") as fh:
+        whole = fh.read()
+    last = whole.rindex(REC_MAGIC + REQUEST)
+    w.write(whole[last:])  # the request record again
+    w.write(batch_record(2) * 2)  # a batch of two, twice
+    w.close()
+    rep = store.ingest()
+    assert ids_and_counts(store) == (3, 3, 2, 1)
+    assert (rep.requests, rep.calls) == (3, 2) and not rep.damaged
+
+
+def test_a_segment_copied_under_another_name_adds_nothing(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    w = SegmentWriter(data_dir, seq=1)
+    for i in range(5):
+        w.request(f"GET /e{i}", calls=[call()], attrs={"i": i})
+    w.write(batch_record(3))
+    w.close()
+    with open(w.path, "rb") as fh:
+        content = fh.read()
+
+    def copy(seq: int) -> None:
+        name = os.path.basename(w.path).replace("-000001.", f"-{seq:06d}.")
+        with open(os.path.join(data_dir, "spool", name), "wb") as fh:
+            fh.write(content)
+
+    copy(2)
+    store.batch_requests = 4  # the copy's requests meet the original's in other batches too
+    rep = store.ingest()
+    assert ids_and_counts(store) == (8, 8, 5, 5)
+    assert rep.requests == 8 and rep.segments_done == 2
+    copy(3)  # and once more, in a later run
+    rep = store.ingest()
+    assert rep.requests == 0 and rep.calls == 0 and rep.segments_done == 1
+    assert ids_and_counts(store) == (8, 8, 5, 5)
+
+
+# ------------------------------------------------------------------ item 6: a full disk
+
+
+@pytest.fixture
+def small_fs(tmp_path: Any) -> Iterator[str]:
+    """A real 4 MiB filesystem (tmpfs), mounted for the test; skipped where one cannot be."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {done.stderr.strip()}")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(fs: str, leave: int) -> str:
+    """Fill ``fs`` up to ``leave`` bytes of free space; returns the filler's path."""
+    st = os.statvfs(fs)
+    path = os.path.join(fs, "filler")
+    with open(path, "wb") as fh:
+        try:
+            fh.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+        except OSError:
+            pass
+    return path
+
+
+@pytest.mark.parametrize("leave", [0, 4096, 8192, 20_000])
+def test_a_store_first_created_on_a_full_disk_leaves_no_stub(small_fs: str, leave: int) -> None:
+    data = os.path.join(small_fs, "data")
+    healthy_segment(data)
+    filler = fill(small_fs, leave)
+    with pytest.raises(StoreError, match=f"the disk holding {data} is full"):
+        DuckDBStore(data)
+    assert sorted(os.listdir(data)) == ["spool"]
+    os.remove(filler)
+    with DuckDBStore(data) as s:
+        assert s.ingest().requests == 1
+
+
+def test_a_stub_left_by_an_earlier_version_is_replaced(data_dir: str) -> None:
+    """An earlier version created the file in place: a full disk left its first 4 KiB."""
+    with open(os.path.join(data_dir, "perfsleuth.duckdb"), "wb") as fh:
+        fh.write(b"\0" * 4096)
+    tid = healthy_segment(data_dir)
+    with DuckDBStore(data_dir) as s:
+        s.ingest()
+        assert s.trace(tid)
+    with DuckDBStore(data_dir, read_only=True) as s:
+        assert s.trace(tid)
+
+
+def test_a_full_disk_during_ingest_says_so_and_loses_nothing(small_fs: str) -> None:
+    data = os.path.join(small_fs, "data")
+    DuckDBStore(data).close()
+    ids = []
+    for seq in range(3):
+        w = SegmentWriter(data, seq=seq + 1)
+        for i in range(400):
+            body = w.request(
+                f"GET /e{i % 7}", calls=[call(), call("cache", "GET k")], attrs={"i": i}
+            )
+            ids.append(body["id"])
+        w.close()
+    filler = fill(small_fs, 16_384)  # room to open the store, not to add the rows
+    with DuckDBStore(data) as s, pytest.raises(StoreError, match=f"disk holding {data} is full"):
+        s.ingest()
+    cli = [sys.executable, "-c", "from perfsleuth.cli.main import main; main()"]
+    cli += ["ingest", "--data", data]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    assert f"the disk holding {data} is full" in done.stderr
+    assert len(os.listdir(os.path.join(data, "spool"))) == 3  # nothing retired
+    os.remove(filler)
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with DuckDBStore(data, read_only=True) as s:
+        assert ids_and_counts(s) == (1200, 1200, 2400, 1200)
+        assert sorted(
+            r[0] for r in s.sql("SELECT trace_id FROM requests", limit=10**6)[1]
+        ) == sorted(ids)

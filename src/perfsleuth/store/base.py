@@ -6,6 +6,7 @@ Rows are plain dicts with the documented keys (JSON-ready: str, int, float, bool
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -18,6 +19,26 @@ class StoreError(Exception):
 
 class StoreLocked(StoreError):
     """Another process holds the database for writing."""
+
+
+class StoreFull(StoreError):
+    """The filesystem holding the store has no room left (or the user's quota is spent)."""
+
+
+_FULL = ("no space left on device", "disk quota exceeded")
+
+
+def disk_full(where: str, exc: BaseException) -> StoreFull | None:
+    """A StoreFull saying what is full, when ``exc`` (an OSError or an engine's error) comes
+    from a full filesystem; None otherwise."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        pass
+    elif not any(s in str(exc).lower() for s in _FULL):
+        return None
+    return StoreFull(
+        f"the disk holding {where} is full (no space left on device): free some space there, "
+        "then run the command again; nothing was lost (the spool keeps what was not stored)"
+    )
 
 
 @dataclass

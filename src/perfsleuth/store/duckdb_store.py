@@ -28,7 +28,14 @@ import pyarrow as pa
 
 from perfsleuth.store import ingest as ing
 from perfsleuth.store import schema
-from perfsleuth.store.base import Damage, IngestReport, Progress, StoreError, StoreLocked
+from perfsleuth.store.base import (
+    Damage,
+    IngestReport,
+    Progress,
+    StoreError,
+    StoreLocked,
+    disk_full,
+)
 from perfsleuth.store.schema import quote
 
 DB_NAME = "perfsleuth.duckdb"
@@ -37,6 +44,29 @@ KINDS = ("web", "background")
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
 _EXPLAIN = re.compile(r"^\s*explain\s+(?:analyze\s+|analyse\s+)?(?:\([^)]*\)\s*)?", re.I)
 _READ_ONLY_TYPES = {duckdb.StatementType.SELECT}
+
+
+# DuckDB's file starts with three 4 KiB headers: a shorter file is a creation that failed
+_HEADERS_SIZE = 3 * 4096
+
+
+def _is_stub(path: str) -> bool:
+    """Whether ``path`` is a store file whose creation never completed (an earlier version
+    created it in place: a full disk left a few KiB that every open refused), with no log."""
+    try:
+        if os.path.getsize(path) >= _HEADERS_SIZE:
+            return False
+        return not os.path.exists(path + ".wal") or os.path.getsize(path + ".wal") == 0
+    except OSError:
+        return False
+
+
+def _remove(*paths: str) -> None:
+    for p in paths:
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
 
 
 def _utcnow() -> datetime:
@@ -65,14 +95,18 @@ class DuckDBStore:
         self.path = os.path.join(self.data_dir, DB_NAME)
         self.read_only = read_only
         os.makedirs(self.data_dir, exist_ok=True)
-        if read_only and not os.path.exists(self.path):
-            # An empty store, so that readers work before anything was ingested.
-            self._con = self._connect(False)
-            self._create_schema()
-            self._con.close()
+        if not os.path.exists(self.path) or _is_stub(self.path):
+            # Readers too get an empty store, so that they work before anything was ingested.
+            self._create_file()
         self._con = self._connect(read_only)
         if not read_only:
-            self._create_schema()
+            try:
+                self._create_schema()
+            except duckdb.Error as e:
+                self.close()
+                raise disk_full(self.data_dir, e) or StoreError(
+                    f"cannot prepare the store {self.path}: {e}"
+                ) from e
         else:
             # A store written by an older version lacks newer tables (or has views naming
             # day tables it never made): readers get views over what is there, in memory.
@@ -80,11 +114,40 @@ class DuckDBStore:
 
     # ----------------------------------------------------------------------- connection
 
-    def _connect(self, read_only: bool) -> duckdb.DuckDBPyConnection:
+    def _create_file(self) -> None:
+        """Create the store with its schema under a temporary name, then link it into place:
+        a store whose creation fails (a full disk) leaves no stub that later opens fail on,
+        and a store another process created meanwhile is kept."""
+        tmp = f"{self.path}.creating-{os.getpid()}"
+        _remove(tmp, tmp + ".wal")
         try:
-            con = duckdb.connect(self.path, read_only=read_only)
+            self._con = self._connect(False, tmp)
+            try:
+                self._create_schema()
+                self._con.execute("CHECKPOINT")
+            finally:
+                self.close()
+            if _is_stub(self.path):
+                _remove(self.path)
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                pass  # created by another process meanwhile: that one is the store
+        except (duckdb.Error, OSError) as e:
+            raise disk_full(self.data_dir, e) or StoreError(
+                f"cannot create the store {self.path}: {e}"
+            ) from e
+        finally:
+            _remove(tmp, tmp + ".wal")
+
+    def _connect(self, read_only: bool, path: str | None = None) -> duckdb.DuckDBPyConnection:
+        try:
+            con = duckdb.connect(path or self.path, read_only=read_only)
         except duckdb.IOException as e:
             msg = str(e)
+            full = disk_full(self.data_dir, e)
+            if full is not None:
+                raise full from e
             if "lock" in msg.lower():
                 m = _LOCK_PID.search(msg)
                 who = f"PID {m.group(1)}" if m else "see the engine's message: " + msg
@@ -293,6 +356,7 @@ class DuckDBStore:
         con = self._con
         con.begin()
         try:
+            self._drop_known_traces(tables)
             new_days = [d for d in tables.days if d not in days]
             for d in new_days:
                 for t in schema.EVENT_TABLES:
@@ -333,11 +397,14 @@ class DuckDBStore:
             )
             self._insert("ingest_offsets", offs, conflict="OR REPLACE")
             self._commit()
-        except BaseException:
+        except BaseException as e:
             try:
                 con.rollback()
             except duckdb.Error:
                 pass
+            full = disk_full(self.data_dir, e)
+            if full is not None:  # the offsets were not advanced: the spool keeps it all
+                raise full from e
             raise
         days.update(new_days)
         report.requests += tables.requests
@@ -348,6 +415,22 @@ class DuckDBStore:
         for s in batch.segments:
             if s.final:
                 self._retire(s.base, damaged=s.damaged, report=report)
+
+    def _drop_known_traces(self, tables: ing.Tables) -> None:
+        """Requests already in the store (a record repeated, a segment copied under another
+        name) are not added again: one semi-join of the batch's trace ids."""
+        ids = ing.trace_ids(tables)
+        if not len(ids):
+            return
+        self._con.register("_ps_ids", pa.table({"trace_id": ids}))
+        try:
+            known = self._con.execute(
+                "SELECT DISTINCT trace_id FROM requests "
+                "WHERE trace_id IN (SELECT trace_id FROM _ps_ids)"
+            ).fetchall()
+        finally:
+            self._con.unregister("_ps_ids")
+        ing.drop_known_traces(tables, pa.array([r[0] for r in known], pa.string()))
 
     def _commit(self) -> None:
         self._con.commit()

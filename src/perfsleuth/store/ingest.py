@@ -578,6 +578,7 @@ def build_tables(batch: Batch, now_ns: int) -> Tables:
     """Arrow tables for a batch. Undecodable request payloads are added to ``batch.damage``."""
     out = Tables()
     wire, src, attr_objs = _parse_requests(batch)
+    wire, src, attr_objs = _once_per_trace(wire, src, attr_objs)
     if wire.num_rows:
         _event_tables(out, wire, src, attr_objs, batch, now_ns)
     if batch.events:
@@ -750,6 +751,58 @@ def _parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int,
                 continue
         decoded.append((row, p))
     return wire, np.asarray(src, dtype=np.int64), decoded
+
+
+def _once_per_trace(
+    wire: pa.Table, src: np.ndarray, attr_objs: list[tuple[int, Any]]
+) -> tuple[pa.Table, np.ndarray, list[tuple[int, Any]]]:
+    """The requests of a batch with a trace id met before in it left out (a record repeated
+    in a segment, a segment copied under another name): the first one stays, with its calls
+    and attributes. Requests without a trace id are all kept."""
+    n = wire.num_rows
+    if n < 2:
+        return wire, src, attr_objs
+    ids = pc.fill_null(wire["id"], "")
+    firsts = (
+        pa.table({"id": ids, "row": pa.array(np.arange(n, dtype=np.int64))})
+        .group_by("id", use_threads=False)
+        .aggregate([("row", "min")])
+    )
+    if firsts.num_rows == n:
+        return wire, src, attr_objs
+    keep = _np(pc.equal(ids, ""), True).astype(bool)
+    keep[_np(firsts["row_min"], 0).astype(np.int64)] = True
+    new_row = np.cumsum(keep) - 1
+    attrs = [(int(new_row[row]), obj) for row, obj in attr_objs if keep[row]]
+    return wire.filter(pa.array(keep)), src[keep], attrs
+
+
+def drop_known_traces(tables: Tables, known: pa.Array) -> None:
+    """Leave out of ``tables`` the requests (with their calls and attributes) whose trace id
+    the store holds already: ingest adds each trace once."""
+    if not len(known):
+        return
+    for parts in tables.days.values():
+        for name in ("requests", "calls", "attributes"):
+            t = parts.get(name)
+            if t is None or not t.num_rows:
+                continue
+            new = pc.invert(pc.is_in(t["trace_id"], value_set=known))
+            kept = t.filter(new)
+            if name == "requests":
+                tables.requests -= t.num_rows - kept.num_rows
+            elif name == "calls":
+                tables.calls -= t.num_rows - kept.num_rows
+            parts[name] = kept
+
+
+def trace_ids(tables: Tables) -> pa.Array:
+    """The trace ids of the requests in ``tables`` (those without one left out)."""
+    ids = [p["requests"]["trace_id"] for p in tables.days.values() if "requests" in p]
+    if not ids:
+        return pa.array([], pa.string())
+    all_ids = pa.chunked_array(ids, pa.string()).combine_chunks()
+    return all_ids.filter(pc.not_equal(all_ids, ""))
 
 
 def _columns_table(columns: wbatch.Batch) -> tuple[pa.Table, np.ndarray]:
