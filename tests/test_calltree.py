@@ -124,8 +124,9 @@ def test_tree_weights_add_up(store: DuckDBStore) -> None:
 
 def test_json_shape(store: DuckDBStore) -> None:
     def walk(d: dict[str, Any]) -> None:
-        assert set(d) == {"name", "file", "line", "function", "calls", "ms", "children"}
+        assert set(d) == {"name", "file", "line", "function", "template", "calls", "ms", "children"}
         assert isinstance(d["calls"], int) and isinstance(d["ms"], float)
+        assert d["template"] is False  # no template frames in these Python stacks
         assert isinstance(d["children"], list)
         for c in d["children"]:
             walk(c)
