@@ -126,7 +126,13 @@ def test_uvicorn_capture_replay_and_heap(tmp_path: Path) -> None:
         assert not any(s in cmd for s in SECRETS)
         assert "redacted at capture time, not sent: authorization, cookie, x-api-key" in cmd
         shlex.split(cmd, comments=True)
-        out = subprocess.run(["bash", "-c", cmd], capture_output=True, timeout=60, check=True)
+        out = subprocess.run(
+            ["bash", "-c", cmd],
+            env={**os.environ, "PERFSLEUTH_TARGET": url},
+            capture_output=True,
+            timeout=60,
+            check=True,
+        )
         again = json.loads(out.stdout)
         assert {k: again[k] for k in ("sha256", "size", "custom", "item_id")} == {
             k: orig_answer[k] for k in ("sha256", "size", "custom", "item_id")
@@ -207,7 +213,7 @@ def test_gunicorn_flask_capture_replay_and_heap(tmp_path: Path) -> None:
         assert slow["body_size"] == len(BODY) and not slow["body_truncated"]
         rep = ok_json(data, "replay", slow["trace_id"], "--to", url, "--times", "2")
         assert [r["status"] for r in rep["runs"]] == [200, 200]
-        cmd = ok_json(data, "replay", caps["POST /form"]["trace_id"], "--curl")["curl"]
+        cmd = ok_json(data, "replay", caps["POST /form"]["trace_id"], "--curl", "--to", url)["curl"]
         out = subprocess.run(["bash", "-c", cmd], capture_output=True, timeout=60, check=True)
         assert json.loads(out.stdout) == json.loads(form_orig)
 
@@ -272,17 +278,23 @@ def test_curl_for_is_shell_safe() -> None:
     cmd = rp.curl_for(capture(body_b64=base64.b64encode(text.encode()).decode()))
     comment, line = cmd.splitlines()[0], cmd.split("\n", 1)[1]
     assert comment.startswith("# redacted at capture time, not sent: authorization")
+    assert line.startswith("# sent to $PERFSLEUTH_TARGET")
+    line = line.split("\n", 1)[1]
     argv = shlex.split(line)
-    assert argv[:5] == [
+    # The target is $PERFSLEUTH_TARGET when the command runs, never the captured Host (which
+    # the request's sender chose); that Host is sent as a header.
+    assert argv[:6] == [
         "curl",
         "-sS",
         "-X",
         "POST",
-        "http://shop.example:8000/a%20b/it's?q=$HOME&x=`id`",
+        "--globoff",
+        "${PERFSLEUTH_TARGET:?set PERFSLEUTH_TARGET to the server to send it to, like "
+        "http://127.0.0.1:8000}/a%20b/it's?q=$HOME&x=`id`",
     ]
-    assert argv[5:7] == ["-H", 'x-note: it\'s "odd" $(id)']
+    assert argv[6:10] == ["-H", "Host: shop.example:8000", "-H", 'x-note: it\'s "odd" $(id)']
     assert argv[-2:] == ["--data-raw", text]
-    assert "host" not in line and "content-length" not in line and "authorization" not in line
+    assert "content-length" not in line and "authorization" not in line
     # Sent elsewhere: same path and query.
     moved = rp.curl_for(capture(), "http://127.0.0.1:9000")
     assert "'http://127.0.0.1:9000/a%20b/it'\"'\"'s?q=$HOME&x=`id`'" in moved

@@ -48,7 +48,10 @@ def replay(
     to: Annotated[
         str | None,
         typer.Option(
-            "--to", metavar="URL", help="Re-send it to this server, e.g. http://127.0.0.1:8000."
+            "--to",
+            metavar="URL",
+            help="Re-send it to this server, e.g. http://127.0.0.1:8000 (with --curl: the "
+            "command's target; without, it sends to $PERFSLEUTH_TARGET when run).",
         ),
     ] = None,
     times: Annotated[int, typer.Option("--times", help="How many times to re-send it.")] = 1,
@@ -65,7 +68,8 @@ def replay(
 
     Captured: slow requests (PERFSLEUTH_CAPTURE_SLOW_MS, 500 ms), 5xx, loop blockers, requests
     flagged with perfsleuth.agent.keep_capture(), and a 1 % sample of the rest. Secret headers
-    were redacted at capture time and are not sent.
+    were redacted at capture time and are not sent. The captured Host header is sent as a
+    header, never used as the target: whoever sent the request chose it.
     """
     positive(times, "--times")
     if not curl and not to:
