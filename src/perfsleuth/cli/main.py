@@ -380,10 +380,26 @@ def sql(
     query: Annotated[str, typer.Argument(metavar='"QUERY"', help="One read-only SQL statement.")],
     data: DataOpt = DEFAULT_DATA,
     limit: Annotated[int, typer.Option("--limit", help="Maximum rows returned.")] = 1000,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Stop the query after this many seconds.", min=0.1)
+    ] = 10.0,
+    unsafe: Annotated[
+        bool,
+        typer.Option(
+            "--unsafe",
+            help="Lift the sandbox: the query may read files, reach the network and install "
+            "extensions, with no time or size limit (for trusted queries only).",
+        ),
+    ] = False,
     no_ingest: NoIngestOpt = False,
     json: JsonOpt = False,
 ) -> None:
-    """Read-only SQL over the store (tables: see `perfsleuth sql "SHOW TABLES"`)."""
+    """Read-only SQL over the store (tables: see `perfsleuth sql "SHOW TABLES"`).
+
+    Sandboxed as the web UI's console: no file, network or extension access, at most
+    --timeout seconds and 8 MB of rows; --unsafe lifts all three."""
+    from perfsleuth.server import console
+
     positive(limit, "--limit")
     if not query.strip():
         raise CLIError('give a query, e.g. perfsleuth sql "SELECT count(*) FROM requests"')
@@ -392,20 +408,32 @@ def sql(
         with store_for_reading(data, ingest=True):
             pass
     with opened(data, read_only=True) as store:
+        con = store._con  # type: ignore[attr-defined]
+        if not unsafe:
+            console.sandbox(con)
         try:
-            columns, rows = store.sql(query, limit=limit)
-        except StoreLocked:
-            raise
-        except StoreError as e:
-            raise CLIError(one_line(e), EXIT_USAGE) from e
+            res = console.run(
+                con.cursor(),
+                query,
+                limit=limit,
+                max_bytes=None if unsafe else console.MAX_BYTES,
+                time_limit=None if unsafe else timeout,
+                encode=False,
+                prepare=console.make_views(console.temp_views(con)),
+            )
+        except console.ConsoleError as e:
+            raise CLIError(str(e), EXIT_USAGE) from e
+    columns, rows = res.columns, res.raw
     if json:
         print_json([dict(zip(columns, r, strict=False)) for r in rows])
         return
     out = out_console()
     out.print(render.sql_table(list(columns), list(rows)))
     note = f"{len(rows):,} row{'s' if len(rows) != 1 else ''}"
-    if len(rows) >= limit:
+    if res.truncated_by == "rows":
         note += f" (stopped at --limit {limit:,})"
+    elif res.truncated_by == "bytes":
+        note += f" (stopped at {console.MAX_BYTES // 2**20} MB; --unsafe lifts it)"
     out.print(Text(note, style="dim"))
 
 

@@ -37,10 +37,21 @@ def free_port(host: str, preferred: int) -> int:
         return int(s.getsockname()[1])
 
 
-def start_ui(data: str, host: str, port: int, token: str | None, ingest: bool = True) -> None:
+def start_ui(
+    data: str,
+    host: str,
+    port: int,
+    token: str | None,
+    ingest: bool = True,
+    allowed_hosts: list[str] | tuple[str, ...] = (),
+) -> None:
     """Check the settings, print the URL once listening, serve until Ctrl-C."""
-    from perfsleuth.server import LOOPBACK, serve, url_for
+    from perfsleuth.server import LOOPBACK, check_token, serve, url_for
 
+    try:
+        check_token(token)
+    except ValueError as e:
+        raise CLIError(f"--token / PERFSLEUTH_TOKEN: {e}") from e
     if host not in LOOPBACK and not token:
         raise CLIError(
             f"binding to {host} makes the UI reachable from other machines: give a token "
@@ -54,7 +65,15 @@ def start_ui(data: str, host: str, port: int, token: str | None, ingest: bool = 
         typer.echo("Ctrl-C stops it.")
 
     try:
-        serve(data, host=host, port=port, token=token, on_ready=ready, ingest=ingest)
+        serve(
+            data,
+            host=host,
+            port=port,
+            token=token,
+            on_ready=ready,
+            ingest=ingest,
+            allowed_hosts=allowed_hosts,
+        )
     except KeyboardInterrupt:
         pass
 
@@ -73,7 +92,20 @@ def ui(
             "--token",
             envvar="PERFSLEUTH_TOKEN",
             show_envvar=True,
-            help="Require this token on every API call (Bearer header or ?token=).",
+            help="Require this token on every API call (Bearer header or ?token=); at least "
+            "16 characters.",
+        ),
+    ] = None,
+    allow_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-host",
+            metavar="NAME",
+            envvar="PERFSLEUTH_ALLOWED_HOSTS",
+            show_envvar=True,
+            help="Also answer requests naming this host (the name in the browser's address "
+            "bar; repeat for several, '*' for any). Loopback names and the bound address are "
+            "always answered; other names are refused, against DNS rebinding.",
         ),
     ] = None,
     no_ingest: Annotated[
@@ -86,4 +118,5 @@ def ui(
     ] = False,
 ) -> None:
     """Serve the web UI and its JSON API (/api/), ingesting the spool as it grows."""
-    start_ui(data, host, port, token or None, ingest=not no_ingest)
+    hosts = [h.strip() for v in allow_host or () for h in v.split(",") if h.strip()]
+    start_ui(data, host, port, token, ingest=not no_ingest, allowed_hosts=hosts)

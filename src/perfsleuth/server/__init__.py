@@ -1,10 +1,28 @@
-"""The web UI server (``perfsleuth ui``): see :mod:`perfsleuth.server.app`."""
+"""The web UI server (``perfsleuth ui``): see :mod:`perfsleuth.server.app`. The app (FastAPI)
+is imported when first asked for, so that ``perfsleuth.server.console`` (used by the CLI's
+``sql``) comes without it."""
 
 from __future__ import annotations
 
-from perfsleuth.server.app import LOOPBACK, Backend, create_app
+from typing import Any
 
-__all__ = ["LOOPBACK", "Backend", "create_app", "serve", "url_for"]
+__all__ = [
+    "LOOPBACK",
+    "MIN_TOKEN_CHARS",
+    "Backend",
+    "check_token",
+    "create_app",
+    "serve",
+    "url_for",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LOOPBACK", "MIN_TOKEN_CHARS", "Backend", "check_token", "create_app"):
+        from perfsleuth.server import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def url_for(host: str, port: int, token: str | None = None) -> str:
@@ -21,12 +39,23 @@ def serve(
     token: str | None = None,
     on_ready: object = None,
     ingest: bool = True,
+    allowed_hosts: tuple[str, ...] | list[str] = (),
 ) -> None:
     """Serve until interrupted (Ctrl-C). ``on_ready(port)`` is called once listening. Without
-    ``ingest`` the store is opened read-only."""
+    ``ingest`` the store is opened read-only. A token shorter than MIN_TOKEN_CHARS is refused
+    (ValueError); ``allowed_hosts``: Host names answered besides loopback and ``host``."""
     import uvicorn
 
-    app = create_app(data_dir, token=token, ingest_every=3.0 if ingest else 0)
+    from perfsleuth.server.app import check_token, create_app
+
+    check_token(token)
+    own = [host] if host not in ("0.0.0.0", "::", "") else []
+    app = create_app(
+        data_dir,
+        token=token,
+        ingest_every=3.0 if ingest else 0,
+        allowed_hosts=[*allowed_hosts, *own],
+    )
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     if callable(on_ready):

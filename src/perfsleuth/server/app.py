@@ -3,7 +3,14 @@
 
 DuckDB allows one writing process per database, and a connection is not meant for concurrent
 use, so the server holds one store, guarded by a lock: API calls and the background ingest
-(every ``ingest_every`` seconds) take turns.
+(every ``ingest_every`` seconds) take turns. SQL console statements run on cursors of their own
+(DuckDB connections to the same database, see :mod:`perfsleuth.server.console`), at most
+CONSOLE_SLOTS at a time, so that the rest of the API answers while one runs.
+
+Who may call: requests must name this server in their ``Host`` header (a loopback name, the
+address the connection came in on, or a name given in ``allowed_hosts``), so that a web page on
+a DNS-rebinding domain cannot read the API from a browser on this machine; with a token, every
+/api/ call must carry it.
 """
 
 from __future__ import annotations
@@ -11,14 +18,11 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import math
 import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import date, datetime
-from decimal import Decimal
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Query, Request
@@ -27,24 +31,48 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from perfsleuth.server import queries
+from perfsleuth.server import console, queries
 from perfsleuth.server.window import BadRange, Window, window
 from perfsleuth.store.base import Store, StoreError, open_store
 
 log = logging.getLogger("perfsleuth.server")
 
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
-SQL_MAX_ROWS = 10_000
-SQL_TIME_LIMIT_S = 10.0
+SQL_MAX_ROWS = console.MAX_ROWS
+SQL_MAX_BYTES = console.MAX_BYTES
+SQL_TIME_LIMIT_S = console.TIME_LIMIT_S
+CONSOLE_SLOTS = 2  # console statements running at once; more are refused (429)
 FINDINGS_TTL_S = 30.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MIN_TOKEN_CHARS = 16
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.extra = extra
+
+
+def host_name(header: str) -> str:
+    """The host name of a ``Host`` header, lower case, without port or brackets."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        h = h[1 : h.find("]")] if "]" in h else h[1:]
+    elif h.count(":") == 1:
+        h = h.split(":", 1)[0]
+    return h.rstrip(".")
+
+
+def check_token(token: str | None) -> None:
+    """ValueError unless ``token`` is None or long enough to resist guessing."""
+    if token is not None and len(token.strip()) < MIN_TOKEN_CHARS:
+        what = "blank" if not token.strip() else f"{len(token.strip())} characters"
+        raise ValueError(
+            f"the token is too short ({what}): use at least {MIN_TOKEN_CHARS} random "
+            "characters, e.g. from `python -c 'import secrets; print(secrets.token_urlsafe())'`"
+        )
 
 
 class Backend:
@@ -59,8 +87,18 @@ class Backend:
         # The SQL console must not read or write files of the machine (read_csv, COPY, ...):
         # nothing else of the server needs external access, and it cannot be switched back on.
         con = getattr(self.store, "_con", None)
+        self._console_con = None
+        self._temp_views: list[str] = []
         if con is not None:
-            con.execute("SET enable_external_access = false")
+            console.sandbox(con)
+            # The console's cursors come from this one (made before any other thread runs).
+            self._console_con = con.cursor()
+            # A read-only store's views are temporary, seen by its own connection only: the
+            # console's cursors make them again.
+            self._temp_views = console.temp_views(con)
+        self._console_lock = threading.Lock()
+        self.console_slots = threading.BoundedSemaphore(CONSOLE_SLOTS)
+        self.console_running = 0
         self.lock = threading.Lock()
         self.ingest_every = ingest_every
         self.last_ingest: dict[str, Any] = {"at": None, "requests": 0, "error": None}
@@ -122,31 +160,43 @@ class Backend:
         if self._thread is not None:
             self._thread.join(timeout=30)
         with self.lock:
+            with self._console_lock:
+                if self._console_con is not None:
+                    self._console_con.close()
+                    self._console_con = None
             self.store.close()
 
-    def interrupt(self) -> None:
-        """Stop the statement running on the store's connection (the SQL time limit)."""
-        con = getattr(self.store, "_con", None)
-        if con is not None:
-            con.interrupt()
+    def console(self, query: str, limit: int, max_bytes: int, time_limit: float) -> console.Result:
+        """Run a console statement on a cursor of its own (no store lock: the rest of the API
+        answers meanwhile); ConsoleError when refused, failed, too long or too many at once."""
+        if not self.console_slots.acquire(blocking=False):
+            raise ApiError(
+                429, f"{CONSOLE_SLOTS} SQL console queries are running: try again when one ends"
+            )
+        try:
+            with self._console_lock:
+                if self._console_con is None:
+                    raise console.ConsoleError("the server is shutting down")
+                cur = self._console_con.cursor()
+                self.console_running += 1
+
+            try:
+                return console.run(
+                    cur,
+                    query,
+                    limit=limit,
+                    max_bytes=max_bytes,
+                    time_limit=time_limit,
+                    prepare=console.make_views(self._temp_views),
+                )
+            finally:
+                with self._console_lock:
+                    self.console_running -= 1
+        finally:
+            self.console_slots.release()
 
 
-def _json_value(v: Any) -> Any:
-    if v is None or isinstance(v, str | int | bool):
-        return v
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, datetime | date):
-        return v.isoformat()
-    if isinstance(v, Decimal):
-        return float(v)
-    if isinstance(v, bytes | bytearray | memoryview):
-        return bytes(v).hex()
-    if isinstance(v, list | tuple):
-        return [_json_value(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _json_value(x) for k, x in v.items()}
-    return str(v)
+_json_value = console.json_value
 
 
 def _ok(body: Any) -> Response:
@@ -156,22 +206,25 @@ def _ok(body: Any) -> Response:
     )
 
 
-def _err(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message, "status": status}, status_code=status)
+def _err(status: int, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, "status": status, **extra}, status_code=status)
 
 
 CURL_INLINE_CHARS = 100_000  # longer commands (big bodies) are fetched when copied
 
 
-def _curl(capture: dict[str, Any]) -> tuple[str, str | None]:
+def _curl(capture: dict[str, Any], to_url: str | None = None) -> tuple[str, str | None]:
     """(curl command, why it is not an exact replay or None). A truncated body is kept in
-    the command, with the reason next to it."""
+    the command, with the reason next to it. Without ``to_url`` the command sends the request
+    to $PERFSLEUTH_TARGET, never to the host the captured Host header names."""
     from perfsleuth.analysis import replay
 
     try:
-        return replay.curl_for(capture), None
+        return replay.curl_for(capture, to_url), None
     except replay.ReplayError as e:
-        return replay.curl_for(capture, allow_truncated=True), str(e)
+        if to_url and not capture.get("body_truncated"):
+            raise ApiError(400, str(e)) from e
+        return replay.curl_for(capture, to_url, allow_truncated=True), str(e)
 
 
 def _replay(store: Store, trace_id: str) -> dict[str, Any] | None:
@@ -206,16 +259,34 @@ SinceQ = Annotated[
 ]
 
 
+def _trace_id(store: Store, trace_id: str) -> str:
+    try:
+        return queries.resolve_trace(store, trace_id)
+    except queries.NotFound as e:
+        raise ApiError(404, str(e)) from e
+    except queries.Ambiguous as e:
+        raise ApiError(400, str(e), candidates=e.candidates) from e
+
+
 def create_app(
     data_dir: str,
     *,
     token: str | None = None,
     ingest_every: float = 3.0,
     sql_time_limit: float = SQL_TIME_LIMIT_S,
+    sql_max_bytes: int = SQL_MAX_BYTES,
+    allowed_hosts: tuple[str, ...] | list[str] = (),
     backend: Backend | None = None,
 ) -> FastAPI:
     """The ASGI app. ``token``: when set, every /api/ call must carry it (``Authorization:
-    Bearer TOKEN`` or ``?token=TOKEN``). Ingest starts with the app and stops with it."""
+    Bearer TOKEN`` or ``?token=TOKEN``); a blank token is refused (ValueError). Requests must
+    name a loopback name, the address they came in on, or one of ``allowed_hosts`` in their
+    Host header ("*" allows any). Ingest starts with the app and stops with it."""
+    if token is not None and not token.strip():
+        raise ValueError("the token is blank: give a token, or none for no token check")
+    hosts = {host_name(h) for h in allowed_hosts if h.strip()}
+    any_host = "*" in hosts
+    hosts.update(LOOPBACK)
     be = backend or Backend(data_dir, ingest_every)
 
     from contextlib import asynccontextmanager
@@ -239,7 +310,19 @@ def create_app(
     app.state.backend = be
 
     @app.middleware("http")
-    async def check_token(request: Request, call_next: Any) -> Any:
+    async def check_access(request: Request, call_next: Any) -> Any:
+        given_host = request.headers.get("host")
+        if given_host is not None and not any_host:
+            name = host_name(given_host)
+            server = request.scope.get("server")
+            own = host_name(str(server[0])) if server else None
+            if name not in hosts and name != own:
+                return _err(
+                    400,
+                    f"this server does not answer to the host name {name[:100]!r} (a page on "
+                    "another site may be reaching it through DNS rebinding); to allow it, start "
+                    "the server with --allow-host NAME",
+                )
         if token and request.url.path.startswith("/api"):
             auth = request.headers.get("authorization", "")
             given = auth[7:].strip() if auth.lower().startswith("bearer ") else None
@@ -257,7 +340,7 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
-        return _err(e.status, e.message)
+        return _err(e.status, e.message, **e.extra)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -280,6 +363,8 @@ def create_app(
                 return _ok(fn(store, *args, **kwargs))
         except queries.NotFound as e:
             raise ApiError(404, str(e)) from e
+        except queries.Ambiguous as e:
+            raise ApiError(400, str(e), candidates=e.candidates) from e
         except StoreError as e:
             raise ApiError(400, str(e).splitlines()[0]) from e
 
@@ -375,7 +460,7 @@ def create_app(
     def trace(trace_id: str) -> Response:
         def body(store: Store) -> dict[str, Any]:
             try:
-                t = store.trace(trace_id)
+                t = store.trace(_trace_id(store, trace_id))
             except StoreError as e:
                 raise queries.NotFound(str(e)) from e
             from perfsleuth.analysis import profile
@@ -399,15 +484,24 @@ def create_app(
         summary="The captured request as a curl command (text)",
         response_class=PlainTextResponse,
     )
-    def trace_curl(trace_id: str) -> Response:
+    def trace_curl(
+        trace_id: str,
+        to: Annotated[
+            str | None,
+            Query(
+                description="The server to send it to, e.g. http://127.0.0.1:8000 (default: "
+                "$PERFSLEUTH_TARGET when the command runs)."
+            ),
+        ] = None,
+    ) -> Response:
         with be.use() as store:
             try:
-                cap = store.capture(trace_id)
+                cap = store.capture(_trace_id(store, trace_id))
             except StoreError as e:
                 raise ApiError(404, str(e)) from e
         if cap is None:
             raise ApiError(404, f"trace {trace_id} was not captured (no replayable request)")
-        return PlainTextResponse(_curl(cap)[0] + "\n")
+        return PlainTextResponse(_curl(cap, to or None)[0] + "\n")
 
     @app.get("/api/findings", summary="Findings, highest impact first")
     def findings(endpoint: str | None = None, since: SinceQ = "1h") -> Response:
@@ -434,7 +528,12 @@ def create_app(
             if not matches:
                 raise queries.NotFound(f"no finding with id {finding_id!r} in this window")
             if len(matches) > 1:
-                raise ApiError(400, f"finding id prefix {finding_id!r} is ambiguous")
+                raise ApiError(
+                    400,
+                    f"finding id prefix {finding_id!r} is ambiguous: it matches "
+                    f"{len(matches)} findings",
+                    candidates=sorted(f.id for f in matches)[:10],
+                )
             f = matches[0]
             site = f.callsite or {}
             code = loops.source_line(site.get("file"), site.get("line")) if site else None
@@ -442,43 +541,36 @@ def create_app(
 
         return run(body)
 
-    @app.post("/api/sql", summary="One read-only SQL statement, with a row cap and a time limit")
+    @app.post(
+        "/api/sql",
+        summary="One read-only SQL statement, with a row cap, a byte cap and a time limit",
+    )
     def sql(
         query: Annotated[str, Body(embed=True, description="SELECT or EXPLAIN of one.")],
         limit: Annotated[int, Body(embed=True, ge=1, le=SQL_MAX_ROWS)] = 1000,
     ) -> Response:
         if not query.strip():
             raise ApiError(400, "the query is empty")
-        with be.use() as store:
-            running = threading.Event()
-            running.set()
-
-            def stop() -> None:
-                if running.is_set():  # never interrupt whatever runs after this query
-                    be.interrupt()
-
-            timer = threading.Timer(sql_time_limit, stop)
-            t0 = time.perf_counter()
-            timer.start()
-            try:
-                cols, rows = store.sql(query, limit=limit + 1)
-            except StoreError as e:
-                msg = str(e)
-                if "interrupt" in msg.lower() and time.perf_counter() - t0 >= sql_time_limit:
-                    msg = f"the query was stopped: it ran longer than {sql_time_limit:g} s"
-                raise ApiError(400, msg.strip().splitlines()[0] if msg.strip() else msg) from e
-            finally:
-                running.clear()
-                timer.cancel()
-            elapsed = (time.perf_counter() - t0) * 1000
-        return _ok(
+        try:
+            res = be.console(query, limit, sql_max_bytes, sql_time_limit)
+        except console.ConsoleError as e:
+            raise ApiError(400, str(e)) from e
+        head = json.dumps(
             {
-                "columns": cols,
-                "rows": [list(r) for r in rows[:limit]],
-                "truncated": len(rows) > limit,
+                "columns": _json_value(res.columns),
+                "truncated": res.truncated,
+                "truncated_by": res.truncated_by,
                 "limit": limit,
-                "elapsed_ms": elapsed,
-            }
+                "max_bytes": sql_max_bytes,
+                "bytes": res.bytes,
+                "elapsed_ms": res.elapsed_ms,
+            },
+            ensure_ascii=False,
+        )
+        # The rows were encoded one by one within the time limit; they are joined, not re-encoded.
+        return Response(
+            head[:-1] + ', "rows": [' + ",".join(res.encoded) + "]}",
+            media_type="application/json",
         )
 
     @app.api_route("/api/{rest:path}", methods=["GET", "POST"], include_in_schema=False)

@@ -24,6 +24,41 @@ class NotFound(LookupError):
     """An unknown endpoint, trace or finding; the message is one sentence."""
 
 
+class Ambiguous(ValueError):
+    """An id prefix that matches several traces (``candidates``, the first few)."""
+
+    def __init__(self, message: str, candidates: list[str]) -> None:
+        super().__init__(message)
+        self.candidates = candidates
+
+
+def resolve_trace(store: Store, trace_id: str) -> str:
+    """The full id of a trace given by id or unique prefix; NotFound, or Ambiguous with the
+    first ten matching ids."""
+    prefix = trace_id.strip().lower()
+    if not prefix:
+        raise NotFound("give a trace id (or a unique prefix of one)")
+    ids = [
+        r["trace_id"]
+        for r in store.query(
+            "SELECT DISTINCT trace_id FROM requests WHERE starts_with(trace_id, ?) "
+            "ORDER BY 1 LIMIT 11",
+            [prefix],
+        )
+    ]
+    if not ids:
+        raise NotFound(f"no trace with id {trace_id.strip()[:100]!r}")
+    if len(ids) > 1:
+        more = ", ..." if len(ids) > 10 else ""
+        raise Ambiguous(
+            f"trace id prefix {trace_id.strip()[:100]!r} is ambiguous: it matches "
+            + ", ".join(ids[:10])
+            + more,
+            ids[:10],
+        )
+    return str(ids[0])
+
+
 def _epoch(ts: datetime) -> int:
     return int((ts - datetime(1970, 1, 1)).total_seconds())
 

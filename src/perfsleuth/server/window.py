@@ -29,7 +29,7 @@ def parse_duration(value: str) -> timedelta:
             f"invalid since {value!r}: use a number and a unit (s, m, h, d, w) such as 15m, "
             "1h, 24h or 7d, or 'all'"
         )
-    if seconds <= 0 or seconds > 10 * 365 * 86400:
+    if not 1 <= seconds <= 10 * 365 * 86400:
         raise BadRange(f"invalid since {value!r}: between 1 second and ten years")
     return timedelta(seconds=seconds)
 
