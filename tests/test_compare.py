@@ -278,3 +278,34 @@ def test_real_app_deploy_fixing_an_n_plus_one_is_faster_and_the_finding_gone(
     assert "n_plus_one" in {f["kind"] for f in gone}, doc["findings"]
     assert not [f for f in doc["findings"]["appeared"] if f["kind"] == "n_plus_one"]
     assert [f["kind"] for f in row["findings_gone"]].count("n_plus_one") == 1
+
+
+# ------------------------------------------------------------------------------------ the API
+
+
+def test_compare_api_gives_the_table_and_both_distributions(synth: Any) -> None:
+    from fastapi.testclient import TestClient
+
+    from perfsleuth.server.app import create_app
+
+    store = synth(variant_traffic(0, requests=600))
+    data = store.data_dir
+    store.close()
+    with TestClient(create_app(data, ingest_every=0)) as c:
+        vals = c.get("/api/compare/values", params={"by": "tag:variant"})
+        assert vals.status_code == 200, vals.text
+        assert sorted(v["value"] for v in vals.json()) == ["a", "b"]
+        assert sum(v["requests"] for v in vals.json()) == 600
+        r = c.get("/api/compare", params={"by": "tag:variant", "findings": "false"})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert (doc["a"], doc["b"]) == ("variant=a", "variant=b")
+        v = {row["endpoint"]: row["verdict"] for row in doc["endpoints"]}
+        assert v[PLANTED] == "slower" and list(v.values()).count("same") == 4
+        h = doc["histograms"][PLANTED]
+        assert len(h["edges"]) == len(h["a"]) + 1 == len(h["b"]) + 1
+        assert sum(h["a"]) == pytest.approx(1.0) and sum(h["b"]) == pytest.approx(1.0)
+        bad = c.get("/api/compare", params={"by": "colour"})
+        assert bad.status_code == 400 and "use tag:NAME" in bad.json()["error"]
+        one = c.get("/api/compare", params={"a": "last-1h"})
+        assert one.status_code == 400 and "give two sides" in one.json()["error"]

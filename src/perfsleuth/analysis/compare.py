@@ -451,3 +451,33 @@ def side_findings(store: Store, side: Side, config: Config | None = None) -> lis
 
 def _brief(f: Finding) -> dict[str, Any]:
     return {"id": f.id, "kind": f.kind, "endpoint": f.endpoint, "title": f.title}
+
+
+def histograms(
+    store: Store, a: Side, b: Side, bins: int = 40, endpoint: str | None = None
+) -> dict[str, dict[str, list[float]]]:
+    """Per endpoint, the two sides' latency distributions on shared log-spaced bins (for an
+    overlaid chart): ``{"edges": [...], "a": [shares], "b": [shares]}``, shares of each side's
+    requests so that sides of different sizes compare."""
+    da, db = _durations(store, a), _durations(store, b)
+    out: dict[str, dict[str, list[float]]] = {}
+    for ep in sorted(set(da) | set(db)):
+        if endpoint is not None and ep != endpoint:
+            continue
+        xa, xb = da.get(ep, np.empty(0)), db.get(ep, np.empty(0))
+        both = np.concatenate([xa, xb])
+        both = both[both > 0]
+        if len(both) == 0:
+            continue
+        lo, hi = float(both.min()), float(both.max())
+        if hi <= lo:
+            hi = lo * 1.01 + 1e-3
+        edges = np.geomspace(lo, hi, bins + 1)
+        ha = np.histogram(np.clip(xa, lo, hi), edges)[0] / max(len(xa), 1)
+        hb = np.histogram(np.clip(xb, lo, hi), edges)[0] / max(len(xb), 1)
+        out[ep] = {
+            "edges": [float(e) for e in edges],
+            "a": [float(v) for v in ha],
+            "b": [float(v) for v in hb],
+        }
+    return out

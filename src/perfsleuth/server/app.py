@@ -573,6 +573,10 @@ def create_app(
             media_type="application/json",
         )
 
+    from perfsleuth.server.compare import router as compare_router
+
+    app.include_router(compare_router)
+
     @app.api_route("/api/{rest:path}", methods=["GET", "POST"], include_in_schema=False)
     def unknown(rest: str) -> Response:
         raise ApiError(404, f"no such API path /api/{rest}; see /api/openapi.json")
