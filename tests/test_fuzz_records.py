@@ -16,6 +16,7 @@ long mode (100,000 cases) and prints the figures. A case is made from (seed, ind
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -135,7 +136,7 @@ class _Maker:
             return self.rng.getrandbits(self.rng.choice([8, 53, 63, 64, 65, 100])) * (
                 self.rng.choice([1, -1])
             )
-        return self.rng.choice(HOSTILE)
+        return copy.deepcopy(self.rng.choice(HOSTILE))
 
     def spoil(self, obj: Any, p: float = 0.3) -> Any:
         """``obj`` with some fields replaced by hostile values, maybe not an object at all."""
