@@ -37,6 +37,11 @@ static PyObject *classify_code; /* stacks.classify */
 static PyObject *site_cache;    /* recorder._site_cache */
 static Py_ssize_t max_depth = 64, max_sites = 20000;
 static int one_stack_per_site = 1; /* PERFSLEUTH_STACKS_PER_SITE is 1: else Python does it */
+/* Set once a template engine is loaded (recorder hands them over when stacks.templates_on is
+ * set); NULL before: */
+static PyObject *template_key;  /* stacks.template_key */
+static PyObject *engines;       /* templates._engine: id(code) -> (code, engine) */
+static PyObject *engine_of;     /* templates.engine_of */
 static PyObject *sink;          /* recorder._sink (None: the agent is off) */
 static PyObject *inflight;      /* recorder.inflight */
 static PyObject *stats;         /* recorder.stats */
@@ -523,6 +528,56 @@ same_stack(PyFrameObject *frame, PyObject *flat)
     return same;
 }
 
+/* Whether f is a template engine's rendering frame (templates.engine_of): 1 yes, 0 no, -1 error. */
+static int
+is_engine_frame(PyFrameObject *f)
+{
+    PyCodeObject *code = PyFrame_GetCode(f);
+    PyObject *id = PyLong_FromVoidPtr(code);
+    Py_DECREF(code);
+    PyObject *hit = id ? PyDict_GetItemWithError(engines, id) : NULL; /* borrowed */
+    Py_XDECREF(id);
+    PyObject *e;
+    if (hit != NULL && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2)
+        e = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+    else if (PyErr_Occurred())
+        return -1;
+    else
+        e = PyObject_CallOneArg(engine_of, (PyObject *)f);
+    if (e == NULL)
+        return -1;
+    int r = PyObject_IsTrue(e);
+    Py_DECREF(e);
+    return r;
+}
+
+/* Whether a template engine's frame is among those stacks.capture(frame) walks (its stack
+ * then has template frames, which only Python's capture makes): 1 yes, 0 no, -1 error. */
+static int
+under_template(PyFrameObject *frame)
+{
+    int error = 0;
+    PyFrameObject *f = past_agent(frame, &error);
+    if (error)
+        return -1;
+    int found = 0;
+    for (Py_ssize_t n = 0; f != NULL && n < max_depth; n++) {
+        int k = kind_of(f);
+        if (k == -2) {
+            found = -1;
+            break;
+        }
+        if (k == -1)
+            break;
+        found = is_engine_frame(f);
+        if (found != 0)
+            break;
+        f = up(f);
+    }
+    Py_XDECREF(f);
+    return found;
+}
+
 /* record_call's slow path (recorder.ActiveRequest._record_call) for a statement with its
  * parameters in a tuple: the call site (the first application frame, else the first that is
  * not the agent's), the request's site entry (the shared one when the frames are the same,
@@ -600,6 +655,24 @@ record_site(PyObject *req, PyObject *sql, PyObject *params)
         lasti = PyLong_FromLong(0);
     }
     key = (where && lasti) ? PyTuple_Pack(3, sql, where, lasti) : NULL;
+    if (key != NULL && template_key != NULL) {
+        /* A call under a template line is a site of its own, keyed by that line too
+         * (stacks.template_key, as recorder's Python path keys it): its row goes here when
+         * the request has the site, its first call to Python, whose capture has the
+         * template frames. A call under no template stays here, whole. */
+        int t = under_template(frame);
+        PyObject *tkey = t == 1 ? PyObject_CallOneArg(template_key, (PyObject *)frame) : NULL;
+        if (t == 1 && tkey != NULL && tkey != Py_None)
+            Py_SETREF(key, PyTuple_Pack(4, sql, where, lasti, tkey));
+        else if (t != 0)
+            Py_CLEAR(key); /* an error, or an engine's frame without a template line */
+        Py_XDECREF(tkey);
+        if (t == 1 && key != NULL) {
+            PyObject *known = PyDict_GetItemWithError(sites, key); /* borrowed */
+            if (known == NULL)
+                Py_CLEAR(key); /* the site's first call in the request */
+        }
+    }
     Py_XDECREF(where);
     Py_XDECREF(lasti);
     if (key == NULL)
@@ -1948,16 +2021,32 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
     static char *names[] = {"current", "sql_text", "internal_error", "max_rows", "perf_counter",
                             "code_kinds", "classify", "site_cache", "max_depth", "max_sites",
                             "stacks_per_site", "sink", "inflight", "stats", "getrandbits",
-                            "no_sites", "request_class", NULL};
+                            "no_sites", "request_class", "template_key", "template_engines",
+                            "engine_of", NULL};
     PyObject *current = NULL, *text = NULL, *error = NULL, *perf = NULL, *kinds = NULL,
              *classify = NULL, *cache = NULL, *new_sink = NULL, *flying = NULL,
-             *counters = NULL, *random_bits = NULL, *empty_sites = NULL, *req_class = NULL;
+             *counters = NULL, *random_bits = NULL, *empty_sites = NULL, *req_class = NULL,
+             *tpl_key = NULL, *tpl_engines = NULL, *tpl_engine_of = NULL;
     Py_ssize_t rows = -1, depth = -1, sites = -1, per_site = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOnOOOOnnnOOOOOO:configure", names,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOnOOOOnnnOOOOOOOOO:configure", names,
                                      &current, &text, &error, &rows, &perf, &kinds, &classify,
                                      &cache, &depth, &sites, &per_site, &new_sink, &flying,
-                                     &counters, &random_bits, &empty_sites, &req_class))
+                                     &counters, &random_bits, &empty_sites, &req_class,
+                                     &tpl_key, &tpl_engines, &tpl_engine_of))
         return NULL;
+    if ((tpl_key != NULL) != (tpl_engines != NULL) ||
+        (tpl_key != NULL) != (tpl_engine_of != NULL) ||
+        (tpl_key != NULL && tpl_key != Py_None && !PyDict_CheckExact(tpl_engines))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "template_key, template_engines (a dict) and engine_of come together");
+        return NULL;
+    }
+    if (tpl_key != NULL) { /* None: templates off again */
+        int off = tpl_key == Py_None;
+        Py_XSETREF(template_key, off ? NULL : Py_NewRef(tpl_key));
+        Py_XSETREF(engines, off ? NULL : Py_NewRef(tpl_engines));
+        Py_XSETREF(engine_of, off ? NULL : Py_NewRef(tpl_engine_of));
+    }
     if ((flying != NULL && !PyDict_CheckExact(flying)) ||
         (counters != NULL && !PyDict_CheckExact(counters))) {
         PyErr_SetString(PyExc_TypeError, "inflight and stats are dicts");
@@ -2009,8 +2098,11 @@ static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "configure(*, current, sql_text, internal_error, max_rows, perf_counter, code_kinds, "
      "classify, site_cache, max_depth, max_sites, stacks_per_site, sink, inflight, stats, "
-     "getrandbits, no_sites, request_class): what the wrappers use (each optional); perf_counter: "
-     "time.perf_counter_ns when it is not CLOCK_MONOTONIC, else None."},
+     "getrandbits, no_sites, request_class, template_key, template_engines, engine_of): what "
+     "the wrappers use (each optional); perf_counter: time.perf_counter_ns when it is not "
+     "CLOCK_MONOTONIC, else None; template_key (stacks.template_key, None: off), "
+     "template_engines (templates._engine) and engine_of (templates.engine_of), given together "
+     "once a template engine is loaded."},
     {"begin", (PyCFunction)(void (*)(void))begin, METH_FASTCALL | METH_KEYWORDS,
      "begin(kind, method='', path='', *, cpu=False, cls=request_class): recorder.begin."},
     {"end", (PyCFunction)end, METH_O, "end(req): recorder.end."},

@@ -140,14 +140,20 @@ def _load_speedups() -> Any:
 speedups: Any = _load_speedups()
 
 
-def _python_sites() -> None:
-    """A template engine is loaded: the accelerator's site path (its stacks have no template
-    frames) leaves new sites to Python's (stacks_per_site above 1 does that)."""
+def _templates_in_c() -> None:
+    """A template engine is loaded: the accelerator's site path looks for a template engine's
+    frame above each new site, and hands the first call of a site under a template line to
+    Python's (whose stacks have the template frames)."""
     if speedups is not None:
-        speedups.configure(stacks_per_site=2)
+        engines = stacks.templates
+        speedups.configure(
+            template_key=_template_key,
+            template_engines=engines._engine,
+            engine_of=engines.engine_of,
+        )
 
 
-stacks.on_templates = _python_sites
+stacks.on_templates = _templates_in_c
 
 
 def configure(
@@ -170,8 +176,7 @@ def configure(
             site_cache=_site_cache,
             max_depth=_MAX_DEPTH,
             max_sites=MAX_SITES,
-            # the accelerator's site path does not know template frames: Python's does them
-            stacks_per_site=2 if stacks.check_engines() else _stacks_per_site,
+            stacks_per_site=_stacks_per_site,
             sink=sink,
             inflight=inflight,
             stats=stats,
@@ -179,6 +184,7 @@ def configure(
             no_sites=_NO_SITES,
             request_class=ActiveRequest,
         )
+        stacks.check_engines()  # an engine loaded already: on_templates tells the accelerator
 
 
 def internal_error() -> None:

@@ -269,8 +269,8 @@ def is_app_file(filename: str) -> bool:
 # Set once a template engine is loaded: stacks then carry template frames, and call sites
 # under a template are told apart by their template lines (template_key).
 templates_on = False
-# Called once when templates_on is set (the recorder routes the C accelerator's site path,
-# which does not know template frames, to Python's).
+# Called once when templates_on is set (the recorder tells the C accelerator, whose site path
+# then hands the calls under a template line to Python's).
 on_templates: Any = None
 
 # (file, label) -> the synthetic code object of a template line (identity matters: the
