@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+import test_ui
 from conftest import PG_DSN
 from perfsleuth.analysis import compare as cmp
 from perfsleuth.analysis import stats
@@ -37,6 +38,10 @@ ENDPOINTS = {  # base median latency, ms
     "GET /account": 80.0,
 }
 PLANTED = "GET /checkout"
+
+# The UI tests' fixtures: Chromium, and a page that fails the test on JavaScript errors.
+browser = test_ui.browser
+page = test_ui.page
 
 
 @pytest.fixture
@@ -309,3 +314,64 @@ def test_compare_api_gives_the_table_and_both_distributions(synth: Any) -> None:
         assert bad.status_code == 400 and "use tag:NAME" in bad.json()["error"]
         one = c.get("/api/compare", params={"a": "last-1h"})
         assert one.status_code == 400 and "give two sides" in one.json()["error"]
+
+
+# ------------------------------------------------------------------------- the page (Chromium)
+
+
+@pytest.fixture
+def compare_server(synth: Any) -> Iterator[str]:
+    import threading
+
+    import uvicorn
+
+    from perfsleuth.server.app import STATIC_DIR, create_app
+    from test_run_servers import free_port
+    from test_ui import TOKEN
+
+    if not Path(STATIC_DIR, "index.html").is_file():
+        pytest.fail("the web UI is not built: run `bash scripts/setup.sh` (npm ci, npm run build)")
+    store = synth(variant_traffic(1, requests=600))
+    data = store.data_dir
+    store.close()
+    app_ = create_app(data, token=TOKEN, ingest_every=0)
+    srv = uvicorn.Server(
+        uvicorn.Config(app_, host="127.0.0.1", port=free_port(), log_level="warning")
+    )
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    yield f"http://127.0.0.1:{srv.config.port}"
+    srv.should_exit = True
+    t.join(timeout=30)
+
+
+def test_compare_page_shows_the_verdict_table_and_overlaid_distributions(
+    page: Any, compare_server: str
+) -> None:
+    from test_ui import SHOTS, TOKEN, wait_ready
+
+    page.goto(f"{compare_server}/?token={TOKEN}#/compare?by=tag:variant&refresh=0")
+    wait_ready(page, "compare")
+    verdict = page.locator("#compare-verdict").inner_text()
+    assert verdict.startswith("variant=b is slower on 1 endpoint: GET /checkout")
+    rows = page.locator("table.compare-table tbody tr")
+    assert rows.count() == 5
+    assert rows.first.get_attribute("data-endpoint") == PLANTED
+    assert rows.first.get_attribute("data-verdict") == "slower"
+    same = page.locator("table.compare-table tbody tr[data-verdict='same']")
+    assert same.count() == 4
+    chart = page.locator("#compare-chart")
+    assert chart.get_attribute("data-endpoint") == PLANTED
+    assert chart.locator("path[data-side='a']").count() == 1
+    assert chart.locator("path[data-side='b']").count() == 1
+    page.screenshot(path=str(SHOTS / "compare.png"), full_page=True)
+    # Another endpoint's distributions on a click; the form keeps the sides.
+    page.locator("table.compare-table tbody tr[data-endpoint='GET /cart'] td a").click()
+    wait_ready(page, "compare")
+    assert page.locator("#compare-chart").get_attribute("data-endpoint") == "GET /cart"
+    assert page.locator("#cmp-by").input_value() == "tag:variant"
+    assert page.locator("nav a, #nav a", has_text="Compare").count() >= 1

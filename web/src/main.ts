@@ -8,6 +8,7 @@ import { endpointPage } from "./pages/endpoint";
 import { tracePage } from "./pages/trace";
 import { findingsPage } from "./pages/findings";
 import { sqlPage } from "./pages/sql";
+import { comparePage } from "./pages/compare";
 
 export interface Ctx {
   params: URLSearchParams;
@@ -25,6 +26,7 @@ const PAGES: Record<string, { title: string; page: Page; nav: boolean }> = {
   endpoint: { title: "Endpoint", page: endpointPage, nav: false },
   trace: { title: "Trace", page: tracePage, nav: false },
   findings: { title: "Findings", page: findingsPage, nav: true },
+  compare: { title: "Compare", page: comparePage, nav: true },
   sql: { title: "SQL", page: sqlPage, nav: true },
 };
 
