@@ -64,7 +64,9 @@ def serve(
         async def startup(sockets: object = None) -> None:
             await orig(sockets=sockets)  # type: ignore[arg-type]
             if server.started:
-                on_ready(port)
+                # The port listened on (the OS's choice for --port 0).
+                socks = [sk for srv in getattr(server, "servers", []) for sk in srv.sockets]
+                on_ready(int(socks[0].getsockname()[1]) if socks else port)
 
         server.startup = startup  # type: ignore[method-assign]
     server.run()
