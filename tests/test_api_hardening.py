@@ -177,11 +177,18 @@ def test_console_time_limit_counts_encoding(data: str) -> None:
 
 def test_status_answers_while_a_console_query_runs(data: str) -> None:
     """The console runs on a connection of its own: /api/status (and the rest of the API)
-    answers while a long console statement is still running."""
+    answers while a long console statement is still running. Two run at once; a third is
+    refused (429) rather than queued."""
     order: list[str] = []
     console_reply: list[tuple[int, Any]] = []
-    with Served(data, sql_time_limit=20.0) as srv:
+    with Served(data, sql_time_limit=10.0) as srv:
         be = srv.app.state.backend
+
+        def wait_running(n: int) -> None:
+            deadline = time.monotonic() + 30
+            while getattr(be, "console_running", 0) < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert be.console_running == n, "the console query did not start"
 
         def long_query() -> None:
             console_reply.append(
@@ -195,17 +202,21 @@ def test_status_answers_while_a_console_query_runs(data: str) -> None:
 
         t = threading.Thread(target=long_query)
         t.start()
-        deadline = time.monotonic() + 30
-        while getattr(be, "console_running", 0) == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert be.console_running == 1, "the console query did not start"
+        wait_running(1)
         status, body = srv.request("GET", "/api/status")
         order.append("status")
         assert status == 200 and body["endpoints"] == 2
         still_running = be.console_running
+        second = threading.Thread(target=long_query)
+        second.start()
+        wait_running(2)
+        third = srv.request("POST", "/api/sql", {"query": "SELECT 1"})
         t.join(timeout=60)
-    assert order == ["status", "console"] and still_running == 1
-    assert console_reply[0][0] == 400 and "ran longer than 20 s" in console_reply[0][1]["error"]
+        second.join(timeout=60)
+    assert order == ["status", "console", "console"] and still_running == 1
+    assert third[0] == 429 and "try again" in third[1]["error"]
+    assert [r[0] for r in console_reply] == [400, 400]
+    assert all("ran longer than 10 s" in r[1]["error"] for r in console_reply)
 
 
 def test_console_sandbox(client: TestClient) -> None:
