@@ -304,6 +304,10 @@ def compare(
             "appeared": [_brief(f) for f in fb if f.id not in ida],
             "gone": [_brief(f) for f in fa if f.id not in idb],
         }
+        verdicts = {r["endpoint"]: r["verdict"] for r in rows}
+        for item in out["findings"]["appeared"] + out["findings"]["gone"]:
+            # With too few requests on a side, a finding may be missing there for lack of evidence.
+            item["endpoint_verdict"] = verdicts.get(item["endpoint"])
         for r in rows:
             r["findings_appeared"] = [
                 f for f in out["findings"]["appeared"] if f["endpoint"] == r["endpoint"]

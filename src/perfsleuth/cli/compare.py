@@ -122,7 +122,12 @@ def compare(
         if items:
             out.print(Text(f"{title} in {result['b']}:", style=style))
             for item in items:
-                out.print(Text(f"  {item['kind']} {item['endpoint']}: {item['title']}"))
+                note = (
+                    " (too few requests on a side to tell)"
+                    if item.get("endpoint_verdict") == "too_few"
+                    else ""
+                )
+                out.print(Text(f"  {item['kind']} {item['endpoint']}{note}: {item['title']}"))
 
 
 def _ms(v: Any) -> str:
