@@ -133,6 +133,9 @@ class DuckDBStore:
                 os.link(tmp, self.path)
             except FileExistsError:
                 pass  # created by another process meanwhile: that one is the store
+            except OSError:  # a filesystem without hard links
+                if not os.path.exists(self.path):
+                    os.replace(tmp, self.path)
         except (duckdb.Error, OSError) as e:
             raise disk_full(self.data_dir, e) or StoreError(
                 f"cannot create the store {self.path}: {e}"
