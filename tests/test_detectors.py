@@ -860,3 +860,28 @@ def test_relative_paths_and_edits(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     f.write_text("def v(db):\n    db.q()\n    db.q()\n")
     os.utime(f, ns=(10**18, 10**18))
     assert loops.in_loop(str(f), 3) is False
+
+
+def test_gc_pressure_is_not_a_few_requests_that_met_a_full_collection(synth: Any) -> None:
+    """Two requests of twenty on a page that allocates little met a 60 ms full collection of
+    the service's heap (16.7 % of the page's time, 6 ms a request on average): luck, not the
+    page's pressure. A page whose every request collects 5 ms of its 30 is reported."""
+    ms = 1_000_000
+
+    def fill(w: SegmentWriter) -> None:
+        for i in range(20):
+            unlucky = i in (3, 11)
+            w.request("GET /clean", dur_ms=90.0 if unlucky else 30.0,
+                      gc_ns=60 * ms if unlucky else 0, gc_count=1 if unlucky else 0)  # fmt: skip
+            w.request("GET /allocates", dur_ms=30.0, gc_ns=5 * ms, gc_count=2)
+
+    store = synth(fill)
+    assert store.query("SELECT count(*) AS n FROM requests WHERE gc_ms > 0")[0]["n"] == 22
+    found = [f for f in find(store, config=Config()) if f.kind == "gc_pressure"]
+    assert [f.endpoint for f in found] == ["GET /allocates"]
+    assert found[0].evidence["gc_share_without_costliest"] == pytest.approx(5 / 30)
+    lax = Config()
+    lax.apply("gc_pressure.trim_share=0")  # counting every request, /clean was reported
+    lax.apply("gc_pressure.min_requests=1")
+    lax_found = {f.endpoint for f in find(store, config=lax) if f.kind == "gc_pressure"}
+    assert lax_found == {"GET /allocates", "GET /clean"}

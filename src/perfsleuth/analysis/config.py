@@ -170,6 +170,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "min_time_share": 0.10,
         # ... and cost something per request on average,
         "min_ms_per_request": 5.0,
+        # ... and still do without the costliest tenth of the endpoint's requests by GC time: a
+        # few requests that met a full collection of a large heap (it happens to a random page
+        # of a Flask-AppBuilder or Django admin each run) are the heap's cost, not the page's.
+        "trim_share": 0.1,
         "min_requests": 10,
         # When this many endpoints or more are over the thresholds, at least service_coverage
         # of the endpoints with min_requests, and their shares are within service_spread (the

@@ -20,12 +20,24 @@ from perfsleuth.analysis.findings import Context, Finding, iso, stable_id
 KIND = "gc_pressure"
 SERVICE = "<service>"  # the endpoint of a service-wide finding
 
+# ``typical_*``: the same sums without the endpoint's costliest tenth of requests by GC time
+# (at least one request), so that a few requests that happened to start a full collection of
+# the service's heap do not make a page that allocates little look like it collects a lot.
 _SQL = """
+WITH ranked AS (
+    SELECT *, row_number() OVER (PARTITION BY endpoint ORDER BY gc_ms DESC NULLS LAST) AS rk,
+        CASE WHEN ? > 0 THEN greatest(1, ceil(count(*) OVER (PARTITION BY endpoint) * ?))
+            ELSE 0 END AS cut
+    FROM r
+)
 SELECT endpoint, count(*) AS requests, sum(duration_ms) AS ms,
     coalesce(sum(gc_ms), 0) AS gc_ms, coalesce(sum(gc_count), 0) AS collections,
     max(gc_ms) AS max_gc_ms, max_by(trace_id, (gc_ms, trace_id), 3) AS examples,
-    min(ts) AS first_ts, max(ts) AS last_ts, list(DISTINCT service) AS services
-FROM r
+    min(ts) AS first_ts, max(ts) AS last_ts, list(DISTINCT service) AS services,
+    count(*) FILTER (WHERE rk > cut) AS typical_requests,
+    sum(duration_ms) FILTER (WHERE rk > cut) AS typical_ms,
+    coalesce(sum(gc_ms) FILTER (WHERE rk > cut), 0) AS typical_gc_ms
+FROM ranked
 GROUP BY endpoint
 HAVING count(*) >= ?
 """
@@ -38,14 +50,22 @@ WHERE name = 'gc_heap_objects' AND list_contains(?, service) AND (? IS NULL OR t
 
 @register(KIND)
 def detect(ctx: Context) -> list[Finding]:
-    rows = ctx.query(_SQL, [int(ctx.t(KIND, "min_requests"))])
+    trim = float(ctx.t(KIND, "trim_share"))
+    rows = ctx.query(_SQL, [trim, trim, int(ctx.t(KIND, "min_requests"))])
     min_share = float(ctx.t(KIND, "min_time_share"))
     min_ms = float(ctx.t(KIND, "min_ms_per_request"))
     for r in rows:
         r["share"] = r["gc_ms"] / r["ms"] if r["ms"] else 0.0
         r["per_req"] = r["gc_ms"] / r["requests"]
+        typical_n, typical_ms = r["typical_requests"], r["typical_ms"]
+        r["typical_share"] = r["typical_gc_ms"] / typical_ms if typical_ms else 0.0
+        r["typical_per_req"] = r["typical_gc_ms"] / typical_n if typical_n else 0.0
     flagged = [
-        r for r in rows if r["gc_ms"] > 0 and r["share"] >= min_share and r["per_req"] >= min_ms
+        r
+        for r in rows
+        if r["gc_ms"] > 0
+        and min(r["share"], r["typical_share"]) >= min_share
+        and min(r["per_req"], r["typical_per_req"]) >= min_ms
     ]
     if not flagged:
         return []
@@ -87,6 +107,7 @@ def _endpoint_finding(ctx: Context, r: dict[str, Any]) -> Finding:
             "gc_ms_per_request": r["per_req"],
             "collections": r["collections"],
             "max_gc_ms": r["max_gc_ms"],
+            "gc_share_without_costliest": r["typical_share"],
         },
     )
 
