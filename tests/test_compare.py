@@ -375,3 +375,24 @@ def test_compare_page_shows_the_verdict_table_and_overlaid_distributions(
     assert page.locator("#compare-chart").get_attribute("data-endpoint") == "GET /cart"
     assert page.locator("#cmp-by").input_value() == "tag:variant"
     assert page.locator("nav a, #nav a", has_text="Compare").count() >= 1
+
+
+def test_by_attribute_compares_its_values_not_a_tag_of_the_same_name(synth: Any) -> None:
+    """attr:plan compares the attribute's values; a tag named plan (set the other way round)
+    is not mixed in."""
+
+    def fill(w: SegmentWriter) -> None:
+        rng = random.Random(8)
+        for i in range(400):
+            plan = "pro" if i % 2 else "free"
+            dur = rng.lognormvariate(3.0, 0.3) * (2.0 if plan == "pro" else 1.0)
+            w.request("GET /export", dur_ms=dur, attrs={"plan": plan},
+                      tags={"plan": "free" if plan == "pro" else "pro"})  # fmt: skip
+
+    store = synth(fill)
+    a, b = cmp.value_sides(store, "attr:plan")
+    assert (a.label, b.label) == ("plan=free", "plan=pro")
+    [row] = cmp.compare(store, a, b, findings=False)["endpoints"]
+    assert row["verdict"] == "slower" and row["a"]["count"] == row["b"]["count"] == 200
+    [tag_row] = cmp.compare(store, *cmp.value_sides(store, "tag:plan"), findings=False)["endpoints"]
+    assert tag_row["verdict"] == "faster"
