@@ -465,12 +465,19 @@ def _finding(ctx: Context, ep: str, sh: dict[str, Any], size: float) -> Finding:
 # --------------------------------------------------------------------------- week over week
 
 
+def _span_words(d: timedelta) -> str:
+    h = d.total_seconds() / 3600
+    return f"{h:g} h" if h >= 1 and float(h).is_integer() else f"{d.total_seconds() / 60:.0f} min"
+
+
 def _week_over_week(ctx: Context, flagged: set[str]) -> list[Finding]:
     hours = float(ctx.t(KIND, "week_hours"))
     if hours <= 0 or ctx.last_seen is None:
         return []
     end = ctx.last_seen
     start = end - timedelta(hours=hours)
+    if ctx.cutoff is not None and ctx.cutoff > start:  # the window asked for, when shorter
+        start = ctx.cutoff
     week = timedelta(days=7)
     rows = ctx.store.query(
         _WEEK,
@@ -501,7 +508,7 @@ def _week_over_week(ctx: Context, flagged: set[str]) -> list[Finding]:
             continue
         extra = max(0.0, float(now.mean() - then.mean())) * len(now)
         title = (
-            f"{ep} p95 is {text.ms(p95_now)} over the last {hours:g} h against "
+            f"{ep} p95 is {text.ms(p95_now)} over the last {_span_words(end - start)} against "
             f"{text.ms(p95_then)} in the same hours last week "
             f"(+{text.pct(p95_now / p95_then - 1)})."
         )
