@@ -507,6 +507,22 @@ def test_drops_are_reported_under_the_table(tmp_path: Path) -> None:
     ) in " ".join(r.stdout.split())
 
 
+def test_top_shows_the_drops_when_every_request_was_dropped(tmp_path: Path) -> None:
+    """The spool cannot be created (a file stands where its directory goes): nothing is
+    stored, every request is a counted drop, and top says so instead of "nothing recorded"."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "spool").write_text("not a directory")
+    app_path, _ = write_app(tmp_path)
+    run_app(app_path, str(data))
+    out = cli_json("top", "--data", str(data))
+    assert out["rows"] == []
+    assert out["drops"]["dropped_total"] == sum(EXPECTED.values())
+    r = cli("top", "--data", str(data))
+    assert r.exit_code == 0, r.stderr
+    assert f"The agent dropped {sum(EXPECTED.values())} requests" in " ".join(r.stdout.split())
+
+
 # ---------------------------------------------------------------------------------- run
 
 

@@ -1,6 +1,6 @@
 """``python -m perfsleuth`` runs the command line."""
 
-from perfsleuth.cli.main import main
+from perfsleuth.cli.entry import main
 
 if __name__ == "__main__":
     main()

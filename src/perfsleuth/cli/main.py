@@ -249,9 +249,9 @@ def top(
     positive(limit, "--limit")
     with store_for_reading(data, ingest=not no_ingest) as store:
         rows = store.top(since=window, by=groups, kind=k)
-        if not rows:
-            ensure_not_empty(store, data)
         drops = store.agent_drops()
+        if not rows and not drops.get("dropped_total"):
+            ensure_not_empty(store, data)  # nothing stored and nothing lost: say how to start
     shown = rows[:limit]
     if json:
         print_json({"rows": shown, "drops": drops})

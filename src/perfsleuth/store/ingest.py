@@ -147,7 +147,7 @@ def list_spool(spool_dir: str) -> list[SpoolFile]:
     out = []
     try:
         entries = list(os.scandir(spool_dir))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no spool yet, or no agent could make one
         return []
     for e in entries:
         name = e.name
