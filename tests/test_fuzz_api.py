@@ -3,9 +3,10 @@ with random and hostile values, sent over HTTP to the real server under uvicorn.
 be a 5xx, every answer must come (a 60 s socket timeout catches a hang), and the server must
 still answer afterwards.
 
-Hypothesis drives it: ``PERFSLEUTH_FUZZ_CASES`` sets the number of cases of each test (200 by
-default, short enough for ``make test``; ``make fuzz`` runs many more). Cases are derived from a
-fixed seed, so a failure reproduces.
+GET paths and their parameter names are read from the app's routes, so an endpoint added later
+is fuzzed too. Hypothesis drives it: ``PERFSLEUTH_FUZZ_CASES`` sets the number of cases of each
+test (100 by default, short enough for ``make test``; ``make fuzz`` runs many more). Cases are
+derived from a fixed seed, so a failure reproduces.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from perfsleuth.store.duckdb_store import DuckDBStore
 from perfsleuth.wire import CAPTURE
 from spoolwrite import SegmentWriter, call
 
-CASES = int(os.environ.get("PERFSLEUTH_FUZZ_CASES", "200"))
+CASES = int(os.environ.get("PERFSLEUTH_FUZZ_CASES", "100"))
 FUZZ = settings(
     max_examples=CASES,
     deadline=None,
@@ -39,6 +40,28 @@ FUZZ = settings(
 )
 TRACE = "0123456789abcdef"
 ENDPOINTS = ("GET /items/{id}", "POST /orders", "GET /search")
+
+
+def get_routes() -> tuple[list[tuple[str, tuple[str, ...]]], list[str]]:
+    """(path, query parameter names) of every GET operation in the API's OpenAPI schema, and
+    the catch-all of unknown /api/ paths; the paths of its POST operations."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        app = create_app(d, ingest_every=0)
+        paths = app.openapi()["paths"]
+        app.state.backend.close()
+    routes = [
+        (path, tuple(p["name"] for p in ops["get"].get("parameters", ()) if p["in"] == "query"))
+        for path, ops in paths.items()
+        if "get" in ops
+    ]
+    assert len(routes) >= 10
+    posts = [path for path, ops in paths.items() if "post" in ops]
+    return [*routes, ("/api/{rest}", ())], posts
+
+
+ROUTES, POSTS = get_routes()
 
 
 @pytest.fixture(scope="module")
@@ -170,40 +193,31 @@ NUMBER = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     HOSTILE,
 )
-PARAM_NAMES = (
-    "since",
-    "name",
-    "endpoint",
-    "kind",
-    "min_share",
-    "slowest",
-    "limit",
-    "token",
-    "to",
-)
+PARAM_NAMES = tuple(sorted({"token", "to", *(n for _, names in ROUTES for n in names)}))
 PARAMS = st.dictionaries(
     st.one_of(st.sampled_from(PARAM_NAMES), st.text(max_size=10)),
     st.one_of(TEXT, NUMBER),
     max_size=5,
 )
+
+
+def _fill(template: str, values: list[str]) -> str:
+    """A route path with its {parameters} replaced by ``values`` (URL-quoted)."""
+    out, rest = [], template
+    for v in values:
+        head, sep, tail = rest.partition("{")
+        if not sep:
+            break
+        out.append(head + quote(v, safe=""))
+        rest = tail.partition("}")[2]
+    return "".join(out) + rest.replace("{", "").replace("}", "")
+
+
 GET_PATHS = st.one_of(
-    st.sampled_from(
-        [
-            "/api/status",
-            "/api/overview",
-            "/api/endpoints",
-            "/api/endpoint",
-            "/api/calltree",
-            "/api/profile",
-            "/api/traces",
-            "/api/findings",
-            "/api/openapi.json",
-            "/",
-        ]
+    st.builds(
+        _fill, st.sampled_from([p for p, _ in ROUTES]), st.lists(TEXT, min_size=3, max_size=3)
     ),
-    st.builds(lambda t: "/api/traces/" + quote(t, safe=""), TEXT),
-    st.builds(lambda t: "/api/traces/" + quote(t, safe="") + "/curl", TEXT),
-    st.builds(lambda t: "/api/findings/" + quote(t, safe=""), TEXT),
+    st.sampled_from(["/", "/index.html", "/assets/../../etc/passwd"]),
     st.builds(lambda t: "/api/" + quote(t, safe="/"), TEXT),
 )
 
@@ -326,7 +340,7 @@ def test_sql_bodies(
     content_type=st.sampled_from(
         ["application/json", "text/plain", "", "application/x-www-form-urlencoded"]
     ),
-    path=st.sampled_from(["/api/sql", "/api/status", "/api/overview", "/api/nope", "/"]),
+    path=st.sampled_from(sorted({*POSTS, "/api/sql", "/api/status", "/api/nope", "/"})),
 )
 def test_raw_post_bodies(
     server: tuple[int, list[int]], raw: bytes, content_type: str, path: str
