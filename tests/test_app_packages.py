@@ -50,7 +50,7 @@ META = {
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     name = "psapp-0.1-py3-none-any.whl"
     files = {}
-    for top in ("psapp", "psdj"):
+    for top in ("psapp", "psdj", "psext"):
         for fn in sorted(os.listdir(top)):
             if fn.endswith(".py"):
                 with open(os.path.join(top, fn), "rb") as fh:
@@ -102,7 +102,7 @@ app = Starlette(routes=[Route("/orders", orders), Route("/block", block)])
 
 DJANGO_SETTINGS = """\
 SECRET_KEY = "x"
-INSTALLED_APPS = ["psdj"]
+INSTALLED_APPS = ["django.contrib.contenttypes", "psdj", "psext"]
 ROOT_URLCONF = "psdj.urls"
 DATABASES = {}
 """
@@ -122,6 +122,8 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "psdj/settings.py": DJANGO_SETTINGS,
         "psdj/urls.py": "urlpatterns = []\n",
         "psdj/views.py": "def index(request):\n    return None\n",
+        "psext/__init__.py": "",  # a reusable app of its own distribution, in INSTALLED_APPS
+        "psext/models.py": "",
     }.items():
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         (src / name).write_text(text)
@@ -225,14 +227,20 @@ def test_app_packages_setting_and_django_project(venv: Path) -> None:
     django = """
         import sys
         import perfsleuth.agent.stacks as stacks
-        import psdj.views
+        import psdj.views, psext.models
         before = stacks.is_app_file(psdj.views.__file__)
         assert "django" not in sys.modules
         import django
         django.setup()
-        print(before, stacks.is_app_file(psdj.views.__file__), stacks.is_app_file(django.__file__))
+        import django.contrib.contenttypes.models as ct
+        print(before, stacks.is_app_file(psdj.views.__file__), stacks.is_app_file(django.__file__),
+              stacks.is_app_file(psext.models.__file__), stacks.is_app_file(ct.__file__))
     """
-    assert check_in_venv(venv, django, DJANGO_SETTINGS_MODULE="psdj.settings") == "False True False"
+    # the project and an installed app are the application; Django and its contrib apps not
+    assert (
+        check_in_venv(venv, django, DJANGO_SETTINGS_MODULE="psdj.settings")
+        == "False True False True False"
+    )
     launcher = str(venv / "bin" / "uvicorn")
     shim = "import perfsleuth.agent.stacks as s, sys; print(s.is_app_file(sys.argv[1]))"
     r = subprocess.run([str(venv / "bin" / "python"), "-c", shim, launcher],

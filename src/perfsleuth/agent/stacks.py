@@ -160,10 +160,11 @@ _DJANGO_PROJECT = ("SETTINGS_MODULE", "ROOT_URLCONF", "WSGI_APPLICATION", "ASGI_
 
 def _django_packages() -> list[str]:
     """Django's project, once Django's settings are configured: the top-level packages of
-    the settings module, the root URLconf and the WSGI/ASGI application, and the
-    INSTALLED_APPS under them. Other INSTALLED_APPS are distributions of their own (Django's
-    contrib apps, rest_framework, wagtail): their frames stay library frames, so a call site
-    is named in the project's code. Django is never imported here, nor its settings loaded."""
+    the settings module, the root URLconf and the WSGI/ASGI application, and every
+    INSTALLED_APPS module but Django's own (``django.contrib.*``): an installed app runs as
+    part of the project (its views, models and template tags serve its pages), and where it
+    loops over queries is where the fix goes, in the project or in the app's release. Django
+    is never imported here, nor its settings loaded."""
     global _django_read
     conf = _modules.get("django.conf")
     if conf is None:
@@ -181,7 +182,7 @@ def _django_packages() -> list[str]:
         tops.discard("django")
         names = sorted(tops)
         for app in getattr(settings, "INSTALLED_APPS", ()):
-            if isinstance(app, str) and app.split(".")[0] in tops:
+            if isinstance(app, str) and app.split(".")[0] != "django":
                 names.append(_app_module(app))
         return names
     except Exception:
