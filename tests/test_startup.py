@@ -12,12 +12,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from perfsleuth.analysis import startup as st
+from perfsleuth.server import create_app
 from test_run_servers import APPS, free_port, gunicorn, uvicorn
+from test_ui import SHOTS, TOKEN, browser, fmt_ms, wait_ready  # noqa: F401  (fixtures)
+from test_ui import page as page
 
 
 def startup_cli(tmp_path: Path, cmd: list[str], path: str, *extra: str) -> tuple[Any, float]:
@@ -36,14 +42,39 @@ def startup_cli(tmp_path: Path, cmd: list[str], path: str, *extra: str) -> tuple
     return json.loads(res.stdout), wall_ms
 
 
+@contextmanager
+def ui_server(data: Path) -> Iterator[str]:
+    """The web UI on ``data`` (a real uvicorn in a thread); its base URL."""
+    import uvicorn as uv
+
+    port = free_port()
+    srv = uv.Server(
+        uv.Config(
+            create_app(str(data), token=TOKEN), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.started, "the UI server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        t.join(timeout=30)
+
+
 def phases(report: dict[str, Any]) -> dict[str, float]:
     return {p["phase"]: p["ms"] for p in report["phases"]}
 
 
-def test_demo_shop_under_uvicorn(tmp_path: Path) -> None:
+def test_demo_shop_under_uvicorn(tmp_path: Path, page: Any) -> None:
     saved = tmp_path / "before.json"
+    data = tmp_path / "data"
     report, wall_ms = startup_cli(
-        tmp_path, uvicorn("startup_shop:app"), "/health", "--save", str(saved)
+        tmp_path, uvicorn("startup_shop:app"), "/health", "--save", str(saved), "--data", str(data)
     )
     total = report["total_ms"]
     assert 400 < total < wall_ms
@@ -68,13 +99,36 @@ def test_demo_shop_under_uvicorn(tmp_path: Path) -> None:
     assert any(n.startswith("imports took") for n in report["notes"])
 
     again, _ = startup_cli(
-        tmp_path, uvicorn("startup_shop:app"), "/health", "--compare", str(saved)
+        tmp_path,
+        uvicorn("startup_shop:app"),
+        "/health",
+        "--compare",
+        str(saved),
+        "--data",
+        str(data),
     )
     cmp = again["compare"]
     assert cmp["total"]["before_ms"] == total and cmp["total"]["after_ms"] == again["total_ms"]
     rows = {r["phase"]: r for r in cmp["phases"]}
     assert rows["imports"]["before_ms"] == ph["imports"]
     assert rows["imports"]["change_ms"] == round(phases(again)["imports"] - ph["imports"], 3)
+
+    # The UI's Start-up page shows the saved runs: the newest, against the first.
+    with ui_server(data) as base:
+        page.goto(f"{base}/?token={TOKEN}#/startup?run={again['name']}&against={report['name']}")
+        wait_ready(page, "startup")
+        shown = page.locator(".verdict-line").get_attribute("data-total")
+        assert float(shown or 0) == again["total_ms"]
+        for p in again["phases"]:
+            row = page.locator(f".startup-phases tr[data-phase='{p['phase']}']")
+            assert row.locator("td[data-col='ms']").inner_text().strip() == fmt_ms(p["ms"])
+        top = page.locator(".slowest-imports li").first
+        assert top.get_attribute("data-module") == "startup_slow_dep"
+        assert "app" in top.inner_text()
+        assert page.locator(".import-tree li[data-module='startup_shop'][data-app='1']").count()
+        total_row = page.locator(".startup-compare tr[data-phase='total']")
+        assert total_row.locator("td[data-col='before_ms']").inner_text().strip() == fmt_ms(total)
+        page.screenshot(path=str(SHOTS / "startup.png"), full_page=True)
 
 
 def test_django_under_gunicorn_two_workers(tmp_path: Path) -> None:

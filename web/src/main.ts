@@ -9,6 +9,8 @@ import { tracePage } from "./pages/trace";
 import { findingsPage } from "./pages/findings";
 import { sqlPage } from "./pages/sql";
 import { comparePage } from "./pages/compare";
+import { startupPage } from "./pages/startup";
+import { loadPage } from "./pages/load";
 
 export interface Ctx {
   params: URLSearchParams;
@@ -27,6 +29,8 @@ const PAGES: Record<string, { title: string; page: Page; nav: boolean }> = {
   trace: { title: "Trace", page: tracePage, nav: false },
   findings: { title: "Findings", page: findingsPage, nav: true },
   compare: { title: "Compare", page: comparePage, nav: true },
+  load: { title: "Load", page: loadPage, nav: true },
+  startup: { title: "Start-up", page: startupPage, nav: true },
   sql: { title: "SQL", page: sqlPage, nav: true },
 };
 

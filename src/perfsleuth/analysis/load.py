@@ -562,3 +562,17 @@ def summarize(plan: Plan, raw: dict[str, Any]) -> dict[str, Any]:
                  "p95_ms": percentile(ds, 0.95)}
             )  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------------------- saved runs
+
+RUNS_DIR = str(Path("runs") / "load")
+
+
+def save_run(data_dir: str, report: dict[str, Any]) -> str:
+    """Keep a report in ``<data>/runs/load/<run id>.json`` (for the UI); its name."""
+    folder = Path(data_dir) / RUNS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{report['run_id']}"
+    (folder / f"{name}.json").write_text(json.dumps({**report, "name": name}), encoding="utf-8")
+    return name

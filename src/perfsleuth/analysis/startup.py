@@ -514,3 +514,48 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
             "change": round((ta - tb) / tb, 4) if tb else None,
         },
     }
+
+
+# ---------------------------------------------------------------------------------- saved runs
+
+RUNS_DIR = os.path.join("runs", "startup")
+
+
+def save_run(data_dir: str, report: dict[str, Any]) -> str:
+    """Keep a report in ``<data>/runs/startup/<UTC time>.json`` (for the UI and --compare);
+    its name."""
+    folder = os.path.join(data_dir, RUNS_DIR)
+    os.makedirs(folder, exist_ok=True)
+    name = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    n = 0
+    while os.path.exists(os.path.join(folder, f"{name}{f'-{n}' if n else ''}.json")):
+        n += 1
+    name += f"-{n}" if n else ""
+    report = {**report, "name": name}
+    with open(os.path.join(folder, f"{name}.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f)
+    return name
+
+
+def list_runs(data_dir: str, runs_dir: str = RUNS_DIR) -> list[dict[str, Any]]:
+    """The saved reports, newest first: {name, report}."""
+    folder = Path(data_dir) / runs_dir
+    out = []
+    for f in sorted(folder.glob("*.json"), reverse=True):
+        try:
+            out.append({"name": f.stem, "report": json.loads(f.read_text(encoding="utf-8"))})
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def read_run(data_dir: str, name: str, runs_dir: str = RUNS_DIR) -> dict[str, Any] | None:
+    """A saved report by name (None when there is none; names are file stems only)."""
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        return None
+    path = Path(data_dir) / runs_dir / f"{name}.json"
+    try:
+        report: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return report

@@ -34,6 +34,7 @@ _main = _get_ident()
 _flusher: threading.Thread | None = None
 _probe_ns = _now()
 _CO_COROUTINE = 0x80
+_modules = sys.modules
 
 
 def _proc_start_ns() -> int | None:
@@ -113,6 +114,8 @@ _original_find_and_load: Any = getattr(_bootstrap, "_find_and_load", None)
 
 
 def _find_and_load(name: str, import_: Any) -> Any:
+    if name in _modules:  # importlib.import_module of a loaded module comes here too
+        return _original_find_and_load(name, import_)
     tid = _get_ident()
     stack = _stacks.get(tid)
     if stack is None:

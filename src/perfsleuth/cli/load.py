@@ -128,7 +128,8 @@ def load(
     second to each target, or --concurrency N workers. The sides are interleaved (each request
     goes to both, in a random order) and every request carries the header
     `X-Perfsleuth-Load: <run>;<side>`, which the agent records as the tags load_run and
-    load_side: `perfsleuth compare --by tag:load_side` then explains the difference.
+    load_side: `perfsleuth compare --by tag:load_side` then explains the difference. The
+    report is kept in DIR/runs/load/ (the web UI's Load page).
     """
     if not a:
         raise CLIError("give a target: --a URL (and --b URL to compare two)")
@@ -168,6 +169,10 @@ def load(
                 report = ld.run(plan, lambda p: live.update(_progress_view(p)))
     except ld.LoadError as e:
         raise CLIError(str(e)) from e
+    try:
+        report["name"] = ld.save_run(data, report)
+    except OSError as e:
+        raise CLIError(f"cannot keep the report in {data}: {e}") from e
     if json:
         print_json(report)
         return

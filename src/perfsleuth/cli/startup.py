@@ -16,7 +16,15 @@ from rich.text import Text
 from rich.tree import Tree
 
 from perfsleuth.analysis import startup as st
-from perfsleuth.cli.common import CLIError, JsonOpt, handle_errors, out_console, print_json
+from perfsleuth.cli.common import (
+    DEFAULT_DATA,
+    CLIError,
+    DataOpt,
+    JsonOpt,
+    handle_errors,
+    out_console,
+    print_json,
+)
 from perfsleuth.cli.main import app
 
 _BAR = 30
@@ -46,12 +54,15 @@ def startup(
         str | None,
         typer.Option("--compare", metavar="FILE", help="Compare with an earlier --save file."),
     ] = None,
+    data: DataOpt = DEFAULT_DATA,
     json: JsonOpt = False,
 ) -> None:
     """Run a server command under the agent and say where its start-up went, until it first
     answers --url: interpreter start, imports (a ranked tree, your modules marked), settings
     and app factory, framework init, lifespan startup, worker boot, the first request against
     the steady state, and what ran one after another.
+
+    The report is kept in DIR/runs/startup/ (the web UI's Start-up page).
 
     Example: perfsleuth startup --url http://127.0.0.1:8000/health -- uvicorn app:app --port 8000
     """
@@ -72,6 +83,10 @@ def startup(
         raise CLIError(str(e)) from e
     if before is not None:
         report["compare"] = st.compare(before, report)
+    try:
+        report["name"] = st.save_run(data, report)
+    except OSError as e:
+        raise CLIError(f"cannot keep the report in {data}: {e}") from e
     if save:
         Path(save).write_text(jsonlib.dumps(report, indent=1), encoding="utf-8")
     if json:

@@ -577,6 +577,10 @@ def create_app(
 
     app.include_router(compare_router)
 
+    from perfsleuth.server.startup import router as runs_router
+
+    app.include_router(runs_router)
+
     @app.api_route("/api/{rest:path}", methods=["GET", "POST"], include_in_schema=False)
     def unknown(rest: str) -> Response:
         raise ApiError(404, f"no such API path /api/{rest}; see /api/openapi.json")
