@@ -12,10 +12,12 @@
  * site up in the request's sites (recorder.ActiveRequest.record_call's fast path: same
  * statement, same frame, same instruction, parameters in a tuple), append the call's row
  * (slot, start, end, rows, params hash) to the request's rows, call the C method, stamp the
- * end and count the rows; anything else (a site's first call in the request, odd arguments)
- * goes through record_call in Python. Nothing here raises into the application: an internal
- * failure is counted (recorder.internal_error) and the statement runs unrecorded, and the
- * driver's own exceptions pass through untouched.
+ * end and count the rows. A site's first call in the request is handled here too (record_site:
+ * the call site, the stack captured or the cached one reused), except the first call of a site
+ * under a template line, whose stack has template frames that only Python's capture makes;
+ * that, and anything else (odd arguments), goes through record_call in Python. Nothing here
+ * raises into the application: an internal failure is counted (recorder.internal_error) and
+ * the statement runs unrecorded, and the driver's own exceptions pass through untouched.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
