@@ -12,6 +12,10 @@ the request's ts, trace id, service and endpoint copied in) and per-request aggr
 (db/http/cache calls and time) computed once here so ``top`` is one scan. Payloads Arrow
 cannot read with the expected types (an odd agent, a hand-written record) go through a slow
 path that coerces each value or drops it to NULL: one odd record never fails a batch.
+
+Duplicates. A request is stored once per trace id: a batch keeps the first request of each
+(a record repeated in a segment, a segment copied under another name), and the store leaves
+out those it holds already (:func:`drop_known_traces`), with their calls and attributes.
 """
 
 from __future__ import annotations
