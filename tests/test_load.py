@@ -19,6 +19,9 @@ import pytest
 
 from perfsleuth.analysis import load as ld
 from test_run_servers import gunicorn, launched
+from test_startup import ui_server
+from test_ui import SHOTS, TOKEN, browser, fmt_ms, wait_ready  # noqa: F401  (fixtures)
+from test_ui import page as page
 
 
 def cli(data: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -168,11 +171,12 @@ def test_wsgi_request_with_the_load_header_is_tagged(captured: Any) -> None:
 # ------------------------------------------------------------------------------ A/B run
 
 
-def test_ab_run_between_two_app_versions(tmp_path: Path) -> None:
+def test_ab_run_between_two_app_versions(tmp_path: Path, page: Any) -> None:
     data = tmp_path / "data"
     urls = tmp_path / "urls.txt"
     urls.write_text("/orders\n/health\n/products/3\n")
-    cmd = gunicorn("load_app:app", 2)
+    # threads: a side's slow endpoint must not queue its other endpoints behind it
+    cmd = [*gunicorn("load_app:app", 2), "--threads", "4"]
     with (
         launched(tmp_path, data, cmd, service="shop-a", ready="/health") as a,
         launched(
@@ -180,7 +184,7 @@ def test_ab_run_between_two_app_versions(tmp_path: Path) -> None:
         ) as b,
     ):
         res = cli(
-            tmp_path / "unused",
+            data,
             "load", "--urls", str(urls),
             "--a", f"http://127.0.0.1:{a.port}", "--b", f"http://127.0.0.1:{b.port}",
             "--rate", "50", "--requests", "240", "--warmup", "15", "--seed", "7", "--json",
@@ -200,7 +204,8 @@ def test_ab_run_between_two_app_versions(tmp_path: Path) -> None:
         assert rows["GET /orders"]["verdict"] == "slower", rows["GET /orders"]
         assert rows["GET /orders"]["significant"] and rows["GET /orders"]["p50_change"] > 0.2
         assert rows["GET /orders"]["a"]["count"] == rows["GET /orders"]["b"]["count"] == 80
-        assert rows["GET /health"]["verdict"] != "slower"
+        for ep in ("GET /health", "GET /products/3"):
+            assert rows[ep]["verdict"] in ("same", "too_few"), rows
         assert report["verdict"].startswith("b is faster on 0, slower on ")
         run_id = report["run_id"]
 
@@ -226,4 +231,18 @@ def test_ab_run_between_two_app_versions(tmp_path: Path) -> None:
             "WHERE r.endpoint = 'GET /orders' GROUP BY 1, 2 ORDER BY 1",
         )
         assert [(r["service"], r["side"]) for r in by_side] == [("shop-a", "a"), ("shop-b", "b")]
-        assert by_side[0]["db_calls"] == 2 and by_side[1]["db_calls"] == 151
+        assert by_side[0]["db_calls"] == 2 and by_side[1]["db_calls"] == 401
+
+    # The UI's Load page shows the run: its verdict line and the table's verdicts and numbers.
+    with ui_server(data) as base:
+        page.goto(f"{base}/?token={TOKEN}#/load?run={report['name']}")
+        wait_ready(page, "load")
+        assert page.locator(".verdict-line").inner_text().strip() == report["verdict"]
+        for ep, r in rows.items():
+            tr = page.locator(f".load-table tr[data-endpoint='{ep}']")
+            assert tr.get_attribute("data-verdict") == r["verdict"]
+            assert tr.locator("td[data-col='p50_b']").inner_text().strip() == fmt_ms(
+                r["b"]["p50_ms"]
+            )
+        assert "50/s" in page.locator(".load-rate").inner_text()
+        page.screenshot(path=str(SHOTS / "load.png"), full_page=True)

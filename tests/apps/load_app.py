@@ -11,7 +11,7 @@ import tempfile
 from flask import Flask
 
 VERSION = os.environ.get("LOAD_APP_VERSION", "batched")
-ORDERS = 150
+ORDERS = 400
 DB = os.path.join(tempfile.mkdtemp(prefix="load_app_"), "shop.db")
 
 
