@@ -241,3 +241,28 @@ def test_the_findings_page_shows_how_sure(demo_data: str, tmp_path: Path) -> Non
     finally:
         srv.should_exit = True
         t.join(timeout=30)
+
+
+def test_a_hotspot_is_not_made_of_imports(synth: Any) -> None:
+    """The first requests of a process import the project's modules (a URL module, a view
+    module imported lazily): samples in the import system are start-up, not the endpoint's."""
+    importing = [
+        ("<frozen importlib._bootstrap>", 1176, "_find_and_load", False),
+        ("/srv/proj/urls.py", 3, "<module>", True),
+    ]
+
+    def fill(w: SegmentWriter) -> None:
+        stack = w.stack([SERVER, *importing])
+        for i in range(3):
+            tid = f"{i + 1:016x}"
+            w.request("GET /login", dur_ms=900.0, trace_id=tid)
+            samples = [[(300 + 10 * k) * 1_000_000, "cpu", stack] for k in range(30)]
+            w.event(b"P", {"id": tid, "samples": samples})
+
+    data = synth(fill)
+    with DuckDBStore(data, read_only=True) as store:
+        assert store.query("SELECT count(*) AS n FROM samples")[0]["n"] == 90
+    assert not [f for f in findings(data) if f.kind == "slow_request_hotspot"]
+    # the same samples outside the import system are a hotspot
+    [f] = findings(synth(hotspot(3, 30)))
+    assert f.kind == "slow_request_hotspot"

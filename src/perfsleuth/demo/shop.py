@@ -129,8 +129,13 @@ def customer_orders(customer_id: int) -> dict[str, Any]:
 
 
 def _product(con: Any, product_id: int) -> Any:
+    # with the units sold in the last 20,000 order lines: about a millisecond a lookup, what a
+    # real query on a networked database costs, so that each repeat costs something too
     return con.execute(
-        "SELECT id, name, price_cents, stock, description FROM products WHERE id = ?",
+        "SELECT p.id, p.name, p.price_cents, p.stock, p.description,"
+        " (SELECT coalesce(sum(i.quantity), 0) FROM order_items i"
+        "  WHERE i.id > (SELECT max(id) FROM order_items) - 20000 AND i.product_id = p.id)"
+        " AS sold_recently FROM products p WHERE p.id = ?",
         (product_id,),
     ).fetchone()
 
@@ -152,7 +157,8 @@ def product(product_id: int) -> dict[str, Any]:
         if row is None:
             raise HTTPException(404, "no such product")
         return {"id": row[0], "name": row[1], "price_cents": _discounted_price(con, product_id),
-                "in_stock": _in_stock(con, product_id), "description": row[4]}  # fmt: skip
+                "in_stock": _in_stock(con, product_id), "description": row[4],
+                "sold_recently": row[5]}  # fmt: skip
 
 
 # --- planted: 59,000 rows loaded to show 20 ------------------------------------------------

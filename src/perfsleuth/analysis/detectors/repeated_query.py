@@ -1,4 +1,5 @@
-"""repeated_query: the same read with the same parameters, twice or more in one request.
+"""repeated_query: the same read with the same parameters, twice or more in one request, when
+the repeats cost a notable share of the endpoint's time or enough per request.
 
 Identical statement (fingerprint) *and* identical bound parameters (``params_hash``): a
 request-scoped cache would remove every repeat. Statements without parameters are left out,
@@ -70,6 +71,14 @@ def detect(ctx: Context) -> list[Finding]:
         return []
     stacks = frames.stacks(ctx.store, (i for r in rows for i in r["stack_ids"] or []))
     sites = frames.locations(ctx.store, (r["site_id"] for r in rows))
+    min_share = float(ctx.t(KIND, "min_time_share"))
+    min_ms = float(ctx.t(KIND, "min_ms_per_request"))
+    rows = [
+        r
+        for r in rows
+        if r["excess_ms"] >= min_share * (r["ep_total_ms"] or 0.0)
+        or r["excess_ms"] >= min_ms * r["requests_hit"]
+    ]
     out = []
     for r, fp, callsite in ctx.with_statements(rows):
         typical = float(r["typical"])

@@ -13,6 +13,8 @@ Time other detectors already explain is left out: samples taken inside a recorde
 cache call (state ``call``), samples at a recorded call site of the endpoint (within a few
 lines: a statement spans lines, and fetching its rows happens right after it), and the samples
 of requests that blocked the event loop (event_loop_blocker reports those, with their lines).
+Samples inside Python's import system are start-up work (a lazy import on the first requests
+of a process), not the endpoint's: they count neither way.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ GROUP BY ALL
 """
 
 
+def _importing(f: frames.Frame) -> bool:
+    return (f.file or "").startswith("<frozen importlib")
+
+
 @register(KIND)
 def detect(ctx: Context) -> list[Finding]:
     scope = [ctx.cutoff, ctx.cutoff, ctx.endpoint, ctx.endpoint]
@@ -62,6 +68,8 @@ def detect(ctx: Context) -> list[Finding]:
     seen: dict[str, tuple[datetime, datetime]] = {}
     for r in rows:
         ep = r["endpoint"]
+        if any(_importing(f) for f in stacks.get(r["stack_id"], ())):
+            continue
         totals[ep] += r["n"]
         first, last = seen.get(ep, (r["first_ts"], r["last_ts"]))
         seen[ep] = (min(first, r["first_ts"]), max(last, r["last_ts"]))
