@@ -14,11 +14,10 @@ ends after ``requests`` ticks or ``duration`` seconds, whichever comes first.
 Every request carries ``X-Perfsleuth-Load: <run id>;<side>``: under the agent it becomes the
 tags ``load_run`` and ``load_side`` (``compare --by tag:load_side``).
 
-The verdict per endpoint (b against a): a two-sided Mann-Whitney U test on the two latency
-samples, Benjamini-Hochberg across endpoints (false discovery rate ``fdr``, 1 %: a load run has
-samples to spare, and a false "slower" costs more than a missed small change); a significant
-endpoint whose median moved by at least ``min_change`` is ``faster`` or ``slower``, otherwise
-``same``; fewer than ``min_count`` measured requests on a side is ``too_few``.
+The verdict per endpoint (b against a) is ``perfsleuth compare``'s (analysis.compare): a
+two-sided Mann-Whitney test on the two latency samples, Benjamini-Hochberg across endpoints
+(false discovery rate 1 %), ``faster``/``slower`` when significant and p50 or p95 moved by 5 %
+or more, else ``same``; ``too_few`` under 20 measured requests on a side.
 """
 
 from __future__ import annotations
@@ -398,114 +397,53 @@ def run(plan: Plan, on_progress: Callable[[Progress], None] | None = None) -> di
 # ---------------------------------------------------------------------------------- verdict
 
 
-def mann_whitney_p(a: Sequence[float], b: Sequence[float]) -> float:
-    """Two-sided p-value of the Mann-Whitney U test (normal approximation with the tie
-    correction and a continuity correction); 1.0 when either side is empty or all are tied."""
-    n1, n2 = len(a), len(b)
-    if not n1 or not n2:
-        return 1.0
-    pooled = sorted([(v, 0) for v in a] + [(v, 1) for v in b])
-    ranks_a = 0.0
-    ties = 0.0
-    i = 0
-    n = n1 + n2
-    while i < n:
-        j = i
-        while j + 1 < n and pooled[j + 1][0] == pooled[i][0]:
-            j += 1
-        rank = (i + j) / 2 + 1
-        t = j - i + 1
-        ties += t**3 - t
-        ranks_a += rank * sum(1 for k in range(i, j + 1) if pooled[k][1] == 0)
-        i = j + 1
-    u = ranks_a - n1 * (n1 + 1) / 2
-    mu = n1 * n2 / 2
-    var = n1 * n2 / 12 * ((n + 1) - ties / (n * (n - 1)))
-    if var <= 0:
-        return 1.0
-    z = (abs(u - mu) - 0.5) / math.sqrt(var)
-    return min(1.0, math.erfc(max(z, 0.0) / math.sqrt(2)))
-
-
-def bh_adjust(pvalues: Sequence[float]) -> list[float]:
-    """Benjamini-Hochberg adjusted p-values (q-values), in the input's order."""
-    m = len(pvalues)
-    order = sorted(range(m), key=lambda i: pvalues[i])
-    adjusted = [1.0] * m
-    running = 1.0
-    for rank in range(m, 0, -1):
-        i = order[rank - 1]
-        running = min(running, pvalues[i] * m / rank)
-        adjusted[i] = running
-    return adjusted
-
-
 def verdicts(
     samples: dict[str, dict[str, list[float]]],
     *,
-    fdr: float = 0.01,
-    min_count: int = 10,
-    min_change: float = 0.05,
+    alpha: float | None = None,
+    min_change: float | None = None,
+    min_requests: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Per endpoint (``samples[endpoint][side]``: latencies in ms of sides "a" and "b"): counts,
-    p50/p95 per side, ``p50_change``/``p95_change`` (b over a, fractions), ``p_value``,
-    ``q_value``, ``significant`` and ``verdict`` (faster/slower/same/too_few, b against a)."""
+    """Per endpoint (``samples[endpoint][side]``: latencies in ms of sides "a" and "b"), the
+    rows of ``perfsleuth compare`` (analysis.compare: quantiles with order-statistic intervals,
+    the two-sided Mann-Whitney test, Benjamini-Hochberg q-values across endpoints and its
+    verdict rule), slowest first."""
+    import numpy as np
+
+    from perfsleuth.analysis import compare as cmp
+    from perfsleuth.analysis import stats
+
+    alpha = cmp.ALPHA if alpha is None else alpha
+    min_change = cmp.MIN_CHANGE if min_change is None else min_change
+    min_requests = cmp.MIN_REQUESTS if min_requests is None else min_requests
     rows = []
     for ep in sorted(samples):
-        a = sorted(samples[ep].get("a", []))
-        b = sorted(samples[ep].get("b", []))
-        row: dict[str, Any] = {"endpoint": ep}
-        for side, vals in (("a", a), ("b", b)):
-            row[side] = {
-                "count": len(vals),
-                "p50_ms": percentile(vals, 0.5),
-                "p95_ms": percentile(vals, 0.95),
-            }
-        row["p50_change"] = _change(row["a"]["p50_ms"], row["b"]["p50_ms"])
-        row["p95_change"] = _change(row["a"]["p95_ms"], row["b"]["p95_ms"])
-        row["enough"] = len(a) >= min_count and len(b) >= min_count
-        row["p_value"] = mann_whitney_p(a, b) if row["enough"] else None
+        xa = np.sort(np.asarray(samples[ep].get("a", []), dtype=np.float64))
+        xb = np.sort(np.asarray(samples[ep].get("b", []), dtype=np.float64))
+        sa, sb = cmp._side_stats(xa), cmp._side_stats(xb)
+        row: dict[str, Any] = {"endpoint": ep, "a": sa, "b": sb, "p_value": None, "delta": None}
+        for name in ("p50", "p95", "p99"):
+            row[f"{name}_change"], row[f"{name}_change_pm"] = cmp._change(sa, sb, name)
+        if sa["count"] >= min_requests and sb["count"] >= min_requests:
+            t = stats.mann_whitney(xa, xb)
+            row["p_value"], row["delta"] = t.p_value, t.delta
         rows.append(row)
-    tested = [r for r in rows if r["enough"]]
-    for r, q in zip(tested, bh_adjust([r["p_value"] for r in tested]), strict=True):
+    tested = [r for r in rows if r["p_value"] is not None]
+    for r, q in zip(tested, stats.benjamini_hochberg([r["p_value"] for r in tested]), strict=True):
         r["q_value"] = q
     for r in rows:
-        enough = r.pop("enough")
         r.setdefault("q_value", None)
-        r["significant"] = bool(enough and r["q_value"] is not None and r["q_value"] < fdr)
-        change = r["p50_change"] or 0.0
-        if not enough:
-            r["verdict"] = "too_few"
-        elif r["significant"] and abs(change) >= min_change:
-            r["verdict"] = "slower" if change > 0 else "faster"
-        else:
-            r["verdict"] = "same"
+        r["significant"] = r["q_value"] is not None and r["q_value"] <= alpha
+        r["verdict"] = cmp._verdict(r, min_change)
+    rows.sort(key=cmp._order)
     return rows
 
 
-def _change(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or a <= 0:
-        return None
-    return (b - a) / a
+def verdict_line(rows: list[dict[str, Any]]) -> str:
+    """compare's verdict line: "b is slower on 1 endpoint: GET /orders p95 +38 % (±9 %), ..."."""
+    from perfsleuth.analysis import compare as cmp
 
-
-def verdict_line(rows: Sequence[dict[str, Any]]) -> str:
-    """One sentence: "b is faster on 1 endpoint, slower on 0, unchanged on 3; ..."."""
-    n = {v: sum(1 for r in rows if r["verdict"] == v) for v in ("faster", "slower", "same")}
-    few = sum(1 for r in rows if r["verdict"] == "too_few")
-    s = f"b is faster on {n['faster']}, slower on {n['slower']}, unchanged on {n['same']}"
-    moved = sorted(
-        (r for r in rows if r["verdict"] in ("faster", "slower")),
-        key=lambda r: -abs(r["p50_change"] or 0),
-    )
-    if moved:
-        r = moved[0]
-        s += f": {r['endpoint']} p50 {r['p50_change']:+.0%}"
-        if r["p95_change"] is not None:
-            s += f", p95 {r['p95_change']:+.0%}"
-    if few:
-        s += f"; too few requests on {few}"
-    return s
+    return cmp.verdict_line(rows, "b")
 
 
 def summarize(plan: Plan, raw: dict[str, Any]) -> dict[str, Any]:
