@@ -219,6 +219,13 @@ def test_ab_run_between_two_app_versions(tmp_path: Path, page: Any) -> None:
         )
         assert [(r["service"], r["side"]) for r in by_side] == [("shop-a", "a"), ("shop-b", "b")]
         assert by_side[0]["db_calls"] == 2 and by_side[1]["db_calls"] == 401
+        # compare on the targets' own data gives the same verdict and says what moved with it
+        res = cli(data, "compare", "--by", "tag:load_side", "--a", "a", "--b", "b", "--json")
+        assert res.returncode == 0, res.stderr
+        served = {r["endpoint"]: r for r in json.loads(res.stdout)["endpoints"]}
+        assert served["GET /orders"]["verdict"] == "slower", served["GET /orders"]
+        assert served["GET /orders"]["moved"]["db_calls"]["change"] == 399
+        assert served["GET /health"]["moved"]["db_calls"]["change"] == 0
 
     # The UI's Load page shows the run: its verdict line and the table's verdicts and numbers.
     with ui_server(data) as base:
