@@ -416,3 +416,30 @@ def test_a_full_disk_during_ingest_says_so_and_loses_nothing(small_fs: str) -> N
         assert sorted(
             r[0] for r in s.sql("SELECT trace_id FROM requests", limit=10**6)[1]
         ) == sorted(ids)
+
+
+def test_a_conversion_failing_on_unforeseen_values_is_damage_not_a_stall(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should the requests of a batch fail to convert on values no check foresees (a fault
+    injected here: the real inputs that did are fixed above), they are damage of the segments
+    that sent them, and the batch's other records and later ingests go on."""
+    from perfsleuth.store import ingest
+
+    def fail(*args: Any) -> None:
+        raise OverflowError("an unforeseen value")
+
+    w = SegmentWriter(data_dir)
+    req = w.request("GET /a")
+    w.event(GC, {"pauses": [{"ts": req["ts"], "gen": 2, "dur": MS}]})
+    w.close()
+    with monkeypatch.context() as m:
+        m.setattr(ingest, "_event_tables", fail)
+        rep = store.ingest()
+    assert [d.reason for d in rep.damaged] == [
+        "requests the store could not convert (OverflowError: an unforeseen value)"
+    ]
+    assert rep.quarantined == [os.path.basename(w.path)]
+    assert count(store) == 0 and count(store, "gc_pauses") == 1
+    other = healthy_segment(data_dir)
+    assert store.ingest().requests == 1 and store.trace(other)

@@ -579,21 +579,65 @@ class Tables:
 
 
 def build_tables(batch: Batch, now_ns: int) -> Tables:
-    """Arrow tables for a batch. Undecodable request payloads are added to ``batch.damage``."""
+    """Arrow tables for a batch. Undecodable request payloads are added to ``batch.damage``.
+
+    Should a part of the batch (its requests, its evidence, its captures, its dictionaries
+    and counters) fail to convert all the same, on values the checks above do not foresee,
+    that part is damage of the segments that sent it: its rows are lost, the rest commits and
+    ingest goes on, where an error would fail every later run at the same records."""
     out = Tables()
-    wire, src, attr_objs = _parse_requests(batch)
-    wire, src, attr_objs = _once_per_trace(wire, src, attr_objs)
-    if wire.num_rows:
-        _event_tables(out, wire, src, attr_objs, batch, now_ns)
-    if batch.events:
+    try:
+        wire, src, attr_objs = _parse_requests(batch)
+        wire, src, attr_objs = _once_per_trace(wire, src, attr_objs)
+        if wire.num_rows:
+            _event_tables(out, wire, src, attr_objs, batch, now_ns)
+    except MemoryError:
+        raise
+    except Exception as e:
+        out.days.clear()
+        out.requests = out.calls = 0
+        sent = {m[0] for m in batch.raw_meta} | {c[0] for c in batch.columns}
+        _unconverted(batch, sent | set(batch.dict_src), "requests", e)
+    events = {t: evs for t, evs in batch.events.items() if t != CAPTURE}
+    if events:
         from perfsleuth.store import evidence  # it builds on this module's coercions
 
-        for d, parts in evidence.tables(batch, now_ns).items():
-            out.days.setdefault(d, {}).update(parts)
+        try:
+            for d, parts in evidence.tables(batch, now_ns).items():
+                out.days.setdefault(d, {}).update(parts)
+        except MemoryError:
+            raise
+        except Exception as e:
+            _unconverted(batch, {ev[0] for evs in events.values() for ev in evs}, "evidence", e)
     if batch.events.get(CAPTURE):
         from perfsleuth.store import captures
 
-        out.captures = captures.table(batch, now_ns)
+        try:
+            out.captures = captures.table(batch, now_ns)
+        except MemoryError:
+            raise
+        except Exception as e:
+            _unconverted(batch, {ev[0] for ev in batch.events[CAPTURE]}, "captures", e)
+    try:
+        _dictionaries(out, batch, now_ns)
+    except MemoryError:
+        raise
+    except Exception as e:
+        out.fingerprints = out.locations = out.stacks = out.agent_stats = None
+        _unconverted(batch, set(range(len(batch.segments))), "dictionary and counter records", e)
+    return out
+
+
+def _unconverted(batch: Batch, segments: set[int], what: str, exc: Exception) -> None:
+    """Damage of each segment in ``segments``: up to where it was read, ``what`` of it could
+    not be converted."""
+    reason = f"{what} the store could not convert ({type(exc).__name__}: {exc})"[:300]
+    for i in sorted(segments):
+        seg = batch.segments[i]
+        batch.add_damage(seg, 0, seg.offset, reason)
+
+
+def _dictionaries(out: Tables, batch: Batch, now_ns: int) -> None:
     if batch.fingerprints:
         ids = list(batch.fingerprints)
         kind, op, text = zip(*batch.fingerprints.values(), strict=True)
@@ -619,7 +663,6 @@ def build_tables(batch: Batch, now_ns: int) -> Tables:
             name=name,
             value=value,
         )
-    return out
 
 
 def _table(t: schema.Table, **cols: Any) -> pa.Table:
