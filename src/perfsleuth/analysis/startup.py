@@ -154,7 +154,7 @@ def measure(
                 steady_ms.append(_get(url, timeout=10))
             except OSError:
                 break
-        time.sleep(0.2)  # the probe writes every 50 ms
+        _settle(events)
     finally:
         _stop(proc)
     return {
@@ -168,6 +168,20 @@ def measure(
         "root_pid": proc.pid,
         "processes": read_events(events),
     }
+
+
+def _settle(events: Path, quiet_s: float = 0.3, limit_s: float = 5.0) -> None:
+    """Wait until the probe's files stop growing for ``quiet_s`` (at most ``limit_s``): the
+    other workers may still be starting after the first one answered."""
+    deadline = time.monotonic() + limit_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        size = sum(f.stat().st_size for f in events.glob("*.jsonl"))
+        if size != last:
+            last, since = size, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.05)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
