@@ -37,7 +37,6 @@ it finishes.
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import gc
 import os
@@ -67,9 +66,14 @@ CPU, STARVED, GIL, WAIT, CALL = "cpu", "starved", "gil", "wait", "call"
 
 recorder.stats.update({"samples_taken": 0, "samples_dropped": 0})
 
-_running_tasks: dict[Any, Any] | None = getattr(asyncio.tasks, "_current_tasks", None)
-if type(_running_tasks) is not dict:
-    _running_tasks = None
+
+def _running_tasks() -> dict[Any, Any] | None:
+    """asyncio's table of each loop's running task (the Python one; None where it is C's).
+    Read only once a request has a task, so asyncio is imported by then: a WSGI app's agent
+    never imports it."""
+    aio = sys.modules.get("asyncio")
+    table = getattr(getattr(aio, "tasks", None), "_current_tasks", None)
+    return table if type(table) is dict else None
 
 
 def classify(wall: int, cpu: int, queue: int, slices: int | None, others_cpu: int) -> str:
@@ -395,7 +399,7 @@ class Sampler:
         if now >= due or at < t.since:
             by_req = {}
             try:
-                tasks = asyncio.all_tasks(loop)
+                tasks = sys.modules["asyncio"].all_tasks(loop)
             except Exception:
                 tasks = set()
             if len(tasks) <= MAX_TASKS_LISTED:
@@ -448,7 +452,8 @@ class Sampler:
             else:
                 running = False
                 try:
-                    current = _running_tasks.get(req.task.get_loop()) if _running_tasks else None
+                    running_tasks = _running_tasks()
+                    current = running_tasks.get(req.task.get_loop()) if running_tasks else None
                 except Exception:
                     current = None
                 if current is not None and current is not req.task:

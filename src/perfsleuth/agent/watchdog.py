@@ -23,7 +23,6 @@ reads up to one tick short: durations are lower bounds.
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import gc
 import sys
@@ -31,12 +30,15 @@ import threading
 import time
 from collections import Counter
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from perfsleuth.agent import recorder, shipper
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.sampler import frames_flat
 from perfsleuth.wire import BLOCKER
+
+if TYPE_CHECKING:
+    import asyncio  # imported by the app itself before any loop can run: never here
 
 _perf = time.perf_counter_ns
 MAX_STACKS = 16  # distinct stacks kept per blocker
@@ -133,8 +135,11 @@ def watch_current_loop() -> None:
     """Called from the ASGI wrapper on the loop thread: start watching a new loop."""
     if not _enabled:
         return
+    aio = sys.modules.get("asyncio")
+    if aio is None:
+        return
     try:
-        loop = asyncio.get_running_loop()
+        loop = aio.get_running_loop()
     except RuntimeError:
         return
     if id(loop) in _loops:
@@ -203,7 +208,7 @@ class Watchdog:
                 b.stacks[flat] += 1
         req = None
         try:
-            req = task_request(asyncio.current_task(e.loop))
+            req = task_request(sys.modules["asyncio"].current_task(e.loop))
         except Exception:
             pass
         for r in list(recorder.inflight.values()):
