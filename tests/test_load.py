@@ -158,6 +158,10 @@ def test_wsgi_request_with_the_load_header_is_tagged(captured: Any) -> None:
 # ------------------------------------------------------------------------------ A/B run
 
 
+# every request of side a captured, for the replay from captures
+CAPTURE_ALL = {"PERFSLEUTH_CAPTURE_SAMPLE": "1", "PERFSLEUTH_CAPTURE_SAMPLE_PER_MIN": "100000"}
+
+
 def test_ab_run_between_two_app_versions(tmp_path: Path, page: Any) -> None:
     data = tmp_path / "data"
     urls = tmp_path / "urls.txt"
@@ -165,7 +169,7 @@ def test_ab_run_between_two_app_versions(tmp_path: Path, page: Any) -> None:
     # threads: a side's slow endpoint must not queue its other endpoints behind it
     cmd = [*gunicorn("load_app:app", 2), "--threads", "4"]
     with (
-        launched(tmp_path, data, cmd, service="shop-a", ready="/health") as a,
+        launched(tmp_path, data, cmd, service="shop-a", ready="/health", **CAPTURE_ALL) as a,
         launched(
             tmp_path, data, cmd, service="shop-b", ready="/health", LOAD_APP_VERSION="nplus1"
         ) as b,
@@ -226,6 +230,17 @@ def test_ab_run_between_two_app_versions(tmp_path: Path, page: Any) -> None:
         assert served["GET /orders"]["verdict"] == "slower", served["GET /orders"]
         assert served["GET /orders"]["moved"]["db_calls"]["change"] == 399
         assert served["GET /health"]["moved"]["db_calls"]["change"] == 0
+
+        # a's captured GET /orders requests, replayed to a alone
+        res = cli(
+            data,
+            "load", "--endpoint", "GET /orders", "--a", f"http://127.0.0.1:{a.port}",
+            "--rate", "20", "--requests", "30", "--warmup", "0", "--json",
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        replayed = json.loads(res.stdout)
+        assert replayed["sides"]["a"]["count"] == 30 and replayed["sides"]["a"]["errors"] == 0
+        assert [(e["endpoint"], e["count"]) for e in replayed["endpoints"]] == [("GET /orders", 30)]
 
     # The UI's Load page shows the run: its verdict line and the table's verdicts and numbers.
     with ui_server(data) as base:
