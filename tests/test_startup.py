@@ -171,3 +171,17 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("PERFSLEUTH_")}
+
+
+def test_uvicorn_spawned_workers(tmp_path: Path) -> None:
+    report, _ = startup_cli(
+        tmp_path, uvicorn("startup_shop:app", "--workers", "2"), "/health", "--data", str(tmp_path)
+    )
+    total = report["total_ms"]
+    assert abs(sum(phases(report).values()) - total) <= 0.1 * total
+    workers = [p for p in report["processes"] if p["pid"] != report["root_pid"] and p["spans"]]
+    assert len(workers) == 2 and all(p["kind"] == "exec" for p in workers)
+    assert report["serving_pid"] in {p["pid"] for p in workers}
+    # the path runs through the worker that answered: its own import of the app
+    assert report["imports"]["slowest"][0]["name"] == "startup_slow_dep"
+    assert any(n.startswith("2 workers each loaded the app") for n in report["notes"])

@@ -474,20 +474,27 @@ def _notes(
             f"another before the first answer; the largest: {libs}. Modules only some "
             "endpoints need can be imported inside them (deferred)."
         )
-    workers = [
-        (pid, s)
-        for pid, p in procs.items()
-        if pid != root
-        for s in p["spans"]
-        if s["phase"] == "app"
-    ]
-    if len(workers) > 1:
-        each = sorted((s["end"] - s["start"]) / 1e6 for _, s in workers)
+    # per worker (a process other than the launched one), its longest app-loading span
+    loads: dict[int, float] = {}
+    for pid, p in procs.items():
+        if pid == root:
+            continue
+        for s in p["spans"]:
+            if s["phase"] == "app" and s["start"] >= p["header"]["probe_ns"]:
+                loads[pid] = max(loads.get(pid, 0.0), (s["end"] - s["start"]) / 1e6)
+    if len(loads) > 1:
+        each = sorted(loads.values())
+        forked = all(procs[pid]["header"].get("kind") == "fork" for pid in loads)
+        how = (
+            "loading it once before forking (gunicorn --preload) does it once, at the cost of "
+            "code reloads"
+            if forked
+            else "each is a new interpreter repeating every import; a pre-fork server that "
+            "loads the app before forking (gunicorn --preload) does it once"
+        )
         notes.append(
-            f"{len(workers)} workers each loaded the app after starting "
-            f"({each[0]:.0f}-{each[-1]:.0f} ms each, in parallel, competing for CPU); "
-            "loading it once before forking (gunicorn --preload) does it once, at the cost "
-            "of code reloads."
+            f"{len(loads)} workers each loaded the app after starting ({each[0]:.0f}-"
+            f"{each[-1]:.0f} ms each, in parallel, competing for CPU); {how}."
         )
     life = by["lifespan startup"]
     if life["ms"] >= 0.05 * total:
