@@ -396,3 +396,39 @@ def test_by_attribute_compares_its_values_not_a_tag_of_the_same_name(synth: Any)
     assert row["verdict"] == "slower" and row["a"]["count"] == row["b"]["count"] == 200
     [tag_row] = cmp.compare(store, *cmp.value_sides(store, "tag:plan"), findings=False)["endpoints"]
     assert tag_row["verdict"] == "faster"
+
+
+# ----------------------------------------------------------------------------- by release
+
+
+def release_writer(data: str, version: str, pid: int) -> SegmentWriter:
+    """A segment whose header names the release, as the agent's (PERFSLEUTH_VERSION)."""
+    from perfsleuth.wire import HEADER
+    from perfsleuth.wire.segment import encode_record
+
+    w = SegmentWriter(data, pid=pid, seq=pid, header=False)
+    w.write(encode_record(HEADER, {"v": 1, "host": "testbox", "pid": pid, "service": "shop",
+                                   "version": version, "agent": "test"}))  # fmt: skip
+    return w
+
+
+def test_by_release_compares_the_older_release_with_the_newer(tmp_path: Path) -> None:
+    data = str(tmp_path / "data")
+    rng = random.Random(4)
+    t0 = time.time_ns() - 3600 * 10**9
+    for k, (version, slow) in enumerate((("1.4.1", 1.0), ("1.4.2", 1.5))):
+        w = release_writer(data, version, pid=100 + k)
+        for i in range(300):
+            ts = t0 + k * 1800 * 10**9 + i * 10**9
+            w.request("GET /cart", ts_ns=ts, dur_ms=20 * rng.lognormvariate(0, 0.3) * slow)
+            w.request("GET /home", ts_ns=ts + 1, dur_ms=10 * rng.lognormvariate(0, 0.3))
+        w.close()
+    result = CliRunner().invoke(
+        app, ["compare", "--data", data, "--by", "release", "--json", "--no-findings"]
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert (doc["a"], doc["b"]) == ("1.4.1", "1.4.2")
+    v = {r["endpoint"]: (r["verdict"], r["a"]["count"], r["b"]["count"]) for r in doc["endpoints"]}
+    assert v == {"GET /cart": ("slower", 300, 300), "GET /home": ("same", 300, 300)}
+    assert doc["verdict"].startswith("1.4.2 is slower on 1 endpoint: GET /cart")

@@ -184,3 +184,31 @@ def test_week_over_week_compares_the_same_hours_last_week(synth: Any) -> None:
     assert f.evidence["baseline"] == "same hours last week"
     assert f.evidence["requests_before"] == f.evidence["requests_after"] == 120
     assert "in the same hours last week" in f.title
+
+
+def test_the_release_deployed_at_the_breakpoint_is_named(tmp_path: Path) -> None:
+    from perfsleuth.wire import HEADER
+    from perfsleuth.wire.segment import encode_record
+
+    start = hour_zero(BUCKETS + 1)
+    data = str(tmp_path / "data")
+    rng = random.Random(12)
+    for k, version in enumerate(("2.0.0", "2.1.0")):
+        w = SegmentWriter(data, pid=10 + k, seq=10 + k, header=False)
+        w.write(encode_record(HEADER, {"v": 1, "host": "testbox", "pid": 10 + k,
+                                       "service": "shop", "version": version}))  # fmt: skip
+        for b in range(BUCKETS):
+            if (b >= 20) != bool(k):
+                continue
+            for _ in range(20):
+                ts = ns(start) + b * HOUR_NS + int(rng.uniform(0, 3590) * 10**9)
+                dur = 60.0 * rng.lognormvariate(0.0, 0.3) * (1.6 if k else 1.0)
+                w.request("GET /deployed", ts_ns=ts, dur_ms=dur)
+        w.close()
+    with DuckDBStore(data) as store:
+        store.ingest()
+        [f] = regressions(store)
+    started = datetime.fromisoformat(f.first_seen or "").replace(tzinfo=None)
+    assert abs((started - start) / timedelta(hours=1) - 20) <= 1
+    assert "with it: release 2.1.0" in f.title
+    assert f.evidence["changes"][0]["change"] == "release 2.1.0"
