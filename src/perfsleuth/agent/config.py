@@ -2,6 +2,8 @@
 
 - PERFSLEUTH_DATA (./.perfsleuth): data dir; segments go to DATA/spool
 - PERFSLEUTH_SERVICE (argv[0] name): service name stored with every request
+- PERFSLEUTH_VERSION (the git commit of the working directory's checkout, if any): the release
+  stored with every request (``perfsleuth compare --by release``)
 - PERFSLEUTH_DISABLED (0): 1 installs nothing
 - PERFSLEUTH_USER_HEADER (x-user), PERFSLEUTH_TENANT_HEADER (x-tenant): request headers
   holding the user and tenant ids
@@ -61,6 +63,7 @@ class Config:
 
     data_dir: str = ".perfsleuth"
     service: str = ""
+    version: str = ""
     disabled: bool = False
     user_header: str = "x-user"
     tenant_header: str = "x-tenant"
@@ -132,4 +135,66 @@ def load(**overrides: object) -> Config:
     cfg.tenant_header = cfg.tenant_header.lower()
     if not cfg.service:
         cfg.service = os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python")
+    if not cfg.version:
+        cfg.version = git_commit(os.getcwd())
+    cfg.version = cfg.version.strip()[:64]
     return cfg
+
+
+def git_commit(start: str) -> str:
+    """The commit checked out in the git work tree holding ``start`` (12 hex digits), read
+    from .git's files (no git process at start-up); "" when there is none or it cannot be
+    read."""
+    try:
+        d = os.path.abspath(start)
+        for _ in range(32):
+            git = os.path.join(d, ".git")
+            if os.path.isfile(git):  # a linked work tree or submodule: "gitdir: PATH"
+                with open(git, encoding="utf-8") as fh:
+                    line = fh.read(4096).strip()
+                if not line.startswith("gitdir:"):
+                    return ""
+                git = os.path.join(d, line[len("gitdir:") :].strip())
+            if os.path.isdir(git):
+                return _head_commit(git)
+            parent = os.path.dirname(d)
+            if parent == d:
+                return ""
+            d = parent
+    except (OSError, UnicodeDecodeError):
+        pass
+    return ""
+
+
+def _head_commit(git: str) -> str:
+    with open(os.path.join(git, "HEAD"), encoding="utf-8") as fh:
+        head = fh.read(4096).strip()
+    if not head.startswith("ref:"):
+        return head[:12] if _is_sha(head) else ""
+    ref = head[len("ref:") :].strip()
+    common = git
+    try:  # a linked work tree keeps its branches in the main repository's directory
+        with open(os.path.join(git, "commondir"), encoding="utf-8") as fh:
+            common = os.path.join(git, fh.read(4096).strip())
+    except OSError:
+        pass
+    for base in (git, common):
+        try:
+            with open(os.path.join(base, ref), encoding="utf-8") as fh:
+                sha = fh.read(4096).strip()
+            return sha[:12] if _is_sha(sha) else ""
+        except OSError:
+            continue
+    try:
+        with open(os.path.join(common, "packed-refs"), encoding="utf-8") as fh:
+            for line in fh:
+                sha, _, name = line.strip().partition(" ")
+                if name == ref and _is_sha(sha):
+                    return sha[:12]
+    except OSError:
+        pass
+    return ""
+
+
+def _is_sha(text: str) -> bool:
+    return len(text) >= 40 and all(c in "0123456789abcdef" for c in text[:40])

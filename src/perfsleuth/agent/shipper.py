@@ -221,6 +221,7 @@ class _Segment:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "service": cfg.service,
+            "version": cfg.version,
             "agent": AGENT_VERSION,
             "started_ns": time.time_ns(),
         }

@@ -174,26 +174,29 @@ class DuckDBStore:
         con.commit()
 
     def _migrate(self, days: list[date]) -> None:
-        """Bring day tables written by an older version up to the schema: missing event tables
-        are created, missing columns added (NULL in old rows)."""
+        """Bring tables written by an older version up to the schema: missing day tables of
+        event tables are created, missing columns added (NULL in old rows)."""
         have: dict[str, set[str]] = {}
         for table, column in self._con.execute(
             "SELECT table_name, column_name FROM duckdb_columns() WHERE schema_name = 'main' "
             "AND database_name = current_database()"
         ).fetchall():
             have.setdefault(table, set()).add(column)
+        tables = [(t, t.name) for t in schema.GLOBAL_TABLES]
         for d in days:
             for t in schema.EVENT_TABLES:
                 name = schema.day_table(t, d)
                 if name not in have:
                     self._con.execute(schema.duckdb_create(t, name))
-                    continue
-                for c in t.columns:
-                    if c.name not in have[name]:
-                        self._con.execute(
-                            f"ALTER TABLE {quote(name)} ADD COLUMN {quote(c.name)} "
-                            f"{schema.duckdb_type(c)}"
-                        )
+                else:
+                    tables.append((t, name))
+        for t, name in tables:
+            for c in t.columns:
+                if c.name not in have.get(name, {c.name}):
+                    self._con.execute(
+                        f"ALTER TABLE {quote(name)} ADD COLUMN {quote(c.name)} "
+                        f"{schema.duckdb_type(c)}"
+                    )
 
     def close(self) -> None:
         con = getattr(self, "_con", None)
@@ -241,7 +244,8 @@ class DuckDBStore:
 
     def _offsets(self) -> dict[str, tuple[Any, ...]]:
         rows = self._con.execute(
-            'SELECT segment, "offset", closed, damaged, service, host, pid FROM ingest_offsets'
+            'SELECT segment, "offset", closed, damaged, service, host, pid, version'
+            " FROM ingest_offsets"
         ).fetchall()
         return {r[0]: r[1:] for r in rows}
 
@@ -288,6 +292,7 @@ class DuckDBStore:
             seg = ing.SegmentState(f.base, f.name, start)
             if prev is not None:
                 seg.damaged, seg.service, seg.host, seg.pid = bool(prev[2]), *prev[3:6]
+                seg.version = prev[6] or ""
             if not seg.host and f.host:
                 seg.host = f.host
             if seg.pid is None:
@@ -393,6 +398,7 @@ class DuckDBStore:
                         "host": s.host or None,
                         "pid": s.pid,
                         "updated": now,
+                        "version": s.version or None,
                     }
                     for s in batch.segments
                 ],

@@ -276,6 +276,7 @@ class SegmentState:
     service: str = ""
     host: str = ""
     pid: int | None = None
+    version: str = ""  # the release the agent reported (PERFSLEUTH_VERSION or a git commit)
     damaged: bool = False  # any damage so far: quarantined instead of deleted once done
     final: bool = False  # everything read and the segment will not grow: retire after commit
 
@@ -407,6 +408,7 @@ class Batch:
             self.events.setdefault(rtype, []).append((self.touch(seg), obj, start, end))
         elif rtype == HEADER:
             seg.service = _str(obj.get("service")) or seg.service
+            seg.version = _str(obj.get("version")) or seg.version
             seg.host = _str(obj.get("host")) or seg.host
             pid = as_int(obj.get("pid"))
             seg.pid = pid if pid is not None and 0 <= pid < 2**31 else seg.pid
@@ -1084,6 +1086,7 @@ def _event_tables(
     service = pc.take(pa.array([s.service or "unknown" for s in segs], pa.string()), src)
     host = pc.take(pa.array([s.host or None for s in segs], pa.string()), src)
     pid = pc.take(pa.array([s.pid for s in segs], pa.int32()), src)
+    version = pc.take(pa.array([s.version or None for s in segs], pa.string()), src)
 
     ts_ns = _np(wire["ts"], 0)
     bad = (ts_ns <= 0) | (ts_ns >= _TS_MAX)
@@ -1137,6 +1140,7 @@ def _event_tables(
             "calls_dropped": _int32_col(pc.fill_null(wire["calls_dropped"], 0)),
             "gc_ms": _ms(wire["gc_ns"]),
             "gc_count": _int32_col(wire["gc_count"]),
+            "version": version,
         },
         schema=schema.REQUESTS.arrow_schema(),
     )

@@ -79,7 +79,7 @@ REQUESTS = Table(
         " error string, duration_ms float64, cpu_ms float64, req_bytes int64, resp_bytes int64,"
         " user string, tenant string~, db_calls int32!, db_ms float64!, http_calls int32!,"
         " http_ms float64!, cache_calls int32!, cache_ms float64!, calls_dropped int32!,"
-        " gc_ms float64, gc_count int32"
+        " gc_ms float64, gc_count int32, version string~"
     ),
     by_day=True,
     order_by=EVENT_ORDER,
@@ -185,7 +185,7 @@ INGEST_OFFSETS = Table(
     "ingest_offsets",
     _c(
         "segment string!, offset int64!, closed bool!, damaged bool!, service string,"
-        " host string, pid int32, updated timestamp!"
+        " host string, pid int32, updated timestamp!, version string"
     ),
     order_by=("segment",),
     key=("segment",),

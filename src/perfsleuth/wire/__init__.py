@@ -8,7 +8,7 @@ for the normalisation that turns a SQL statement or URL into a fingerprint.
 FORMAT_VERSION = 1  # the file layout (wire.segment); record types are added, never changed
 
 # Record types (one ASCII byte each).
-HEADER = b"H"  # {"v", "host", "pid", "service", "agent", "started_ns", "argv0"}
+HEADER = b"H"  # {"v", "host", "pid", "service", "version", "agent", "started_ns", "argv0"}
 LOCATION = b"L"  # {"id", "file", "line", "func", "app"}: one interned code location
 STACK = b"S"  # {"id", "frames": [location ids, outermost first]}
 FINGERPRINT = b"F"  # {"id", "kind", "text", "op"}: a normalised statement / URL / command
