@@ -117,8 +117,11 @@ async function render(): Promise<void> {
   }
   status();
   const secs = Number(refresh);
-  if (secs > 0 && page !== "sql") timer = window.setTimeout(() => void render(), secs * 1000);
+  // Pages that run a query on demand (the SQL console, a comparison) are not re-run by the timer.
+  if (secs > 0 && !ON_DEMAND.has(page)) timer = window.setTimeout(() => void render(), secs * 1000);
 }
+
+const ON_DEMAND = new Set(["sql", "compare"]);
 
 async function status(): Promise<void> {
   const el = document.getElementById("status")!;
