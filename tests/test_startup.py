@@ -3,7 +3,7 @@ project under gunicorn with two workers, measured until they first answer: phase
 to the total, the import tree, framework and worker phases, the first request against the
 steady state, and --compare against a saved run.
 
-Apps: tests/apps/startup_shop.py (the demo shop behind startup_slow_dep, 0.4 s at import),
+Apps: tests/apps/startup_shop.py (the demo shop behind startup_slow_dep, 1 s at import),
 tests/apps/djproject.
 """
 
@@ -77,7 +77,7 @@ def test_demo_shop_under_uvicorn(tmp_path: Path, page: Any) -> None:
         tmp_path, uvicorn("startup_shop:app"), "/health", "--save", str(saved), "--data", str(data)
     )
     total = report["total_ms"]
-    assert 400 < total < wall_ms
+    assert 1000 < total < wall_ms
     ph = phases(report)
     assert abs(sum(ph.values()) - total) <= 0.1 * total
     # the phases are measured, not a remainder: imports alone are most of it, and each
@@ -90,7 +90,7 @@ def test_demo_shop_under_uvicorn(tmp_path: Path, page: Any) -> None:
     # the planted slow import is the top entry, marked as the app's own
     top = report["imports"]["slowest"][0]
     assert top["name"] == "startup_slow_dep" and top["app"], report["imports"]["slowest"][:3]
-    assert 400 <= top["self_ms"] < 1000
+    assert 1000 <= top["self_ms"] < 2000
     root = report["imports"]["tree"][0]
     assert root["name"] == "startup_shop" and root["app"]
     assert "startup_slow_dep" in [c["name"] for c in root["children"]]
@@ -180,8 +180,8 @@ def test_uvicorn_spawned_workers(tmp_path: Path) -> None:
     total = report["total_ms"]
     assert abs(sum(phases(report).values()) - total) <= 0.1 * total
     workers = [p for p in report["processes"] if p["pid"] != report["root_pid"] and p["spans"]]
-    assert len(workers) == 2 and all(p["kind"] == "exec" for p in workers)
+    assert len(workers) == 2 and all(p["kind"] == "exec" for p in workers), report["processes"]
     assert report["serving_pid"] in {p["pid"] for p in workers}
     # the path runs through the worker that answered: its own import of the app
-    assert report["imports"]["slowest"][0]["name"] == "startup_slow_dep"
-    assert any(n.startswith("2 workers each loaded the app") for n in report["notes"])
+    assert report["imports"]["slowest"][0]["name"] == "startup_slow_dep", report["imports"]
+    assert any(n.startswith("2 workers each loaded the app") for n in report["notes"]), report
