@@ -1,6 +1,7 @@
 """``perfsleuth load``: replay traffic against one target or two (A/B) with a verdict.
 
 Registered on the shared Typer ``app`` (imported at the bottom of :mod:`perfsleuth.cli.main`).
+The analysis module (asyncio, httpx) is imported when the command runs, not with the CLI.
 """
 
 from __future__ import annotations
@@ -10,11 +11,9 @@ from typing import Annotated, Any
 
 import typer
 from rich import box
-from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from perfsleuth.analysis import load as ld
 from perfsleuth.cli.common import (
     DEFAULT_DATA,
     CLIError,
@@ -34,6 +33,8 @@ _COLOURS = {"faster": "green", "slower": "red", "same": "", "too_few": "dim"}
 
 
 def _captures(data: str, endpoints: list[str], since: str | None, ingest: bool) -> list[Any]:
+    from perfsleuth.analysis import load as ld
+
     window = parse_since(since)
     where = ["coalesce(body_truncated, false) = false"]
     params: list[Any] = []
@@ -60,7 +61,7 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:+.0%}"
 
 
-def _progress_view(p: ld.Progress) -> Table:
+def _progress_view(p: Any) -> Table:
     t = Table(box=box.SIMPLE, title=f"{p.done}/{p.planned} ticks, {p.elapsed_s:.1f} s")
     for col in ("side", "requests", "p50 ms", "p95 ms", "errors"):
         t.add_column(col, justify="right" if col != "side" else "left")
@@ -131,6 +132,10 @@ def load(
     load_side: `perfsleuth compare --by tag:load_side` then explains the difference. The
     report is kept in DIR/runs/load/ (the web UI's Load page).
     """
+    from rich.live import Live
+
+    from perfsleuth.analysis import load as ld
+
     if not a:
         raise CLIError("give a target: --a URL (and --b URL to compare two)")
     if har and urls:

@@ -13,9 +13,7 @@ import typer
 from rich import box
 from rich.table import Table
 from rich.text import Text
-from rich.tree import Tree
 
-from perfsleuth.analysis import startup as st
 from perfsleuth.cli.common import (
     DEFAULT_DATA,
     CLIError,
@@ -66,6 +64,8 @@ def startup(
 
     Example: perfsleuth startup --url http://127.0.0.1:8000/health -- uvicorn app:app --port 8000
     """
+    from perfsleuth.analysis import startup as st
+
     cmd = list(ctx.args)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -96,6 +96,8 @@ def startup(
 
 
 def render(report: dict[str, Any]) -> None:
+    from rich.tree import Tree
+
     con = out_console()
     con.print(
         f"[bold]{report['total_ms']:,.0f} ms[/] from launch to the first answer of {report['url']}"
