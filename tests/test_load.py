@@ -11,7 +11,11 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -262,3 +266,54 @@ def test_ab_run_between_two_app_versions(tmp_path: Path, page: Any) -> None:
             )
         assert "50/s" in page.locator(".load-rate").inner_text()
         page.screenshot(path=str(SHOTS / "load.png"), full_page=True)
+
+
+# ------------------------------------------------------------------------- pacing and bounds
+
+
+@contextmanager
+def plain_server() -> Iterator[str]:
+    """A stdlib threaded HTTP server answering 200 to GET (a real target, no agent)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"ok"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_concurrency_mode_progress_and_time_bound() -> None:
+    items = [ld.Item("GET", "/x", "GET /x"), ld.Item("GET", "/y?q=1", "GET /y")]
+    with plain_server() as url:
+        seen: list[ld.Progress] = []
+        plan = ld.Plan({"a": url}, items, concurrency=4, requests=40, warmup=4, seed=1)
+        report = ld.run(plan, seen.append)
+        assert report["mode"] == "concurrency" and report["ticks"] == 44
+        assert report["sides"]["a"]["count"] == 40 and report["sides"]["a"]["errors"] == 0
+        assert {e["endpoint"]: e["count"] for e in report["endpoints"]} == {
+            "GET /x": 20,
+            "GET /y": 20,
+        }
+        final = seen[-1]
+        assert final.done == 44 and final.sides["a"]["count"] == 40
+        assert final.sides["a"]["p50_ms"] is not None and final.sides["a"]["errors"] == 0
+
+        # bounded in time: 1 s at 20/s stops after about 20 of the 1,000 asked
+        plan = ld.Plan({"a": url}, items, rate=20, requests=1000, duration=1.0, warmup=0)
+        report = ld.run(plan)
+        assert 15 <= report["ticks"] <= 21, report["ticks"]
+        assert report["elapsed_s"] < 5
