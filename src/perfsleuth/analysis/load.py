@@ -390,7 +390,27 @@ def run(plan: Plan, on_progress: Callable[[Progress], None] | None = None) -> di
         raise LoadError(f"--duration must be between 0 and {MAX_DURATION_S:g} s")
     if plan.warmup < 0:
         raise LoadError("--warmup cannot be negative")
-    raw = asyncio.run(_run(plan, on_progress))
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raw = asyncio.run(_run(plan, on_progress))
+    else:  # called from inside an event loop (a notebook, a browser driver): in a thread
+        import threading
+
+        out: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                out["raw"] = asyncio.run(_run(plan, on_progress))
+            except BaseException as e:  # re-raised in the caller's thread
+                out["error"] = e
+
+        t = threading.Thread(target=work, name="perfsleuth-load")
+        t.start()
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        raw = out["raw"]
     return summarize(plan, raw)
 
 
