@@ -349,22 +349,35 @@ def template_key(frame: FrameType | None) -> tuple[str, int] | None:
     while f is not None and classify(f.f_code) is None:
         f = f.f_back
     n = 0
-    kinds = _kind
-    engines = templates._engine
-    engine_of = templates.engine_of
+    steps = _template_steps
     while f is not None and n < MAX_DEPTH:
-        code = f.f_code
-        hit = kinds.get(id(code))
-        if (hit[1] if hit is not None else classify(code)) is None:
-            return None
-        e = engines.get(id(code))
-        if (e[1] if e is not None else engine_of(f)) != 0:
-            if engine_of(f) == templates.DJANGO:
+        hit = steps.get(id(f.f_code))  # one look-up a frame: this walk runs for every call
+        step = hit[1] if hit is not None else _template_step(f)
+        if step:
+            if step == _STOP:
+                return None
+            if templates.engine_of(f) == templates.DJANGO:
                 return templates.django_key(f)
             return templates.jinja_key(f)
         f = f.f_back
         n += 1
     return None
+
+
+# What template_key does at a frame of a code: go on (0), stop with the key of a template
+# engine's frame (_ENGINE), or stop without one at the agent's frame (_STOP). By id(code), the
+# code kept in the value (as _kind); a code's step never changes (its file and name decide).
+_template_steps: dict[int, tuple[CodeType, int]] = {}
+_ENGINE, _STOP = 1, 2
+
+
+def _template_step(f: FrameType) -> int:
+    code = f.f_code
+    step = _STOP if classify(code) is None else _ENGINE if templates.engine_of(f) else 0
+    if len(_template_steps) > 200_000:
+        _template_steps.clear()
+    _template_steps[id(code)] = (code, step)
+    return step
 
 
 # ------------------------------------------------------------------------------ capture
