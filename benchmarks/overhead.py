@@ -104,9 +104,10 @@ STACK_ENDPOINTS = {
     "django-pg": "GET /orders/<int:order_id>",
     "flask-sqlalchemy-pg": "GET /orders/<int:order_id>",
 }
-# default requests per slice and warm-up: a PostgreSQL request (12 round trips over loopback
-# TCP) takes about ten times the CPU of a sqlite one
-STACK_REQUESTS = {"fastapi-sqlite": 1000, "django-pg": 100, "flask-sqlalchemy-pg": 100}
+# default requests per slice, slices and warm-up: a PostgreSQL request (12 round trips over
+# loopback TCP) takes about ten times the CPU of a sqlite one
+STACK_REQUESTS = {"fastapi-sqlite": 1000, "django-pg": 80, "flask-sqlalchemy-pg": 80}
+STACK_REPEATS = {"fastapi-sqlite": 15, "django-pg": 10, "flask-sqlalchemy-pg": 10}
 STACK_WARMUP = {"fastapi-sqlite": 300, "django-pg": 50, "flask-sqlalchemy-pg": 50}
 TARGET, STRETCH = 10.0, 5.0  # % of bare's CPU per request
 RESULT = "@@result "  # marks the child's result line on its stdout
@@ -135,8 +136,9 @@ def pg_conninfo() -> dict[str, str]:
 
 
 def pg_url() -> str:
+    """SQLAlchemy's URL of pg_conninfo (a host that is a directory: its Unix socket)."""
     c = pg_conninfo()
-    return f"postgresql+psycopg://{c['user']}@{c['host']}:{c['port']}/{c['dbname']}"
+    return f"postgresql+psycopg://{c['user']}@/{c['dbname']}?host={c['host']}&port={c['port']}"
 
 
 def seed_pg() -> None:
@@ -852,7 +854,9 @@ def main() -> None:
         + ", ".join(f"{k} {v}" for k, v in STACK_REQUESTS.items())
         + ")",
     )
-    ap.add_argument("--repeats", type=int, default=15, help="slices per variant and round")
+    ap.add_argument(
+        "--repeats", type=int, help="slices per variant and round (default by stack: 15, 10, 10)"
+    )
     ap.add_argument("--warmup", type=int, help="untimed requests first (default by stack)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the variants")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(SETUPS)}")
@@ -870,7 +874,7 @@ def main() -> None:
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     if "bare" not in names or set(names) - set(SETUPS):
         ap.error(f"--variants must include bare, among: {', '.join(SETUPS)}")
-    given = {"requests": args.requests, "warmup": args.warmup}
+    given = {"requests": args.requests, "warmup": args.warmup, "repeats": args.repeats}
 
     started = time.perf_counter()
     dists = ["perfsleuth"]
@@ -885,6 +889,7 @@ def main() -> None:
     for stack in stacks:
         args.stack = stack
         args.requests = given["requests"] or STACK_REQUESTS[stack]
+        args.repeats = given["repeats"] or STACK_REPEATS[stack]
         args.warmup = given["warmup"] if given["warmup"] is not None else STACK_WARMUP[stack]
         if args.quick:
             args.requests, args.repeats, args.rounds = max(50, args.requests // 2), 4, 1
