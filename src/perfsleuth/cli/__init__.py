@@ -1,6 +1,8 @@
 """The ``perfsleuth`` command line (Typer + Rich).
 
-Modules: :mod:`~perfsleuth.cli.main` (the Typer ``app`` and its commands),
+Modules: :mod:`~perfsleuth.cli.app` (the Typer ``app`` every command module registers on),
+:mod:`~perfsleuth.cli.main` (imports the command modules: ``core``, ``analysis``, ``compare``,
+``evidence``, ``load``, ``replay``, ``startup``, ``ui``; ``main()`` runs the app),
 :mod:`~perfsleuth.cli.common` (errors, options, parsing, output helpers),
 :mod:`~perfsleuth.cli.render` (tables and the trace waterfall) and
 :mod:`~perfsleuth.cli.demo` (the ``perfsleuth demo`` walk-through).

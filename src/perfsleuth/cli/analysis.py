@@ -1,6 +1,7 @@
 """``perfsleuth findings``, ``explain`` and ``calltree``: the analysis commands.
 
-Registered on the shared Typer ``app`` (imported at the bottom of :mod:`perfsleuth.cli.main`).
+Registered on the shared Typer ``app`` of :mod:`perfsleuth.cli.app`; :mod:`perfsleuth.cli.main`
+imports this module.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from perfsleuth.analysis import frames, loops
 from perfsleuth.analysis.config import DEFAULTS, Config, ConfigError, load_config
 from perfsleuth.analysis.findings import Finding, find
 from perfsleuth.cli import render
+from perfsleuth.cli.app import NoIngestOpt, app
 from perfsleuth.cli.common import (
     DEFAULT_DATA,
     EXIT_USAGE,
@@ -29,6 +31,7 @@ from perfsleuth.cli.common import (
     DataOpt,
     JsonOpt,
     SinceOpt,
+    check_endpoint,
     ensure_not_empty,
     handle_errors,
     out_console,
@@ -37,7 +40,6 @@ from perfsleuth.cli.common import (
     print_json,
     store_for_reading,
 )
-from perfsleuth.cli.main import NoIngestOpt, _check_endpoint, app
 
 SetOpt = Annotated[
     list[str] | None,
@@ -85,7 +87,7 @@ def _run(
     with store_for_reading(data, ingest=not no_ingest) as store:
         ensure_not_empty(store, data)
         if endpoint is not None:
-            _check_endpoint(store, endpoint, data)
+            check_endpoint(store, endpoint, data)
         return find(store, since=window, endpoint=endpoint, config=cfg)
 
 
@@ -398,7 +400,7 @@ def calltree(
     with store_for_reading(data, ingest=not no_ingest) as store:
         ensure_not_empty(store, data)
         if endpoint is not None:
-            _check_endpoint(store, endpoint, data)
+            check_endpoint(store, endpoint, data)
         try:
             root = ct.build(
                 store,

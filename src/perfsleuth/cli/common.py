@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import decimal
+import difflib
 import functools
 import json
 import os
@@ -283,3 +284,13 @@ def damage_sentences(report: IngestReport, data_dir: str) -> list[str]:
 def warn_damage(report: IngestReport, data_dir: str) -> None:
     for sentence in damage_sentences(report, data_dir):
         typer.echo(f"perfsleuth: warning: {sentence}", err=True)
+
+
+def check_endpoint(store: Store, endpoint: str, data_dir: str) -> None:
+    """Raise a usage error naming the closest known endpoint when ``endpoint`` has no data."""
+    known = ensure_not_empty(store, data_dir)
+    if endpoint in known:
+        return
+    close = difflib.get_close_matches(endpoint, known, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else "; `perfsleuth top` lists the endpoints."
+    raise CLIError(f"unknown endpoint {endpoint!r} in {data_dir}{hint}")

@@ -1,7 +1,8 @@
 """``perfsleuth compare``: two time ranges, releases, or tag/attribute values, per endpoint,
 with a verdict line on top.
 
-Registered on the shared Typer ``app`` (imported at the bottom of :mod:`perfsleuth.cli.main`).
+Registered on the shared Typer ``app`` of :mod:`perfsleuth.cli.app`; :mod:`perfsleuth.cli.main`
+imports this module.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rich.text import Text
 
 from perfsleuth.analysis import compare as cmp
 from perfsleuth.analysis.config import ConfigError, load_config
+from perfsleuth.cli.app import NoIngestOpt, app
 from perfsleuth.cli.common import (
     DEFAULT_DATA,
     EXIT_USAGE,
@@ -27,7 +29,6 @@ from perfsleuth.cli.common import (
     print_json,
     store_for_reading,
 )
-from perfsleuth.cli.main import NoIngestOpt, app
 
 
 @app.command()

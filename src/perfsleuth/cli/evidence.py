@@ -1,7 +1,8 @@
 """``perfsleuth profile`` and ``blockers``: the runtime-evidence commands (stack samples of slow
 requests, event-loop blockers).
 
-Registered on the shared Typer ``app`` (imported at the bottom of :mod:`perfsleuth.cli.main`).
+Registered on the shared Typer ``app`` of :mod:`perfsleuth.cli.app`; :mod:`perfsleuth.cli.main`
+imports this module.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from rich.text import Text
 
 from perfsleuth.analysis import profile as prof
 from perfsleuth.cli import render
+from perfsleuth.cli.app import NoIngestOpt, app
 from perfsleuth.cli.common import (
     DEFAULT_DATA,
     CLIError,
     DataOpt,
     JsonOpt,
     SinceOpt,
+    check_endpoint,
     ensure_not_empty,
     handle_errors,
     out_console,
@@ -30,7 +33,6 @@ from perfsleuth.cli.common import (
     print_json,
     store_for_reading,
 )
-from perfsleuth.cli.main import NoIngestOpt, _check_endpoint, app
 
 
 def _where(file: str | None, line: int | None) -> str:
@@ -98,7 +100,7 @@ def profile(
             full_id = tr["trace_id"]
             endpoint = endpoint or tr["endpoint"]
         assert endpoint is not None
-        _check_endpoint(store, endpoint, data)
+        check_endpoint(store, endpoint, data)
         p = prof.load(store, endpoint, since=window, state=state, trace_id=full_id)
     if svg:
         _write(svg, p.svg())
@@ -189,7 +191,7 @@ def blockers(
     with store_for_reading(data, ingest=not no_ingest) as store:
         ensure_not_empty(store, data)
         if endpoint is not None:
-            _check_endpoint(store, endpoint, data)
+            check_endpoint(store, endpoint, data)
         rows = store.blockers(since=window, endpoint=endpoint, limit=limit)
     if json:
         print_json(rows)

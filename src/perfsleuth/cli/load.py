@@ -1,6 +1,7 @@
 """``perfsleuth load``: replay traffic against one target or two (A/B) with a verdict.
 
-Registered on the shared Typer ``app`` (imported at the bottom of :mod:`perfsleuth.cli.main`).
+Registered on the shared Typer ``app`` of :mod:`perfsleuth.cli.app`; :mod:`perfsleuth.cli.main`
+imports this module.
 The analysis module (asyncio, httpx) is imported when the command runs, not with the CLI.
 """
 
@@ -14,6 +15,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from perfsleuth.cli.app import NoIngestOpt, app
 from perfsleuth.cli.common import (
     DEFAULT_DATA,
     CLIError,
@@ -27,7 +29,6 @@ from perfsleuth.cli.common import (
     print_json,
     store_for_reading,
 )
-from perfsleuth.cli.main import NoIngestOpt, app
 
 _COLOURS = {"faster": "green", "slower": "red", "same": "", "too_few": "dim"}
 

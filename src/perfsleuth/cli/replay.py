@@ -18,6 +18,7 @@ from rich.text import Text
 from perfsleuth.analysis import heap as hp
 from perfsleuth.analysis import replay as rp
 from perfsleuth.cli import render
+from perfsleuth.cli.app import NoIngestOpt, app
 from perfsleuth.cli.common import (
     DEFAULT_DATA,
     EXIT_STATE,
@@ -32,7 +33,6 @@ from perfsleuth.cli.common import (
     print_json,
     store_for_reading,
 )
-from perfsleuth.cli.main import NoIngestOpt, app
 from perfsleuth.store.base import StoreError, StoreLocked
 
 

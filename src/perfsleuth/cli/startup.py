@@ -1,6 +1,7 @@
 """``perfsleuth startup -- CMD``: where a server's start-up time goes, until it first answers.
 
-Registered on the shared Typer ``app`` (imported at the bottom of :mod:`perfsleuth.cli.main`).
+Registered on the shared Typer ``app`` of :mod:`perfsleuth.cli.app`; :mod:`perfsleuth.cli.main`
+imports this module.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from perfsleuth.cli.app import app
 from perfsleuth.cli.common import (
     DEFAULT_DATA,
     CLIError,
@@ -23,7 +25,6 @@ from perfsleuth.cli.common import (
     out_console,
     print_json,
 )
-from perfsleuth.cli.main import app
 
 _BAR = 30
 

@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
+from perfsleuth.cli.app import app
 from perfsleuth.cli.common import DEFAULT_DATA, EXIT_STATE, CLIError, DataOpt, handle_errors
-from perfsleuth.cli.main import app
 
 DEFAULT_PORT = 8321
 
