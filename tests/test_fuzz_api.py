@@ -38,6 +38,9 @@ FUZZ = settings(
     database=None,
     suppress_health_check=list(HealthCheck),
 )
+# A hang is caught per request (the socket timeout); the suite's per-test limit grows with the
+# number of cases (a console statement may take its whole 3 s time limit).
+pytestmark = pytest.mark.timeout(max(300, CASES))
 TRACE = "0123456789abcdef"
 ENDPOINTS = ("GET /items/{id}", "POST /orders", "GET /search")
 
