@@ -581,6 +581,10 @@ def create_app(
 
     app.include_router(runs_router)
 
+    from perfsleuth.server.otlp import router as otlp_router
+
+    app.include_router(otlp_router)
+
     @app.api_route("/api/{rest:path}", methods=["GET", "POST"], include_in_schema=False)
     def unknown(rest: str) -> Response:
         raise ApiError(404, f"no such API path /api/{rest}; see /api/openapi.json")

@@ -334,6 +334,14 @@ class DuckDBStore:
         report.segments_read = len(touched)
         return report
 
+    def insert_batch(self, batch: ing.Batch) -> IngestReport:
+        """Store records that came from outside the spool (OTLP, store.otlp) in one
+        transaction, as ingest stores a spool batch: requests already held are left out."""
+        self._writable("ingest")
+        report = IngestReport()
+        self._flush(batch, set(self._days()), report)
+        return report
+
     def _full(self, batch: ing.Batch) -> bool:
         return batch.requests >= self.batch_requests or batch.request_bytes >= self.batch_bytes
 

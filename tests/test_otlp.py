@@ -1,0 +1,350 @@
+"""OTLP ingest (store.otlp, server.otlp): real OpenTelemetry clients export to a perfsleuth
+server started here; their spans become requests and calls, and the detectors run on them."""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import random
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+
+from apps import otlp_python_app
+from perfsleuth.analysis import find
+from perfsleuth.server.app import create_app
+
+
+class Server:
+    def __init__(self, data_dir: str) -> None:
+        self.data_dir = data_dir
+        self.app = create_app(data_dir, ingest_every=3600)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.sock = sock
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uv = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]})
+        self.thread.start()
+        for _ in range(500):
+            if self.uv.started:
+                break
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(30)
+
+    def post(self, body: bytes, ctype: str, encoding: str | None = None) -> tuple[int, Any]:
+        headers = {"Content-Type": ctype}
+        if encoding:
+            headers["Content-Encoding"] = encoding
+        req = urllib.request.Request(self.url + "/v1/traces", body, headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null")
+
+    def post_huge(self, size: int) -> int:
+        """The status answered to a body of ``size`` bytes, sent until the server stops
+        reading (it may answer before the body ends)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.putrequest("POST", "/v1/traces")
+        conn.putheader("Content-Type", "application/x-protobuf")
+        conn.putheader("Content-Length", str(size))
+        conn.endheaders()
+        chunk = b"\x00" * (1 << 20)
+        try:
+            for _ in range(size // len(chunk)):
+                conn.send(chunk)
+        except OSError:
+            pass  # refused mid-body: the answer is waiting
+        status = conn.getresponse().status
+        conn.close()
+        return status
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=60) as r:
+            return json.loads(r.read())
+
+    def count(self, table: str) -> int:
+        be = self.app.state.backend
+        with be.use() as store:
+            return int(store.query(f"SELECT count(*) AS n FROM {table}")[0]["n"])
+
+
+@pytest.fixture
+def server(tmp_path: Any) -> Iterator[Server]:
+    s = Server(str(tmp_path / "data"))
+    yield s
+    s.stop()
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        r.read()
+        return r.status
+
+
+def _hit(url: str) -> int:
+    try:
+        return _get(url)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+# -------------------------------------------------------------- a Python service, the SDK
+
+
+def test_python_sdk_service_n_plus_one_on_the_right_endpoint(server: Server) -> None:
+    app, provider = otlp_python_app.build(server.url + "/v1/traces")
+    base = f"http://127.0.0.1:{app.server_port}"
+    try:
+        for _ in range(20):
+            assert _hit(base + "/orders") == 200
+            assert _hit(base + "/orders/summary") == 200
+        assert _hit(base + "/boom") == 500
+        assert provider.force_flush(30_000)
+    finally:
+        app.shutdown()
+        provider.shutdown()
+    be = server.app.state.backend
+    with be.use() as store:
+        rows = store.query(
+            "SELECT endpoint, count(*) AS n, max(db_calls) AS db, any_value(service) AS service,"
+            " any_value(host) AS host, max(error) AS error, max(status) AS status"
+            " FROM requests GROUP BY 1 ORDER BY 1"
+        )
+        by_ep = {r["endpoint"]: r for r in rows}
+        # The planted query: its span and the DB-API span inside it count once.
+        assert by_ep["GET /orders"]["n"] == 20
+        assert by_ep["GET /orders"]["db"] == 1 + otlp_python_app.ORDERS
+        assert by_ep["GET /orders"]["service"] == "otlp-shop"
+        assert by_ep["GET /orders"]["host"] == "box-1"
+        assert by_ep["GET /orders/summary"]["n"] == 20
+        assert by_ep["GET /orders/summary"]["db"] == 1
+        assert by_ep["GET /boom"]["error"] == "ValueError"
+        assert by_ep["GET /boom"]["status"] == 500
+        found = find(store)
+    n1 = [f for f in found if f.kind == "n_plus_one"]
+    assert [f.endpoint for f in n1] == ["GET /orders"], [f.title for f in found]
+    assert "items" in (n1[0].fingerprint or "")
+    site = n1[0].evidence["call_site"]
+    assert site["function"] == "items_of" and site["file"].endswith("otlp_python_app.py")
+    assert not [f for f in found if f.endpoint == "GET /orders/summary"]
+
+
+# ----------------------------------------------------------------- hand-made payloads
+
+
+def _kv(key: str, value: Any) -> dict[str, Any]:
+    if isinstance(value, bool):
+        return {"key": key, "value": {"boolValue": value}}
+    if isinstance(value, int):
+        return {"key": key, "value": {"intValue": str(value)}}
+    return {"key": key, "value": {"stringValue": str(value)}}
+
+
+def _payload(trace: str, *, queries: int = 3, code: bool = False) -> dict[str, Any]:
+    """OTLP JSON: one SERVER span with ``queries`` CLIENT spans (postgresql) and one HTTP call."""
+    t0 = 1_764_000_000_000_000_000
+    spans = [
+        {
+            "traceId": trace,
+            "spanId": "a" * 16,
+            "name": "GET /users/:id",
+            "kind": 2,
+            "startTimeUnixNano": str(t0),
+            "endTimeUnixNano": str(t0 + 50_000_000),
+            "attributes": [
+                _kv("http.request.method", "GET"),
+                _kv("http.route", "/users/:id"),
+                _kv("url.path", "/users/7"),
+                _kv("http.response.status_code", 200),
+                _kv("enduser.id", "u7"),
+                _kv("tenant.id", "acme"),
+            ],
+        }
+    ]
+    for i in range(queries):
+        attrs = [
+            _kv("db.system", "postgresql"),
+            _kv("db.query.text", f"SELECT * FROM posts WHERE user_id = {i}"),
+            _kv("db.response.returned_rows", 2),
+        ]
+        if code:
+            attrs += [_kv("code.file.path", "/srv/app.js"), _kv("code.line.number", 12)]
+            attrs += [_kv("code.function.name", "loadPosts")]
+        spans.append(
+            {
+                "traceId": trace,
+                "spanId": f"{i + 1:016x}",
+                "parentSpanId": "a" * 16,
+                "name": "pg.query",
+                "kind": 3,
+                "startTimeUnixNano": str(t0 + (i + 1) * 1_000_000),
+                "endTimeUnixNano": str(t0 + (i + 1) * 1_000_000 + 500_000),
+                "attributes": attrs,
+            }
+        )
+    spans.append(
+        {
+            "traceId": trace,
+            "spanId": "b" * 16,
+            "parentSpanId": "a" * 16,
+            "name": "GET",
+            "kind": 3,
+            "startTimeUnixNano": str(t0 + 40_000_000),
+            "endTimeUnixNano": str(t0 + 45_000_000),
+            "attributes": [
+                _kv("http.request.method", "GET"),
+                _kv("url.full", "http://user:pw@billing.internal:8080/accounts/123?x=1"),
+                _kv("http.response.status_code", 503),
+            ],
+            "status": {"code": 2, "message": "upstream down"},
+        }
+    )
+    return {
+        "resourceSpans": [
+            {
+                "resource": {"attributes": [_kv("service.name", "node-api")]},
+                "scopeSpans": [{"spans": spans}],
+            }
+        ]
+    }
+
+
+def _proto(obj: dict[str, Any]) -> bytes:
+    from perfsleuth.store import otlp
+
+    return bytes(
+        otlp.decode(json.dumps(obj).encode(), "application/json", None).SerializeToString()
+    )
+
+
+def test_json_and_gzip_protobuf_map_requests_and_calls_once(server: Server) -> None:
+    trace = "0123456789abcdef0123456789abcdef"
+    status, _ = server.post(json.dumps(_payload(trace, code=True)).encode(), "application/json")
+    assert status == 200
+    pb = gzip.compress(_proto(_payload("f" * 32)))
+    status, _ = server.post(pb, "application/x-protobuf", "gzip")
+    assert status == 200
+    # The same payload again: requests are unique by trace + span id, nothing doubles.
+    assert server.post(pb, "application/x-protobuf", "gzip")[0] == 200
+    assert server.count("requests") == 2
+    assert server.count("calls") == 8
+    be = server.app.state.backend
+    with be.use() as store:
+        req = store.query(f"SELECT * FROM requests WHERE trace_id = '{trace}{'a' * 16}'")[0]
+        calls = store.query(
+            "SELECT c.kind, c.system, c.rows, c.host, c.status, c.error, f.text, l.file, l.line,"
+            " l.function FROM calls c LEFT JOIN fingerprints f ON f.id = c.fingerprint_id"
+            f" LEFT JOIN locations l ON l.id = c.site_id WHERE c.trace_id = '{trace}{'a' * 16}'"
+            " ORDER BY c.seq"
+        )
+    assert req["endpoint"] == "GET /users/:id" and req["service"] == "node-api"
+    assert (req["user"], req["tenant"], req["status"]) == ("u7", "acme", 200)
+    assert req["db_calls"] == 3 and req["http_calls"] == 1
+    assert req["duration_ms"] == pytest.approx(50.0)
+    db = calls[0]
+    assert (db["kind"], db["system"], db["rows"]) == ("db", "postgresql", 2)
+    assert db["text"] == "SELECT * FROM posts WHERE user_id = ?"
+    assert (db["file"], db["line"], db["function"]) == ("/srv/app.js", 12, "loadPosts")
+    http = calls[-1]
+    assert (http["kind"], http["host"], http["status"]) == ("http", "billing.internal:8080", 503)
+    assert http["text"] == "GET billing.internal:8080/accounts/{id}"
+    assert http["error"] == "upstream down"
+
+
+def test_calls_sent_before_their_server_span_join_it(server: Server) -> None:
+    payload = _payload("1" * 32)
+    spans = payload["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    children = json.loads(json.dumps(payload))
+    children["resourceSpans"][0]["scopeSpans"][0]["spans"] = spans[1:]
+    parent = json.loads(json.dumps(payload))
+    parent["resourceSpans"][0]["scopeSpans"][0]["spans"] = spans[:1]
+    assert server.post(json.dumps(children).encode(), "application/json")[0] == 200
+    assert server.count("requests") == 0
+    assert server.post(json.dumps(parent).encode(), "application/json")[0] == 200
+    assert server.count("requests") == 1
+    assert server.count("calls") == 4
+
+
+def test_n_plus_one_without_code_attributes_names_no_site(server: Server) -> None:
+    for i in range(10):
+        body = json.dumps(_payload(f"{i + 2:032x}", queries=12)).encode()
+        assert server.post(body, "application/json")[0] == 200
+    be = server.app.state.backend
+    with be.use() as store:
+        found = find(store)
+    n1 = [f for f in found if f.kind == "n_plus_one"]
+    assert [f.endpoint for f in n1] == ["GET /users/:id"]
+    assert n1[0].evidence["call_site"] is None
+    assert n1[0].callsite is None
+
+
+# -------------------------------------------------------------------- refusals and fuzz
+
+
+def test_malformed_payloads_are_refused_and_nothing_is_stored(server: Server) -> None:
+    good = json.dumps(_payload("2" * 32)).encode()
+    cases = [
+        (b"\xff\xff\xff\x0f garbage", "application/x-protobuf", None, 400),
+        (b'{"resourceSpans": [', "application/json", None, 400),
+        (
+            b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz"}]}]}]}',
+            "application/json",
+            None,
+            400,
+        ),
+        (b"[1, 2]", "application/json", None, 400),
+        (b"not gzip at all", "application/x-protobuf", "gzip", 400),
+        (gzip.compress(good)[:-9], "application/json", "gzip", 400),
+        (good, "text/plain", None, 415),
+        (good, "application/json", "br", 415),
+        (gzip.compress(b" " * (129 * 1024 * 1024)), "application/json", "gzip", 413),
+    ]
+    for body, ctype, enc, want in cases:
+        status, reply = server.post(body, ctype, enc)
+        assert status == want, (ctype, enc, body[:40], reply)
+        assert reply["error"]
+    assert server.post_huge(33 * 1024 * 1024) == 413
+    assert server.count("requests") == 0
+    # the server is up and takes a good payload
+    assert server.post(good, "application/json")[0] == 200
+    assert server.count("requests") == 1
+
+
+def test_fuzzed_payloads_never_fail_the_server(server: Server) -> None:
+    rnd = random.Random(19)
+    seeds = [_proto(_payload(f"{i + 3:032x}", code=True)) for i in range(3)]
+    seeds_json = [json.dumps(_payload(f"{i + 9:032x}")).encode() for i in range(3)]
+    statuses: dict[int, int] = {}
+    for n in range(300):
+        is_json = n % 3 == 0
+        data = bytearray(rnd.choice(seeds_json if is_json else seeds))
+        for _ in range(rnd.randint(1, 8)):
+            op = rnd.random()
+            i = rnd.randrange(len(data))
+            if op < 0.5:
+                data[i] = rnd.randrange(256)
+            elif op < 0.75:
+                del data[i : i + rnd.randint(1, 16)]
+            else:
+                data[i:i] = bytes(rnd.randrange(256) for _ in range(rnd.randint(1, 8)))
+        status, reply = server.post(
+            bytes(data), "application/json" if is_json else "application/x-protobuf"
+        )
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status in (200, 400), (n, status, reply)
+    assert statuses.get(200) and statuses.get(400)
+    assert server.count("requests") > 0
