@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test check-wheel lint format bench bench-ingest bench-accuracy bench-findings bench-evidence bench-capture bench-ui bench-instructions bench-pressure bench-realworld clean
+.PHONY: setup demo test check-wheel lint format bench bench-ingest bench-accuracy bench-findings bench-evidence bench-capture bench-ui bench-instructions bench-pressure bench-realworld fuzz clean
 
 setup:
 	@bash scripts/setup.sh
@@ -52,6 +52,10 @@ bench-instructions: setup
 
 bench-pressure: setup
 	$(BIN)/python benchmarks/pressure.py
+
+# The fuzz suites' long mode: 100,000 structure-aware spool records (make test runs a few hundred).
+fuzz: setup
+	$(BIN)/python benchmarks/fuzz.py --cases 100000
 
 # Real open-source apps from PyPI at releases with documented performance bugs (long; network).
 bench-realworld: setup

@@ -726,7 +726,7 @@ def test_malformed_batch_records_are_damage_and_lose_only_themselves(
     w.write(batch_record(2, rows=row, ncalls=[1, 0], t0=[50, 50], sites=[[0], []], **table))
     w.write(batch_record(3, method=["GET", "GET"]))  # a column that is not 3 long
     w.write(batch_record(1, rows=row * 2, ncalls=[1], t0=[50], sites=[[0]], **table))
-    w.write(batch_record(1, rows=row, ncalls=[1], sites=[[0]], **table))  # no t0
+    w.write(batch_record(1, rows=row, ncalls=[1], sites=[[0]], id=[9], **table))  # no t0
     w.write(batch_record(1, rows=row, ncalls=[1], t0=[50], sites=[[1]], **table))  # no site 1
     w.write(batch_record(2, ints=INT_ROW.pack(*[1] * 12)))  # ints for one request of two
     w.write(batch_record(1, ncalls=[-1]))  # a negative count

@@ -244,5 +244,7 @@ def find(
         if not cfg.enabled.get(kind, True):
             continue
         out.extend(f for f in detect(ctx) if f.id not in cfg.ignore and assess(f, cfg))
+    if endpoint is not None:  # service-wide findings (cpu_starved, gc_pressure's) are no one's
+        out = [f for f in out if f.endpoint == endpoint]
     out.sort(key=lambda f: (-f.impact_ms_per_min, f.kind, f.endpoint, f.id))
     return out
