@@ -32,6 +32,11 @@ def test_perfsleuth_has_no_module_level_import_circle() -> None:
     assert "CYCLE" not in result.stdout
 
 
+def test_perfsleuth_deferred_circles_are_only_the_listed_ones() -> None:
+    result = _run("--deferred")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_module_level_circle_is_reported(tmp_path: Path) -> None:
     pkg = _package(
         tmp_path,

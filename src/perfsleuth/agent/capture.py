@@ -33,14 +33,13 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from perfsleuth.agent import recorder
+from perfsleuth.agent.frameworks.common import SECRET_HEADERS
 
 REDACTED = "[redacted]"
-SECRET_HEADERS = frozenset(
-    {"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "x-auth-token"}
-)
 PENDING_MAX = 8 * 1024 * 1024  # bytes of request bodies held for possible captures, in all
 
 recorder.stats.update({"captures": 0, "captures_dropped": 0, "captures_sample_capped": 0})
@@ -59,14 +58,20 @@ _secrets = False
 _redact: frozenset[str] = SECRET_HEADERS
 _fault = False
 _random = random.random
+# The shipper's emit (it hands itself over in configure(), so this module need not import it).
+_emit: Callable[[bytes, Any], bool] | None = None
 
 _pending = 0  # body bytes held by taps and by captures not yet written
 _lock = threading.Lock()
 
 
-def configure(cfg: Any) -> None:
+def configure(cfg: Any, emit: Callable[[bytes, Any], bool] | None = None) -> None:
+    """Settings from the agent's config; ``emit`` queues a record (the shipper's), kept when
+    not given."""
     global on, _slow_ns, _sample, _sample_per_min, _countdown, _body_max, _secrets, _redact, _fault
-    global PENDING_MAX
+    global PENDING_MAX, _emit
+    if emit is not None:
+        _emit = emit
     _slow_ns = int(float(cfg.capture_slow_ms) * 1e6)
     _sample = max(0.0, min(1.0, float(cfg.capture_sample)))
     _sample_per_min = max(0, int(cfg.capture_sample_per_min))
@@ -293,8 +298,6 @@ def _keep(
     parts: tuple[Any, ...],
     tap: BodyTap | None,
 ) -> None:
-    from perfsleuth.agent import shipper
-
     if tap is not None and tap.lost:
         stats["captures_dropped"] += 1
         tap.release()
@@ -309,7 +312,8 @@ def _keep(
         why,
     )
 
-    if shipper.emit(b"C", _Build(fields, headers, parts, tap)):
+    emit = _emit
+    if emit is not None and emit(b"C", _Build(fields, headers, parts, tap)):
         stats["captures"] += 1
     else:
         stats["captures_dropped"] += 1

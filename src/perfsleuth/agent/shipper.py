@@ -35,7 +35,8 @@ from typing import Any
 
 from perfsleuth.agent import recorder, stacks
 from perfsleuth.agent.config import Config
-from perfsleuth.agent.frameworks.wsgi import Identity, content_length, identity, identity_value
+from perfsleuth.agent.frameworks import common as frameworks_common
+from perfsleuth.agent.frameworks.common import Identity, content_length, identity, identity_value
 from perfsleuth.wire import (
     CLOSED_SUFFIX,
     FINGERPRINT,
@@ -926,9 +927,10 @@ def start(cfg: Config) -> None:
     _cfg = cfg
     _writer = _Writer(cfg)
     recorder.configure(enqueue, max_calls=cfg.max_calls, stacks_per_site=cfg.stacks_per_site)
+    frameworks_common.configure(cfg)
     from perfsleuth.agent import capture
 
-    capture.configure(cfg)
+    capture.configure(cfg, emit)
     _start_thread()
     _install_sigterm()
     mp_util = sys.modules.get("multiprocessing.util")

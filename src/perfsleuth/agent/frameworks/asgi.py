@@ -42,7 +42,7 @@ from types import ModuleType
 from typing import Any
 
 from perfsleuth.agent import capture, recorder, watchdog
-from perfsleuth.agent.frameworks.wsgi import (
+from perfsleuth.agent.frameworks.common import (
     content_length,
     endpoint,
     unmatched,

@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from perfsleuth.agent import capture, recorder
-from perfsleuth.agent.frameworks.wsgi import content_length, endpoint, read_environ, unmatched
+from perfsleuth.agent.frameworks.common import content_length, endpoint, read_environ, unmatched
 
 _current = recorder._current
 

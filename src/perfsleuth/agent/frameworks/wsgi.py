@@ -15,7 +15,7 @@ signal), Django's ``resolver_match.route`` (through the Django middleware). A pl
 without a known router is recorded as ``"<METHOD> <unmatched>"``: the raw path is never used as
 an endpoint, so scanners cannot blow up the number of endpoints.
 
-This module also holds the helpers shared by the ASGI and Django integrations.
+The helpers shared with the ASGI and Django integrations are in :mod:`.common`.
 """
 
 from __future__ import annotations
@@ -28,148 +28,11 @@ from types import ModuleType
 from typing import Any
 
 from perfsleuth.agent import capture, recorder
+from perfsleuth.agent.frameworks.common import content_length, endpoint, read_environ
+from perfsleuth.agent.frameworks.common import identity as identity  # the name tests import
 
 _get_ident = threading.get_ident
 _current = recorder._current
-
-# ------------------------------------------------------------------------------ shared helpers
-
-STANDARD_METHODS = frozenset(
-    {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"}
-)
-# Never recorded, even when configured as the user/tenant header.
-SECRET_HEADERS = frozenset(
-    {"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "x-auth-token"}
-)
-MAX_IDENTITY_CHARS = 256
-
-
-def method_label(method: str) -> str:
-    """The method as used in endpoint names: arbitrary client tokens collapse into OTHER."""
-    return method if method in STANDARD_METHODS else "OTHER"
-
-
-def unmatched(method: str) -> str:
-    return method_label(method) + " <unmatched>"
-
-
-def endpoint(method: str, template: str) -> str:
-    return f"{method_label(method)} {template}"
-
-
-class Identity:
-    """The configured user/tenant header names in the forms each server interface uses."""
-
-    __slots__ = ("tenant_b", "tenant_env", "user_b", "user_env")
-
-    def __init__(self, user: str, tenant: str) -> None:
-        u = _safe_header(user)
-        t = _safe_header(tenant)
-        self.user_b = u.encode("latin-1") if u else None  # ASGI: lowercased bytes names
-        self.tenant_b = t.encode("latin-1") if t else None
-        self.user_env = _environ_key(u) if u else None  # WSGI / Django META
-        self.tenant_env = _environ_key(t) if t else None
-
-
-def _safe_header(name: str) -> str | None:
-    name = (name or "").strip().lower()
-    if not name or name in SECRET_HEADERS:
-        return None
-    return name
-
-
-def _environ_key(name: str) -> str:
-    return "HTTP_" + name.upper().replace("-", "_")
-
-
-_identity: tuple[Any, Identity] | None = None
-_shipper: Any = None
-
-
-def identity() -> Identity:
-    """Header names from the running agent's config (cached per config object)."""
-    global _identity, _shipper
-    shipper = _shipper
-    if shipper is None:
-        from perfsleuth.agent import shipper
-
-        _shipper = shipper
-    cfg = shipper._cfg
-    cached = _identity
-    if cached is not None and cached[0] is cfg:
-        return cached[1]
-    ident = Identity(
-        getattr(cfg, "user_header", "x-user") or "", getattr(cfg, "tenant_header", "x-tenant") or ""
-    )
-    _identity = (cfg, ident)
-    return ident
-
-
-def identity_value(raw: Any) -> str | None:
-    """A header value as stored (bounded); bytes from ASGI are latin-1 per the HTTP spec."""
-    if raw is None:
-        return None
-    if type(raw) is bytes:  # ASGI's: the common case first
-        return raw[:MAX_IDENTITY_CHARS].decode("latin-1") or None
-    if isinstance(raw, bytearray):
-        raw = bytes(raw[:MAX_IDENTITY_CHARS]).decode("latin-1")
-    return str(raw)[:MAX_IDENTITY_CHARS] or None
-
-
-def content_length(raw: Any) -> int | None:
-    if raw is None:
-        return None
-    try:
-        n = int(raw)
-    except (TypeError, ValueError):
-        return None
-    return n if n >= 0 else None
-
-
-def read_environ(req: recorder.ActiveRequest, environ: Any) -> None:
-    """Identity headers and request size from a WSGI environ / Django ``request.META``."""
-    ident = identity()
-    if ident.user_env is not None:
-        v = environ.get(ident.user_env)
-        if v:
-            req.user = identity_value(v)
-    if ident.tenant_env is not None:
-        v = environ.get(ident.tenant_env)
-        if v:
-            req.tenant = identity_value(v)
-    v = environ.get(LOAD_ENV)
-    if v:
-        load_tags(req, v)
-    n = content_length(environ.get("CONTENT_LENGTH"))
-    req.req_bytes = n if n is not None else 0
-
-
-# ``perfsleuth load`` marks its requests "<run id>;<side>": tags load_run and load_side, so that
-# ``compare --by tag:load_side`` can split the targets' data by side.
-LOAD_HEADER = "x-perfsleuth-load"
-LOAD_ENV = "HTTP_X_PERFSLEUTH_LOAD"
-
-
-def load_tags(req: recorder.ActiveRequest, raw: Any) -> None:
-    value = identity_value(raw)
-    if not value:
-        return
-    run, _, side = value.partition(";")
-    tags = req.tags
-    if tags is None:
-        tags = req.tags = {}
-    tags["load_run"] = run[:64]
-    if side:
-        tags["load_side"] = side[:64]
-
-
-def set_endpoint(template: str | None, method: str | None = None) -> None:
-    """Name the current request's endpoint from a router template (first router wins)."""
-    req = _current.get()
-    if req is None or req.endpoint or not template:
-        return
-    req.endpoint = endpoint(method or req.method, template)
-
 
 # ------------------------------------------------------------------------------------- WSGI
 
