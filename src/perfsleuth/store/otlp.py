@@ -311,6 +311,7 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
     pending.add(waiting, now)
     out.waiting = len(waiting)
     segments: dict[tuple[str, str, str], ing.SegmentState] = {}
+    dictionary: Dictionary = {}
     for srv in servers:
         seg = segments.get(srv.source)
         if seg is None:
@@ -318,12 +319,14 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
             base = f"otlp/{service}/{host}"
             seg = segments[srv.source] = ing.SegmentState(base, base, 0, service, host)
             seg.version = version
-        rec = _request(srv, sorted(calls[(srv.trace, srv.span)], key=lambda c: c.start), keys)
-        for rtype, obj in rec.dictionary:
-            out.batch.add(seg, rtype, obj)
-        out.batch.add(seg, REQUEST, rec.request)
+        own = sorted(calls[(srv.trace, srv.span)], key=lambda c: c.start)
+        req = _request(srv, own, keys, dictionary)
+        # As the agent's JSON record: the batch reads these in bulk with Arrow's JSON reader.
+        out.batch.add_raw(seg, REQUEST, json.dumps(req, ensure_ascii=False).encode(), 0, 0)
         out.requests += 1
-        out.calls += len(rec.request["calls"])
+        out.calls += len(own)
+    for (rtype, _), obj in dictionary.items():
+        out.batch.add(next(iter(segments.values())), rtype, obj)
     return out
 
 
@@ -353,10 +356,22 @@ def _owner(s: Span, by_id: dict[tuple[str, str], Span]) -> tuple[Span | None, bo
     return None, nested, True
 
 
-@dataclass
-class _Record:
-    request: dict[str, Any]
-    dictionary: list[tuple[bytes, dict[str, Any]]]
+# The location, stack and fingerprint records a payload's calls use, by (type, id).
+Dictionary = dict[tuple[bytes, int], dict[str, Any]]
+_MAX_CACHED = 20_000
+# Normalised text and operation of statements met lately (normalising costs far more than a
+# look-up, and services repeat their statements).
+_normalized: dict[str, tuple[str, str]] = {}
+
+
+def _normalize(statement: str) -> tuple[str, str]:
+    hit = _normalized.get(statement)
+    if hit is None:
+        text = fpr.normalize_sql(statement)
+        if len(_normalized) >= _MAX_CACHED:
+            _normalized.clear()
+        hit = _normalized[statement] = (text, fpr.sql_operation(text))
+    return hit
 
 
 def _method(a: dict[str, Any]) -> str | None:
@@ -364,7 +379,7 @@ def _method(a: dict[str, Any]) -> str | None:
     return str(m).upper() if m is not None else None
 
 
-def _request(srv: Span, calls: list[Span], keys: Keys) -> _Record:
+def _request(srv: Span, calls: list[Span], keys: Keys, dictionary: Dictionary) -> dict[str, Any]:
     a = srv.attrs
     method = _method(a)
     target = ing._str(_first(a, "url.path", "http.target")) or ""
@@ -376,9 +391,7 @@ def _request(srv: Span, calls: list[Span], keys: Keys) -> _Record:
         endpoint = f"{method or 'GET'} {fpr.url_template(path)}"
     else:
         endpoint = srv.name or "<unknown>"
-    dictionary: list[tuple[bytes, dict[str, Any]]] = []
-    call_objs = [_call(c, srv.start, dictionary) for c in calls]
-    req = {
+    return {
         "id": srv.trace + srv.span,
         "ts": srv.start,
         "dur": max(srv.end - srv.start, 0),
@@ -390,12 +403,11 @@ def _request(srv: Span, calls: list[Span], keys: Keys) -> _Record:
         "error": srv.error,
         "user": ing._str(_first(a, *keys.user, *("resource:" + k for k in keys.user))),
         "tenant": ing._str(_first(a, *keys.tenant, *("resource:" + k for k in keys.tenant))),
-        "calls": call_objs,
+        "calls": [_call(c, srv.start, dictionary) for c in calls],
     }
-    return _Record(req, dictionary)
 
 
-def _call(c: Span, t0: int, dictionary: list[tuple[bytes, dict[str, Any]]]) -> dict[str, Any]:
+def _call(c: Span, t0: int, dictionary: Dictionary) -> dict[str, Any]:
     a = c.attrs
     system = ing._str(_first(a, "db.system.name", "db.system"))
     out: dict[str, Any] = {"off": c.start - t0, "dur": max(c.end - c.start, 0), "error": c.error}
@@ -412,8 +424,7 @@ def _call(c: Span, t0: int, dictionary: list[tuple[bytes, dict[str, Any]]]) -> d
         else:
             kind = "db"
             if statement:
-                text = fpr.normalize_sql(statement)
-                op = fpr.sql_operation(text)
+                text, op = _normalize(statement)
             else:
                 text = (operation or c.name).upper()
                 op = text.split()[0] if text.split() else "OTHER"
@@ -434,16 +445,23 @@ def _call(c: Span, t0: int, dictionary: list[tuple[bytes, dict[str, Any]]]) -> d
         out["host"] = host
         out["status"] = ing.as_int(_first(a, "http.response.status_code", "http.status_code"))
     fid = fpr.stable_id(kind, text)
-    dictionary.append((FINGERPRINT, {"id": fid, "kind": kind, "text": text, "op": op}))
+    if (FINGERPRINT, fid) not in dictionary:
+        dictionary[FINGERPRINT, fid] = {"id": fid, "kind": kind, "text": text, "op": op}
     out.update(kind=kind, system=system, fp=fid)
     site = _site(a)
     if site is not None:
         lid = fpr.stable_id(*site)
         sid = fpr.stable_id(lid)
         file, line, func = site
-        dictionary.append((LOCATION, {"id": lid, "file": file, "line": line, "func": func}))
-        dictionary[-1][1]["app"] = True
-        dictionary.append((STACK, {"id": sid, "frames": [lid]}))
+        if (STACK, sid) not in dictionary:
+            dictionary[LOCATION, lid] = {
+                "id": lid,
+                "file": file,
+                "line": line,
+                "func": func,
+                "app": True,
+            }
+            dictionary[STACK, sid] = {"id": sid, "frames": [lid]}
         out.update(site=lid, stack=sid)
     return out
 

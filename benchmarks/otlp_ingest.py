@@ -1,0 +1,164 @@
+"""OTLP ingest benchmark: spans per second that ``POST /v1/traces`` stores, on protobuf
+payloads made with the official ``opentelemetry-proto`` messages.
+
+    .venv/bin/python benchmarks/otlp_ingest.py [--payloads 40] [--requests 100] [--calls 10]
+
+Each payload holds ``--requests`` SERVER spans (20 endpoints) with ``--calls`` CLIENT spans each
+(DB statements with code.* sites, one HTTP call), like an exporter's batch. Timed twice: the
+pipeline in one thread (decode, map, insert: what one server process does per payload), and
+over HTTP to the server app under uvicorn (one client connection, payloads posted in turn).
+Target (issue 19): 100,000 spans/s per server process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+TARGET = 100_000
+
+
+def _kv(key: str, value: object) -> KeyValue:
+    if isinstance(value, int):
+        return KeyValue(key=key, value=AnyValue(int_value=value))
+    return KeyValue(key=key, value=AnyValue(string_value=str(value)))
+
+
+def payload(rnd: random.Random, requests: int, calls: int, t0: int) -> bytes:
+    msg = ExportTraceServiceRequest()
+    rs = msg.resource_spans.add()
+    rs.resource.attributes.extend([_kv("service.name", "bench"), _kv("host.name", "h1")])
+    spans = rs.scope_spans.add().spans
+    for r in range(requests):
+        trace = rnd.randbytes(16)
+        root = rnd.randbytes(8)
+        ep = rnd.randrange(20)
+        start = t0 + r * 10_000_000
+        spans.append(
+            Span(
+                trace_id=trace,
+                span_id=root,
+                name=f"GET /items{ep}/:id",
+                kind=Span.SPAN_KIND_SERVER,
+                start_time_unix_nano=start,
+                end_time_unix_nano=start + 8_000_000,
+                attributes=[
+                    _kv("http.request.method", "GET"),
+                    _kv("http.route", f"/items{ep}/:id"),
+                    _kv("http.response.status_code", 200),
+                    _kv("enduser.id", f"u{rnd.randrange(500)}"),
+                ],
+            )
+        )
+        for c in range(calls):
+            attrs = (
+                [
+                    _kv("db.system", "postgresql"),
+                    _kv("db.query.text", f"SELECT * FROM t{c} WHERE id = {rnd.randrange(9999)}"),
+                    _kv("code.file.path", "/srv/app.js"),
+                    _kv("code.line.number", 10 + c),
+                    _kv("code.function.name", f"load{c}"),
+                ]
+                if c < calls - 1
+                else [_kv("http.request.method", "GET"), _kv("url.full", "http://api:80/x/1")]
+            )
+            spans.append(
+                Span(
+                    trace_id=trace,
+                    span_id=rnd.randbytes(8),
+                    parent_span_id=root,
+                    name="pg.query",
+                    kind=Span.SPAN_KIND_CLIENT,
+                    start_time_unix_nano=start + (c + 1) * 500_000,
+                    end_time_unix_nano=start + (c + 1) * 500_000 + 300_000,
+                    attributes=attrs,
+                )
+            )
+    return msg.SerializeToString()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--payloads", type=int, default=40)
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--calls", type=int, default=10)
+    args = ap.parse_args()
+    rnd = random.Random(19)
+    t0 = time.time_ns() - 3_600 * 10**9
+    bodies = [
+        payload(rnd, args.requests, args.calls, t0 + i * 10**9) for i in range(args.payloads)
+    ]
+    per = args.requests * (args.calls + 1)
+    total = per * len(bodies)
+    print(f"{len(bodies)} payloads of {per} spans ({sum(map(len, bodies)) / len(bodies):,.0f} B)")
+
+    from perfsleuth.store import otlp
+    from perfsleuth.store.duckdb_store import DuckDBStore
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = DuckDBStore(os.path.join(tmp, "pipeline"))
+        phases = {"decode": 0.0, "map": 0.0, "insert": 0.0}
+        pending = otlp.Pending()
+        for body in bodies:
+            a = time.perf_counter()
+            msg = otlp.decode(body, "application/x-protobuf", None)
+            b = time.perf_counter()
+            mapped = otlp.to_batch(msg, otlp.Keys(), pending)
+            c = time.perf_counter()
+            store.insert_batch(mapped.batch)
+            d = time.perf_counter()
+            phases["decode"] += b - a
+            phases["map"] += c - b
+            phases["insert"] += d - c
+        stored = store.query("SELECT count(*) AS n FROM calls")[0]["n"]
+        store.close()
+        spent = sum(phases.values())
+        rate = total / spent
+        print(
+            f"pipeline: {rate:,.0f} spans/s ({rate / TARGET:.0%} of the {TARGET:,} target); "
+            + ", ".join(f"{k} {v / spent:.0%}" for k, v in phases.items())
+            + f"; {stored:,} calls stored"
+        )
+
+        import uvicorn
+
+        from perfsleuth.server.app import create_app
+
+        app = create_app(os.path.join(tmp, "http"), ingest_every=3600)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+        thread.start()
+        while not server.started:
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{port}/v1/traces"
+        a = time.perf_counter()
+        for body in bodies:
+            req = urllib.request.Request(
+                url, body, {"Content-Type": "application/x-protobuf"}, method="POST"
+            )
+            with urllib.request.urlopen(req, timeout=120) as r:
+                if r.status != 200:
+                    sys.exit(f"POST answered {r.status}")
+        spent = time.perf_counter() - a
+        server.should_exit = True
+        thread.join()
+        rate = total / spent
+        print(f"over HTTP: {rate:,.0f} spans/s ({rate / TARGET:.0%} of the {TARGET:,} target)")
+
+
+if __name__ == "__main__":
+    main()
