@@ -269,6 +269,18 @@ def test_allowed_hosts_and_a_real_server(data: str) -> None:
         assert srv.request("GET", "/api/status", host=f"localhost:{srv.port}")[0] == 200
 
 
+def test_the_token_also_guards_the_otlp_receiver(data: str) -> None:
+    token = "a-token-of-24-characters"
+    with TestClient(create_app(data, token=token, ingest_every=0)) as c:
+        payload = {"resourceSpans": []}
+        r = c.post("/v1/traces", json=payload)
+        assert r.status_code == 401 and "token" in r.json()["error"]
+        r = c.post("/v1/traces", json=payload, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 403
+        r = c.post("/v1/traces", json=payload, headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code not in (401, 403), r.text
+
+
 def test_blank_and_short_tokens_are_refused(data: str, tmp_path: Path) -> None:
     from perfsleuth.server import serve
 

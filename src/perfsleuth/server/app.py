@@ -10,7 +10,7 @@ CONSOLE_SLOTS at a time, so that the rest of the API answers while one runs.
 Who may call: requests must name this server in their ``Host`` header (a loopback name, the
 address the connection came in on, or a name given in ``allowed_hosts``), so that a web page on
 a DNS-rebinding domain cannot read the API from a browser on this machine; with a token, every
-/api/ call must carry it.
+/api/ call (and OTLP payload to /v1/) must carry it.
 """
 
 from __future__ import annotations
@@ -323,7 +323,8 @@ def create_app(
                     "another site may be reaching it through DNS rebinding); to allow it, start "
                     "the server with --allow-host NAME",
                 )
-        if token and request.url.path.startswith("/api"):
+        # The token guards the API and the OTLP receiver (/v1/: it writes to the store).
+        if token and request.url.path.startswith(("/api", "/v1/")):
             auth = request.headers.get("authorization", "")
             given = auth[7:].strip() if auth.lower().startswith("bearer ") else None
             if given is None:
