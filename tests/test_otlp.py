@@ -6,8 +6,12 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import os
 import random
+import shutil
+import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -141,6 +145,96 @@ def test_python_sdk_service_n_plus_one_on_the_right_endpoint(server: Server) -> 
     site = n1[0].evidence["call_site"]
     assert site["function"] == "items_of" and site["file"].endswith("otlp_python_app.py")
     assert not [f for f in found if f.endpoint == "GET /orders/summary"]
+
+
+# ------------------------------------------------- a Node.js service, the OTel Node SDK
+
+NODE_APP = os.path.join(os.path.dirname(__file__), "apps", "otlp_node_app")
+NODE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), ".venvs", "node-otlp")
+
+
+def _node_modules() -> str:
+    """The Node app with its npm packages (pinned in its package.json), installed once under
+    .venvs/node-otlp (kept between runs; reinstalled when package.json changes)."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are needed for the Node.js OTLP test")
+    os.makedirs(NODE_DIR, exist_ok=True)
+    with open(os.path.join(NODE_APP, "package.json"), "rb") as fh:
+        want = fh.read()
+    stamp = os.path.join(NODE_DIR, ".installed")
+    have = b""
+    if os.path.exists(stamp):
+        with open(stamp, "rb") as fh:
+            have = fh.read()
+    for name in ("package.json", "app.js", "tracing.js"):
+        shutil.copy(os.path.join(NODE_APP, name), NODE_DIR)
+    if have != want:
+        subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error"],
+            cwd=NODE_DIR,
+            check=True,
+            timeout=600,
+        )
+        with open(stamp, "wb") as fh:
+            fh.write(want)
+    return NODE_DIR
+
+
+def test_node_express_pg_n_plus_one_on_the_right_endpoint(server: Server) -> None:
+    import psycopg
+
+    from conftest import PG_DSN
+
+    cwd = _node_modules()
+    suffix = f"{os.getpid()}_{random.randrange(10**6)}"
+    env = dict(
+        os.environ,
+        DATABASE_URL=PG_DSN,
+        TABLE_SUFFIX=suffix,
+        OTEL_SERVICE_NAME="node-shop",
+        OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=server.url + "/v1/traces",
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+        OTEL_BSP_SCHEDULE_DELAY="200",
+    )
+    proc = subprocess.Popen(
+        ["node", "--require", "./tracing.js", "app.js"],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("listening "), line
+        base = f"http://127.0.0.1:{int(line.split()[1])}"
+        for _ in range(15):
+            assert _hit(base + "/users/1/posts") == 200
+            assert _hit(base + "/users/1") == 200
+        proc.send_signal(signal.SIGTERM)  # the SDK flushes its spans on the way out
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        with psycopg.connect(PG_DSN, autocommit=True) as con:
+            con.execute(f"DROP TABLE IF EXISTS otlp_posts_{suffix}, otlp_comments_{suffix}")
+    be = server.app.state.backend
+    with be.use() as store:
+        rows = store.query(
+            "SELECT endpoint, count(*) AS n, max(db_calls) AS db, any_value(service) AS service"
+            " FROM requests GROUP BY 1"
+        )
+        by_ep = {r["endpoint"]: r for r in rows}
+        assert by_ep["GET /users/:id/posts"]["n"] == 15, rows
+        assert by_ep["GET /users/:id/posts"]["db"] >= 21
+        assert by_ep["GET /users/:id"]["n"] == 15
+        assert by_ep["GET /users/:id"]["service"] == "node-shop"
+        found = find(store)
+    n1 = [f for f in found if f.kind == "n_plus_one"]
+    assert [f.endpoint for f in n1] == ["GET /users/:id/posts"], [f.title for f in found]
+    assert "otlp_comments" in (n1[0].fingerprint or "")
+    assert not [f for f in found if f.endpoint == "GET /users/:id"]
 
 
 # ----------------------------------------------------------------- hand-made payloads
