@@ -266,6 +266,7 @@ def _payload(trace: str, *, queries: int = 3, code: bool = False) -> dict[str, A
                 _kv("http.response.status_code", 200),
                 _kv("enduser.id", "u7"),
                 _kv("tenant.id", "acme"),
+                _kv("http.request.body.size", 1234),
             ],
         }
     ]
@@ -347,6 +348,7 @@ def test_json_and_gzip_protobuf_map_requests_and_calls_once(server: Server) -> N
         )
     assert req["endpoint"] == "GET /users/:id" and req["service"] == "node-api"
     assert (req["user"], req["tenant"], req["status"]) == ("u7", "acme", 200)
+    assert req["req_bytes"] == 1234 and req["resp_bytes"] is None
     assert req["db_calls"] == 3 and req["http_calls"] == 1
     assert req["duration_ms"] == pytest.approx(50.0)
     db = calls[0]

@@ -197,6 +197,7 @@ class Span:
     attrs: dict[str, Any]
     error: str | None
     source: tuple[str, str, str]  # (service, host, version) of its resource
+    resource: dict[str, Any]  # the resource's attributes
 
 
 @dataclass
@@ -257,8 +258,6 @@ def _spans(msg: Any) -> list[Span]:
         for ss in rs.scope_spans:
             for sp in ss.spans:
                 attrs = _attrs(sp.attributes)
-                for k, v in res.items():
-                    attrs.setdefault("resource:" + k, v)
                 error = None
                 for ev in sp.events:
                     if ev.name == "exception":
@@ -279,6 +278,7 @@ def _spans(msg: Any) -> list[Span]:
                         attrs,
                         error,
                         source,
+                        res,
                     )
                 )
     return out
@@ -364,6 +364,19 @@ _MAX_CACHED = 20_000
 _normalized: dict[str, tuple[str, str]] = {}
 
 
+_ids: dict[tuple[str | int, ...], int] = {}
+
+
+def _stable_id(*parts: str | int) -> int:
+    """fpr.stable_id (the agent's ids for the same text or location), for parts met lately."""
+    hit = _ids.get(parts)
+    if hit is None:
+        if len(_ids) >= _MAX_CACHED:
+            _ids.clear()
+        hit = _ids[parts] = fpr.stable_id(*parts)
+    return hit
+
+
 def _normalize(statement: str) -> tuple[str, str]:
     hit = _normalized.get(statement)
     if hit is None:
@@ -401,8 +414,12 @@ def _request(srv: Span, calls: list[Span], keys: Keys, dictionary: Dictionary) -
         "path": path,
         "status": ing.as_int(_first(a, "http.response.status_code", "http.status_code")),
         "error": srv.error,
-        "user": ing._str(_first(a, *keys.user, *("resource:" + k for k in keys.user))),
-        "tenant": ing._str(_first(a, *keys.tenant, *("resource:" + k for k in keys.tenant))),
+        "user": ing._str(_first(a, *keys.user) or _first(srv.resource, *keys.user)),
+        "tenant": ing._str(_first(a, *keys.tenant) or _first(srv.resource, *keys.tenant)),
+        "req_bytes": ing.as_int(_first(a, "http.request.body.size", "http.request_content_length")),
+        "resp_bytes": ing.as_int(
+            _first(a, "http.response.body.size", "http.response_content_length")
+        ),
         "calls": [_call(c, srv.start, dictionary) for c in calls],
     }
 
@@ -444,14 +461,14 @@ def _call(c: Span, t0: int, dictionary: Dictionary) -> dict[str, Any]:
         text, op = f"{method} {host}{fpr.url_template('/' + url_path)}", method
         out["host"] = host
         out["status"] = ing.as_int(_first(a, "http.response.status_code", "http.status_code"))
-    fid = fpr.stable_id(kind, text)
+    fid = _stable_id(kind, text)
     if (FINGERPRINT, fid) not in dictionary:
         dictionary[FINGERPRINT, fid] = {"id": fid, "kind": kind, "text": text, "op": op}
     out.update(kind=kind, system=system, fp=fid)
     site = _site(a)
     if site is not None:
-        lid = fpr.stable_id(*site)
-        sid = fpr.stable_id(lid)
+        lid = _stable_id(*site)
+        sid = _stable_id(lid)
         file, line, func = site
         if (STACK, sid) not in dictionary:
             dictionary[LOCATION, lid] = {
