@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from perfsleuth.agent import recorder, stacks
+from perfsleuth.agent import accel, recorder, stacks
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.frameworks import common as frameworks_common
 from perfsleuth.agent.frameworks.common import Identity, content_length, identity, identity_value
@@ -589,7 +589,7 @@ def _row_values(req: recorder.ActiveRequest) -> tuple[Any, ...]:
     )
 
 
-_c_row = None if recorder.speedups is None else recorder.speedups.row
+_c_row = accel.pick("row", None)
 
 
 SPARSE = ("attrs", "tags", "cx")

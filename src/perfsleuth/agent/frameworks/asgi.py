@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from types import ModuleType
 from typing import Any
 
-from perfsleuth.agent import capture, recorder, watchdog
+from perfsleuth.agent import accel, capture, recorder, watchdog
 from perfsleuth.agent.frameworks.common import (
     content_length,
     endpoint,
@@ -114,9 +114,7 @@ class SendTap:
         return None
 
 
-_SendTap: Any = SendTap
-if recorder.speedups is not None:
-    _SendTap = recorder.speedups.SendTap
+_SendTap: Any = accel.pick("SendTap", SendTap)
 
 
 class _AsgiRequest(recorder.ActiveRequest):
@@ -226,9 +224,7 @@ _Coroutine = types.CoroutineType
 _Generator = types.GeneratorType  # a @types.coroutine generator is awaited as it is
 _thread_time = time.thread_time_ns
 _perf = time.perf_counter_ns
-_CpuMeter: Any = CpuMeter
-if recorder.speedups is not None and hasattr(recorder.speedups, "CpuMeter"):
-    _CpuMeter = recorder.speedups.CpuMeter
+_CpuMeter: Any = accel.pick("CpuMeter", CpuMeter)
 
 _begin = recorder.begin
 _end = recorder.end

@@ -13,12 +13,14 @@ when they happen inside a request: they are real round trips.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from perfsleuth.agent import recorder
-from perfsleuth.agent.instrument.dbapi import _MARK, _mark, finish_many, many_args, sql_text
+from perfsleuth.agent.instrument import _patch
+from perfsleuth.agent.instrument.dbcall import finish_many, many_args, sql_text
 
 _start_call = recorder.start_call
 _internal_error = recorder.internal_error
@@ -66,7 +68,7 @@ def _wrap_conn(orig: Callable[..., Any], how: str) -> Callable[..., Any]:
             _internal_error()
         return result
 
-    return _mark(method, orig)
+    return _patch.mark(method, orig)
 
 
 def _wrap_conn_many(orig: Callable[..., Any], how: str) -> Callable[..., Any]:
@@ -94,7 +96,7 @@ def _wrap_conn_many(orig: Callable[..., Any], how: str) -> Callable[..., Any]:
             _internal_error()
         return result
 
-    return _mark(method, orig)
+    return _patch.mark(method, orig)
 
 
 def _stmt_query(stmt: Any) -> str:
@@ -122,7 +124,7 @@ def _wrap_stmt(orig: Callable[..., Any], how: str) -> Callable[..., Any]:
             _internal_error()
         return result
 
-    return _mark(method, orig)
+    return _patch.mark(method, orig)
 
 
 def _wrap_stmt_many(orig: Callable[..., Any], how: str) -> Callable[..., Any]:
@@ -148,7 +150,7 @@ def _wrap_stmt_many(orig: Callable[..., Any], how: str) -> Callable[..., Any]:
             _internal_error()
         return result
 
-    return _mark(method, orig)
+    return _patch.mark(method, orig)
 
 
 _CONN = {
@@ -170,10 +172,11 @@ _STMT = {
 
 def _patch_class(cls: Any, table: dict[str, tuple[Callable[..., Any], str]]) -> None:
     for name, (wrap, how) in table.items():
-        orig = cls.__dict__.get(name)
-        if orig is None or hasattr(orig, _MARK):
-            continue
-        setattr(cls, name, wrap(orig, how))
+        _patch.patch(cls, name, functools.partial(_bound, wrap, how))
+
+
+def _bound(wrap: Callable[[Any, str], Any], how: str, orig: Any) -> Any:
+    return wrap(orig, how)
 
 
 def patch(module: ModuleType) -> None:

@@ -34,10 +34,10 @@ from types import ModuleType
 from typing import Any
 
 from perfsleuth.agent import recorder
+from perfsleuth.agent.instrument._patch import mark, patch
 
 _start_call = recorder.start_call
 _internal_error = recorder.internal_error
-_MARK = "_perfsleuth_orig"
 
 # ---------------------------------------------------------------------------------------------
 # Which argument is a command's first key (redis-py passes the command name first).
@@ -178,26 +178,6 @@ def _redis_read(call: recorder.Call, cmd: str, result: Any) -> None:
 # redis-py
 
 
-def _mark(wrapper: Any, orig: Any) -> Any:
-    try:
-        functools.update_wrapper(wrapper, orig)
-    except Exception:
-        pass
-    setattr(wrapper, _MARK, orig)
-    return wrapper
-
-
-def _patch(cls: Any, name: str, wrap: Callable[[Any], Any]) -> None:
-    """Replace ``cls.name`` (and its aliases in the class) by ``wrap(original)``; idempotent."""
-    orig = cls.__dict__.get(name)
-    if orig is None or hasattr(orig, _MARK):
-        return
-    wrapped = wrap(orig)
-    for attr, value in list(cls.__dict__.items()):
-        if value is orig:
-            setattr(cls, attr, wrapped)
-
-
 def _wrap_redis_command(orig: Callable[..., Any]) -> Callable[..., Any]:
     def execute_command(self: Any, *args: Any, **options: Any) -> Any:
         call = _start_call("cache", "redis", None)
@@ -220,7 +200,7 @@ def _wrap_redis_command(orig: Callable[..., Any]) -> Callable[..., Any]:
             _redis_read(call, cmd, result)
         return result
 
-    return _mark(execute_command, orig)
+    return mark(execute_command, orig)
 
 
 def _wrap_redis_command_async(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -245,7 +225,7 @@ def _wrap_redis_command_async(orig: Callable[..., Any]) -> Callable[..., Any]:
             _redis_read(call, cmd, result)
         return result
 
-    return _mark(execute_command, orig)
+    return mark(execute_command, orig)
 
 
 def _pipeline_size(pipe: Any) -> int:
@@ -275,7 +255,7 @@ def _wrap_pipeline_execute(orig: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             call.finish()
 
-    return _mark(execute, orig)
+    return mark(execute, orig)
 
 
 def _wrap_pipeline_execute_async(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -293,17 +273,17 @@ def _wrap_pipeline_execute_async(orig: Callable[..., Any]) -> Callable[..., Any]
         finally:
             call.finish()
 
-    return _mark(execute, orig)
+    return mark(execute, orig)
 
 
 def _patch_redis_module(client: Any, *, is_async: bool) -> None:
     command = _wrap_redis_command_async if is_async else _wrap_redis_command
     execute = _wrap_pipeline_execute_async if is_async else _wrap_pipeline_execute
-    _patch(client.Redis, "execute_command", command)
+    patch(client.Redis, "execute_command", command)
     pipeline = getattr(client, "Pipeline", None)
     if pipeline is not None:
-        _patch(pipeline, "execute", execute)
-        _patch(pipeline, "immediate_execute_command", command)
+        patch(pipeline, "execute", execute)
+        patch(pipeline, "immediate_execute_command", command)
 
 
 def patch_redis(module: ModuleType) -> None:
@@ -356,7 +336,7 @@ def _wrap_mc(orig: Callable[..., Any], cmd: str) -> Callable[..., Any]:
         finally:
             call.finish()
 
-    return _mark(method, orig)
+    return mark(method, orig)
 
 
 def _wrap_mc_nokey(orig: Callable[..., Any], cmd: str) -> Callable[..., Any]:
@@ -374,7 +354,7 @@ def _wrap_mc_nokey(orig: Callable[..., Any], cmd: str) -> Callable[..., Any]:
         finally:
             call.finish()
 
-    return _mark(method, orig)
+    return mark(method, orig)
 
 
 def _wrap_mc_get(orig: Callable[..., Any], cmd: str) -> Callable[..., Any]:
@@ -413,7 +393,7 @@ def _wrap_mc_get(orig: Callable[..., Any], cmd: str) -> Callable[..., Any]:
             _internal_error()
         return result
 
-    return _mark(method, orig)
+    return mark(method, orig)
 
 
 def _wrap_mc_many(orig: Callable[..., Any], cmd: str) -> Callable[..., Any]:
@@ -453,7 +433,7 @@ def _wrap_mc_many(orig: Callable[..., Any], cmd: str) -> Callable[..., Any]:
                 _internal_error()
         return result
 
-    return _mark(method, orig)
+    return mark(method, orig)
 
 
 _MEMCACHE: dict[str, tuple[Callable[[Callable[..., Any], str], Callable[..., Any]], str]] = {
@@ -484,7 +464,7 @@ def patch_pymemcache(module: ModuleType) -> None:
 
     cls = pymemcache.client.base.Client
     for name, (wrap, cmd) in _MEMCACHE.items():
-        _patch(cls, name, functools.partial(_bound, wrap, cmd))
+        patch(cls, name, functools.partial(_bound, wrap, cmd))
 
 
 def _bound(

@@ -30,111 +30,38 @@ How each driver is hooked (none of them changes what the application sees):
   Python). PyMySQL's ``executemany`` calls ``execute`` per row or batch: those nested calls
   are not recorded again.
 
-``executemany`` records one call with ``extra={"many": n}``; parameters of a sized sequence
-are passed for hashing, an unsized iterable (generator, ``itertools.tee``) is passed to the
-driver through a counting iterator and not hashed.
-
-Outside a request ``start_call`` returns None and the wrappers only forward the call.
+What a recorded statement holds, ``executemany`` and the rows rule are in
+:mod:`~perfsleuth.agent.instrument.dbcall`, whose wrappers every driver here uses but for
+sqlite3's ``execute`` and fetches (filled in place, as the C accelerator does).
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from perfsleuth.agent import recorder
+from perfsleuth.agent import accel, recorder
+from perfsleuth.agent.instrument._patch import is_ours, is_patched, mark, patch
+from perfsleuth.agent.instrument.dbcall import (
+    NESTED,
+    known_rows,
+    sql_text,
+    wrap_async_execute,
+    wrap_async_executemany,
+    wrap_execute,
+    wrap_executemany,
+)
 
 _start_call = recorder.start_call
 _current_get = recorder.current_get
-speedups = recorder.speedups
+speedups = accel.module
 _perf = time.perf_counter_ns
 END, ROWS = recorder.END, recorder.ROWS
 _set_field = recorder.set_field
 _add_rows = recorder.add_rows
 _internal_error = recorder.internal_error
-_MARK = "_perfsleuth_orig"
-_MAX_ROWCOUNT = 1 << 62  # pymysql reports 2**64-1 for unbuffered results: unknown
-
-
-def sql_text(query: Any, ctx: Any = None) -> str:
-    """The statement as text when the app did not pass a str (bytes, psycopg ``sql.Composed``).
-    Never raises."""
-    try:
-        if isinstance(query, str):
-            return query
-        if isinstance(query, (bytes, bytearray, memoryview)):
-            return bytes(query).decode("utf-8", "replace")
-        as_string = getattr(query, "as_string", None)
-        if as_string is not None:
-            try:
-                return str(as_string(ctx))
-            except Exception:
-                pass
-        return str(query)
-    except Exception:
-        _internal_error()
-        return "<unknown statement>"
-
-
-if speedups is not None:
-    speedups.configure(sql_text=sql_text)
-
-
-class CountingIter:
-    """Iterates an unsized ``executemany`` argument, counting the items the driver took."""
-
-    __slots__ = ("count", "it")
-
-    def __init__(self, it: Iterable[Any]) -> None:
-        self.it = iter(it)
-        self.count = 0
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        item = next(self.it)
-        self.count += 1
-        return item
-
-
-def many_args(seq: Any) -> tuple[Any, Any, int | None]:
-    """(what to pass to the driver, what to hash, n or None when only known afterwards)."""
-    if hasattr(seq, "__len__"):
-        try:
-            return seq, seq, len(seq)
-        except Exception:
-            return seq, None, None
-    try:
-        return CountingIter(seq), None, None
-    except Exception:  # not iterable: let the driver raise its own error
-        return seq, None, None
-
-
-def finish_many(call: recorder.Call, n: int | None, passed: Any) -> None:
-    """Set ``extra={"many": n}`` (n counted by the driver's iteration when unsized)."""
-    try:
-        if n is None and isinstance(passed, CountingIter):
-            n = passed.count
-        call.extra = {"many": n}
-    except Exception:
-        _internal_error()
-
-
-def _is_patched(owner: Any, name: str) -> bool:
-    return hasattr(owner.__dict__.get(name), _MARK)
-
-
-def _mark(wrapper: Any, orig: Any) -> Any:
-    try:
-        functools.update_wrapper(wrapper, orig)
-    except Exception:
-        pass
-    setattr(wrapper, _MARK, orig)
-    return wrapper
 
 
 # What _subclass does not copy from a mixin: the slot's descriptor (__slots__ makes a new one)
@@ -177,6 +104,10 @@ def _subclass(base: type, mixin: type, cache: dict[Any, Any]) -> Any:
 
 # ---------------------------------------------------------------------------------------------
 # sqlite3
+
+
+def _stop_counting(cursor: Any) -> None:
+    cursor._perfsleuth_rows = None
 
 
 def _make_sqlite(dbapi: Any) -> tuple[type, type]:
@@ -226,9 +157,9 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
             try:
                 if self.description is None:
                     self._perfsleuth_rows = None
-                    rc = self.rowcount
-                    if rc >= 0:
-                        _set_field(calls, i + ROWS, rc)
+                    rows = known_rows(self.rowcount)
+                    if rows is not None:
+                        _set_field(calls, i + ROWS, rows)
                 else:
                     _set_field(calls, i + ROWS, 0)
                     self._perfsleuth_rows = (calls, i + ROWS)  # type: ignore[assignment]
@@ -236,30 +167,9 @@ def _make_sqlite(dbapi: Any) -> tuple[type, type]:
                 _internal_error()
             return cur
 
-        def executemany(self, sql: Any, seq_of_parameters: Any, /) -> Any:
-            self._perfsleuth_rows = None
-            passed, hashed, n = many_args(seq_of_parameters)
-            call = _start_call(
-                "db", "sqlite", sql if type(sql) is str else sql_text(sql), hashed, 2
-            )
-            if call is None:
-                return c_executemany(self, sql, seq_of_parameters)
-            try:
-                cur = c_executemany(self, sql, passed)
-            except BaseException as exc:
-                call.error = type(exc).__name__
-                finish_many(call, n, passed)
-                call.finish()
-                raise
-            call.finish()
-            try:
-                finish_many(call, n, passed)
-                rc = self.rowcount
-                if rc >= 0:
-                    call.rows = rc
-            except Exception:
-                _internal_error()
-            return cur
+        executemany = wrap_executemany(
+            c_executemany, "sqlite", "seq_of_parameters", before=_stop_counting
+        )
 
         def executescript(self, sql_script: Any, /) -> Any:
             self._perfsleuth_rows = None
@@ -404,7 +314,7 @@ _sqlite_state: dict[int, tuple[type, type, dict[Any, Any]]] = {}
 def patch_sqlite_dbapi(dbapi: Any) -> None:
     """Wrap ``dbapi.connect`` of a sqlite DB-API module (``sqlite3.dbapi2`` or alike)."""
     orig = getattr(dbapi, "connect", None)
-    if orig is None or hasattr(orig, _MARK):
+    if orig is None or is_ours(orig):
         return
     key = id(dbapi.Connection)
     state = _sqlite_state.get(key)
@@ -429,7 +339,7 @@ def patch_sqlite_dbapi(dbapi: Any) -> None:
             _internal_error()
         return orig(*args, **kwargs)
 
-    dbapi.connect = _mark(connect, orig)
+    dbapi.connect = mark(connect, orig)
 
 
 def patch_sqlite3(module: ModuleType) -> None:
@@ -439,127 +349,12 @@ def patch_sqlite3(module: ModuleType) -> None:
     patch_sqlite_dbapi(sqlite3.dbapi2)
     wrapped = sqlite3.dbapi2.connect
     for mod in (sqlite3, module):
-        if not hasattr(getattr(mod, "connect", None), _MARK):
+        if not is_ours(getattr(mod, "connect", None)):
             mod.connect = wrapped  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------------
 # psycopg (3)
-
-
-def _wrap_sync_execute(orig: Callable[..., Any], system: str) -> Callable[..., Any]:
-    def execute(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
-        call = _start_call(
-            "db", system, query if type(query) is str else sql_text(query, self), params, 2
-        )
-        if call is None:
-            return orig(self, query, params, **kwargs)
-        try:
-            result = orig(self, query, params, **kwargs)
-        except BaseException as exc:
-            call.error = type(exc).__name__
-            call.finish()
-            raise
-        call.finish()
-        try:
-            rc = self.rowcount
-            if rc is not None and 0 <= rc < _MAX_ROWCOUNT:
-                call.rows = rc
-        except Exception:
-            _internal_error()
-        return result
-
-    return _mark(execute, orig)
-
-
-def _wrap_sync_executemany(orig: Callable[..., Any], system: str) -> Callable[..., Any]:
-    def executemany(self: Any, query: Any, params_seq: Any, **kwargs: Any) -> Any:
-        passed, hashed, n = many_args(params_seq)
-        call = _start_call(
-            "db", system, query if type(query) is str else sql_text(query, self), hashed, 2
-        )
-        if call is None:
-            return orig(self, query, params_seq, **kwargs)
-        try:
-            result = orig(self, query, passed, **kwargs)
-        except BaseException as exc:
-            call.error = type(exc).__name__
-            finish_many(call, n, passed)
-            call.finish()
-            raise
-        call.finish()
-        try:
-            finish_many(call, n, passed)
-            rc = self.rowcount
-            if rc is not None and 0 <= rc < _MAX_ROWCOUNT:
-                call.rows = rc
-        except Exception:
-            _internal_error()
-        return result
-
-    return _mark(executemany, orig)
-
-
-def _wrap_async_execute(orig: Callable[..., Any], system: str) -> Callable[..., Any]:
-    async def execute(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
-        call = _start_call(
-            "db", system, query if type(query) is str else sql_text(query, self), params, 2
-        )
-        if call is None:
-            return await orig(self, query, params, **kwargs)
-        try:
-            result = await orig(self, query, params, **kwargs)
-        except BaseException as exc:
-            call.error = type(exc).__name__
-            call.finish()
-            raise
-        call.finish()
-        try:
-            rc = self.rowcount
-            if rc is not None and 0 <= rc < _MAX_ROWCOUNT:
-                call.rows = rc
-        except Exception:
-            _internal_error()
-        return result
-
-    return _mark(execute, orig)
-
-
-def _wrap_async_executemany(orig: Callable[..., Any], system: str) -> Callable[..., Any]:
-    async def executemany(self: Any, query: Any, params_seq: Any, **kwargs: Any) -> Any:
-        passed, hashed, n = many_args(params_seq)
-        call = _start_call(
-            "db", system, query if type(query) is str else sql_text(query, self), hashed, 2
-        )
-        if call is None:
-            return await orig(self, query, params_seq, **kwargs)
-        try:
-            result = await orig(self, query, passed, **kwargs)
-        except BaseException as exc:
-            call.error = type(exc).__name__
-            finish_many(call, n, passed)
-            call.finish()
-            raise
-        call.finish()
-        try:
-            finish_many(call, n, passed)
-            rc = self.rowcount
-            if rc is not None and 0 <= rc < _MAX_ROWCOUNT:
-                call.rows = rc
-        except Exception:
-            _internal_error()
-        return result
-
-    return _mark(executemany, orig)
-
-
-def _patch_method(cls: Any, name: str, wrap: Callable[..., Any], system: str) -> None:
-    if cls is None or _is_patched(cls, name):
-        return
-    orig = cls.__dict__.get(name)
-    if orig is None:
-        return
-    setattr(cls, name, wrap(orig, system))
 
 
 def patch_psycopg(module: ModuleType) -> None:
@@ -568,11 +363,17 @@ def patch_psycopg(module: ModuleType) -> None:
     sync = [getattr(psycopg, "Cursor", None), getattr(psycopg, "ServerCursor", None)]
     asyn = [getattr(psycopg, "AsyncCursor", None), getattr(psycopg, "AsyncServerCursor", None)]
     for cls in sync:
-        _patch_method(cls, "execute", _wrap_sync_execute, "postgresql")
-        _patch_method(cls, "executemany", _wrap_sync_executemany, "postgresql")
+        if cls is not None:
+            patch(cls, "execute", lambda orig: wrap_execute(orig, "postgresql", "params"))
+            patch(cls, "executemany", lambda o: wrap_executemany(o, "postgresql", "params_seq"))
     for cls in asyn:
-        _patch_method(cls, "execute", _wrap_async_execute, "postgresql")
-        _patch_method(cls, "executemany", _wrap_async_executemany, "postgresql")
+        if cls is not None:
+            patch(cls, "execute", lambda orig: wrap_async_execute(orig, "postgresql", "params"))
+            patch(
+                cls,
+                "executemany",
+                lambda orig: wrap_async_executemany(orig, "postgresql", "params_seq"),
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,54 +389,8 @@ def _make_psycopg2(ext: Any) -> tuple[type, Callable[[Any], Any]]:
     cursor_classes: dict[Any, Any] = {}
 
     class Cursor(base_cur):  # type: ignore[misc, valid-type]
-        def execute(self, query: Any, vars: Any = None) -> Any:
-            call = _start_call(
-                "db", "postgresql", query if type(query) is str else sql_text(query, self), vars, 2
-            )
-            if call is None:
-                return c_execute(self, query, vars)
-            try:
-                result = c_execute(self, query, vars)
-            except BaseException as exc:
-                call.error = type(exc).__name__
-                call.finish()
-                raise
-            call.finish()
-            try:
-                rc = self.rowcount
-                if rc >= 0:
-                    call.rows = rc
-            except Exception:
-                _internal_error()
-            return result
-
-        def executemany(self, query: Any, vars_list: Any) -> Any:
-            passed, hashed, n = many_args(vars_list)
-            call = _start_call(
-                "db",
-                "postgresql",
-                query if type(query) is str else sql_text(query, self),
-                hashed,
-                2,
-            )
-            if call is None:
-                return c_executemany(self, query, vars_list)
-            try:
-                result = c_executemany(self, query, passed)
-            except BaseException as exc:
-                call.error = type(exc).__name__
-                finish_many(call, n, passed)
-                call.finish()
-                raise
-            call.finish()
-            try:
-                finish_many(call, n, passed)
-                rc = self.rowcount
-                if rc >= 0:
-                    call.rows = rc
-            except Exception:
-                _internal_error()
-            return result
+        execute = wrap_execute(c_execute, "postgresql", "vars")
+        executemany = wrap_executemany(c_executemany, "postgresql", "vars_list")
 
     def cursor_class(factory: Any) -> Any:
         if factory is None or factory is base_cur:
@@ -673,7 +428,7 @@ def patch_psycopg2(module: ModuleType) -> None:
     import psycopg2.extensions
 
     orig = psycopg2.connect
-    if hasattr(orig, _MARK):
+    if is_ours(orig):
         return
     _, connection_class = _make_psycopg2(psycopg2.extensions)
 
@@ -686,7 +441,7 @@ def patch_psycopg2(module: ModuleType) -> None:
             _internal_error()
         return orig(dsn, connection_factory, cursor_factory, **kwargs)
 
-    psycopg2.connect = _mark(connect, orig)
+    psycopg2.connect = mark(connect, orig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -697,63 +452,9 @@ def patch_pymysql(module: ModuleType) -> None:
     import pymysql.cursors
 
     cls: Any = pymysql.cursors.Cursor
-    if _is_patched(cls, "execute"):
+    if is_patched(cls, "execute"):
         return
-    orig_execute = cls.__dict__["execute"]
-    orig_executemany = cls.__dict__["executemany"]
-
-    def execute(self: Any, query: Any, args: Any = None) -> Any:
-        if self._perfsleuth_nested:
-            return orig_execute(self, query, args)
-        call = _start_call("db", "mysql", query if type(query) is str else sql_text(query), args, 2)
-        if call is None:
-            return orig_execute(self, query, args)
-        try:
-            result = orig_execute(self, query, args)
-        except BaseException as exc:
-            call.error = type(exc).__name__
-            call.finish()
-            raise
-        call.finish()
-        try:
-            rc = self.rowcount
-            if rc is not None and 0 <= rc < _MAX_ROWCOUNT:
-                call.rows = rc
-        except Exception:
-            _internal_error()
-        return result
-
-    def executemany(self: Any, query: Any, args: Any) -> Any:
-        if self._perfsleuth_nested:
-            return orig_executemany(self, query, args)
-        passed, hashed, n = many_args(args)
-        call = _start_call(
-            "db", "mysql", query if type(query) is str else sql_text(query), hashed, 2
-        )
-        if call is None:
-            passed = args
-        self._perfsleuth_nested = True  # PyMySQL runs executemany through execute
-        try:
-            result = orig_executemany(self, query, passed)
-        except BaseException as exc:
-            if call is not None:
-                call.error = type(exc).__name__
-                finish_many(call, n, passed)
-                call.finish()
-            raise
-        finally:
-            self._perfsleuth_nested = False
-        if call is not None:
-            call.finish()
-            try:
-                finish_many(call, n, passed)
-                rc = self.rowcount
-                if rc is not None and 0 <= rc < _MAX_ROWCOUNT:
-                    call.rows = rc
-            except Exception:
-                _internal_error()
-        return result
-
-    cls._perfsleuth_nested = False
-    cls.execute = _mark(execute, orig_execute)
-    cls.executemany = _mark(executemany, orig_executemany)
+    setattr(cls, NESTED, False)
+    # PyMySQL's executemany runs through execute: nested=True records it once.
+    patch(cls, "execute", lambda orig: wrap_execute(orig, "mysql", "args", nested=True))
+    patch(cls, "executemany", lambda orig: wrap_executemany(orig, "mysql", "args", nested=True))

@@ -42,7 +42,7 @@ from types import ModuleType
 from typing import Any
 
 from perfsleuth.agent import recorder
-from perfsleuth.agent.instrument import dbapi
+from perfsleuth.agent.instrument import dbapi, dbcall
 
 _current = recorder._current
 _current_get = recorder.current_get
@@ -65,9 +65,9 @@ def execute_wrapper(execute: Any, sql: Any, params: Any, many: bool, context: An
     n = None
     try:
         system = _system(context)
-        text = sql if type(sql) is str else dbapi.sql_text(sql)
+        text = sql if type(sql) is str else dbcall.sql_text(sql)
         if many:
-            passed, hashed, n = dbapi.many_args(params)
+            passed, hashed, n = dbcall.many_args(params)
             i = req.record_call("db", system, text, hashed, 2)
         else:
             i = req.record_call("db", system, text, params, 2)
@@ -124,7 +124,7 @@ def _count_rows(calls: Any, i: int, cursor: Any) -> None:
 
 def _finish_many(req: Any, i: int, n: int | None, passed: Any, cursor: Any) -> None:
     try:
-        if n is None and isinstance(passed, dbapi.CountingIter):
+        if n is None and isinstance(passed, dbcall.CountingIter):
             n = passed.count
         req._note(i, "extra", {"many": n})
         rc = getattr(cursor, "rowcount", None)

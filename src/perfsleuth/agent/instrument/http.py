@@ -36,38 +36,20 @@ Outside a request ``start_call`` returns None and the wrappers only forward the 
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from perfsleuth.agent import recorder
+from perfsleuth.agent.instrument._patch import mark, patch
 
 _start_call = recorder.start_call
 _internal_error = recorder.internal_error
 _getframe = sys._getframe
-_MARK = "_perfsleuth_orig"
 _BASE = "_perfsleuth_base"
 _UNKNOWN_URL = "http://unknown/"
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-def _mark(wrapper: Any, orig: Any) -> Any:
-    try:
-        functools.update_wrapper(wrapper, orig)
-    except Exception:
-        pass
-    setattr(wrapper, _MARK, orig)
-    return wrapper
-
-
-def _patch(cls: Any, name: str, wrap: Callable[[Any], Any]) -> None:
-    """Replace ``cls.name`` by ``wrap(original)`` unless it is ours already (idempotent)."""
-    orig = cls.__dict__.get(name)
-    if orig is None or hasattr(orig, _MARK):
-        return
-    setattr(cls, name, wrap(orig))
 
 
 def _on_error(call: recorder.Call, exc: BaseException) -> None:
@@ -161,13 +143,13 @@ def _wrap_urlopen(orig: Callable[..., Any]) -> Callable[..., Any]:
             _internal_error()
         return resp
 
-    return _mark(urlopen, orig)
+    return mark(urlopen, orig)
 
 
 def patch_urllib3(module: ModuleType) -> None:
     import urllib3.connectionpool
 
-    _patch(urllib3.connectionpool.HTTPConnectionPool, "urlopen", _wrap_urlopen)
+    patch(urllib3.connectionpool.HTTPConnectionPool, "urlopen", _wrap_urlopen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +206,7 @@ def _wrap_httpx_send(orig: Callable[..., Any]) -> Callable[..., Any]:
             _internal_error()
         return resp
 
-    return _mark(send, orig)
+    return mark(send, orig)
 
 
 def _wrap_httpx_async_send(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -246,12 +228,12 @@ def _wrap_httpx_async_send(orig: Callable[..., Any]) -> Callable[..., Any]:
             _internal_error()
         return resp
 
-    return _mark(send, orig)
+    return mark(send, orig)
 
 
 def patch_httpx(module: ModuleType) -> None:
-    _patch(module.Client, "send", _wrap_httpx_send)
-    _patch(module.AsyncClient, "send", _wrap_httpx_async_send)
+    patch(module.Client, "send", _wrap_httpx_send)
+    patch(module.AsyncClient, "send", _wrap_httpx_async_send)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,10 +303,10 @@ def _wrap_aiohttp_request(orig: Callable[..., Any]) -> Callable[..., Any]:
             _internal_error()
         return resp
 
-    return _mark(_request, orig)
+    return mark(_request, orig)
 
 
 def patch_aiohttp(module: ModuleType) -> None:
     import aiohttp.client
 
-    _patch(aiohttp.client.ClientSession, "_request", _wrap_aiohttp_request)
+    patch(aiohttp.client.ClientSession, "_request", _wrap_aiohttp_request)

@@ -30,7 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from perfsleuth.agent import recorder
-from perfsleuth.agent.instrument.dbapi import _MARK, _mark
+from perfsleuth.agent.instrument import _patch
 
 MIN_WAIT_NS = 1_000_000
 TARGET = "CONNECT"
@@ -76,7 +76,7 @@ def _wrap_connect(orig: Callable[..., Any]) -> Callable[..., Any]:
             _record(self, t0, t1, None)
         return conn
 
-    return _mark(connect, orig)
+    return _patch.mark(connect, orig)
 
 
 def _pool_classes(base: type) -> list[type]:
@@ -95,7 +95,4 @@ def patch(module: ModuleType) -> None:
     from sqlalchemy.pool.base import Pool
 
     for cls in _pool_classes(Pool):
-        orig = cls.__dict__.get("connect")
-        if orig is None or hasattr(orig, _MARK):
-            continue
-        setattr(cls, "connect", _wrap_connect(orig))  # noqa: B010
+        _patch.patch(cls, "connect", _wrap_connect)

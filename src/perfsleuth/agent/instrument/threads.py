@@ -19,7 +19,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from perfsleuth.agent import recorder
+from perfsleuth.agent import accel, recorder
 
 _get_ident = threading.get_ident
 _thread_time = time.thread_time_ns
@@ -51,10 +51,10 @@ def _marking(func: Callable[..., Any], req: recorder.ActiveRequest) -> Callable[
 
 
 def _wrap_async(original: Callable[..., Any]) -> Callable[..., Any]:
-    speedups = recorder.speedups
-    if speedups is not None:  # the same in C (agent/_speedups.c): no Python frame per hand-off
+    hand_off = accel.pick("HandOff", None)
+    if hand_off is not None:  # the same in C (agent/_speedups.c): no Python frame per hand-off
         try:
-            return speedups.HandOff(original)  # type: ignore[no-any-return]
+            return hand_off(original)  # type: ignore[no-any-return]
         except Exception:
             recorder.internal_error()
     return _python_wrapper(original)
