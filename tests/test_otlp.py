@@ -444,3 +444,105 @@ def test_fuzzed_payloads_never_fail_the_server(server: Server) -> None:
         assert status in (200, 400), (n, status, reply)
     assert statuses.get(200) and statuses.get(400)
     assert server.count("requests") > 0
+
+
+# ------------------------------------------------- detectors on OTLP requests and calls
+
+
+def _server_payload(
+    trace: int, route: str, total_ms: float, calls: list[tuple[float, float, dict[str, Any]]]
+) -> dict[str, Any]:
+    """OTLP JSON of one SERVER span (``route``, ``total_ms``) with CLIENT spans given as
+    (start ms, duration ms, attributes)."""
+    t0 = 1_764_000_000_000_000_000 + trace * 1_000_000_000
+    tid = f"{trace:032x}"
+    root = f"{trace:016x}"
+    spans = [
+        {
+            "traceId": tid,
+            "spanId": root,
+            "name": f"GET {route}",
+            "kind": 2,
+            "startTimeUnixNano": str(t0),
+            "endTimeUnixNano": str(t0 + int(total_ms * 1e6)),
+            "attributes": [
+                _kv("http.request.method", "GET"),
+                _kv("http.route", route),
+                _kv("http.response.status_code", 200),
+            ],
+        }
+    ]
+    for i, (start, dur, attrs) in enumerate(calls):
+        spans.append(
+            {
+                "traceId": tid,
+                "spanId": f"{trace % 2**32:08x}{i + 1:08x}",
+                "parentSpanId": root,
+                "name": "call",
+                "kind": 3,
+                "startTimeUnixNano": str(t0 + int(start * 1e6)),
+                "endTimeUnixNano": str(t0 + int((start + dur) * 1e6)),
+                "attributes": [_kv(k, v) for k, v in attrs.items()],
+            }
+        )
+    return {
+        "resourceSpans": [
+            {
+                "resource": {"attributes": [_kv("service.name", "java-shop")]},
+                "scopeSpans": [{"spans": spans}],
+            }
+        ]
+    }
+
+
+def _db(sql: str, **more: Any) -> dict[str, Any]:
+    return {"db.system": "mysql", "db.statement": sql, **more}
+
+
+# endpoint -> (the detector that must fire there, or None for a clean endpoint; its traffic)
+_PLANTED: dict[str, tuple[str | None, Any]] = {
+    "/n1": (
+        "n_plus_one",
+        lambda: [
+            (1 + 6 * i, 5, _db(f"SELECT * FROM items WHERE order_id = {i}")) for i in range(12)
+        ],
+    ),
+    "/repeat": (
+        "repeated_query",
+        lambda: [
+            (1 + 10 * i, 8, _db("SELECT * FROM settings WHERE name = 'tax'")) for i in range(3)
+        ],
+    ),
+    "/export": (
+        "oversized_result",
+        lambda: [(1, 60, _db("SELECT * FROM orders", **{"db.response.returned_rows": 60_000}))],
+    ),
+    "/quote": (
+        "upstream_latency",
+        lambda: [(1, 70, {"http.request.method": "GET", "url.full": "http://carrier:9000/q"})],
+    ),
+    "/clean": ("", lambda: [(1, 2, _db("SELECT * FROM users WHERE id = $1"))]),
+}
+_TOTAL_MS = {"/n1": 80.0, "/repeat": 30.0, "/export": 80.0, "/quote": 75.0, "/clean": 5.0}
+
+
+def test_detectors_on_otlp_requests_and_calls(server: Server) -> None:
+    trace = 10_000
+    for route, (_, calls) in _PLANTED.items():
+        for _ in range(10):
+            trace += 1
+            body = _server_payload(trace, route, _TOTAL_MS[route], calls())
+            assert server.post(json.dumps(body).encode(), "application/json")[0] == 200
+    assert server.count("requests") == 10 * len(_PLANTED)  # the clean endpoint's too
+    be = server.app.state.backend
+    with be.use() as store:
+        found = find(store)
+    kinds = {(f.endpoint, f.kind) for f in found}
+    for route, (kind, _) in _PLANTED.items():
+        if kind:
+            assert (f"GET {route}", kind) in kinds, sorted(kinds)
+    assert not [k for k in kinds if k[0] == "GET /clean"], sorted(kinds)
+    # each finding on its planted endpoint only
+    assert {k for k in kinds if k[1] in {v[0] for v in _PLANTED.values()}} == {
+        (f"GET {r}", v[0]) for r, v in _PLANTED.items() if v[0]
+    }, sorted(kinds)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import time
 import zlib
 from collections import OrderedDict
@@ -446,6 +447,7 @@ def _call(c: Span, t0: int, dictionary: Dictionary) -> dict[str, Any]:
                 text = (operation or c.name).upper()
                 op = text.split()[0] if text.split() else "OTHER"
         out["rows"] = ing.as_int(_first(a, "db.response.returned_rows"))
+        out["ph"] = _params_hash(statement or "", text, a)
     else:
         kind, system = "http", "http"
         method = _method(a) or "GET"
@@ -481,6 +483,24 @@ def _call(c: Span, t0: int, dictionary: Dictionary) -> dict[str, Any]:
             dictionary[STACK, sid] = {"id": sid, "frames": [lid]}
         out.update(site=lid, stack=sid)
     return out
+
+
+_PLACEHOLDER = re.compile(r"\$\d+|%s|%\(\w+\)s|\?|(?<![:\w]):[A-Za-z_]\w*")
+
+
+def _params_hash(statement: str, text: str, a: dict[str, Any]) -> int | None:
+    """What the agent's params_hash says (the same statement with the same values, within a
+    request): the ``db.query.parameter.*`` values when reported; else the statement itself
+    when its values are written into it (literals the fingerprint replaced); None when the
+    values are unknown (placeholders without parameters) or there are none."""
+    params = sorted((k, str(v)) for k, v in a.items() if k.startswith("db.query.parameter."))
+    if params:
+        return _stable_id(*(x for kv in params for x in kv))
+    if not statement or _PLACEHOLDER.search(statement):
+        return None
+    if "?" in text or "(...)" in text:
+        return _stable_id(statement)
+    return None
 
 
 def _site(a: dict[str, Any]) -> tuple[str, int, str] | None:
