@@ -159,3 +159,15 @@ def test_pymysql_executemany_is_one_call_and_its_rows(
     assert update["extra"] == {"many": 2} and update["rows"] == 0
     insert = _only_db_call(reqs, "INSERT")
     assert insert["rows"] == 1 and "ph" in insert
+
+
+def test_psycopg_parameters_by_keyword_are_recorded_and_reach_the_driver(
+    in_request: Callable[..., Any], captured: Callable[[], list[dict[str, Any]]]
+) -> None:
+    import psycopg
+
+    with psycopg.connect(PG_DSN) as conn, conn.cursor() as cur, in_request("GET /kw"):
+        cur.execute("SELECT %s::int + 1 WHERE %s", params=(41, True), prepare=False)
+        assert cur.fetchone() == (42,)
+    select = _only_db_call(captured(), "SELECT")
+    assert select["rows"] == 1 and "ph" in select

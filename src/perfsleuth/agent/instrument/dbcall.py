@@ -141,22 +141,31 @@ def _many(
 def wrap_execute(
     orig: Callable[..., Any], system: str, params: str, *, nested: bool = False
 ) -> Callable[..., Any]:
-    """``orig(cursor, query, params...)`` recorded; ``params``: the driver's keyword for the
-    parameters. ``nested``: not recorded while the cursor's executemany runs it."""
+    """``orig(cursor, query, params=None, **kwargs)`` recorded; ``params``: the driver's keyword
+    for the parameters. ``nested``: not recorded while the cursor's executemany runs it."""
 
-    def execute(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+    # A fixed signature rather than *args: this runs for every statement of an N+1 loop.
+    def execute(self: Any, query: Any, args: Any = None, /, **kwargs: Any) -> Any:
+        if kwargs and args is None and params in kwargs:
+            args = kwargs.pop(params)  # kwargs is this call's own dict
         if nested and getattr(self, NESTED, False):
-            return orig(self, query, *args, **kwargs)
+            return orig(self, query, args, **kwargs)
         text = query if type(query) is str else sql_text(query, self)
-        call = _start_call("db", system, text, args[0] if args else kwargs.get(params), 2)
+        call = _start_call("db", system, text, args, 2)
         if call is None:
-            return orig(self, query, *args, **kwargs)
+            return orig(self, query, args, **kwargs)
         try:
-            result = orig(self, query, *args, **kwargs)
+            result = orig(self, query, args, **kwargs)
         except BaseException as exc:
             _failed(call, exc, None)
             raise
-        _done(call, self, None)
+        call.finish()
+        try:  # _done without executemany's part, inlined for the same reason
+            rows = self.rowcount
+            if type(rows) is int and 0 <= rows < MAX_ROWCOUNT:  # known_rows
+                call.rows = rows
+        except Exception:
+            _internal_error()
         return result
 
     return mark(execute, orig)
@@ -203,13 +212,16 @@ def wrap_executemany(
 def wrap_async_execute(orig: Callable[..., Any], system: str, params: str) -> Callable[..., Any]:
     """:func:`wrap_execute` for a coroutine method."""
 
-    async def execute(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
-        text = query if type(query) is str else sql_text(query, self)
-        call = _start_call("db", system, text, args[0] if args else kwargs.get(params), 2)
+    async def execute(self: Any, query: Any, args: Any = None, /, **kwargs: Any) -> Any:
+        if kwargs and args is None and params in kwargs:
+            args = kwargs.pop(params)
+        call = _start_call(
+            "db", system, query if type(query) is str else sql_text(query, self), args, 2
+        )
         if call is None:
-            return await orig(self, query, *args, **kwargs)
+            return await orig(self, query, args, **kwargs)
         try:
-            result = await orig(self, query, *args, **kwargs)
+            result = await orig(self, query, args, **kwargs)
         except BaseException as exc:
             _failed(call, exc, None)
             raise
