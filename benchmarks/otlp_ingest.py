@@ -2,6 +2,7 @@
 payloads made with the official ``opentelemetry-proto`` messages.
 
     .venv/bin/python benchmarks/otlp_ingest.py [--payloads 40] [--requests 100] [--calls 10]
+    .venv/bin/python benchmarks/otlp_ingest.py --fuzz 10000     # seeded mutations: no 5xx
 
 Each payload holds ``--requests`` SERVER spans (20 endpoints) with ``--calls`` CLIENT spans each
 (DB statements with code.* sites, one HTTP call), like an exporter's batch. Timed twice: the
@@ -13,6 +14,7 @@ Target (issue 19): 100,000 spans/s per server process.
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import random
 import socket
@@ -20,7 +22,9 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
+from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -88,17 +92,97 @@ def payload(rnd: random.Random, requests: int, calls: int, t0: int) -> bytes:
     return msg.SerializeToString()
 
 
+def serve(data_dir: str) -> tuple[str, Any, threading.Thread]:
+    """(the /v1/traces URL, uvicorn server, its thread) of the server app on a free port."""
+    import uvicorn
+
+    from perfsleuth.server.app import create_app
+
+    app = create_app(data_dir, ingest_every=3600)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    return f"http://127.0.0.1:{port}/v1/traces", server, thread
+
+
+def fuzz(n: int) -> None:
+    """Post ``n`` seeded random mutations of valid protobuf, JSON and gzip payloads; print the
+    statuses answered. Exit 1 on any 5xx or a server that stops answering."""
+    import gzip
+    import json
+
+    from google.protobuf import json_format
+
+    rnd = random.Random(19)
+    t0 = time.time_ns() - 3_600 * 10**9
+    seeds: list[tuple[bytes, str, str | None]] = []
+    for i in range(4):
+        pb = payload(rnd, 3, 4, t0 + i * 10**9)
+        msg = ExportTraceServiceRequest.FromString(pb)
+        obj = json_format.MessageToDict(msg)
+        for rs in obj.get("resourceSpans", []):  # OTLP JSON ids are hex
+            for ss in rs.get("scopeSpans", []):
+                for sp in ss.get("spans", []):
+                    for k in ("traceId", "spanId", "parentSpanId"):
+                        if k in sp:
+                            sp[k] = base64.b64decode(sp[k]).hex()
+        seeds += [
+            (pb, "application/x-protobuf", None),
+            (json.dumps(obj).encode(), "application/json", None),
+            (gzip.compress(pb), "application/x-protobuf", "gzip"),
+        ]
+    statuses: dict[int, int] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        url, server, thread = serve(os.path.join(tmp, "fuzz"))
+        try:
+            for _ in range(n):
+                body, ctype, enc = rnd.choice(seeds)
+                data = bytearray(body)
+                for _ in range(rnd.randint(1, 8)):
+                    i = rnd.randrange(len(data))
+                    op = rnd.random()
+                    if op < 0.5:
+                        data[i] = rnd.randrange(256)
+                    elif op < 0.75:
+                        del data[i : i + rnd.randint(1, 16)]
+                    else:
+                        data[i:i] = rnd.randbytes(rnd.randint(1, 8))
+                headers = {"Content-Type": ctype}
+                if enc:
+                    headers["Content-Encoding"] = enc
+                req = urllib.request.Request(url, bytes(data), headers, method="POST")
+                try:
+                    with urllib.request.urlopen(req, timeout=60) as r:
+                        status = r.status
+                except urllib.error.HTTPError as e:
+                    status = e.code
+                statuses[status] = statuses.get(status, 0) + 1
+        finally:
+            server.should_exit = True
+            thread.join()
+    print(f"{n} fuzzed payloads: " + ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items())))
+    if any(k >= 500 for k in statuses):
+        sys.exit(1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--payloads", type=int, default=40)
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--fuzz", type=int, default=0, help="post N mutated payloads instead")
     args = ap.parse_args()
+    if args.fuzz:
+        fuzz(args.fuzz)
+        return
     rnd = random.Random(19)
     t0 = time.time_ns() - 3_600 * 10**9
-    bodies = [
-        payload(rnd, args.requests, args.calls, t0 + i * 10**9) for i in range(args.payloads)
-    ]
+    bodies = [payload(rnd, args.requests, args.calls, t0 + i * 10**9) for i in range(args.payloads)]
     per = args.requests * (args.calls + 1)
     total = per * len(bodies)
     print(f"{len(bodies)} payloads of {per} spans ({sum(map(len, bodies)) / len(bodies):,.0f} B)")
@@ -131,20 +215,7 @@ def main() -> None:
             + f"; {stored:,} calls stored"
         )
 
-        import uvicorn
-
-        from perfsleuth.server.app import create_app
-
-        app = create_app(os.path.join(tmp, "http"), ingest_every=3600)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
-        thread.start()
-        while not server.started:
-            time.sleep(0.01)
-        url = f"http://127.0.0.1:{port}/v1/traces"
+        url, server, thread = serve(os.path.join(tmp, "http"))
         a = time.perf_counter()
         for body in bodies:
             req = urllib.request.Request(

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from apps import otlp_python_app
 from perfsleuth.analysis import find
@@ -546,3 +547,65 @@ def test_detectors_on_otlp_requests_and_calls(server: Server) -> None:
     assert {k for k in kinds if k[1] in {v[0] for v in _PLANTED.values()}} == {
         (f"GET {r}", v[0]) for r, v in _PLANTED.items() if v[0]
     }, sorted(kinds)
+
+
+def test_odd_but_valid_spans_are_stored_or_left_out_never_a_failure(server: Server) -> None:
+    """Seeded well-formed payloads with odd contents: parent cycles, ids of any length, times
+    at the ends of uint64, attribute values of every type where strings or numbers belong."""
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+    rnd = random.Random(7)
+    keys = [
+        "http.route", "http.request.method", "http.response.status_code", "url.path",
+        "db.system", "db.statement", "db.query.text", "db.response.returned_rows",
+        "code.filepath", "code.lineno", "code.function", "url.full", "server.port",
+        "enduser.id", "db.query.parameter.0", "http.request.body.size",
+    ]  # fmt: skip
+
+    def value() -> AnyValue:
+        pick = rnd.randrange(7)
+        if pick == 0:
+            return AnyValue(
+                string_value=rnd.choice(["", "SELECT 1", "redis", "\u00e9\U0001f600", "x" * 5000])
+            )
+        if pick == 1:
+            return AnyValue(int_value=rnd.choice([0, -1, 2**63 - 1, -(2**63), 200]))
+        if pick == 2:
+            return AnyValue(double_value=rnd.choice([float("nan"), float("inf"), -0.0, 1e300]))
+        if pick == 3:
+            return AnyValue(bool_value=True)
+        if pick == 4:
+            return AnyValue(bytes_value=rnd.randbytes(5))
+        if pick == 5:
+            v = AnyValue()
+            v.array_value.values.add(string_value="a")
+            return v
+        return AnyValue()
+
+    stored_before = 0
+    for n in range(60):
+        msg = ExportTraceServiceRequest()
+        rs = msg.resource_spans.add()
+        rs.resource.attributes.append(KeyValue(key="service.name", value=value()))
+        spans = rs.scope_spans.add().spans
+        ids = [rnd.randbytes(rnd.choice([8, 8, 8, 0, 3])) for _ in range(8)]
+        trace = rnd.randbytes(rnd.choice([16, 16, 0, 5]))
+        for i in range(8):
+            spans.append(
+                Span(
+                    trace_id=trace,
+                    span_id=ids[i],
+                    parent_span_id=rnd.choice([*ids, b""]),
+                    kind=rnd.choice([0, 1, 2, 2, 3, 3, 4, 5, 99]),
+                    start_time_unix_nano=rnd.choice([0, 1, 2**64 - 1, 1_764_000_000 * 10**9]),
+                    end_time_unix_nano=rnd.choice([0, 2**64 - 1, 1_764_000_001 * 10**9]),
+                    attributes=[KeyValue(key=rnd.choice(keys), value=value()) for _ in range(6)],
+                )
+            )
+        status, reply = server.post(msg.SerializeToString(), "application/x-protobuf")
+        assert status == 200, (n, reply)
+        stored = server.count("requests")
+        assert stored >= stored_before
+        stored_before = stored
+    assert stored_before > 0
