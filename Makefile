@@ -53,9 +53,11 @@ bench-instructions: setup
 bench-pressure: setup
 	$(BIN)/python benchmarks/pressure.py
 
-# The fuzz suites' long mode: 100,000 structure-aware spool records (make test runs a few hundred).
+# The fuzz suites' long mode (make test runs a few hundred cases of each): 100,000
+# structure-aware spool records, then 100,000 API requests (25,000 per test; ~40 min).
 fuzz: setup
 	$(BIN)/python benchmarks/fuzz.py --cases 100000
+	PERFSLEUTH_FUZZ_CASES=25000 $(BIN)/pytest -q -p no:cacheprovider tests/test_fuzz_api.py
 
 # Real open-source apps from PyPI at releases with documented performance bugs (long; network).
 bench-realworld: setup

@@ -389,7 +389,7 @@ def test_empty_store_says_what_to_do(tmp_path: Path) -> None:
         assert r.stdout == ""
 
 
-@pytest.mark.parametrize("since", ["1x", "abc", "0m", "-5m", "1.5.h", "h"])
+@pytest.mark.parametrize("since", ["1x", "abc", "0m", "-5m", "1.5.h", "h", "0.0000001s", "0.5s"])
 def test_bad_since_is_a_usage_error(recorded: Recorded, since: str) -> None:
     for command in ("top", "traces"):
         r = cli(command, "--data", recorded.data, "--since", since)

@@ -183,4 +183,4 @@ export interface Trace extends Record<string, unknown> {
   blocker_events: { ts: string; duration_ms: number; delayed: number; last_call: string | null; stack: Frame[] }[];
 }
 
-export interface SqlResult { columns: string[]; rows: unknown[][]; truncated: boolean; limit: number; elapsed_ms: number }
+export interface SqlResult { columns: string[]; rows: unknown[][]; truncated: boolean; truncated_by?: "rows" | "bytes" | null; limit: number; elapsed_ms: number }

@@ -105,8 +105,8 @@ def parse_since(value: str | None) -> timedelta | None:
             f"invalid --since {value!r}: use a number and a unit (s, m, h, d, w), "
             "like 15m, 1h, 24h or 7d"
         )
-    if seconds <= 0:
-        raise CLIError(f"invalid --since {value!r}: the window must be longer than zero")
+    if seconds < 1:
+        raise CLIError(f"invalid --since {value!r}: the window must be a second or longer")
     if seconds > 100 * 365 * 86400:
         raise CLIError(f"invalid --since {value!r}: that is more than a hundred years")
     return timedelta(seconds=seconds)

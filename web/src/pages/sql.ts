@@ -31,7 +31,7 @@ async function exec(q: string, out: HTMLElement): Promise<void> {
   try {
     const r = await api<SqlResult>("sql", {}, { query: q, limit: 1000 });
     out.replaceChildren(
-      h("div", { class: "dim" }, `${fmtInt(r.rows.length)} rows${r.truncated ? ` (stopped at ${fmtInt(r.limit)})` : ""} in ${r.elapsed_ms.toFixed(1)} ms`),
+      h("div", { class: "dim" }, `${fmtInt(r.rows.length)} rows${r.truncated ? (r.truncated_by === "bytes" ? " (stopped at the reply's size cap)" : ` (stopped at ${fmtInt(r.limit)})`) : ""} in ${r.elapsed_ms.toFixed(1)} ms`),
       h(
         "div",
         { class: "scroll" },
