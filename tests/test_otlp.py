@@ -609,3 +609,18 @@ def test_odd_but_valid_spans_are_stored_or_left_out_never_a_failure(server: Serv
         assert stored >= stored_before
         stored_before = stored
     assert stored_before > 0
+
+
+def test_client_spans_waiting_for_their_server_span_are_bounded() -> None:
+    from perfsleuth.store import otlp
+
+    pending = otlp.Pending(max_spans=10, max_age_s=60.0)
+    spans = [
+        otlp.Span(f"{i:032x}", f"{i:016x}", "ff" * 8, 3, "q", 0, 1, {}, None, ("s", "", ""), {})
+        for i in range(25)
+    ]
+    pending.add(spans, now=0.0)
+    assert (pending.size, pending.dropped) == (10, 15)
+    assert pending.take(f"{24:032x}") == [spans[24]]  # the newest stay
+    pending.add([], now=61.0)  # and wait no longer than max_age_s
+    assert (pending.size, pending.dropped) == (0, 24)

@@ -206,7 +206,7 @@ class Pending:
     """Client spans waiting for their SERVER ancestor, by trace, oldest trace first; at most
     ``max_spans`` in all and each for ``max_age_s`` (then dropped, and counted)."""
 
-    max_spans: int = 200_000
+    max_spans: int = 50_000
     max_age_s: float = 120.0
     traces: OrderedDict[str, tuple[float, list[Span]]] = field(default_factory=OrderedDict)
     size: int = 0
