@@ -448,6 +448,8 @@ def setup_perfsleuth(
         ok = rep.requests == n and calls["n"] == calls["stacked"] == per_request * n
         ok = ok and eps == [STACK_ENDPOINTS[stack]] and not drops
         text = f"{rep.requests}/{n} requests, {calls['n']}/{per_request * n} calls"
+        if calls["n"] != per_request * n:  # recorded but not ingested, or not recorded
+            text += f" ({rep.calls} calls ingested in all)"
         text += f", {calls['stacked']} with stack" + (f", {drops}" if drops else "")
         return ok, text + ("" if eps == [STACK_ENDPOINTS[stack]] else f", endpoints {eps}")
 
