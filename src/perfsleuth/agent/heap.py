@@ -37,8 +37,24 @@ _pipe: tuple[int, int] | None = None
 _pid = 0
 
 
-def _marker(data_dir: str, pid: int) -> str:
+def marker_path(data_dir: str, pid: int) -> str:
     return os.path.join(data_dir, "agents", f"heap-{pid}.ready")
+
+
+_marker = marker_path
+
+
+def process_started(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (/proc/PID/stat's 22nd field):
+    with the PID it names one process, where a PID alone may have been reused. None when
+    unknown (no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        # the command name (field 2) is in parentheses and may hold spaces or ")"
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _on_signal(signum: int, frame: Any) -> None:
@@ -66,7 +82,16 @@ def install(cfg: Any) -> bool:
         signal.signal(signal.SIGUSR2, _on_signal)
         os.makedirs(os.path.join(cfg.data_dir, "agents"), exist_ok=True)
         with open(_marker(cfg.data_dir, os.getpid()), "w") as fh:
-            json.dump({"pid": os.getpid(), "signal": "SIGUSR2", "service": cfg.service}, fh)
+            pid = os.getpid()
+            json.dump(
+                {
+                    "pid": pid,
+                    "started": process_started(pid),
+                    "signal": "SIGUSR2",
+                    "service": cfg.service,
+                },
+                fh,
+            )
         return True
     except Exception:
         return False

@@ -3,6 +3,7 @@ them back, and what grows between two."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -10,13 +11,25 @@ import signal
 import time
 from typing import Any
 
+from perfsleuth.agent.heap import marker_path, process_started
+
 
 class HeapError(Exception):
     """A snapshot cannot be taken or read (one sentence for the user)."""
 
 
-def marker(data_dir: str, pid: int) -> str:
-    return os.path.join(data_dir, "agents", f"heap-{pid}.ready")
+def _same_process(marker: str, pid: int) -> bool:
+    """Whether the process that wrote the marker is the one running as ``pid`` now (their
+    start times match); a marker without one (or unreadable) is not trusted."""
+    try:
+        with open(marker, encoding="utf-8") as fh:
+            started = json.load(fh).get("started")
+    except (OSError, ValueError, AttributeError):
+        return False
+    now = process_started(pid)
+    if now is None and started is None:
+        return True  # no /proc here (nor where the agent ran): nothing to compare
+    return isinstance(started, int) and started == now
 
 
 def _catches_usr2(pid: int) -> bool | None:
@@ -40,10 +53,18 @@ def take(data_dir: str, pid: int, timeout: float = 60.0) -> tuple[str, dict[str,
     except PermissionError:
         raise HeapError(f"not allowed to signal PID {pid} (it belongs to another user)") from None
     # Without our handler SIGUSR2 would kill the process: never send it blind.
-    if not os.path.exists(marker(data_dir, pid)) or _catches_usr2(pid) is False:
+    path = marker_path(data_dir, pid)
+    if not os.path.exists(path) or _catches_usr2(pid) is False:
         raise HeapError(
             f"PID {pid} has no perfsleuth heap hook in {data_dir} (it does not run the agent "
             "with this data dir, runs it with PERFSLEUTH_HEAP=0, or handles SIGUSR2 itself)"
+        )
+    if not _same_process(path, pid):
+        with contextlib.suppress(OSError):
+            os.remove(path)  # stale: its process is gone and the PID now names another
+        raise HeapError(
+            f"PID {pid} is not the process that registered the heap hook in {data_dir} (it "
+            "ended and the PID was reused); the stale marker was removed"
         )
     before = set(glob.glob(os.path.join(data_dir, "heap", f"heap-{pid}-*.json")))
     os.kill(pid, signal.SIGUSR2)
