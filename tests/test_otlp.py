@@ -624,3 +624,16 @@ def test_client_spans_waiting_for_their_server_span_are_bounded() -> None:
     assert pending.take(f"{24:032x}") == [spans[24]]  # the newest stay
     pending.add([], now=61.0)  # and wait no longer than max_age_s
     assert (pending.size, pending.dropped) == (0, 24)
+
+
+def test_a_consumer_span_is_a_background_task_with_its_calls(server: Server) -> None:
+    body = _payload("c" * 32, queries=4)
+    root = body["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    root.update(kind=5, name="orders process", attributes=[])
+    assert server.post(json.dumps(body).encode(), "application/json")[0] == 200
+    be = server.app.state.backend
+    with be.use() as store:
+        rows = store.query("SELECT kind, endpoint, db_calls, http_calls FROM requests")
+    assert rows == [
+        {"kind": "background", "endpoint": "orders process", "db_calls": 4, "http_calls": 1}
+    ]

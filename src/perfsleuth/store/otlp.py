@@ -6,13 +6,16 @@ go through the spool ingest's own conversion (:class:`perfsleuth.store.ingest.Ba
 store's insert path, one transaction per payload:
 
 - a SERVER span is a request: ``http.route`` (else the templated ``url.path``) and the method
-  are its endpoint; status, duration, error (its ``exception`` events, else an ERROR status),
-  user and tenant from configurable attribute keys; service, host and version from the
-  resource (``service.name``, ``host.name``, ``service.version``);
+  are its endpoint (a CONSUMER span is a background task, named by the span); status,
+  duration, error (its ``exception`` events, else an ERROR status), user and tenant from
+  configurable attribute keys; service, host and version from the resource (``service.name``,
+  ``host.name``, ``service.version``);
 - the CLIENT spans under it (same trace; the nearest SERVER ancestor owns them) are its calls:
   ``db.system`` + ``db.query.text`` / ``db.statement`` a DB call fingerprinted by the agent's
-  normaliser (redis and memcached: cache calls), HTTP client spans HTTP calls by host; a client
-  span under another client span (a driver's span inside a library's) is not counted twice;
+  normaliser, with its rows (``db.response.returned_rows``) and a hash of its parameter values
+  when the span shows them (redis and memcached: cache calls); HTTP client spans HTTP calls by
+  host; a client span under another client span (a driver's span inside a library's) is not
+  counted twice;
 - ``code.*`` attributes give a call its site: one location and a one-frame stack. Spans without
   them have no site (the findings show the site as unknown, nothing is invented).
 
@@ -49,6 +52,8 @@ from perfsleuth.wire import fingerprint as fpr
 MAX_BODY = 32 * 1024 * 1024  # bytes as sent (compressed or not)
 MAX_DECODED = 128 * 1024 * 1024  # bytes after gunzip
 SPAN_SERVER = 2
+SPAN_CONSUMER = 5  # a message taken from a queue: a background task
+REQUEST_KINDS = frozenset({SPAN_SERVER, SPAN_CONSUMER})
 SPAN_CLIENT = 3
 STATUS_ERROR = 2
 CACHE_SYSTEMS = frozenset({"redis", "memcached"})
@@ -292,7 +297,7 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
     pending = pending if pending is not None else Pending()
     spans = _spans(msg)
     out = Mapped(ing.Batch(), spans=len(spans))
-    servers = [s for s in spans if s.kind == SPAN_SERVER]
+    servers = [s for s in spans if s.kind in REQUEST_KINDS]
     by_id: dict[tuple[str, str], Span] = {(s.trace, s.span): s for s in spans}
     for trace in {s.trace for s in servers}:
         for s in pending.take(trace):
@@ -300,7 +305,7 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
     calls: dict[tuple[str, str], list[Span]] = {(s.trace, s.span): [] for s in servers}
     waiting: list[Span] = []
     for s in by_id.values():
-        if s.kind == SPAN_SERVER or not _is_call(s):
+        if s.kind in REQUEST_KINDS or not _is_call(s):
             continue
         owner, nested, complete = _owner(s, by_id)
         if nested:
@@ -349,7 +354,7 @@ def _owner(s: Span, by_id: dict[tuple[str, str], Span]) -> tuple[Span | None, bo
         up = by_id.get((cur.trace, cur.parent))
         if up is None:
             return None, nested, False
-        if up.kind == SPAN_SERVER:
+        if up.kind in REQUEST_KINDS:
             return up, nested, True
         if up.kind == SPAN_CLIENT or _is_call(up):
             nested = True
@@ -399,7 +404,9 @@ def _request(srv: Span, calls: list[Span], keys: Keys, dictionary: Dictionary) -
     target = ing._str(_first(a, "url.path", "http.target")) or ""
     path = target.split("?", 1)[0] or None
     route = ing._str(_first(a, "http.route"))
-    if route:
+    if srv.kind == SPAN_CONSUMER:
+        endpoint = srv.name or "<unknown>"
+    elif route:
         endpoint = f"{method} {route}" if method else route
     elif path:
         endpoint = f"{method or 'GET'} {fpr.url_template(path)}"
@@ -409,7 +416,7 @@ def _request(srv: Span, calls: list[Span], keys: Keys, dictionary: Dictionary) -
         "id": srv.trace + srv.span,
         "ts": srv.start,
         "dur": max(srv.end - srv.start, 0),
-        "kind": "web",
+        "kind": "web" if srv.kind == SPAN_SERVER else "background",
         "method": method,
         "endpoint": endpoint,
         "path": path,
