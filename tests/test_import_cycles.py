@@ -75,6 +75,6 @@ def test_allowed_edges_make_a_circle_known(tmp_path: Path) -> None:
     assert one_edge.returncode == 1
     allow_file = tmp_path / "allowed.txt"
     allow_file.write_text("# known, issue 16\na:b\npkg.b:pkg.a  # both spellings\n")
-    both = _run("--root", str(pkg), "--allow-file", str(allow_file))
+    both = _run("--root", str(pkg), "--allow-file", str(allow_file), "-v")
     assert both.returncode == 0, both.stdout
     assert "known: pkg.a -> pkg.b -> pkg.a" in both.stdout
