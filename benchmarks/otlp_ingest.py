@@ -39,6 +39,30 @@ def _kv(key: str, value: object) -> KeyValue:
     return KeyValue(key=key, value=AnyValue(string_value=str(value)))
 
 
+def _extra(*pairs: tuple[str, object]) -> list[KeyValue]:
+    return [_kv(k, v) for k, v in pairs]
+
+
+# What instrumentations add besides the attributes the mapping reads (Flask's, pg's)
+SERVER_EXTRA = _extra(
+    ("http.scheme", "http"),
+    ("http.host", "127.0.0.1:8000"),
+    ("net.host.port", 8000),
+    ("http.flavor", "1.1"),
+    ("http.user_agent", "python-requests/2.32"),
+    ("net.peer.ip", "127.0.0.1"),
+    ("net.peer.port", 51234),
+    ("http.server_name", "127.0.0.1"),
+)
+DB_EXTRA = _extra(
+    ("db.name", "shop"),
+    ("db.user", "app"),
+    ("net.peer.name", "127.0.0.1"),
+    ("net.peer.port", 5432),
+    ("db.connection_string", "postgresql://127.0.0.1:5432/shop"),
+)
+
+
 def payload(rnd: random.Random, requests: int, calls: int, t0: int) -> bytes:
     msg = ExportTraceServiceRequest()
     rs = msg.resource_spans.add()
@@ -62,6 +86,7 @@ def payload(rnd: random.Random, requests: int, calls: int, t0: int) -> bytes:
                     _kv("http.route", f"/items{ep}/:id"),
                     _kv("http.response.status_code", 200),
                     _kv("enduser.id", f"u{rnd.randrange(500)}"),
+                    *SERVER_EXTRA,
                 ],
             )
         )
@@ -73,6 +98,7 @@ def payload(rnd: random.Random, requests: int, calls: int, t0: int) -> bytes:
                     _kv("code.file.path", "/srv/app.js"),
                     _kv("code.line.number", 10 + c),
                     _kv("code.function.name", f"load{c}"),
+                    *DB_EXTRA,
                 ]
                 if c < calls - 1
                 else [_kv("http.request.method", "GET"), _kv("url.full", "http://api:80/x/1")]

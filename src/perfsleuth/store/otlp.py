@@ -177,8 +177,31 @@ def _value(v: Any) -> Any:
     return getattr(v, which)
 
 
-def _attrs(kvs: Any) -> dict[str, Any]:
-    return {kv.key: _value(kv.value) for kv in kvs}
+# The span attributes the mapping reads (besides the user and tenant keys, and parameters).
+SPAN_KEYS = frozenset(
+    {
+        *("code.file.path", "code.filepath", "code.function", "code.function.name"),
+        *("code.line.number", "code.lineno", "code.namespace"),
+        *("db.operation", "db.operation.name", "db.query.text", "db.response.returned_rows"),
+        *("db.statement", "db.system", "db.system.name"),
+        *("http.method", "http.request.method", "http.route", "http.target", "url.path"),
+        *("http.request.body.size", "http.request_content_length", "http.response.body.size"),
+        *("http.response_content_length", "http.response.status_code", "http.status_code"),
+        *("http.url", "url.full", "net.peer.name", "net.peer.port", "server.address"),
+        "server.port",
+    }
+)
+_PARAMETER = "db.query.parameter."
+
+
+def _attrs(kvs: Any, wanted: frozenset[str] | None = None) -> dict[str, Any]:
+    """Attributes as a dict (those in ``wanted``, and parameters, when given): converting
+    every attribute of every span would cost more than the rest of the mapping."""
+    if wanted is None:
+        return {kv.key: _value(kv.value) for kv in kvs}
+    return {
+        kv.key: _value(kv.value) for kv in kvs if kv.key in wanted or kv.key.startswith(_PARAMETER)
+    }
 
 
 def _first(attrs: dict[str, Any], *keys: str) -> Any:
@@ -252,7 +275,8 @@ class Mapped:
     waiting: int = 0  # client spans held for a SERVER span still to come
 
 
-def _spans(msg: Any) -> list[Span]:
+def _spans(msg: Any, keys: Keys) -> list[Span]:
+    wanted = SPAN_KEYS | set(keys.user) | set(keys.tenant)
     out: list[Span] = []
     for rs in msg.resource_spans:
         res = _attrs(rs.resource.attributes)
@@ -263,7 +287,7 @@ def _spans(msg: Any) -> list[Span]:
         )
         for ss in rs.scope_spans:
             for sp in ss.spans:
-                attrs = _attrs(sp.attributes)
+                attrs = _attrs(sp.attributes, wanted)
                 error = None
                 for ev in sp.events:
                     if ev.name == "exception":
@@ -295,7 +319,7 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
     SERVER span, with its calls, locations, stacks and fingerprints."""
     now = time.monotonic()
     pending = pending if pending is not None else Pending()
-    spans = _spans(msg)
+    spans = _spans(msg, keys)
     out = Mapped(ing.Batch(), spans=len(spans))
     servers = [s for s in spans if s.kind in REQUEST_KINDS]
     by_id: dict[tuple[str, str], Span] = {(s.trace, s.span): s for s in spans}
@@ -500,7 +524,7 @@ def _params_hash(statement: str, text: str, a: dict[str, Any]) -> int | None:
     request): the ``db.query.parameter.*`` values when reported; else the statement itself
     when its values are written into it (literals the fingerprint replaced); None when the
     values are unknown (placeholders without parameters) or there are none."""
-    params = sorted((k, str(v)) for k, v in a.items() if k.startswith("db.query.parameter."))
+    params = sorted((k, str(v)) for k, v in a.items() if k.startswith(_PARAMETER))
     if params:
         return _stable_id(*(x for kv in params for x in kv))
     if not statement or _PLACEHOLDER.search(statement):
