@@ -327,7 +327,9 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
         for s in pending.take(trace):
             by_id.setdefault((s.trace, s.span), s)
     calls: dict[tuple[str, str], list[Span]] = {(s.trace, s.span): [] for s in servers}
-    waiting: list[Span] = []
+    # A call whose ancestry stops at a span not seen yet waits, with the spans between
+    # (a framework's INTERNAL spans), for a later payload of its trace.
+    waiting: dict[tuple[str, str], Span] = {}
     for s in by_id.values():
         if s.kind in REQUEST_KINDS or not _is_call(s):
             continue
@@ -337,8 +339,11 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
         if owner is not None:
             calls[(owner.trace, owner.span)].append(s)
         elif not complete:
-            waiting.append(s)
-    pending.add(waiting, now)
+            cur: Span | None = s
+            while cur is not None and (cur.trace, cur.span) not in waiting:
+                waiting[cur.trace, cur.span] = cur
+                cur = by_id.get((cur.trace, cur.parent)) if cur.parent else None
+    pending.add(list(waiting.values()), now)
     out.waiting = len(waiting)
     segments: dict[tuple[str, str, str], ing.SegmentState] = {}
     dictionary: Dictionary = {}
