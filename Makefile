@@ -21,6 +21,7 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/python scripts/check_imports.py --deferred
 
 format: setup
 	$(BIN)/ruff format src tests benchmarks

@@ -17,7 +17,7 @@ import pytest
 
 from perfsleuth.agent import recorder, shipper
 from perfsleuth.agent.frameworks import asgi as ps_asgi
-from perfsleuth.agent.frameworks.wsgi import identity
+from perfsleuth.agent.frameworks.common import identity
 from perfsleuth.wire import batch as wbatch
 from perfsleuth.wire.segment import HEAD_SIZE
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import os
 import random
 import struct
 import sys
@@ -57,7 +56,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from perfsleuth.agent import stacks
+from perfsleuth.agent import accel, stacks
 
 _perf = time.perf_counter_ns
 _time_ns = time.time_ns
@@ -127,17 +126,7 @@ _stacks_per_site = 1
 # The optional C accelerator of the sqlite3 cursor wrappers (agent/_speedups.c; built at
 # install when a compiler is there). PERFSLEUTH_SPEEDUPS=0 leaves it out: the Python wrappers
 # record the same values.
-def _load_speedups() -> Any:
-    if os.environ.get("PERFSLEUTH_SPEEDUPS", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    try:
-        from perfsleuth.agent import _speedups
-    except ImportError:
-        return None
-    return _speedups
-
-
-speedups: Any = _load_speedups()
+speedups: Any = accel.module
 
 
 def _templates_in_c() -> None:

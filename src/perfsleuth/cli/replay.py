@@ -1,7 +1,7 @@
 """``perfsleuth replay`` (re-send a captured request, or print it as curl) and ``perfsleuth
 heap`` (a heap histogram of a running process, or what grew between two snapshots).
 
-Registered on the shared Typer ``app`` (imported at the bottom of :mod:`perfsleuth.cli.main`).
+Registered on the shared Typer ``app`` of :mod:`perfsleuth.cli.app` (cli.main imports this module).
 """
 
 from __future__ import annotations

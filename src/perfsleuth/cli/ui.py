@@ -1,6 +1,6 @@
 """``perfsleuth ui``: serve the web UI and its API on a data directory, ingesting the spool
-continuously. Registered on the shared Typer ``app`` (imported at the bottom of
-:mod:`perfsleuth.cli.main`)."""
+continuously. Registered on the shared Typer ``app`` of :mod:`perfsleuth.cli.app` (cli.main
+imports this module)."""
 
 from __future__ import annotations
 

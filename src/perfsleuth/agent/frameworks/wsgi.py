@@ -29,7 +29,6 @@ from typing import Any
 
 from perfsleuth.agent import capture, recorder
 from perfsleuth.agent.frameworks.common import content_length, endpoint, read_environ
-from perfsleuth.agent.frameworks.common import identity as identity  # the name tests import
 
 _get_ident = threading.get_ident
 _current = recorder._current
