@@ -38,13 +38,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from google.protobuf import json_format
-from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
-
 from perfsleuth.store import ingest as ing
 from perfsleuth.wire import FINGERPRINT, LOCATION, REQUEST, STACK
 from perfsleuth.wire import fingerprint as fpr
@@ -81,9 +74,22 @@ class Keys:
 # ---------------------------------------------------------------------------------- decoding
 
 
+def _messages() -> Any:
+    """The opentelemetry-proto messages and protobuf's JSON mapping, imported on first use (a
+    server that is never sent OTLP does not load protobuf)."""
+    try:
+        from google.protobuf import json_format
+        from google.protobuf.message import DecodeError
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+    except ImportError as e:
+        raise OtlpError(501, f"OTLP ingest needs the opentelemetry-proto package ({e})") from e
+    return json_format, DecodeError, trace_service_pb2
+
+
 def decode(body: bytes, content_type: str | None, content_encoding: str | None) -> Any:
     """The ExportTraceServiceRequest of an OTLP/HTTP body; OtlpError (400, 413, 415) when it
     is not one."""
+    json_format, DecodeError, pb = _messages()
     if len(body) > MAX_BODY:
         raise OtlpError(413, f"the payload is {len(body)} bytes; at most {MAX_BODY} are taken")
     enc = (content_encoding or "identity").strip().lower()
@@ -100,7 +106,7 @@ def decode(body: bytes, content_type: str | None, content_encoding: str | None) 
     elif enc not in ("identity", ""):
         raise OtlpError(415, f"unsupported Content-Encoding {enc!r}: send gzip or none")
     ctype = (content_type or "").split(";", 1)[0].strip().lower()
-    msg = ExportTraceServiceRequest()
+    msg = pb.ExportTraceServiceRequest()
     if ctype == "application/x-protobuf":
         try:
             msg.ParseFromString(body)
@@ -158,7 +164,8 @@ def response(content_type: str | None) -> tuple[bytes, str]:
     ctype = (content_type or "").split(";", 1)[0].strip().lower()
     if ctype == "application/json":
         return b"{}", "application/json"
-    return ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf"
+    response = _messages()[2].ExportTraceServiceResponse()
+    return response.SerializeToString(), "application/x-protobuf"
 
 
 # ----------------------------------------------------------------------------------- mapping
