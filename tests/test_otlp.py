@@ -392,6 +392,7 @@ def test_n_plus_one_without_code_attributes_names_no_site(server: Server) -> Non
     assert [f.endpoint for f in n1] == ["GET /users/:id"]
     assert n1[0].evidence["call_site"] is None
     assert n1[0].callsite is None
+    assert "an unknown call site (no code location was recorded)" in n1[0].title  # not "?"
 
 
 # -------------------------------------------------------------------- refusals and fuzz

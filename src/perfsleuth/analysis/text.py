@@ -62,7 +62,7 @@ def statement(text: str | None, n: int = 80) -> str:
 
 
 def where(site: dict[str, Any] | None) -> str:
-    if not site:
-        return "?"
+    if not site:  # e.g. OpenTelemetry spans without code.* attributes: no site is invented
+        return "an unknown call site (no code location was recorded)"
     f = os.path.basename(site.get("file") or "?")
     return f"{site.get('function') or '?'} ({f}:{site.get('line') or '?'})"
