@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,8 +50,14 @@ def oversubscribed() -> Iterator[None]:
     """BUSY_PER_CORE pure-Python busy loops per core, for as long as the block runs."""
     n = BUSY_PER_CORE * (os.cpu_count() or 1)
     code = f"import time\nend = time.time() + {BUSY_SECONDS}\nwhile time.time() < end: pass"
-    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+    # Each in a session of its own, like the other services of a busy box: with the kernel's
+    # autogroup scheduling (sched_autogroup_enabled) a session shares the CPUs fairly with the
+    # others, so busy loops in one session would leave a server in its own session a core.
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], start_new_session=True) for _ in range(n)
+    ]
     try:
+        time.sleep(1.0)  # until they all loop: interpreters starting up are not yet the load
         yield
     finally:
         for p in procs:
