@@ -6,13 +6,16 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from perfsleuth.store.duckdb_store import DuckDBStore
 from spoolread import read_spool
+from spoolwrite import SegmentWriter
 
 PG_DSN = os.environ.get("PERFSLEUTH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 MYSQL = {"host": "127.0.0.1", "port": 3306, "user": "root", "password": "", "database": "test"}
@@ -82,3 +85,23 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> str:
     )
     assert r.returncode == 0, r.stdout + r.stderr
     return data
+
+
+@pytest.fixture
+def synth(tmp_path: Path) -> Iterator[Callable[[Callable[[SegmentWriter], None]], DuckDBStore]]:
+    """Write requests with ``fill(writer)``, ingest them, and return the store."""
+    stores: list[DuckDBStore] = []
+
+    def make(fill: Callable[[SegmentWriter], None]) -> DuckDBStore:
+        data = str(tmp_path / f"data{len(stores)}")
+        w = SegmentWriter(data)
+        fill(w)
+        w.close()
+        s = DuckDBStore(data)
+        s.ingest()
+        stores.append(s)
+        return s
+
+    yield make
+    for s in stores:
+        s.close()

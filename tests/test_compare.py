@@ -26,7 +26,6 @@ from conftest import PG_DSN
 from perfsleuth.analysis import compare as cmp
 from perfsleuth.analysis import stats
 from perfsleuth.cli.main import app
-from perfsleuth.store.duckdb_store import DuckDBStore
 from spoolwrite import MS, SegmentWriter, call
 from test_run_servers import Server, gunicorn, launched
 
@@ -42,25 +41,6 @@ PLANTED = "GET /checkout"
 # The UI tests' fixtures: Chromium, and a page that fails the test on JavaScript errors.
 browser = test_ui.browser
 page = test_ui.page
-
-
-@pytest.fixture
-def synth(tmp_path: Path) -> Iterator[Callable[[Callable[[SegmentWriter], None]], DuckDBStore]]:
-    stores: list[DuckDBStore] = []
-
-    def make(fill: Callable[[SegmentWriter], None]) -> DuckDBStore:
-        data = str(tmp_path / f"data{len(stores)}")
-        w = SegmentWriter(data)
-        fill(w)
-        w.close()
-        s = DuckDBStore(data)
-        s.ingest()
-        stores.append(s)
-        return s
-
-    yield make
-    for s in stores:
-        s.close()
 
 
 def variant_traffic(seed: int, requests: int = 1500) -> Callable[[SegmentWriter], None]:

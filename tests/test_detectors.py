@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -297,26 +297,6 @@ def src(tmp_path: Path) -> dict[str, Any]:
     path.write_text(APP)
     marks = ("SITE", "ORDERS", "LOOP", "COMPREHENSION", "STRAIGHT")
     return {"file": str(path), **{m: line_of(str(path), f"# {m}") for m in marks}}
-
-
-@pytest.fixture
-def synth(tmp_path: Path) -> Iterator[Callable[[Callable[[SegmentWriter], None]], DuckDBStore]]:
-    """Write requests with ``fill(writer)``, ingest them, and return the store."""
-    stores: list[DuckDBStore] = []
-
-    def make(fill: Callable[[SegmentWriter], None]) -> DuckDBStore:
-        data = str(tmp_path / f"data{len(stores)}")
-        w = SegmentWriter(data)
-        fill(w)
-        w.close()
-        s = DuckDBStore(data)
-        s.ingest()
-        stores.append(s)
-        return s
-
-    yield make
-    for s in stores:
-        s.close()
 
 
 SERVER = ("/usr/lib/python3/site-packages/server.py", 10, "serve", False)

@@ -14,9 +14,8 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -193,25 +192,6 @@ def test_mann_whitney_with_ties_counts_pairs_and_stays_calm_on_equal_samples() -
 
 
 # ------------------------------------------------------------------------ synthetic stores
-
-
-@pytest.fixture
-def synth(tmp_path: Path) -> Iterator[Callable[[Callable[[SegmentWriter], None]], DuckDBStore]]:
-    stores: list[DuckDBStore] = []
-
-    def make(fill: Callable[[SegmentWriter], None]) -> DuckDBStore:
-        data = str(tmp_path / f"data{len(stores)}")
-        w = SegmentWriter(data)
-        fill(w)
-        w.close()
-        s = DuckDBStore(data)
-        s.ingest()
-        stores.append(s)
-        return s
-
-    yield make
-    for s in stores:
-        s.close()
 
 
 def outliers(store: DuckDBStore, *settings: str) -> list[Finding]:

@@ -5,12 +5,10 @@ histories stay silent; week over week compares with the same hours a week earlie
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from perfsleuth.analysis.config import Config
 from perfsleuth.analysis.findings import Finding, find
@@ -19,25 +17,6 @@ from spoolwrite import SegmentWriter, call
 
 HOUR_NS = 3600 * 10**9
 BUCKETS = 48
-
-
-@pytest.fixture
-def synth(tmp_path: Path) -> Iterator[Callable[[Callable[[SegmentWriter], None]], DuckDBStore]]:
-    stores: list[DuckDBStore] = []
-
-    def make(fill: Callable[[SegmentWriter], None]) -> DuckDBStore:
-        data = str(tmp_path / f"data{len(stores)}")
-        w = SegmentWriter(data)
-        fill(w)
-        w.close()
-        s = DuckDBStore(data)
-        s.ingest()
-        stores.append(s)
-        return s
-
-    yield make
-    for s in stores:
-        s.close()
 
 
 def hour_zero(hours_back: int) -> datetime:
