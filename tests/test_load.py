@@ -8,9 +8,11 @@ App: tests/apps/load_app.py (LOAD_APP_VERSION=nplus1 plants the N+1 on GET /orde
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from typing import Any
 import pytest
 
 from perfsleuth.analysis import load as ld
+from perfsleuth.store.duckdb_store import DuckDBStore
 from test_run_servers import gunicorn, launched
 from test_startup import ui_server
 from test_ui import SHOTS, TOKEN, browser, fmt_ms, wait_ready  # noqa: F401  (fixtures)
@@ -317,3 +320,50 @@ def test_concurrency_mode_progress_and_time_bound() -> None:
         report = ld.run(plan)
         assert 15 <= report["ticks"] <= 21, report["ticks"]
         assert report["elapsed_s"] < 5
+
+
+@pytest.mark.parametrize("speedups", ["1", "0"])
+def test_asgi_request_with_the_load_header_is_tagged(tmp_path: Path, speedups: str) -> None:
+    """An ASGI app (the header list is read by the writer, in C or in Python) tags a request
+    carrying perfsleuth load's header, and only that one."""
+    data = tmp_path / "data"
+    code = textwrap.dedent(
+        """
+        import asyncio, sys
+        import httpx
+        from fastapi import FastAPI
+        import perfsleuth.agent as ps
+
+        ps.start(sys.argv[1], service="asgi-load")
+        api = FastAPI()
+
+        @api.get("/a")
+        def a():
+            return {"ok": True}
+
+        async def main():
+            transport = httpx.ASGITransport(app=ps.asgi(api))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                await c.get("/a", headers={"X-Perfsleuth-Load": "run7;a", "X-User": "u1"})
+                await c.get("/a", headers={"X-User": "u2"})
+
+        asyncio.run(main())
+        ps.flush()
+        """
+    )
+    env = {**os.environ, "PERFSLEUTH_SPEEDUPS": speedups}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(data)], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+        rows = store.query(
+            "SELECT r.user, t.key, t.value FROM requests r LEFT JOIN attributes t"
+            " ON t.trace_id = r.trace_id AND t.kind = 'tag' ORDER BY r.user, t.key"
+        )
+    assert [(r["user"], r["key"], r["value"]) for r in rows] == [
+        ("u1", "load_run", "run7"),
+        ("u1", "load_side", "a"),
+        ("u2", None, None),
+    ]

@@ -1221,7 +1221,8 @@ end(PyObject *module, PyObject *req)
  * agent.shipper's request values in C: row(req, user_header, tenant_header) gives the values
  * of wire.batch's string and integer columns, in order, as _Encoder._row_values does (the
  * reference); an ASGI request's user, tenant and declared body size are read from its raw
- * header list first (req.headers). NotImplemented: a request it cannot read (Python does). */
+ * header list first (req.headers). NotImplemented: a request it cannot read, or one that
+ * carries perfsleuth load's header (Python does). */
 
 
 /* The value of an identity header as stored: latin-1 text, at most 256 characters. */
@@ -1254,6 +1255,8 @@ read_headers(PyObject *req, Layout *layout, PyObject *user_name, PyObject *tenan
         const char *text = PyBytes_AS_STRING(name);
         if (n == 14 && memcmp(text, "content-length", 14) == 0)
             length = value;
+        else if (n == 17 && memcmp(text, "x-perfsleuth-load", 17) == 0)
+            return -1; /* perfsleuth load's run and side: tags, which Python sets */
         else if (PyBytes_Check(user_name) && n == PyBytes_GET_SIZE(user_name) &&
                  memcmp(text, PyBytes_AS_STRING(user_name), n) == 0)
             user = value;

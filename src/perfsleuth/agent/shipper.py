@@ -36,7 +36,14 @@ from typing import Any
 from perfsleuth.agent import accel, recorder, stacks
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.frameworks import common as frameworks_common
-from perfsleuth.agent.frameworks.common import Identity, content_length, identity, identity_value
+from perfsleuth.agent.frameworks.common import (
+    LOAD_HEADER,
+    Identity,
+    content_length,
+    identity,
+    identity_value,
+    load_tags,
+)
 from perfsleuth.wire import (
     CLOSED_SUFFIX,
     FINGERPRINT,
@@ -624,6 +631,9 @@ _NO_CALLS = bytearray()
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
+_LOAD_HEADER = LOAD_HEADER.encode("latin-1")
+
+
 def _read_headers(req: recorder.ActiveRequest) -> None:
     """The user, tenant and declared body size of an ASGI request from its raw header list
     (read here rather than on the request path). Values set by the application win."""
@@ -637,6 +647,9 @@ def _read_headers(req: recorder.ActiveRequest) -> None:
     if req.req_bytes is None:
         cl = headers.get(b"content-length")
         req.req_bytes = 0 if cl is None else content_length(cl) or 0
+    load = headers.get(_LOAD_HEADER)
+    if load is not None:
+        load_tags(req, load)
 
 
 def _scalar(v: Any) -> Any:
