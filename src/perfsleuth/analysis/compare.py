@@ -251,24 +251,20 @@ def _change(a: dict[str, Any], b: dict[str, Any], name: str) -> tuple[float | No
     return ratio - 1.0, ratio * math.hypot(ha, hb)
 
 
-def compare(
-    store: Store,
-    a: Side,
-    b: Side,
+def endpoint_rows(
+    durations: dict[str, tuple[np.ndarray | None, np.ndarray | None]],
     *,
-    config: Config | None = None,
     alpha: float = ALPHA,
     min_change: float = MIN_CHANGE,
     min_requests: int = MIN_REQUESTS,
-    findings: bool = True,
-) -> dict[str, Any]:
-    """The comparison of side ``b`` against side ``a``: ``{"a", "b", "verdict",
-    "summary", "endpoints": [...], "findings": {"appeared": [...], "gone": [...]}}``."""
-    da, db = _durations(store, a), _durations(store, b)
-    ma, mb = _moved_with_counts(store, a), _moved_with_counts(store, b)
+) -> list[dict[str, Any]]:
+    """Per endpoint (``durations[endpoint]``: the sorted latencies in ms of side a and side
+    b), the quantiles of each side with their intervals, the change, the two-sided
+    Mann-Whitney test, Benjamini-Hochberg q-values across the endpoints and the verdict; in
+    endpoint order. ``compare`` and ``perfsleuth load`` both judge with it."""
     rows: list[dict[str, Any]] = []
-    for ep in sorted(set(da) | set(db)):
-        xa, xb = da.get(ep), db.get(ep)
+    for ep in sorted(durations):
+        xa, xb = durations[ep]
         sa, sb = _side_stats(xa), _side_stats(xb)
         row: dict[str, Any] = {"endpoint": ep, "a": sa, "b": sb}
         for name in ("p50", "p95", "p99"):
@@ -289,6 +285,36 @@ def compare(
         r.setdefault("q_value", None)
         r["significant"] = r["q_value"] is not None and r["q_value"] <= alpha
         r["verdict"] = _verdict(r, min_change)
+    return rows
+
+
+def sort_rows(rows: list[dict[str, Any]]) -> None:
+    """Slower first, then faster, then the rest (compare's table order)."""
+    rows.sort(key=_order)
+
+
+def compare(
+    store: Store,
+    a: Side,
+    b: Side,
+    *,
+    config: Config | None = None,
+    alpha: float = ALPHA,
+    min_change: float = MIN_CHANGE,
+    min_requests: int = MIN_REQUESTS,
+    findings: bool = True,
+) -> dict[str, Any]:
+    """The comparison of side ``b`` against side ``a``: ``{"a", "b", "verdict",
+    "summary", "endpoints": [...], "findings": {"appeared": [...], "gone": [...]}}``."""
+    da, db = _durations(store, a), _durations(store, b)
+    ma, mb = _moved_with_counts(store, a), _moved_with_counts(store, b)
+    rows = endpoint_rows(
+        {ep: (da.get(ep), db.get(ep)) for ep in set(da) | set(db)},
+        alpha=alpha,
+        min_change=min_change,
+        min_requests=min_requests,
+    )
+    for r in rows:
         r["moved"] = _moved_diff(ma.get(r["endpoint"], {}), mb.get(r["endpoint"], {}))
     out: dict[str, Any] = {
         "a": a.label,
@@ -315,7 +341,7 @@ def compare(
             r["findings_gone"] = [
                 f for f in out["findings"]["gone"] if f["endpoint"] == r["endpoint"]
             ]
-    rows.sort(key=_order)
+    sort_rows(rows)
     out["verdict"] = verdict_line(rows, b.label)
     out["summary"] = {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
     return out

@@ -431,31 +431,17 @@ def verdicts(
     import numpy as np
 
     from perfsleuth.analysis import compare as cmp
-    from perfsleuth.analysis import stats
 
-    alpha = cmp.ALPHA if alpha is None else alpha
-    min_change = cmp.MIN_CHANGE if min_change is None else min_change
-    min_requests = cmp.MIN_REQUESTS if min_requests is None else min_requests
-    rows = []
-    for ep in sorted(samples):
-        xa = np.sort(np.asarray(samples[ep].get("a", []), dtype=np.float64))
-        xb = np.sort(np.asarray(samples[ep].get("b", []), dtype=np.float64))
-        sa, sb = cmp._side_stats(xa), cmp._side_stats(xb)
-        row: dict[str, Any] = {"endpoint": ep, "a": sa, "b": sb, "p_value": None, "delta": None}
-        for name in ("p50", "p95", "p99"):
-            row[f"{name}_change"], row[f"{name}_change_pm"] = cmp._change(sa, sb, name)
-        if sa["count"] >= min_requests and sb["count"] >= min_requests:
-            t = stats.mann_whitney(xa, xb)
-            row["p_value"], row["delta"] = t.p_value, t.delta
-        rows.append(row)
-    tested = [r for r in rows if r["p_value"] is not None]
-    for r, q in zip(tested, stats.benjamini_hochberg([r["p_value"] for r in tested]), strict=True):
-        r["q_value"] = q
-    for r in rows:
-        r.setdefault("q_value", None)
-        r["significant"] = r["q_value"] is not None and r["q_value"] <= alpha
-        r["verdict"] = cmp._verdict(r, min_change)
-    rows.sort(key=cmp._order)
+    def sorted_ms(values: list[float]) -> np.ndarray:
+        return np.sort(np.asarray(values, dtype=np.float64))
+
+    rows = cmp.endpoint_rows(
+        {ep: (sorted_ms(s.get("a", [])), sorted_ms(s.get("b", []))) for ep, s in samples.items()},
+        alpha=cmp.ALPHA if alpha is None else alpha,
+        min_change=cmp.MIN_CHANGE if min_change is None else min_change,
+        min_requests=cmp.MIN_REQUESTS if min_requests is None else min_requests,
+    )
+    cmp.sort_rows(rows)
     return rows
 
 
