@@ -20,9 +20,12 @@ the budget a body keeps only its first bytes (and no hash); a request whose firs
 fit is not captured (``captures_dropped``). A body larger than the maximum is stored as its
 first bytes, its size and hash, flagged truncated: replay refuses it unless told otherwise.
 
-Secrets: the values of Authorization, Proxy-Authorization, Cookie, Set-Cookie, X-Api-Key,
-X-Auth-Token and of ``PERFSLEUTH_REDACT_HEADERS`` (comma list) are replaced by
-``[redacted]`` unless ``PERFSLEUTH_CAPTURE_SECRETS=1``.
+Secrets: the values of Authorization, Proxy-Authorization, Cookie, Set-Cookie, of every header
+whose name holds token, secret, key, auth, session, passw, csrf or credential (X-CSRF-Token,
+X-Amz-Security-Token, Api-Key, ...) and of ``PERFSLEUTH_REDACT_HEADERS`` (comma list) are
+replaced by ``[redacted]``; so are query-string parameters and urlencoded form fields with such
+names (the body kept is then the redacted one; its size and hash stay the original's). All
+unless ``PERFSLEUTH_CAPTURE_SECRETS=1``.
 """
 
 from __future__ import annotations
@@ -56,6 +59,31 @@ _in_window = 0
 _body_max = 64 * 1024
 _secrets = False
 _redact: frozenset[str] = SECRET_HEADERS
+# Parts of a header, parameter or field name that say its value is a secret.
+SECRET_WORDS = ("token", "secret", "key", "auth", "session", "passw", "csrf", "credential")
+
+
+def secret_name(name: str) -> bool:
+    """Whether a header, query parameter or form field of this (lower-case) name holds a
+    secret."""
+    return name in _redact or any(w in name for w in SECRET_WORDS)
+
+
+def _redact_pairs(encoded: str, where: str, redacted: list[str]) -> str:
+    """An urlencoded query string or form body with the values of secret names replaced
+    (kept as they were, byte for byte, when nothing is secret)."""
+    from urllib.parse import parse_qsl, quote, urlencode  # on the writer thread
+
+    pairs = parse_qsl(encoded, keep_blank_values=True)
+    hit = [k for k, _ in pairs if secret_name(k.lower())]
+    if not hit:
+        return encoded
+    redacted.extend(f"{where}:{k}" for k in hit)
+    return urlencode(
+        [(k, REDACTED if secret_name(k.lower()) else v) for k, v in pairs], quote_via=quote
+    )
+
+
 _fault = False
 _random = random.random
 # The shipper's emit (it hands itself over in configure(), so this module need not import it).
@@ -363,13 +391,28 @@ def _sha256(data: bytes) -> Any:
     return hashlib.sha256(data)
 
 
+def _kept_body(body: bytes, content_type: str | None, redacted: list[str]) -> bytes:
+    """The body bytes stored: its first _body_max, with the secret fields of an urlencoded
+    form redacted (a form cut short is kept as is only up to its last whole field)."""
+    kept = body[:_body_max]
+    if _secrets or not content_type or "x-www-form-urlencoded" not in content_type.lower():
+        return kept
+    try:
+        text = kept.decode("latin-1")
+        if len(body) > _body_max:  # a truncated form: only its whole fields
+            text = text.rsplit("&", 1)[0]
+        return _redact_pairs(text, "form", redacted).encode("latin-1")
+    except Exception:
+        return b""  # a form that cannot be read is not kept: it may hold a secret
+
+
 def _record(
     fields: tuple[Any, ...], headers: list[Any], parts: tuple[Any, ...], tap: BodyTap | None
 ) -> dict[str, Any]:
     trace_id, ts, dur, endpoint, method, status, why = fields
     pairs: list[list[str]] = []
     redacted: list[str] = []
-    host = content_length = None
+    host = content_length = content_type = None
     for k, v in headers:
         name = _text(k)
         if name.startswith("HTTP_"):  # WSGI environ key
@@ -380,7 +423,9 @@ def _record(
             host = value
         elif name == "content-length":
             content_length = value
-        if name in _redact and not _secrets:
+        elif name == "content-type":
+            content_type = value
+        if secret_name(name) and not _secrets:
             redacted.append(name)
             value = REDACTED
         pairs.append([name, value])
@@ -396,6 +441,8 @@ def _record(
             from urllib.parse import quote  # on the writer thread; not at start-up
 
             path = quote(str(path).encode("latin-1"), safe="/:@!$&'()*+,;=-._~%")
+    if query and not _secrets:
+        query = _redact_pairs(str(query), "query", redacted)
     url = f"{scheme}://{host or server}{path or '/'}" + (f"?{query}" if query else "")
     body = b"".join(tap.chunks) if tap is not None else b""
     size = tap.size if tap is not None else 0
@@ -407,6 +454,7 @@ def _record(
     if declared > size:
         size, complete = declared, False
     truncated = size > _body_max or not complete
+    kept = _kept_body(body, content_type, redacted)  # before "redacted" is listed: it adds to it
     return {
         "id": f"{trace_id:016x}",
         "ts": ts,
@@ -418,7 +466,7 @@ def _record(
         "url": url,
         "headers": pairs,
         "redacted": sorted(set(redacted)),
-        "body_b64": binascii.b2a_base64(body[:_body_max], newline=False).decode("ascii"),
+        "body_b64": binascii.b2a_base64(kept, newline=False).decode("ascii"),
         "body_size": size,
         "body_sha256": _sha256(body).hexdigest() if complete else None,
         "body_truncated": truncated,
