@@ -22,6 +22,7 @@ from __future__ import annotations
 import array
 import atexit
 import collections
+import contextlib
 import itertools
 import json
 import os
@@ -90,6 +91,7 @@ stats.update(
         "dropped_events": 0,
         "dropped_memory": 0,
         "dropped_shutdown": 0,
+        "dropped_spool_deleted": 0,
         "fingerprints_skipped": 0,
         "cache_resets": 0,
     }
@@ -224,6 +226,10 @@ class _Segment:
         self.fingerprints: set[int] = set()
         os.makedirs(cfg.spool_dir, exist_ok=True)
         self.fh = open(self.path, "ab", buffering=0)  # noqa: SIM115 - lives across batches
+        st = os.fstat(self.fh.fileno())
+        self.file_id = (st.st_dev, st.st_ino)
+        self.requests = 0  # written into this file: lost with it if it is deleted
+        self.events = 0
         header = {
             "v": FORMAT_VERSION,
             "host": socket.gethostname(),
@@ -252,6 +258,17 @@ class _Segment:
             view = view[n:]
             self.partial += n
             self.size += n
+
+    def gone(self) -> bool:
+        """Whether the file was deleted under us (its spool directory removed, say): what is
+        written to it then lands nowhere."""
+        try:
+            st = os.stat(self.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) != self.file_id
 
     def due(self) -> bool:
         return (
@@ -719,6 +736,27 @@ class _Writer:
         self.spool_checked = 0.0
         self.spool_is_full = False
 
+    def _open_live(self) -> _Segment | None:
+        """The open segment, or a new one when its file was deleted under us: what was
+        written to the deleted file is lost, and counted (dropped_spool_deleted)."""
+        if self.seg is not None and self._lost(self.seg):
+            self.seg = None
+        return self._open()
+
+    @staticmethod
+    def _lost(seg: _Segment) -> bool:
+        """Whether ``seg``'s file was deleted under us; if so its requests and events are
+        counted as lost (no longer as written) and the file is closed."""
+        if not seg.gone():
+            return False
+        stats["requests_written"] -= seg.requests
+        stats["dropped_spool_deleted"] += seg.requests
+        stats["events_written"] -= seg.events
+        stats["dropped_events"] += seg.events
+        with contextlib.suppress(OSError):
+            seg.fh.close()
+        return True
+
     def _open(self) -> _Segment | None:
         if self.seg is not None:
             return self.seg
@@ -780,7 +818,7 @@ class _Writer:
             # of the ids it holds grow with every distinct statement).
             self._rotate()
             self.enc.reset()
-        seg = self._open()
+        seg = self._open_live()
         if seg is None:
             stats["dropped_write_error"] += len(batch)
             return
@@ -799,7 +837,9 @@ class _Writer:
             seg.write(b"".join(chunks))
             if self.cfg.fsync == "always":
                 os.fsync(seg.fh.fileno())
-            stats["requests_written"] += sum(n for _, n in ends)
+            written = sum(n for _, n in ends)
+            stats["requests_written"] += written
+            seg.requests += written
         except OSError as e:
             # Records that landed whole before the error are written; readers skip the torn
             # tail. The segment's interned sets may now be ahead of the file, so the next
@@ -813,7 +853,7 @@ class _Writer:
         events = []
         while _events:
             events.append(_events.popleft())
-        seg = self._open()
+        seg = self._open_live()
         if seg is None or self._spool_full():
             stats["dropped_events"] += len(events)
             return
@@ -832,13 +872,14 @@ class _Writer:
         try:
             seg.write(b"".join(out))
             stats["events_written"] += written
+            seg.events += written
         except OSError as e:
             stats["dropped_events"] += written
             self._failed(e)
 
     def _rotate(self) -> None:
         seg, self.seg = self.seg, None
-        if seg is None:
+        if seg is None or self._lost(seg):
             return
         try:
             seg.close()
