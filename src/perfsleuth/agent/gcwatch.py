@@ -18,15 +18,19 @@ requests in flight; CPython's own callback machinery costs ~1.6 µs a collection
 a no-op callback), a few per request at most.
 
 The size of the heap a full collection scans is sampled by the evidence thread, after a full
-collection that hit a request, at most every ``HEAP_EVERY_S`` (``len(gc.get_objects())``
-walks the heap like a collection does): ``stats["gc_heap_objects"]``, shipped as a STATS
-record (agent_stats).
+collection that hit a request, at most every ``HEAP_EVERY_S``: the memory blocks the
+interpreter has allocated (``sys.getallocatedblocks()``, about one per live object), in
+``stats["gc_heap_objects"]``, shipped as a STATS record (agent_stats). Not
+``len(gc.get_objects())``: the list it builds holds a reference to every tracked object, a
+tuple another thread is still filling in included, and that thread's tuple() then fails with
+SystemError (seen in CI).
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -100,14 +104,14 @@ def install(min_ms: float, *, fault: bool = False) -> None:
 
 
 def sample_heap(now: float) -> None:
-    """After a full collection, at most every HEAP_EVERY_S: how many objects the collector
-    tracks (what each full collection scans), in ``stats["gc_heap_objects"]``."""
+    """After a full collection, at most every HEAP_EVERY_S: about how many objects are live
+    (what each full collection scans), in ``stats["gc_heap_objects"]``."""
     if not _heap_due[0] or (_heap_due[1] and now - _heap_due[1] < HEAP_EVERY_S):
         return
     _heap_due[0] = False
     _heap_due[1] = now
     stats = recorder.stats
-    stats["gc_heap_objects"] = objects = len(gc.get_objects())
+    stats["gc_heap_objects"] = objects = sys.getallocatedblocks()
     counters = {"gc_heap_objects": objects, "gc_full_collections": stats["gc_full_collections"]}
     ts, pid = time.time_ns(), os.getpid()
     shipper.emit(STATS, lambda _intern: {"ts": ts, "pid": pid, "counters": counters})

@@ -123,7 +123,7 @@ def _service_finding(
     ms = sum(r["ms"] or 0.0 for r in rows)
     share = gc_ms / ms if ms else 0.0
     shares = [r["share"] for r in flagged]
-    size = f" a heap of {objects:,} objects," if objects else ""
+    size = f" a heap of about {objects:,} objects," if objects else ""
     name = ", ".join(services) or "the service"
     title = (
         f"Garbage collection takes {text.pct(share)} of request time across {name}, about the "
