@@ -334,6 +334,24 @@ class RunResult:
         return not self.found and not self.false_alarms
 
 
+def conclude(
+    result: RunResult,
+    server: Any,
+    data: Path,
+    traffic: dict[str, Any],
+    expect: Expect,
+    min_requests: dict[str, int],
+) -> None:
+    """After a case's traffic: an unexpected status is an error; the server stops (the agent
+    flushes at SIGTERM); the stored requests and the findings are read and judged."""
+    if set(traffic["statuses"]) != {200}:
+        result.error = f"unexpected statuses {traffic['statuses']}"
+    server.stop()
+    result.requests = requests_by_endpoint(data)
+    result.findings = perfsleuth_json("findings", "--limit", "100", data=data)
+    judge(result, expect, min_requests)
+
+
 def judge(result: RunResult, expect: Expect, min_requests: dict[str, int]) -> None:
     """Fill the verdict of ``result`` from its findings.
 

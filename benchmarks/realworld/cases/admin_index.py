@@ -122,13 +122,11 @@ def run(role: str, workdir: Path) -> RunResult:
                     (lambda: anon.get("/admin/login/"), ROUNDS),
                 ]
             )
-            if set(traffic["statuses"]) != {200}:
-                result.error = f"unexpected statuses {traffic['statuses']}"
-            server.stop()
-            result.requests = harness.requests_by_endpoint(data)
-            result.findings = harness.perfsleuth_json("findings", "--limit", "100", data=data)
-            harness.judge(
+            harness.conclude(
                 result,
+                server,
+                data,
+                traffic,
                 EXPECT,
                 {ep: ROUNDS for ep in [EXPECT.endpoint, *EXPECT.also, *CLEAN]},
             )

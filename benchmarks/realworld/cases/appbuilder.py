@@ -178,12 +178,9 @@ def run(role: str, workdir: Path) -> RunResult:
                 (lambda: c.get("/productview/list/"), ROUNDS),
             ]
         )
-        if set(traffic["statuses"]) != {200}:
-            result.error = f"unexpected statuses {traffic['statuses']}"
-        server.stop()
-        result.requests = harness.requests_by_endpoint(data)
-        result.findings = harness.perfsleuth_json("findings", "--limit", "100", data=data)
-        harness.judge(result, EXPECT, {ep: ROUNDS for ep in [EXPECT.endpoint, *CLEAN]})
+        harness.conclude(
+            result, server, data, traffic, EXPECT, {ep: ROUNDS for ep in [EXPECT.endpoint, *CLEAN]}
+        )
     except Exception as e:  # a case that cannot run is a failed case, with the reason
         result.error = f"{type(e).__name__}: {e}"
         if server is not None:

@@ -189,13 +189,11 @@ def run(role: str, workdir: Path) -> RunResult:
             ],
             threads=4,
         )
-        if set(traffic["statuses"]) != {200}:
-            result.error = f"unexpected statuses {traffic['statuses']}"
-        server.stop()
-        result.requests = harness.requests_by_endpoint(data)
-        result.findings = harness.perfsleuth_json("findings", "--limit", "100", data=data)
-        harness.judge(
+        harness.conclude(
             result,
+            server,
+            data,
+            traffic,
             EXPECT,
             {EXPECT.endpoint: SEARCHES + CLEAN_ROUNDS, **{ep: CLEAN_ROUNDS for ep in CLEAN}},
         )
