@@ -1,50 +1,24 @@
-"""The compare API: ``GET /api/compare`` (two time ranges, or two values of a tag, attribute or
+"""Comparisons: ``GET /api/compare`` (two time ranges, or two values of a tag, attribute or
 release, per endpoint with the verdict; the two latency distributions for the chart) and
-``GET /api/compare/values`` (the values a ``by`` takes, for the page's pickers).
-
-An :class:`fastapi.APIRouter` that :func:`perfsleuth.server.app.create_app` includes; the
-store comes from the app's backend (``app.state.backend``).
-"""
+``GET /api/compare/values`` (the values a ``by`` takes, for the page's pickers)."""
 
 from __future__ import annotations
 
-import json
-import math
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter, Query
+from fastapi.responses import Response
 
 from perfsleuth.analysis import compare as cmp
+from perfsleuth.server.deps import BackendDep, error, ok
 from perfsleuth.store.base import StoreError
 
 router = APIRouter()
 
 
-def _clean(v: Any) -> Any:
-    """JSON-safe: non-finite floats become null, datetimes ISO strings."""
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {str(k): _clean(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_clean(x) for x in v]
-    if hasattr(v, "isoformat"):
-        return v.isoformat()
-    return v
-
-
-def _ok(body: Any) -> Response:
-    return Response(json.dumps(_clean(body), ensure_ascii=False), media_type="application/json")
-
-
-def _err(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message, "status": status}, status_code=status)
-
-
 @router.get("/api/compare", summary="Compare two time ranges or two tag/attribute values")
 def compare(
-    request: Request,
+    be: BackendDep,
     a: Annotated[
         str | None,
         Query(description="Side a: START/END (UTC ISO 8601) or last-1h; with by, a value."),
@@ -59,7 +33,6 @@ def compare(
     findings: Annotated[bool, Query(description="Findings appeared and gone.")] = True,
     alpha: Annotated[float, Query(gt=0, lt=1)] = cmp.ALPHA,
 ) -> Response:
-    be = request.app.state.backend
     try:
         with be.use() as store:
             if by:
@@ -67,26 +40,25 @@ def compare(
                 side_a, side_b = cmp.value_sides(store, by, a or None, b or None, scope)
             else:
                 if not a or not b:
-                    return _err(400, "give two sides: a=START/END&b=last-1h, or by=tag:NAME")
+                    return error(400, "give two sides: a=START/END&b=last-1h, or by=tag:NAME")
                 side_a, side_b = cmp.time_side(a), cmp.time_side(b)
             result = cmp.compare(store, side_a, side_b, alpha=alpha, findings=findings)
             result["histograms"] = cmp.histograms(store, side_a, side_b)
     except cmp.CompareError as e:
-        return _err(400, str(e))
+        return error(400, str(e))
     except StoreError as e:
-        return _err(400, str(e).splitlines()[0])
-    return _ok(result)
+        return error(400, str(e).splitlines()[0])
+    return ok(result)
 
 
 @router.get("/api/compare/values", summary="The values of a tag, attribute or release")
 def values(
-    request: Request,
+    be: BackendDep,
     by: Annotated[str, Query(description="tag:NAME, attr:NAME or release.")],
 ) -> Response:
-    be = request.app.state.backend
     try:
         with be.use() as store:
             rows = cmp.values_of(store, by)
     except cmp.CompareError as e:
-        return _err(400, str(e))
-    return _ok([{"value": r["value"], "requests": r["n"], "first": r["first"]} for r in rows])
+        return error(400, str(e))
+    return ok([{"value": r["value"], "requests": r["n"], "first": r["first"]} for r in rows])

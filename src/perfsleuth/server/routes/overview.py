@@ -1,0 +1,33 @@
+"""The overview and endpoint pages: ``GET /api/overview`` (endpoint table and charts),
+``GET /api/endpoints`` (the table alone) and ``GET /api/endpoint`` (one endpoint)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import Response
+
+from perfsleuth.server import queries
+from perfsleuth.server.deps import BackendDep, SinceQ, answer, window_of
+
+router = APIRouter()
+
+
+@router.get("/api/overview", summary="Endpoint table, P95 per endpoint, slow counts, throughput")
+def overview(be: BackendDep, since: SinceQ = "1h") -> Response:
+    return answer(be, queries.overview, window_of(since))
+
+
+@router.get("/api/endpoints", summary="The endpoint table (store.top) with time share")
+def endpoints(be: BackendDep, since: SinceQ = "1h") -> Response:
+    return answer(be, queries.endpoint_table, window_of(since))
+
+
+@router.get("/api/endpoint", summary="One endpoint: percentiles, histogram, calls, traces")
+def endpoint(
+    be: BackendDep,
+    name: Annotated[str, Query(description='The endpoint, e.g. "GET /orders/{id}".')],
+    since: SinceQ = "1h",
+) -> Response:
+    return answer(be, queries.endpoint_detail, window_of(since), name)

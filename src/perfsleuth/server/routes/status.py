@@ -1,0 +1,32 @@
+"""``GET /api/status``: the data directory, the time span of its requests, the last ingest and
+the agents' drop counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from perfsleuth.server import queries
+from perfsleuth.server.deps import BackendDep, answer
+from perfsleuth.store.base import Store
+
+router = APIRouter()
+
+
+@router.get("/api/status", summary="Server and data status")
+def status(be: BackendDep) -> Response:
+    def body(store: Store) -> dict[str, Any]:
+        first, last = queries.data_span(store)
+        return {
+            "data": be.data_dir,
+            "first": first,
+            "last": last,
+            "endpoints": len(store.endpoints()),
+            "ingest": be.last_ingest,
+            "ingest_every_s": be.ingest_every,
+            "drops": store.agent_drops(),
+        }
+
+    return answer(be, body)
