@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 
 from perfsleuth.analysis.config import DEFAULTS, EVIDENCE_FLOORS, SOFT_FLOORS, Config
 from perfsleuth.analysis.detectors import DETECTORS
-from perfsleuth.analysis.findings import Finding, assess, find
+from perfsleuth.analysis.finding import Finding, assess
+from perfsleuth.analysis.findings import find
 from perfsleuth.cli.main import app
 from perfsleuth.cli.ui import free_port
 from perfsleuth.server import create_app

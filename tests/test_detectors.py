@@ -22,7 +22,7 @@ import perfsleuth.demo.legacy
 import perfsleuth.demo.shop
 from perfsleuth.analysis import Config, ConfigError, find, load_config, loops, stable_id
 from perfsleuth.analysis.detectors import DETECTORS
-from perfsleuth.analysis.findings import Finding
+from perfsleuth.analysis.finding import Finding
 from perfsleuth.cli.main import app
 from perfsleuth.store.duckdb_store import DuckDBStore
 from spoolwrite import SegmentWriter, call

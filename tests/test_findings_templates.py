@@ -24,7 +24,7 @@ import pytest
 
 import test_ui
 from perfsleuth.analysis import find, load_config
-from perfsleuth.analysis.findings import Finding
+from perfsleuth.analysis.finding import Finding
 from perfsleuth.cli.ui import free_port
 from perfsleuth.server import create_app
 from perfsleuth.server.app import STATIC_DIR

@@ -27,7 +27,7 @@ import pytest
 
 import apps.loop_twins as twins
 from perfsleuth.analysis import Config, find, frames, loops
-from perfsleuth.analysis.findings import Finding
+from perfsleuth.analysis.finding import Finding
 from perfsleuth.analysis.frames import Frame
 from perfsleuth.store.duckdb_store import DuckDBStore
 from spoolwrite import SegmentWriter, call

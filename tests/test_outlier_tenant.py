@@ -23,7 +23,8 @@ import pytest
 from conftest import PG_DSN
 from perfsleuth.analysis.config import Config
 from perfsleuth.analysis.detectors.outlier_tenant import mann_whitney_greater
-from perfsleuth.analysis.findings import Finding, find
+from perfsleuth.analysis.finding import Finding
+from perfsleuth.analysis.findings import find
 from perfsleuth.store.duckdb_store import DuckDBStore
 from spoolwrite import SegmentWriter, call
 from test_run_servers import APPS, Server, launched, uvicorn

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from perfsleuth.analysis.config import Config
-from perfsleuth.analysis.findings import Finding, find
+from perfsleuth.analysis.finding import Finding
+from perfsleuth.analysis.findings import find
 from perfsleuth.store.duckdb_store import DuckDBStore
 from spoolwrite import SegmentWriter, call
 

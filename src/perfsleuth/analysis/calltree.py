@@ -22,7 +22,7 @@ from typing import Any
 
 from perfsleuth.analysis import frames
 from perfsleuth.analysis.config import Config
-from perfsleuth.analysis.findings import Context
+from perfsleuth.analysis.context import Context
 from perfsleuth.store.base import Store
 
 KINDS = ("db", "http", "cache")

@@ -26,7 +26,8 @@ import numpy as np
 
 from perfsleuth.analysis import stats
 from perfsleuth.analysis.config import Config, load_config
-from perfsleuth.analysis.findings import Context, Finding, assess
+from perfsleuth.analysis.context import Context
+from perfsleuth.analysis.finding import Finding, assess
 from perfsleuth.store.base import Store
 
 ALPHA = 0.01  # the false discovery rate accepted among the endpoints called changed

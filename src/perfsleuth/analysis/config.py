@@ -238,7 +238,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 # The evidence each detector's findings rest on: kind -> {count in Finding.evidence: the setting
 # above holding its floor}. A finding with a count under its floor is not raised; above it, the
-# counts grade how sure the finding is (see perfsleuth.analysis.findings.assess). A new detector
+# counts grade how sure the finding is (see perfsleuth.analysis.finding.assess). A new detector
 # adds one line here.
 EVIDENCE_FLOORS: dict[str, dict[str, str]] = {
     "n_plus_one": {"requests_with_pattern": "min_requests"},

@@ -21,7 +21,8 @@ from rich.tree import Tree
 from perfsleuth.analysis import calltree as ct
 from perfsleuth.analysis import frames, loops
 from perfsleuth.analysis.config import DEFAULTS, Config, ConfigError, load_config
-from perfsleuth.analysis.findings import Finding, find
+from perfsleuth.analysis.finding import Finding
+from perfsleuth.analysis.findings import find
 from perfsleuth.cli import render
 from perfsleuth.cli.app import NoIngestOpt, app
 from perfsleuth.cli.common import (

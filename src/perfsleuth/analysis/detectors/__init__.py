@@ -1,30 +1,14 @@
-"""The detector registry: kind name -> function(Context) -> list[Finding].
+"""The detectors, one module each; importing this package registers them all in
+:data:`perfsleuth.analysis.registry.DETECTORS` (kind name -> function(Context) -> list[Finding]).
 
-Each detector is a small module here; its settings and their defaults live in
-:data:`perfsleuth.analysis.config.DEFAULTS` under the same kind name.
+Each detector's settings and their defaults live in :data:`perfsleuth.analysis.config.DEFAULTS`
+under the same kind name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from perfsleuth.analysis.findings import Context, Finding
-
-Detector = Callable[[Context], list[Finding]]
-
-DETECTORS: dict[str, Detector] = {}
-
-
-def register(kind: str) -> Callable[[Detector], Detector]:
-    def deco(fn: Detector) -> Detector:
-        DETECTORS[kind] = fn
-        return fn
-
-    return deco
-
-
 # Imported for their registration (order = the order they run in; ranking is by impact).
-from perfsleuth.analysis.detectors import (  # noqa: E402
+from perfsleuth.analysis.detectors import (
     chatty_endpoint,
     cpu_starved,
     event_loop_blocker,
@@ -39,6 +23,7 @@ from perfsleuth.analysis.detectors import (  # noqa: E402
     slow_request_hotspot,
     upstream_latency,
 )
+from perfsleuth.analysis.registry import DETECTORS, Detector
 
 __all__ = [
     "DETECTORS",
@@ -51,7 +36,6 @@ __all__ = [
     "n_plus_one",
     "outlier_tenant",
     "oversized_result",
-    "register",
     "regression",
     "repeated_query",
     "slow_query",

@@ -9,8 +9,9 @@ grouped per statement.
 from __future__ import annotations
 
 from perfsleuth.analysis import frames, text
-from perfsleuth.analysis.detectors import register
-from perfsleuth.analysis.findings import Context, Finding, iso, stable_id
+from perfsleuth.analysis.context import Context
+from perfsleuth.analysis.finding import Finding, iso, stable_id
+from perfsleuth.analysis.registry import register
 
 KIND = "chatty_endpoint"
 

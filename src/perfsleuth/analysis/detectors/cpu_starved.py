@@ -16,8 +16,9 @@ from collections import defaultdict
 from typing import Any
 
 from perfsleuth.analysis import text
-from perfsleuth.analysis.detectors import register
-from perfsleuth.analysis.findings import Context, Finding, iso, stable_id
+from perfsleuth.analysis.context import Context
+from perfsleuth.analysis.finding import Finding, iso, stable_id
+from perfsleuth.analysis.registry import register
 
 KIND = "cpu_starved"
 SERVICE = "<service>"  # the endpoint of a service-wide finding

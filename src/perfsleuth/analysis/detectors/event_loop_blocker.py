@@ -22,8 +22,9 @@ from functools import lru_cache
 from typing import Any
 
 from perfsleuth.analysis import frames, loops, text
-from perfsleuth.analysis.detectors import register
-from perfsleuth.analysis.findings import Context, Finding, file_key, iso, stable_id
+from perfsleuth.analysis.context import Context
+from perfsleuth.analysis.finding import Finding, file_key, iso, stable_id
+from perfsleuth.analysis.registry import register
 
 KIND = "event_loop_blocker"
 

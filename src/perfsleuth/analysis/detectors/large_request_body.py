@@ -12,8 +12,9 @@ smaller body (a file upload, a streamed parse) would save.
 from __future__ import annotations
 
 from perfsleuth.analysis import text
-from perfsleuth.analysis.detectors import register
-from perfsleuth.analysis.findings import Context, Finding, iso, stable_id
+from perfsleuth.analysis.context import Context
+from perfsleuth.analysis.finding import Finding, iso, stable_id
+from perfsleuth.analysis.registry import register
 
 KIND = "large_request_body"
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 from perfsleuth.analysis import frames, text
-from perfsleuth.analysis.detectors import register
-from perfsleuth.analysis.findings import Context, Finding, iso, stable_id
+from perfsleuth.analysis.context import Context
+from perfsleuth.analysis.finding import Finding, iso, stable_id
+from perfsleuth.analysis.registry import register
 from perfsleuth.analysis.stats import mann_whitney_greater
 
 KIND = "outlier_tenant"

@@ -10,8 +10,9 @@ an upper bound, the honest one when the result is what the request spends its ti
 from __future__ import annotations
 
 from perfsleuth.analysis import text
-from perfsleuth.analysis.detectors import register
-from perfsleuth.analysis.findings import Context, Finding, iso, stable_id
+from perfsleuth.analysis.context import Context
+from perfsleuth.analysis.finding import Finding, iso, stable_id
+from perfsleuth.analysis.registry import register
 
 KIND = "oversized_result"
 

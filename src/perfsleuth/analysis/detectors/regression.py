@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from perfsleuth.analysis import stats, text
-from perfsleuth.analysis.detectors import register
-from perfsleuth.analysis.findings import Context, Finding, iso, stable_id
+from perfsleuth.analysis.context import Context
+from perfsleuth.analysis.finding import Finding, iso, stable_id
+from perfsleuth.analysis.registry import register
 
 KIND = "regression"
 

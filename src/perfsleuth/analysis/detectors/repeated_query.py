@@ -10,8 +10,9 @@ remove them.
 from __future__ import annotations
 
 from perfsleuth.analysis import frames, text
-from perfsleuth.analysis.detectors import register
-from perfsleuth.analysis.findings import Context, Finding, file_key, iso, stable_id
+from perfsleuth.analysis.context import Context
+from perfsleuth.analysis.finding import Finding, file_key, iso, stable_id
+from perfsleuth.analysis.registry import register
 
 KIND = "repeated_query"
 

@@ -7,8 +7,9 @@ first), so the quantiles are computed over a few groups, not over every call.
 from __future__ import annotations
 
 from perfsleuth.analysis import text
-from perfsleuth.analysis.detectors import register
-from perfsleuth.analysis.findings import Context, Finding, iso, stable_id
+from perfsleuth.analysis.context import Context
+from perfsleuth.analysis.finding import Finding, iso, stable_id
+from perfsleuth.analysis.registry import register
 
 KIND = "slow_query"
 

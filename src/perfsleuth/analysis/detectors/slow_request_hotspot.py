@@ -24,8 +24,9 @@ from datetime import datetime
 from typing import Any
 
 from perfsleuth.analysis import frames, profile, text
-from perfsleuth.analysis.detectors import register
-from perfsleuth.analysis.findings import Context, Finding, file_key, iso, stable_id
+from perfsleuth.analysis.context import Context
+from perfsleuth.analysis.finding import Finding, file_key, iso, stable_id
+from perfsleuth.analysis.registry import register
 
 KIND = "slow_request_hotspot"
 
