@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from perfsleuth.agent import accel, recorder
+from perfsleuth.agent.instrument import handoff
 
 _get_ident = threading.get_ident
 _thread_time = time.thread_time_ns
@@ -81,14 +82,15 @@ def _python_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 def patch_anyio(module: ModuleType) -> None:
     run_sync = getattr(module, "run_sync", None)
     if run_sync is not None and not getattr(run_sync, "__perfsleuth__", False):
-        module.run_sync = _wrap_async(run_sync)  # type: ignore[attr-defined]
+        # handoff: the worker's stacks carry the caller's
+        module.run_sync = handoff.wrap(_wrap_async(run_sync))  # type: ignore[attr-defined]
 
 
 def patch_asyncio_threads(module: ModuleType) -> None:
     to_thread = getattr(module, "to_thread", None)
     if to_thread is None or getattr(to_thread, "__perfsleuth__", False):
         return
-    wrapped = _wrap_async(to_thread)
+    wrapped = handoff.wrap(_wrap_async(to_thread))
     module.to_thread = wrapped  # type: ignore[attr-defined]
     import asyncio
 

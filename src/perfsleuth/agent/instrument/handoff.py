@@ -1,0 +1,130 @@
+"""Thread-pool hand-offs: a call made in a worker thread keeps the stack of the code that
+handed the work over.
+
+A statement run by a function handed to a thread pool (``anyio.to_thread.run_sync``, which
+Starlette's ``run_in_threadpool`` and FastAPI use, or ``asyncio.to_thread``) has a worker
+thread's stack: it starts at the function handed over (a generic executor such as
+``_run_query_sync``), and the code that awaited it (the endpoint's loop, the caller of the
+executor) is on another thread. So at the hand-off, while the caller's frames are still
+linked, the stack above the hand-off is captured once (:func:`perfsleuth.agent.stacks.capture`,
+up to where the request entered the application); the function goes to the pool wrapped in
+:func:`_run_stitched`, which, once the function returns in the worker, appends that stack to
+the sites the function made in the request (their stacks stop at the worker's entry). A site's
+stack then runs from the statement through the worker's frames and the hand-off to the
+request's entry, so findings that read stacks (an N+1's loop, the lines where a helper's
+callers part ways) see the caller's code.
+
+Cost: one stack capture per hand-off while a request is recorded (the helper's call, not its
+statements), and a look at the request's new sites when the function returns. Nothing is done
+outside a request.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from types import CodeType, FunctionType
+from typing import Any
+
+from perfsleuth.agent import recorder, stacks
+
+_getframe = sys._getframe
+_current_get = recorder.current_get
+_capture = stacks.capture
+_partial = functools.partial
+_MAX_FLAT = 2 * stacks.MAX_DEPTH
+
+
+def _code_of(func: Any) -> CodeType | None:
+    """The code object of the frame a worker opens first when it calls ``func`` (a function,
+    a bound method, a partial of either, a callable object); None when it has none (a
+    builtin)."""
+    for _ in range(8):
+        code = getattr(func, "__code__", None)
+        if type(code) is CodeType:
+            return code
+        if type(func) is _partial:
+            func = func.func
+            continue
+        inner = getattr(func, "__func__", None)  # a bound method
+        if inner is not None:
+            func = inner
+            continue
+        # an instance of a class with a Python __call__
+        call = next((vars(k)["__call__"] for k in type(func).__mro__ if "__call__" in vars(k)), 0)
+        if type(call) is not FunctionType:
+            return None
+        func = call
+    return None
+
+
+def _stitch(
+    req: recorder.ActiveRequest, first: int, code: CodeType, origin: tuple[Any, ...]
+) -> None:
+    """Append ``origin`` to the stacks of the request's sites from index ``first`` on that the
+    worker made: those whose stack ends at ``code`` (the function handed over; a site made
+    meanwhile by the request's other tasks ends elsewhere)."""
+    site_list = req.site_list
+    if site_list is None:
+        return
+    for i in range(first, len(site_list)):
+        entry = site_list[i]
+        flat = entry[3]
+        n = len(flat)
+        if n < 2 or n >= _MAX_FLAT or flat[n - 2] is not code:
+            continue
+        # a new entry: the shared one (recorder._site_cache) keeps the worker's stack, which
+        # stacks.same compares with the worker's frames when the next request makes the site
+        site_list[i] = (entry[0], entry[1], entry[2], flat + origin, entry[4])
+
+
+def _run_stitched(
+    req: recorder.ActiveRequest,
+    origin: tuple[Any, ...],
+    func: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Run ``func`` in the worker; then stitch ``origin`` to the sites it made. (This frame is
+    the agent's, so the worker's stacks stop here.)"""
+    site_list = req.site_list
+    first = len(site_list) if site_list is not None else 0
+    try:
+        return func(*args, **kwargs)
+    finally:
+        try:
+            site_list = req.site_list
+            if site_list is not None and len(site_list) > first:
+                code = _code_of(func)
+                if code is not None:
+                    _stitch(req, first, code, origin)
+        except Exception:
+            recorder.internal_error()
+
+
+def wrap(run_sync: Callable[..., Any]) -> Callable[..., Any]:
+    """``run_sync(func, *args, **kwargs)`` (anyio's ``to_thread.run_sync``, ``asyncio.to_thread``,
+    already marked by :mod:`perfsleuth.agent.instrument.threads`) handing over ``func``
+    wrapped with the caller's stack when a request is being recorded."""
+
+    @functools.wraps(run_sync)
+    def wrapper(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        req = _current_get()
+        if req is not None:
+            try:
+                origin = _capture(_getframe(1))
+                if origin:
+                    func = _partial(_run_stitched, req, origin, func)
+            except Exception:
+                recorder.internal_error()
+        return run_sync(func, *args, **kwargs)
+
+    mark = getattr(inspect, "markcoroutinefunction", None)  # 3.12+: still looks async
+    if mark is not None:
+        wrapper = mark(wrapper)
+    wrapper.__perfsleuth__ = True  # type: ignore[attr-defined]
+    # the library's own function, as the marking layer names it
+    wrapper.__wrapped__ = getattr(run_sync, "__wrapped__", run_sync)  # type: ignore[attr-defined]
+    return wrapper

@@ -1,0 +1,148 @@
+"""Thread-pool hand-offs (issue 15: a helper's caller across the hop): a statement run by a sync
+helper in a worker thread (Starlette's ``run_in_threadpool``, ``asyncio.to_thread``, anyio's
+``to_thread.run_sync``) has a stack that goes on past the worker into the code that handed
+the helper over, so the findings name the caller's line, not only the helper's.
+
+A real FastAPI app under uvicorn, run by ``perfsleuth run``: one sync helper (one query per
+call) called in a loop by three endpoints, each through another hand-off.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perfsleuth.analysis import find, load_config
+from perfsleuth.store.duckdb_store import DuckDBStore
+from test_run_servers import launched, uvicorn
+
+APP = """\
+import asyncio
+import sqlite3
+
+import anyio
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+
+DB = sqlite3.connect(":memory:", check_same_thread=False)
+DB.execute("CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT)")
+DB.executemany("INSERT INTO items VALUES (?, ?)", [(i, f"item {i}") for i in range(1, 41)])
+LOCK = asyncio.Lock()
+N = 24
+
+
+def load_item(item_id):
+    return DB.execute("SELECT name FROM items WHERE id = ?", (item_id,)).fetchone()[0]
+
+
+def load_all(ids):
+    return [load_item(i) for i in ids]  # ALL
+
+
+app = FastAPI()
+
+
+@app.get("/cart")
+async def cart():
+    names = []
+    for i in range(1, N + 1):
+        names.append(await run_in_threadpool(load_item, i))  # CART
+    return names
+
+
+@app.get("/wishlist")
+async def wishlist():
+    names = []
+    for i in range(1, N + 1):
+        names.append(await asyncio.to_thread(load_item, i))  # WISHLIST
+    return names
+
+
+@app.get("/saved")
+async def saved():
+    return await anyio.to_thread.run_sync(load_all, list(range(1, N + 1)))  # SAVED
+"""
+
+
+def line_of(marker: str) -> int:
+    return next(i for i, ln in enumerate(APP.splitlines(), 1) if ln.endswith(f"# {marker}"))
+
+
+@pytest.fixture(scope="module", params=["1", "0"], ids=["speedups", "python"])
+def recorded(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """The app served with the C accelerator's hand-off and sqlite3 wrappers, and without."""
+    root = tmp_path_factory.mktemp("handoff")
+    site = root / "site"
+    site.mkdir()
+    (site / "shop.py").write_text(APP)
+    data = root / "data"
+    cmd = uvicorn("shop:app", "--app-dir", str(site))
+    with launched(
+        root, data, cmd, service="handoff", ready="/missing", PERFSLEUTH_SPEEDUPS=request.param
+    ) as srv:
+        errors: list[Any] = []
+
+        def drive(path: str) -> None:
+            for _ in range(6):
+                status, _body = srv.get(path)
+                if status != 200:
+                    errors.append((path, status))
+
+        paths = ("/cart", "/wishlist", "/saved")
+        threads = [threading.Thread(target=drive, args=(p,)) for p in paths]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        srv.stop()
+    return data, site / "shop.py"
+
+
+def test_worker_stacks_carry_the_callers_frames(recorded: tuple[Path, Path]) -> None:
+    data, shop = recorded
+    with DuckDBStore(str(data)) as s:
+        s.ingest()
+        for path, marker in (("/cart", "CART"), ("/wishlist", "WISHLIST"), ("/saved", "SAVED")):
+            tids = [
+                r["trace_id"]
+                for r in s.query("SELECT trace_id FROM requests WHERE path = ?", [path])
+            ]
+            assert len(tids) == 6, path
+            calls = s.trace(tids[-1])["calls"]
+            assert len(calls) == 24, path
+            for c in calls:
+                # the statement's site stays the helper's line
+                assert c["site"]["file"] == str(shop) and c["site"]["function"] == "load_item"
+                app = [(f["function"], f["line"]) for f in c["stack"] if f["app"]]
+                # outermost first: the endpoint's line that handed the helper over, then the
+                # helper (through load_all for /saved)
+                assert (path.strip("/"), line_of(marker)) in app, (path, app)
+                assert app[-1][0] == "load_item"
+
+
+def test_findings_name_each_callers_line(recorded: tuple[Path, Path]) -> None:
+    data, shop = recorded
+    with DuckDBStore(str(data)) as s:
+        s.ingest()
+        found = find(s, config=load_config(), kinds=["n_plus_one"])
+    by_endpoint = {f.endpoint: f for f in found}
+    for endpoint, function, marker in (
+        ("GET /cart", "cart", "CART"),
+        ("GET /wishlist", "wishlist", "WISHLIST"),
+    ):
+        f = by_endpoint.get(endpoint)
+        assert f is not None, (endpoint, [(x.endpoint, x.title) for x in found])
+        # the loop is in the endpoint, across the hand-off: its line is the finding's
+        assert f.callsite == {"file": str(shop), "line": line_of(marker), "function": function}
+        assert f.evidence["loop_found_in_source"] is True
+        assert f.evidence["call_site"]["function"] == "load_item"
+    saved = by_endpoint.get("GET /saved")
+    assert saved is not None
+    # the loop of /saved runs in the worker (load_all's comprehension): named there
+    assert saved.callsite is not None and saved.callsite["line"] == line_of("ALL")
