@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from perfsleuth.store.duckdb_store import DuckDBStore
-from perfsleuth.store.ingest import local_host
+from perfsleuth.store.spool import local_host
 from perfsleuth.wire import FINGERPRINT, HEADER, LOCATION, REQUEST, STACK
 from perfsleuth.wire.segment import FILE_MAGIC, encode_record
 

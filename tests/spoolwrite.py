@@ -10,7 +10,7 @@ import random
 import time
 from typing import Any
 
-from perfsleuth.store.ingest import local_host
+from perfsleuth.store.spool import local_host
 from perfsleuth.wire import FINGERPRINT, HEADER, LOCATION, REQUEST, STACK, STATS
 from perfsleuth.wire.segment import FILE_MAGIC, encode_record
 

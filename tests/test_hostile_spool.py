@@ -424,7 +424,7 @@ def test_a_conversion_failing_on_unforeseen_values_is_damage_not_a_stall(
     """Should the requests of a batch fail to convert on values no check foresees (a fault
     injected here: the real inputs that did are fixed above), they are damage of the segments
     that sent them, and the batch's other records and later ingests go on."""
-    from perfsleuth.store import ingest
+    from perfsleuth.store import tables
 
     def fail(*args: Any) -> None:
         raise OverflowError("an unforeseen value")
@@ -434,7 +434,7 @@ def test_a_conversion_failing_on_unforeseen_values_is_damage_not_a_stall(
     w.event(GC, {"pauses": [{"ts": req["ts"], "gen": 2, "dur": MS}]})
     w.close()
     with monkeypatch.context() as m:
-        m.setattr(ingest, "_event_tables", fail)
+        m.setattr(tables, "_event_tables", fail)
         rep = store.ingest()
     assert [d.reason for d in rep.damaged] == [
         "requests the store could not convert (OverflowError: an unforeseen value)"

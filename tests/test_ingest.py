@@ -259,13 +259,15 @@ def test_ingest_killed_mid_transaction_then_rerun_gives_exactly_n(data_dir: str)
         assert spool_names(data_dir) == []
 
 
-def test_finished_segment_left_behind_is_never_reingested(data_dir: str) -> None:
-    class CrashAfterCommit(DuckDBStore):
-        def _retire(self, *args: Any, **kwargs: Any) -> None:
-            pass  # as if the process died right after the commit
+def test_finished_segment_left_behind_is_never_reingested(
+    data_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from perfsleuth.store import spool
 
     ids = write_segments(data_dir, 2, 10)
-    with CrashAfterCommit(data_dir) as s:
+    with monkeypatch.context() as m, DuckDBStore(data_dir) as s:
+        # as if the process died right after the commit
+        m.setattr(spool, "retire", lambda *args, **kwargs: (0, []))
         s.ingest()
     assert len(spool_names(data_dir)) == 2
     with DuckDBStore(data_dir) as store:

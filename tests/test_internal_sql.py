@@ -128,16 +128,16 @@ def test_internal_calls_of_a_segment_another_process_began(
 ) -> None:
     """A new process continues a segment: the fingerprint records are before its offset; the
     ids of the internal ones come from the store's fingerprints."""
-    from perfsleuth.store import ingest
+    from perfsleuth.store import records
 
     w = SegmentWriter(data_dir, pid=os.getpid())
     debug_page(w, "GET /first")
     assert store.ingest().requests == 1
     debug_page(w, "GET /second")
     w.close()
-    monkeypatch.setattr(ingest, "_internal_fps", set())  # what a new process knows
+    monkeypatch.setattr(records, "_internal_fps", set())  # what a new process knows
     known = store.sql("SELECT id FROM fingerprints WHERE kind = 'db.internal'")[1]
-    ingest.remember_internal_fingerprints(fid for (fid,) in known)
+    records.remember_internal_fingerprints(fid for (fid,) in known)
     assert store.ingest().requests == 1
     assert kinds(store, "GET /second") == {"db": 2, INTERNAL_KIND: 3}
 

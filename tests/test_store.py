@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from perfsleuth.store import schema
-from perfsleuth.store.base import StoreError, StoreLocked, open_store
+from perfsleuth.store import open_store, schema
+from perfsleuth.store.base import StoreError, StoreLocked
 from perfsleuth.store.duckdb_store import DuckDBStore
 from spoolwrite import MS, SegmentWriter, call
 

@@ -169,7 +169,7 @@ def spool_bytes(data_dir: str) -> int:
 
 
 def open_checked(data_dir: str, *, read_only: bool = False) -> Store:
-    from perfsleuth.store.base import open_store
+    from perfsleuth.store import open_store
 
     if read_only and not os.path.isdir(data_dir):
         raise CLIError(empty_message(data_dir), EXIT_STATE)

@@ -1,4 +1,8 @@
-"""The store interface used by the CLI, the analysis code and the server.
+"""The store interface used by the CLI, the analysis code and the server: what writes
+(:class:`StoreWriter`: ingest, retention) and what reads (:class:`StoreReader`: the queries of
+``top``, traces, findings and the API). An engine implements both (:class:`Store`); DuckDB is
+the one there is (:mod:`perfsleuth.store.duckdb_store`), opened by
+:func:`perfsleuth.store.open_store`.
 
 Time arguments: ``since`` is a ``datetime.timedelta`` looking back from now, or None (all).
 Rows are plain dicts with the documented keys (JSON-ready: str, int, float, bool, None).
@@ -10,7 +14,25 @@ import errno
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from perfsleuth.wire.segment import Damage
+
+if TYPE_CHECKING:
+    from perfsleuth.store.records import Batch
+
+__all__ = [
+    "Damage",
+    "IngestReport",
+    "Progress",
+    "Store",
+    "StoreError",
+    "StoreFull",
+    "StoreLocked",
+    "StoreReader",
+    "StoreWriter",
+    "disk_full",
+]
 
 
 class StoreError(Exception):
@@ -42,25 +64,17 @@ def disk_full(where: str, exc: BaseException) -> StoreFull | None:
 
 
 @dataclass
-class Damage:
-    segment: str  # file name
-    offset: int
-    length: int
-    reason: str
-
-
-@dataclass
 class IngestReport:
     segments_read: int = 0  # segments with new data
     segments_done: int = 0  # closed segments fully ingested and removed from the spool
     requests: int = 0
     calls: int = 0
-    damaged: list[Damage] = field(default_factory=list)
+    damaged: list[Damage] = field(default_factory=list)  # each with its segment's file name
     quarantined: list[str] = field(default_factory=list)  # moved to DATA/spool/corrupt/
     truncated_tails: list[str] = field(default_factory=list)  # closed segments cut short
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: counts, and damage as {segment, offset, length, reason} dicts."""
+        """JSON-ready: counts, and damage as {offset, length, reason, segment} dicts."""
         return asdict(self)
 
 
@@ -68,13 +82,23 @@ class IngestReport:
 Progress = Callable[[int, int], None]
 
 
-class Store(Protocol):
-    def ingest(self, progress: Progress | None = None) -> IngestReport: ...
+class StoreWriter(Protocol):
+    def ingest(self, progress: Progress | None = None) -> IngestReport:
+        """Ingest everything new in the spool, exactly once (see :mod:`perfsleuth.store.ingest`)."""
+        ...
+
+    def insert_batch(self, batch: Batch) -> IngestReport:
+        """Store records that came from outside the spool (OTLP) as ingest stores a batch."""
+        ...
 
     def apply_retention(self, days: int) -> list[str]:
         """Drop whole days older than ``days``; returns the dropped day names."""
         ...
 
+    def close(self) -> None: ...
+
+
+class StoreReader(Protocol):
     def top(
         self,
         since: timedelta | None = None,
@@ -151,8 +175,5 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
-def open_store(data_dir: str, *, read_only: bool = False) -> Store:
-    """Open the default (DuckDB) store in ``data_dir`` (created if needed)."""
-    from perfsleuth.store.duckdb_store import DuckDBStore
-
-    return DuckDBStore(data_dir, read_only=read_only)
+class Store(StoreWriter, StoreReader, Protocol):
+    """An engine: both halves."""

@@ -12,7 +12,8 @@ from typing import Any
 import pyarrow as pa
 
 from perfsleuth.store import schema
-from perfsleuth.store.ingest import _TS_MAX, Batch, _bool, _int32, _str, as_int
+from perfsleuth.store.records import Batch
+from perfsleuth.store.values import as_bool, as_int, as_int32, as_str, sane_ts
 from perfsleuth.wire import CAPTURE
 
 
@@ -40,34 +41,34 @@ def table(batch: Batch, now_ns: int) -> pa.Table:
 
 
 def _row(obj: dict[str, Any], service: str, now_ns: int) -> dict[str, Any] | None:
-    tid = _str(obj.get("id"))
+    tid = as_str(obj.get("id"))
     if not tid:
         return None
     ts = as_int(obj.get("ts"))
     dur = as_int(obj.get("dur"))
     headers = obj.get("headers")
     pairs = [
-        [_str(p[0]) or "", _str(p[1]) or ""]
+        [as_str(p[0]) or "", as_str(p[1]) or ""]
         for p in (headers if isinstance(headers, list) else ())
         if isinstance(p, list) and len(p) == 2
     ]
     redacted = obj.get("redacted")
     return {
         "trace_id": tid.lower(),
-        "ts": (ts if ts is not None and 0 < ts < _TS_MAX else now_ns) // 1000,
+        "ts": sane_ts(ts, now_ns) // 1000,
         "service": service or "unknown",
-        "endpoint": _str(obj.get("endpoint")),
-        "method": _str(obj.get("method")),
-        "status": _int32(obj.get("status")),
+        "endpoint": as_str(obj.get("endpoint")),
+        "method": as_str(obj.get("method")),
+        "status": as_int32(obj.get("status")),
         "duration_ms": dur / 1e6 if dur is not None else None,
-        "reason": _str(obj.get("reason")),
-        "url": _str(obj.get("url")),
+        "reason": as_str(obj.get("reason")),
+        "url": as_str(obj.get("url")),
         "headers": json.dumps(pairs, ensure_ascii=False),
-        "redacted": ",".join(_str(r) or "" for r in redacted)
+        "redacted": ",".join(as_str(r) or "" for r in redacted)
         if isinstance(redacted, list)
         else None,
-        "body_b64": _str(obj.get("body_b64")),
+        "body_b64": as_str(obj.get("body_b64")),
         "body_size": as_int(obj.get("body_size")),
-        "body_sha256": _str(obj.get("body_sha256")),
-        "body_truncated": _bool(obj.get("body_truncated")),
+        "body_sha256": as_str(obj.get("body_sha256")),
+        "body_truncated": as_bool(obj.get("body_truncated")),
     }

@@ -6,38 +6,29 @@ field becomes NULL, a record that is not an object is skipped, a record that can
 made rows anyway is damage of its segment (alone), nothing raises. A sample's
 ``state`` is kept as sent (agent.sampler's cpu, starved, gil, wait or call). The sampler's
 process figures (run-queue and throttled time) come as STATS counters into ``agent_stats``
-(store.ingest), not through here.
+(store.records), not through here.
 """
 
 from __future__ import annotations
 
-from datetime import date, timedelta
+from datetime import date
 from typing import Any
 
 import pyarrow as pa
 
 from perfsleuth.store import schema
-from perfsleuth.store.ingest import Batch, SegmentState, _id, _int32, _str, as_int
+from perfsleuth.store.records import Batch, SegmentState
+from perfsleuth.store.values import (
+    as_float,
+    as_id,
+    as_int,
+    as_int32,
+    as_str,
+    day_of,
+    ns_to_ms,
+    sane_ts,
+)
 from perfsleuth.wire import BLOCKER, GC, SAMPLES
-
-NS_PER_DAY = 86_400 * 10**9
-_EPOCH = date(1970, 1, 1)
-_TS_MAX = 4_102_444_800 * 10**9  # 2100-01-01
-
-
-def _ts(v: Any, now_ns: int) -> int:
-    t = as_int(v)
-    return t if t is not None and 0 < t < _TS_MAX else now_ns
-
-
-def _ms(v: Any) -> float | None:
-    n = as_int(v)
-    return n / 1e6 if n is not None else None
-
-
-def _day(ts_ns: int) -> date:
-    return _EPOCH + timedelta(days=ts_ns // NS_PER_DAY)
-
 
 Row = tuple[str, int, dict[str, Any]]  # (table, ts in ns, columns but ts)
 
@@ -56,7 +47,7 @@ def tables(batch: Batch, now_ns: int) -> dict[date, dict[str, pa.Table]]:
                 continue
             for table, ts_ns, row in made:
                 row["ts"] = ts_ns // 1000
-                by_table = rows.setdefault(_day(ts_ns), {})
+                by_table = rows.setdefault(day_of(ts_ns), {})
                 by_table.setdefault(table, []).append((row, seg_i, start, end))
     out: dict[date, dict[str, pa.Table]] = {}
     for d, by_table in rows.items():
@@ -96,21 +87,21 @@ def _list(v: Any) -> list[Any]:
 
 
 def _samples(seg: SegmentState, obj: dict[str, Any], now_ns: int) -> list[Row]:
-    start = _ts(obj.get("ts"), now_ns)
+    start = sane_ts(obj.get("ts"), now_ns)
     base = {
-        "trace_id": _str(obj.get("id")) or "",
+        "trace_id": as_str(obj.get("id")) or "",
         "service": seg.service or "unknown",
-        "endpoint": _str(obj.get("endpoint")) or "",
-        "method": _str(obj.get("method")),
-        "path": _str(obj.get("path")),
+        "endpoint": as_str(obj.get("endpoint")) or "",
+        "method": as_str(obj.get("method")),
+        "path": as_str(obj.get("path")),
     }
     out: list[Row] = []
     for s in _list(obj.get("samples")):
         if not isinstance(s, list) or len(s) < 3:
             continue
         off = as_int(s[0])
-        row = dict(base, offset_ms=_ms(off), state=_str(s[1]), stack_id=_id(s[2]))
-        out.append(("samples", _ts(start + (off or 0), start), row))
+        row = dict(base, offset_ms=ns_to_ms(off), state=as_str(s[1]), stack_id=as_id(s[2]))
+        out.append(("samples", sane_ts(start + (off or 0), start), row))
     return out
 
 
@@ -121,25 +112,25 @@ def _blocker(seg: SegmentState, obj: dict[str, Any], now_ns: int) -> list[Row]:
     last = last if isinstance(last, dict) else {}
     samples = sum(as_int(s[1]) or 0 for s in stacks)
     row = {
-        "trace_id": _str(obj.get("id")),
+        "trace_id": as_str(obj.get("id")),
         "service": seg.service or "unknown",
         "host": seg.host,
         "pid": seg.pid,
-        "endpoint": _str(obj.get("endpoint")) or "",
-        "method": _str(obj.get("method")),
-        "path": _str(obj.get("path")),
-        "duration_ms": _ms(obj.get("dur")),
-        "stack_id": _id(top[0]),
-        "stack_samples": _int32(top[1]),
-        "samples": _int32(samples),
-        "delayed": _int32(obj.get("delayed")),
-        "last_kind": _str(last.get("kind")),
-        "last_call": _str(last.get("text")),
+        "endpoint": as_str(obj.get("endpoint")) or "",
+        "method": as_str(obj.get("method")),
+        "path": as_str(obj.get("path")),
+        "duration_ms": ns_to_ms(obj.get("dur")),
+        "stack_id": as_id(top[0]),
+        "stack_samples": as_int32(top[1]),
+        "samples": as_int32(samples),
+        "delayed": as_int32(obj.get("delayed")),
+        "last_kind": as_str(last.get("kind")),
+        "last_call": as_str(last.get("text")),
         "last_rows": as_int(last.get("rows")),
         "last_bytes": as_int(last.get("bytes")),
-        "last_ms": _float(last.get("ms")),
+        "last_ms": as_float(last.get("ms")),
     }
-    return [("blockers", _ts(obj.get("ts"), now_ns), row)]
+    return [("blockers", sane_ts(obj.get("ts"), now_ns), row)]
 
 
 def _gc(seg: SegmentState, obj: dict[str, Any], now_ns: int) -> list[Row]:
@@ -153,19 +144,10 @@ def _gc(seg: SegmentState, obj: dict[str, Any], now_ns: int) -> list[Row]:
             "host": seg.host,
             "pid": seg.pid,
             "endpoint": "",
-            "generation": _int32(p.get("gen")),
-            "duration_ms": _ms(p.get("dur")),
+            "generation": as_int32(p.get("gen")),
+            "duration_ms": ns_to_ms(p.get("dur")),
             "collected": as_int(p.get("collected")),
-            "trace_ids": ",".join(_str(i) or "" for i in ids) if isinstance(ids, list) else None,
+            "trace_ids": ",".join(as_str(i) or "" for i in ids) if isinstance(ids, list) else None,
         }
-        out.append(("gc_pauses", _ts(p.get("ts"), now_ns), row))
+        out.append(("gc_pauses", sane_ts(p.get("ts"), now_ns), row))
     return out
-
-
-def _float(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    try:
-        return float(v)
-    except OverflowError:  # an int beyond a double
-        return None

@@ -2,7 +2,7 @@
 
 An ``ExportTraceServiceRequest`` (OTLP/HTTP protobuf or JSON, maybe gzip) is decoded with the
 official ``opentelemetry-proto`` messages and mapped onto the records the agent writes, which
-go through the spool ingest's own conversion (:class:`perfsleuth.store.ingest.Batch`) and the
+go through the spool ingest's own conversion (:class:`perfsleuth.store.records.Batch`) and the
 store's insert path, one transaction per payload:
 
 - a SERVER span is a request: ``http.route`` (else the templated ``url.path``) and the method
@@ -36,10 +36,17 @@ import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import timedelta
+from typing import Any, NamedTuple
 
-from perfsleuth.store import ingest as ing
-from perfsleuth.wire import FINGERPRINT, LOCATION, REQUEST, STACK
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from perfsleuth.store import records, schema, values
+from perfsleuth.store.evidence import tables as evidence_tables
+from perfsleuth.store.tables import Tables
+from perfsleuth.wire import BLOCKER, FINGERPRINT, LOCATION, STACK, internal_sql
 from perfsleuth.wire import fingerprint as fpr
 
 MAX_BODY = 32 * 1024 * 1024  # bytes as sent (compressed or not)
@@ -184,6 +191,11 @@ def _value(v: Any) -> Any:
     return getattr(v, which)
 
 
+# An event-loop block (the perfsleuth-node package, node/): a span under the one whose code held
+# the loop, lasting as long as the block, with the in-flight requests it delayed.
+BLOCK_MS = "perfsleuth.block.ms"
+BLOCK_DELAYED = "perfsleuth.block.delayed"
+
 # The span attributes the mapping reads (besides the user and tenant keys, and parameters).
 SPAN_KEYS = frozenset(
     {
@@ -196,9 +208,15 @@ SPAN_KEYS = frozenset(
         *("http.response_content_length", "http.response.status_code", "http.status_code"),
         *("http.url", "url.full", "net.peer.name", "net.peer.port", "server.address"),
         "server.port",
+        *(BLOCK_MS, BLOCK_DELAYED),
     }
 )
 _PARAMETER = "db.query.parameter."
+_SCALAR = frozenset({"string_value", "int_value", "double_value", "bool_value"})
+# Attributes (kind LINK) that link a request to the call of another service that made it.
+LINK = "link"
+PARENT_SPAN = "otlp.parent_span"
+CALL_SPAN = "otlp.call_span"
 
 
 def _attrs(kvs: Any, wanted: frozenset[str] | None = None) -> dict[str, Any]:
@@ -219,8 +237,7 @@ def _first(attrs: dict[str, Any], *keys: str) -> Any:
     return None
 
 
-@dataclass
-class Span:
+class Span(NamedTuple):
     """What the mapping needs of one span."""
 
     trace: str
@@ -236,16 +253,41 @@ class Span:
     resource: dict[str, Any]  # the resource's attributes
 
 
+@dataclass(frozen=True)
+class Served:
+    """A request stored from a SERVER span: what a loop block in it is filed under."""
+
+    id: str
+    endpoint: str
+    method: str | None
+    path: str | None
+    start: int
+    end: int
+    source: tuple[str, str, str]
+
+
 @dataclass
 class Pending:
     """Client spans waiting for their SERVER ancestor, by trace, oldest trace first; at most
-    ``max_spans`` in all and each for ``max_age_s`` (then dropped, and counted)."""
+    ``max_spans`` in all and each for ``max_age_s`` (then dropped, and counted). ``servers``:
+    the requests of the latest ``max_servers`` traces (a loop block reported after its request
+    was stored finds it there)."""
 
     max_spans: int = 50_000
     max_age_s: float = 120.0
+    max_servers: int = 20_000
     traces: OrderedDict[str, tuple[float, list[Span]]] = field(default_factory=OrderedDict)
+    servers: OrderedDict[str, list[Served]] = field(default_factory=OrderedDict)
     size: int = 0
     dropped: int = 0
+
+    def served(self, trace: str, req: Served) -> None:
+        hit = self.servers.get(trace)
+        if hit is None:
+            hit = self.servers[trace] = []
+            if len(self.servers) > self.max_servers:
+                self.servers.popitem(last=False)
+        hit.append(req)
 
     def add(self, spans: list[Span], now: float) -> None:
         for s in spans:
@@ -275,43 +317,57 @@ class Pending:
 
 @dataclass
 class Mapped:
-    batch: ing.Batch
+    batch: records.Batch
+    tables: Tables | None = None  # None: nothing to store
     spans: int = 0
     requests: int = 0
     calls: int = 0
+    blockers: int = 0
     waiting: int = 0  # client spans held for a SERVER span still to come
 
 
 def _spans(msg: Any, keys: Keys) -> list[Span]:
+    """Every span of the payload with what the mapping reads: one pass over the decoded
+    messages, the only per-attribute work (the wanted keys, and parameters)."""
     wanted = SPAN_KEYS | set(keys.user) | set(keys.tenant)
+    scalar = _SCALAR
+    param = _PARAMETER
     out: list[Span] = []
+    append = out.append
     for rs in msg.resource_spans:
         res = _attrs(rs.resource.attributes)
         source = (
-            ing._str(res.get("service.name")) or "unknown_service",
-            ing._str(res.get("host.name")) or "",
-            ing._str(res.get("service.version")) or "",
+            values.as_str(res.get("service.name")) or "unknown_service",
+            values.as_str(res.get("host.name")) or "",
+            values.as_str(res.get("service.version")) or "",
         )
         for ss in rs.scope_spans:
             for sp in ss.spans:
-                attrs = _attrs(sp.attributes, wanted)
+                attrs: dict[str, Any] = {}
+                for kv in sp.attributes:
+                    k = kv.key
+                    if k in wanted or k.startswith(param):
+                        v = kv.value
+                        which = v.WhichOneof("value")
+                        attrs[k] = getattr(v, which) if which in scalar else _value(v)
                 error = None
-                for ev in sp.events:
-                    if ev.name == "exception":
-                        ea = _attrs(ev.attributes)
-                        error = ing._str(_first(ea, "exception.type", "exception.message"))
-                        break
+                if sp.events:
+                    for ev in sp.events:
+                        if ev.name == "exception":
+                            ea = _attrs(ev.attributes)
+                            error = values.as_str(_first(ea, "exception.type", "exception.message"))
+                            break
                 if error is None and sp.status.code == STATUS_ERROR:
                     error = sp.status.message or "error"
-                out.append(
+                append(
                     Span(
                         sp.trace_id.hex(),
                         sp.span_id.hex(),
                         sp.parent_span_id.hex(),
-                        int(sp.kind),
+                        sp.kind,
                         sp.name,
-                        int(sp.start_time_unix_nano),
-                        int(sp.end_time_unix_nano),
+                        sp.start_time_unix_nano,
+                        sp.end_time_unix_nano,
                         attrs,
                         error,
                         source,
@@ -321,54 +377,443 @@ def _spans(msg: Any, keys: Keys) -> list[Span]:
     return out
 
 
+# Where the walk from a span up to its request ended.
+_FOUND, _ROOT, _MISSING = 1, 2, 3
+
+
+def _ancestry(
+    spans: list[Span], is_req: np.ndarray, callish: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For every span at once: (its parent's index: -1 not seen, -2 none; its nearest request
+    ancestor, -1 none; where the walk ended: _FOUND, _ROOT (at a root, no request above) or
+    _MISSING (at a span not seen yet); whether a call lies between)."""
+    index = {s.trace + s.span: i for i, s in enumerate(spans)}
+    par = np.array(
+        [index.get(s.trace + s.parent, -1) if s.parent else -2 for s in spans], dtype=np.int64
+    )
+    n = len(spans)
+    owner = np.full(n, -1, dtype=np.int64)
+    state = np.zeros(n, dtype=np.int8)
+    nested = np.zeros(n, dtype=bool)
+    idx = np.nonzero(~is_req)[0]
+    cur = par[idx]
+    for _ in range(256):  # a cycle of parent ids must not hang ingest
+        if not len(idx):
+            break
+        state[idx[cur == -2]] = _ROOT
+        state[idx[cur == -1]] = _MISSING
+        up = cur >= 0
+        idx, cur = idx[up], cur[up]
+        found = is_req[cur]
+        owner[idx[found]] = cur[found]
+        state[idx[found]] = _FOUND
+        idx, cur = idx[~found], cur[~found]
+        nested[idx] |= callish[cur]
+        cur = par[cur]
+    state[idx] = _ROOT
+    return par, owner, state, nested
+
+
+def _nanos(spans: list[Span], field: int) -> np.ndarray:
+    """A span time (uint64 ns) as int64; those beyond int64 become 0 (no clock says so)."""
+    t = np.array([s[field] for s in spans], dtype=np.uint64)
+    return np.where(t > np.uint64(values.INT64_MAX), np.uint64(0), t).astype(np.int64)
+
+
 def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> Mapped:
-    """The records of an ExportTraceServiceRequest as an ingest batch: one request per
-    SERVER span, with its calls, locations, stacks and fingerprints."""
+    """The rows of an ExportTraceServiceRequest: one request per SERVER (or CONSUMER) span
+    with its calls, fingerprints, locations, stacks, links and loop blocks, as the store's
+    Arrow tables (``Mapped.tables``), built column by column; ``Mapped.batch`` holds the
+    segments standing for the payload's sources."""
     now = time.monotonic()
     pending = pending if pending is not None else Pending()
     spans = _spans(msg, keys)
-    out = Mapped(ing.Batch(), spans=len(spans))
-    servers = [s for s in spans if s.kind in REQUEST_KINDS]
-    by_id: dict[tuple[str, str], Span] = {(s.trace, s.span): s for s in spans}
-    for trace in {s.trace for s in servers}:
-        for s in pending.take(trace):
-            by_id.setdefault((s.trace, s.span), s)
-    calls: dict[tuple[str, str], list[Span]] = {(s.trace, s.span): [] for s in servers}
-    # A call whose ancestry stops at a span not seen yet waits, with the spans between
-    # (a framework's INTERNAL spans), for a later payload of its trace.
-    waiting: dict[tuple[str, str], Span] = {}
-    for s in by_id.values():
-        if s.kind in REQUEST_KINDS or not _is_call(s):
-            continue
-        owner, nested, complete = _owner(s, by_id)
-        if nested:
-            continue
-        if owner is not None:
-            calls[(owner.trace, owner.span)].append(s)
-        elif not complete:
-            cur: Span | None = s
-            while cur is not None and (cur.trace, cur.span) not in waiting:
-                waiting[cur.trace, cur.span] = cur
-                cur = by_id.get((cur.trace, cur.parent)) if cur.parent else None
+    out = Mapped(records.Batch(), spans=len(spans))
+    for trace in {s.trace for s in spans if s.kind in REQUEST_KINDS}:
+        spans.extend(pending.take(trace))
+    if not spans:
+        return out
+    n = len(spans)
+    kind = np.array([s.kind for s in spans], dtype=np.int64)
+    is_req = (kind == SPAN_SERVER) | (kind == SPAN_CONSUMER)
+    is_block = np.array([BLOCK_MS in s.attrs for s in spans], dtype=bool) & ~is_req
+    callish = np.array([_is_call(s) for s in spans], dtype=bool) & ~is_req & ~is_block
+    par, owner, state, nested = _ancestry(spans, is_req, callish)
+    # One request per id (trace + span): the last of a span sent twice.
+    last = {s.trace + s.span: i for i, s in enumerate(spans)}
+    servers = [
+        i for i in np.nonzero(is_req)[0].tolist() if last[spans[i].trace + spans[i].span] == i
+    ]
+    row_of = np.full(n + 1, -1, dtype=np.int64)  # row_of[-1]: no request
+    row_of[servers] = np.arange(len(servers))
+    # A call or block whose ancestry stops at a span not seen yet waits, with the spans
+    # between (a framework's INTERNAL spans), for a later payload of its trace; a block of a
+    # request stored before goes to it.
+    early: list[tuple[Span, Served | None]] = []
+    waiting: dict[int, Span] = {}
+    lone = ((callish & ~nested) | is_block) & (state == _MISSING)
+    for i in np.nonzero(lone | (is_block & (state == _ROOT)))[0].tolist():
+        s = spans[i]
+        if is_block[i]:
+            stored = _served(s, pending)
+            if stored is not None or state[i] == _ROOT:
+                early.append((s, stored))
+                continue
+        j = i
+        while j >= 0 and j not in waiting:
+            waiting[j] = spans[j]
+            j = int(par[j])
     pending.add(list(waiting.values()), now)
     out.waiting = len(waiting)
-    segments: dict[tuple[str, str, str], ing.SegmentState] = {}
+
+    start, end = _nanos(spans, 5), _nanos(spans, 6)
+    calls = np.nonzero(callish & ~nested & (state == _FOUND) & (row_of[owner] >= 0))[0]
+    crow = row_of[owner[calls]]
+    order = np.lexsort((start[calls], crow))
+    calls, crow = calls[order], crow[order]
+    segments: dict[tuple[str, str, str], records.SegmentState] = {}
     dictionary: Dictionary = {}
+    reqs = _requests([spans[i] for i in servers], keys, segments, out.batch)
+    call_spans = [spans[i] for i in calls.tolist()]
+    cols = _calls(call_spans, dictionary)
+    req_start = start[servers]
+    cols["off"] = start[calls] - req_start[crow]
+    cols["dur"] = np.maximum(end[calls] - start[calls], 0)
+    seq = np.arange(len(calls)) - np.searchsorted(crow, crow)
+    for trace, served in zip(reqs["trace"], reqs["served"], strict=True):
+        pending.served(trace, served)
+    blocks = np.nonzero(is_block & (state == _FOUND))[0].tolist()
+    for i in blocks:
+        row = int(row_of[owner[i]])
+        if row < 0:
+            continue
+        b = spans[i]
+        lo, hi = np.searchsorted(crow, [row, row + 1])
+        done = [k for k in range(lo, hi) if int(end[calls[k]]) <= b.start]
+        last_call = None
+        if done:
+            k = max(done, key=lambda k: int(end[calls[k]]))
+            fp = dictionary.get((FINGERPRINT, cols["fp"][k]), {})
+            last_call = {
+                "kind": cols["kind"][k],
+                "text": fp.get("text"),
+                "rows": cols["rows"][k],
+                "ms": int(cols["dur"][k]) / 1e6,
+            }
+        out.batch.add(_segment(segments, b), BLOCKER, _blocker(b, reqs["served"][row], last_call))
+        out.blockers += 1
+    for b, stored in early:
+        out.batch.add(_segment(segments, b), BLOCKER, _blocker(b, stored, None))
+        out.blockers += 1
+    links = _links([spans[i] for i in servers], call_spans, crow, seq, cols)
+    out.requests, out.calls = len(servers), len(calls)
+    if servers or out.blockers:
+        times = (req_start, end[servers])
+        out.tables = _tables(out.batch, reqs, times, cols, crow, seq, links, dictionary)
+    return out
+
+
+def _requests(
+    servers: list[Span],
+    keys: Keys,
+    segments: dict[tuple[str, str, str], records.SegmentState],
+    batch: records.Batch,
+) -> dict[str, list[Any]]:
+    """The request columns of the SERVER and CONSUMER spans (and the segment of each)."""
+    cols: dict[str, list[Any]] = {k: [] for k in _REQUEST_COLUMNS}
     for srv in servers:
-        seg = segments.get(srv.source)
-        if seg is None:
-            service, host, version = srv.source
-            base = f"otlp/{service}/{host}"
-            seg = segments[srv.source] = ing.SegmentState(base, base, 0, service, host)
-            seg.version = version
-        own = sorted(calls[(srv.trace, srv.span)], key=lambda c: c.start)
-        req = _request(srv, own, keys, dictionary)
-        # As the agent's JSON record: the batch reads these in bulk with Arrow's JSON reader.
-        out.batch.add_raw(seg, REQUEST, json.dumps(req, ensure_ascii=False).encode(), 0, 0)
-        out.requests += 1
-        out.calls += len(own)
-    for (rtype, _), obj in dictionary.items():
-        out.batch.add(next(iter(segments.values())), rtype, obj)
+        seg = _segment(segments, srv)
+        a = srv.attrs
+        method = _method(a)
+        target = values.as_str(_first(a, "url.path", "http.target")) or ""
+        path = target.split("?", 1)[0] or None
+        route = values.as_str(_first(a, "http.route"))
+        if srv.kind == SPAN_CONSUMER:
+            endpoint = srv.name or "<unknown>"
+        elif route:
+            endpoint = f"{method} {route}" if method else route
+        elif path:
+            endpoint = f"{method or 'GET'} {fpr.url_template(path)}"
+        else:
+            endpoint = srv.name or "<unknown>"
+        rid = srv.trace + srv.span
+        cols["trace"].append(srv.trace)
+        cols["id"].append(rid)
+        cols["seg"].append(batch.touch(seg))
+        cols["kind"].append("web" if srv.kind == SPAN_SERVER else "background")
+        cols["method"].append(method)
+        cols["endpoint"].append(values.text(endpoint))
+        cols["path"].append(values.text(path) if path else None)
+        cols["status"].append(
+            values.as_int32(_first(a, "http.response.status_code", "http.status_code"))
+        )
+        cols["error"].append(srv.error)
+        cols["user"].append(
+            values.as_str(_first(a, *keys.user) or _first(srv.resource, *keys.user))
+        )
+        cols["tenant"].append(
+            values.as_str(_first(a, *keys.tenant) or _first(srv.resource, *keys.tenant))
+        )
+        cols["req_bytes"].append(
+            values.as_int(_first(a, "http.request.body.size", "http.request_content_length"))
+        )
+        cols["resp_bytes"].append(
+            values.as_int(_first(a, "http.response.body.size", "http.response_content_length"))
+        )
+        cols["served"].append(Served(rid, endpoint, method, path, srv.start, srv.end, srv.source))
+    return cols
+
+
+_REQUEST_COLUMNS = (
+    "trace", "id", "seg", "kind", "method", "endpoint", "path", "status", "error", "user",
+    "tenant", "req_bytes", "resp_bytes", "served",
+)  # fmt: skip
+
+
+def _calls(calls: list[Span], dictionary: Dictionary) -> dict[str, Any]:
+    """The call columns (but times) of the client spans, in order."""
+    names = ("kind", "system", "fp", "rows", "ph", "host", "status", "site", "stack", "error")
+    cols: dict[str, Any] = {k: [] for k in names}
+    for c in calls:
+        got = _call(c, 0, dictionary)
+        for k in names:
+            cols[k].append(got.get(k))
+    return cols
+
+
+def _links(
+    servers: list[Span], calls: list[Span], crow: np.ndarray, seq: np.ndarray, cols: dict[str, Any]
+) -> list[tuple[int, str, str, int | None]]:
+    """The span ids that link a request to the call of another service that made it: (row,
+    key, trace + span id, call seq). A request's parent span (``otlp.parent_span``); an HTTP
+    call's own span (``otlp.call_span``), which the callee's request names as its parent."""
+    out: list[tuple[int, str, str, int | None]] = []
+    for row, s in enumerate(servers):
+        if s.parent:
+            out.append((row, PARENT_SPAN, s.trace + s.parent, None))
+    for k, c in enumerate(calls):
+        if cols["kind"][k] == "http":
+            out.append((int(crow[k]), CALL_SPAN, c.trace + c.span, int(seq[k])))
+    return out
+
+
+def _tables(
+    batch: records.Batch,
+    reqs: dict[str, list[Any]],
+    times: tuple[np.ndarray, np.ndarray],
+    cols: dict[str, Any],
+    crow: np.ndarray,
+    seq: np.ndarray,
+    links: list[tuple[int, str, str, int | None]],
+    dictionary: Dictionary,
+) -> Tables:
+    """The store's tables for the mapped rows: requests (with their calls' counts and time by
+    kind), calls, the link attributes, dictionaries and loop blocks, split by day."""
+    now_ns = time.time_ns()
+    out = Tables()
+    n, m = len(reqs["id"]), len(crow)
+    segs = batch.segments
+    seg = np.asarray(reqs["seg"], dtype=np.int64)
+    ts_ns, end_ns = times
+    dur = np.maximum(end_ns - ts_ns, 0).astype(np.float64) / 1e6
+    bad = (ts_ns <= 0) | (ts_ns >= values.TS_MAX)
+    ts_ns = np.where(bad, now_ns, ts_ns)
+    day = ts_ns // values.NS_PER_DAY
+    ts = pa.array(ts_ns // 1000, pa.timestamp("us"))
+    service = pa.array([(segs[i].service or "unknown") for i in seg.tolist()], pa.string())
+    endpoint = pa.array(reqs["endpoint"], pa.string())
+    trace_id = pa.array(reqs["id"], pa.string())
+
+    internal = {
+        fid
+        for (rtype, fid), obj in dictionary.items()
+        if rtype == FINGERPRINT and obj["kind"] == "db" and _internal(obj["text"])
+    }
+    ckind = [
+        internal_sql.INTERNAL_KIND if k == "db" and fp in internal else k
+        for k, fp in zip(cols["kind"], cols["fp"], strict=True)
+    ]
+    cdur = np.asarray(cols["dur"], dtype=np.float64) / 1e6
+    agg: dict[str, pa.Array] = {}
+    kinds = np.array(ckind, dtype=object)
+    for k in ("db", "http", "cache"):
+        mask = kinds == k if m else np.zeros(0, dtype=bool)
+        agg[f"{k}_calls"] = pa.array(np.bincount(crow[mask], minlength=n).astype(np.int32))
+        agg[f"{k}_ms"] = pa.array(np.bincount(crow[mask], weights=cdur[mask], minlength=n))
+    req = pa.table(
+        {
+            "ts": ts,
+            "trace_id": trace_id,
+            "service": service,
+            "host": pa.array([segs[i].host or None for i in seg.tolist()], pa.string()),
+            "pid": pa.array([segs[i].pid for i in seg.tolist()], pa.int32()),
+            "kind": pa.array(reqs["kind"], pa.string()),
+            "method": pa.array(reqs["method"], pa.string()),
+            "endpoint": endpoint,
+            "path": pa.array(reqs["path"], pa.string()),
+            "status": pa.array(reqs["status"], pa.int32()),
+            "error": pa.array(reqs["error"], pa.string()),
+            "duration_ms": pa.array(dur),
+            "cpu_ms": pa.nulls(n, pa.float64()),
+            "req_bytes": pa.array(reqs["req_bytes"], pa.int64()),
+            "resp_bytes": pa.array(reqs["resp_bytes"], pa.int64()),
+            "user": pa.array(reqs["user"], pa.string()),
+            "tenant": pa.array(reqs["tenant"], pa.string()),
+            **agg,
+            "calls_dropped": pa.array(np.zeros(n, dtype=np.int32)),
+            "gc_ms": pa.nulls(n, pa.float64()),
+            "gc_count": pa.nulls(n, pa.int32()),
+            "version": pa.array([segs[i].version or None for i in seg.tolist()], pa.string()),
+        },
+        schema=schema.REQUESTS.arrow_schema(),
+    )
+    crow_pa = pa.array(crow, pa.int64())
+    call = pa.table(
+        {
+            "ts": pc.take(ts, crow_pa),
+            "trace_id": pc.take(pc.dictionary_encode(trace_id), crow_pa),
+            "service": pc.take(pc.dictionary_encode(service), crow_pa),
+            "endpoint": pc.take(pc.dictionary_encode(endpoint), crow_pa),
+            "seq": pa.array(seq.astype(np.int32)),
+            "kind": pa.array(ckind, pa.string()),
+            "system": pa.array(cols["system"], pa.string()),
+            "fingerprint_id": pa.array(cols["fp"], pa.int64()),
+            "offset_ms": pa.array(np.asarray(cols["off"], dtype=np.float64) / 1e6),
+            "duration_ms": pa.array(cdur),
+            "rows": pa.array(cols["rows"], pa.int64()),
+            "bytes": pa.nulls(m, pa.int64()),
+            "params_hash": pa.array(cols["ph"], pa.int64()),
+            "stack_id": pa.array(cols["stack"], pa.int64()),
+            "site_id": pa.array(cols["site"], pa.int64()),
+            "host": pa.array(cols["host"], pa.string()),
+            "status": pa.array(cols["status"], pa.int32()),
+            "hit": pa.nulls(m, pa.bool_()),
+            "wait_ms": pa.nulls(m, pa.float64()),
+            "error": pa.array(cols["error"], pa.string()),
+            "unfinished": pa.nulls(m, pa.bool_()),
+        }
+    )
+    lrow = pa.array([r for r, *_ in links], pa.int64())
+    attrs = pa.table(
+        {
+            "ts": pc.take(ts, lrow),
+            "trace_id": pc.take(trace_id, lrow),
+            "service": pc.take(service, lrow),
+            "endpoint": pc.take(endpoint, lrow),
+            "kind": pa.array([LINK] * len(links), pa.string()),
+            "key": pa.array([k for _, k, _, _ in links], pa.string()),
+            "value": pa.array([v for _, _, v, _ in links], pa.string()),
+            "num": pa.array([s for *_, s in links], pa.float64()),
+        },
+        schema=schema.ATTRIBUTES.arrow_schema(),
+    )
+    out.requests, out.calls = n, m
+    days = np.unique(day)
+    for d in days.tolist():
+        key = values.EPOCH + timedelta(days=d)
+        if len(days) == 1:
+            out.days[key] = {"requests": req, "calls": call, "attributes": attrs}
+            continue
+        in_day = day == d
+        out.days[key] = {
+            "requests": req.filter(pa.array(in_day)),
+            "calls": call.filter(pa.array(in_day[crow])),
+            "attributes": attrs.filter(
+                pa.array(in_day[np.asarray([r for r, *_ in links], np.int64)])
+            ),
+        }
+    if batch.events:
+        for d, parts in evidence_tables(batch, now_ns).items():
+            out.days.setdefault(d, {}).update(parts)
+    _dictionary_tables(out, dictionary, internal)
+    return out
+
+
+def _dictionary_tables(out: Tables, dictionary: Dictionary, internal: set[int]) -> None:
+    fps = [o for (t, _), o in dictionary.items() if t == FINGERPRINT]
+    locs = [o for (t, _), o in dictionary.items() if t == LOCATION]
+    stacks = [o for (t, _), o in dictionary.items() if t == STACK]
+    if fps:
+        out.fingerprints = pa.table(
+            {
+                "id": [o["id"] for o in fps],
+                "kind": [
+                    internal_sql.INTERNAL_KIND if o["id"] in internal else o["kind"] for o in fps
+                ],
+                "op": [o["op"] for o in fps],
+                "text": [values.text(o["text"]) for o in fps],
+            },
+            schema=schema.FINGERPRINTS.arrow_schema(),
+        )
+    if locs:
+        out.locations = pa.table(
+            {
+                "id": [o["id"] for o in locs],
+                "file": [values.text(o["file"]) for o in locs],
+                "line": [o["line"] for o in locs],
+                "function": [values.text(o["func"]) for o in locs],
+                "app": [True] * len(locs),
+            },
+            schema=schema.LOCATIONS.arrow_schema(),
+        )
+    if stacks:
+        out.stacks = pa.table(
+            {"id": [o["id"] for o in stacks], "frames": [o["frames"] for o in stacks]},
+            schema=schema.STACKS.arrow_schema(),
+        )
+
+
+_internals: dict[str, bool] = {}
+
+
+def _internal(text: str) -> bool:
+    hit = _internals.get(text)
+    if hit is None:
+        if len(_internals) >= _MAX_CACHED:
+            _internals.clear()
+        hit = _internals[text] = internal_sql.is_internal(text)
+    return hit
+
+
+def _segment(
+    segments: dict[tuple[str, str, str], records.SegmentState], s: Span
+) -> records.SegmentState:
+    """The segment standing for a span's source (service, host, version; the process id)."""
+    seg = segments.get(s.source)
+    if seg is None:
+        service, host, version = s.source
+        base = f"otlp/{service}/{host}"
+        seg = segments[s.source] = records.SegmentState(base, base, 0, service, host)
+        seg.version = version
+        pid = values.as_int(s.resource.get("process.pid"))
+        seg.pid = pid if pid is not None and 0 <= pid < 2**31 else None
+    return seg
+
+
+def _served(block: Span, pending: Pending) -> Served | None:
+    """The stored request of a block's trace and service: the one whose span holds the block,
+    else the trace's only request of that service."""
+    mine = [r for r in pending.servers.get(block.trace, ()) if r.source == block.source]
+    inside = [r for r in mine if r.start <= block.start <= r.end]
+    if inside:
+        return inside[-1]
+    return mine[0] if len(mine) == 1 else None
+
+
+def _blocker(b: Span, req: Served | None, last_call: dict[str, Any] | None) -> dict[str, Any]:
+    """A loop block as the agent's BLOCKER record (store.evidence): the request whose code
+    held the loop and the last call it finished before the block (a large result parsed next).
+    No stack: the span does not say which line blocked."""
+    out: dict[str, Any] = {
+        "ts": b.start,
+        "dur": max(b.end - b.start, 0),
+        "delayed": values.as_int(b.attrs.get(BLOCK_DELAYED)),
+        "stacks": [],
+    }
+    if req is not None:
+        out.update(id=req.id, endpoint=req.endpoint, method=req.method, path=req.path)
+        if last_call is not None:
+            out["last_call"] = last_call
     return out
 
 
@@ -377,25 +822,6 @@ def _is_call(s: Span) -> bool:
     if s.kind == SPAN_CLIENT:
         return True
     return "db.system" in a or "db.system.name" in a  # some drivers report INTERNAL spans
-
-
-def _owner(s: Span, by_id: dict[tuple[str, str], Span]) -> tuple[Span | None, bool, bool]:
-    """(nearest SERVER ancestor, whether a client span lies between, whether the ancestry
-    is complete: it ends at a root rather than at a span not seen yet)."""
-    nested = False
-    cur = s
-    for _ in range(256):  # a cycle of parent ids must not hang ingest
-        if not cur.parent:
-            return None, nested, True
-        up = by_id.get((cur.trace, cur.parent))
-        if up is None:
-            return None, nested, False
-        if up.kind in REQUEST_KINDS:
-            return up, nested, True
-        if up.kind == SPAN_CLIENT or _is_call(up):
-            nested = True
-        cur = up
-    return None, nested, True
 
 
 # The location, stack and fingerprint records a payload's calls use, by (type, id).
@@ -434,48 +860,14 @@ def _method(a: dict[str, Any]) -> str | None:
     return str(m).upper() if m is not None else None
 
 
-def _request(srv: Span, calls: list[Span], keys: Keys, dictionary: Dictionary) -> dict[str, Any]:
-    a = srv.attrs
-    method = _method(a)
-    target = ing._str(_first(a, "url.path", "http.target")) or ""
-    path = target.split("?", 1)[0] or None
-    route = ing._str(_first(a, "http.route"))
-    if srv.kind == SPAN_CONSUMER:
-        endpoint = srv.name or "<unknown>"
-    elif route:
-        endpoint = f"{method} {route}" if method else route
-    elif path:
-        endpoint = f"{method or 'GET'} {fpr.url_template(path)}"
-    else:
-        endpoint = srv.name or "<unknown>"
-    return {
-        "id": srv.trace + srv.span,
-        "ts": srv.start,
-        "dur": max(srv.end - srv.start, 0),
-        "kind": "web" if srv.kind == SPAN_SERVER else "background",
-        "method": method,
-        "endpoint": endpoint,
-        "path": path,
-        "status": ing.as_int(_first(a, "http.response.status_code", "http.status_code")),
-        "error": srv.error,
-        "user": ing._str(_first(a, *keys.user) or _first(srv.resource, *keys.user)),
-        "tenant": ing._str(_first(a, *keys.tenant) or _first(srv.resource, *keys.tenant)),
-        "req_bytes": ing.as_int(_first(a, "http.request.body.size", "http.request_content_length")),
-        "resp_bytes": ing.as_int(
-            _first(a, "http.response.body.size", "http.response_content_length")
-        ),
-        "calls": [_call(c, srv.start, dictionary) for c in calls],
-    }
-
-
 def _call(c: Span, t0: int, dictionary: Dictionary) -> dict[str, Any]:
     a = c.attrs
-    system = ing._str(_first(a, "db.system.name", "db.system"))
+    system = values.as_str(_first(a, "db.system.name", "db.system"))
     out: dict[str, Any] = {"off": c.start - t0, "dur": max(c.end - c.start, 0), "error": c.error}
     if system is not None:
         system = system.lower()
-        statement = ing._str(_first(a, "db.query.text", "db.statement"))
-        operation = ing._str(_first(a, "db.operation.name", "db.operation"))
+        statement = values.as_str(_first(a, "db.query.text", "db.statement"))
+        operation = values.as_str(_first(a, "db.operation.name", "db.operation"))
         if system in CACHE_SYSTEMS:
             kind = "cache"
             words = (statement or operation or c.name).split()
@@ -489,23 +881,23 @@ def _call(c: Span, t0: int, dictionary: Dictionary) -> dict[str, Any]:
             else:
                 text = (operation or c.name).upper()
                 op = text.split()[0] if text.split() else "OTHER"
-        out["rows"] = ing.as_int(_first(a, "db.response.returned_rows"))
+        out["rows"] = values.as_int(_first(a, "db.response.returned_rows"))
         out["ph"] = _params_hash(statement or "", text, a)
     else:
         kind, system = "http", "http"
         method = _method(a) or "GET"
-        url = ing._str(_first(a, "url.full", "http.url")) or ""
+        url = values.as_str(_first(a, "url.full", "http.url")) or ""
         rest = url.split("://", 1)[-1]
         url_host, _, url_path = rest.partition("/")
         url_host = url_host.rsplit("@", 1)[-1]  # never keep credentials in a URL
-        host = ing._str(_first(a, "server.address", "net.peer.name")) or url_host
+        host = values.as_str(_first(a, "server.address", "net.peer.name")) or url_host
         port = _first(a, "server.port", "net.peer.port")
         if host and port is not None and ":" not in host:
             host = f"{host}:{port}"
         host = host or c.name
         text, op = f"{method} {host}{fpr.url_template('/' + url_path)}", method
         out["host"] = host
-        out["status"] = ing.as_int(_first(a, "http.response.status_code", "http.status_code"))
+        out["status"] = values.as_int(_first(a, "http.response.status_code", "http.status_code"))
     fid = _stable_id(kind, text)
     if (FINGERPRINT, fid) not in dictionary:
         dictionary[FINGERPRINT, fid] = {"id": fid, "kind": kind, "text": text, "op": op}
@@ -548,12 +940,12 @@ def _params_hash(statement: str, text: str, a: dict[str, Any]) -> int | None:
 
 def _site(a: dict[str, Any]) -> tuple[str, int, str] | None:
     """(file, line, function) of the ``code.*`` attributes (old and current names)."""
-    file = ing._str(_first(a, "code.file.path", "code.filepath"))
-    line = ing.as_int(_first(a, "code.line.number", "code.lineno"))
-    func = ing._str(_first(a, "code.function.name", "code.function"))
+    file = values.as_str(_first(a, "code.file.path", "code.filepath"))
+    line = values.as_int(_first(a, "code.line.number", "code.lineno"))
+    func = values.as_str(_first(a, "code.function.name", "code.function"))
     if file is None and func is None:
         return None
-    ns = ing._str(_first(a, "code.namespace"))
+    ns = values.as_str(_first(a, "code.namespace"))
     if func and ns and "." not in func:
         func = f"{ns}.{func}"
     return file or "?", line if line is not None and 0 <= line < 2**31 else 0, func or "?"

@@ -66,11 +66,12 @@ def encode_payload(rtype: bytes, payload: bytes) -> bytes:
 
 @dataclass
 class Damage:
-    """A byte range that could not be read as records."""
+    """A byte range of a segment that could not be read as records."""
 
     offset: int
     length: int
     reason: str
+    segment: str = ""  # the segment's file name, where the reader knows it (the store's reports)
 
 
 @dataclass

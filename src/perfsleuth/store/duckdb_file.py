@@ -1,0 +1,212 @@
+"""The DuckDB store's file: creating it safely, opening it, its schema and migrations, and the
+day tables behind the views named like the logical tables.
+
+Event rows live in one table per day (``requests_d20261123``, ``calls_d…``, ``attributes_d…``)
+behind views named like the logical tables (:mod:`perfsleuth.store.schema`); retention drops
+whole days. :class:`DuckDBFile` is the base of the writer (:mod:`.duckdb_writer`) and the reader
+(:mod:`.duckdb_reader`), which :class:`perfsleuth.store.duckdb_store.DuckDBStore` joins.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import UTC, date, datetime
+
+import duckdb
+
+from perfsleuth.store import schema
+from perfsleuth.store.base import StoreError, StoreLocked, disk_full
+from perfsleuth.store.schema import quote
+
+DB_NAME = "perfsleuth.duckdb"
+_LOCK_PID = re.compile(r"\(PID (\d+)\)")
+
+
+# DuckDB's file starts with three 4 KiB headers: a shorter file is a creation that failed
+_HEADERS_SIZE = 3 * 4096
+
+
+def _is_stub(path: str) -> bool:
+    """Whether ``path`` is a store file whose creation never completed (an earlier version
+    created it in place: a full disk left a few KiB that every open refused), with no log."""
+    try:
+        if os.path.getsize(path) >= _HEADERS_SIZE:
+            return False
+        return not os.path.exists(path + ".wal") or os.path.getsize(path + ".wal") == 0
+    except OSError:
+        return False
+
+
+def _remove(*paths: str) -> None:
+    for p in paths:
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def iso(ts: datetime | None) -> str | None:
+    return None if ts is None else ts.replace(tzinfo=UTC).isoformat()
+
+
+class DuckDBFile:
+    """An open DuckDB store file (``self._con``), with its schema brought up to date."""
+
+    def __init__(self, data_dir: str, read_only: bool = False) -> None:
+        self.data_dir = os.path.abspath(data_dir)
+        self.spool_dir = os.path.join(self.data_dir, "spool")
+        self.corrupt_dir = os.path.join(self.spool_dir, "corrupt")
+        self.agents_dir = os.path.join(self.data_dir, "agents")
+        self.path = os.path.join(self.data_dir, DB_NAME)
+        self.read_only = read_only
+        os.makedirs(self.data_dir, exist_ok=True)
+        if not os.path.exists(self.path) or _is_stub(self.path):
+            # Readers too get an empty store, so that they work before anything was ingested.
+            self._create_file()
+        self._con = self._connect(read_only)
+        if not read_only:
+            try:
+                self._create_schema()
+            except duckdb.Error as e:
+                self.close()
+                raise disk_full(self.data_dir, e) or StoreError(
+                    f"cannot prepare the store {self.path}: {e}"
+                ) from e
+        else:
+            # A store written by an older version lacks newer tables (or has views naming
+            # day tables it never made): readers get views over what is there, in memory.
+            self._create_views(self._days(), temp=True)
+
+    def _create_file(self) -> None:
+        """Create the store with its schema under a temporary name, then link it into place:
+        a store whose creation fails (a full disk) leaves no stub that later opens fail on,
+        and a store another process created meanwhile is kept."""
+        tmp = f"{self.path}.creating-{os.getpid()}"
+        _remove(tmp, tmp + ".wal")
+        try:
+            self._con = self._connect(False, tmp)
+            try:
+                self._create_schema()
+                self._con.execute("CHECKPOINT")
+            finally:
+                self.close()
+            if _is_stub(self.path):
+                _remove(self.path)
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                pass  # created by another process meanwhile: that one is the store
+            except OSError:  # a filesystem without hard links
+                if not os.path.exists(self.path):
+                    os.replace(tmp, self.path)
+        except (duckdb.Error, OSError) as e:
+            raise disk_full(self.data_dir, e) or StoreError(
+                f"cannot create the store {self.path}: {e}"
+            ) from e
+        finally:
+            _remove(tmp, tmp + ".wal")
+
+    def _connect(self, read_only: bool, path: str | None = None) -> duckdb.DuckDBPyConnection:
+        try:
+            con = duckdb.connect(path or self.path, read_only=read_only)
+        except duckdb.IOException as e:
+            msg = str(e)
+            full = disk_full(self.data_dir, e)
+            if full is not None:
+                raise full from e
+            if "lock" in msg.lower():
+                m = _LOCK_PID.search(msg)
+                who = f"PID {m.group(1)}" if m else "see the engine's message: " + msg
+                raise StoreLocked(
+                    f"the store {self.path} is in use by another perfsleuth process ({who}); "
+                    "wait for it to finish or stop it, then try again"
+                ) from e
+            raise StoreError(f"cannot open the store {self.path}: {msg}") from e
+        except duckdb.Error as e:
+            raise StoreError(f"cannot open the store {self.path}: {e}") from e
+        return con
+
+    def _create_schema(self) -> None:
+        con = self._con
+        con.begin()
+        for t in schema.GLOBAL_TABLES:
+            con.execute(schema.duckdb_create(t))
+        days = self._days()
+        self._migrate(days)
+        self._create_views(days)
+        con.commit()
+
+    def _migrate(self, days: list[date]) -> None:
+        """Bring tables written by an older version up to the schema: missing day tables of
+        event tables are created, missing columns added (NULL in old rows)."""
+        have: dict[str, set[str]] = {}
+        for table, column in self._con.execute(
+            "SELECT table_name, column_name FROM duckdb_columns() WHERE schema_name = 'main' "
+            "AND database_name = current_database()"
+        ).fetchall():
+            have.setdefault(table, set()).add(column)
+        tables = [(t, t.name) for t in schema.GLOBAL_TABLES]
+        for d in days:
+            for t in schema.EVENT_TABLES:
+                name = schema.day_table(t, d)
+                if name not in have:
+                    self._con.execute(schema.duckdb_create(t, name))
+                else:
+                    tables.append((t, name))
+        for t, name in tables:
+            for c in t.columns:
+                if c.name not in have.get(name, {c.name}):
+                    self._con.execute(
+                        f"ALTER TABLE {quote(name)} ADD COLUMN {quote(c.name)} "
+                        f"{schema.duckdb_type(c)}"
+                    )
+
+    def close(self) -> None:
+        con = getattr(self, "_con", None)
+        if con is not None:
+            con.close()
+            self._con = None  # type: ignore[assignment]
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise StoreError(f"the store was opened read-only; {what} needs a writable store")
+
+    def _day_tables(self) -> dict[str, set[date]]:
+        """Days for which each event table exists."""
+        rows = self._con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' "
+            "AND database_name = current_database()"
+        ).fetchall()
+        out: dict[str, set[date]] = {t.name: set() for t in schema.EVENT_TABLES}
+        for (name,) in rows:
+            parsed = schema.parse_day_table(name)
+            if parsed is not None:
+                out[parsed[0]].add(parsed[1])
+        return out
+
+    def _days(self) -> list[date]:
+        """Days for which the event tables exist (requests is the reference)."""
+        return sorted(self._day_tables()["requests"])
+
+    def _create_views(self, days: list[date], *, temp: bool = False) -> None:
+        # A store written by an older version, opened read-only, may lack a newer table on
+        # some days: each view covers the days its table exists.
+        have = self._day_tables()
+        for t in schema.EVENT_TABLES:
+            self._con.execute(
+                schema.duckdb_view(t, [d for d in days if d in have[t.name]], temp=temp)
+            )
+
+    def _table_names(self) -> set[str]:
+        return {
+            r[0]
+            for r in self._con.execute(
+                "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' "
+                "AND database_name = current_database()"
+            ).fetchall()
+        }

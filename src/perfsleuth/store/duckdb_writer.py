@@ -1,0 +1,191 @@
+"""The DuckDB store's writing half: ingest (the engine side of :mod:`perfsleuth.store.ingest`:
+offsets, one transaction per batch) and retention (whole days dropped)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import date, datetime, timedelta
+
+import duckdb
+import pyarrow as pa
+
+from perfsleuth.store import schema, spool
+from perfsleuth.store.base import IngestReport, Progress, StoreError, disk_full
+from perfsleuth.store.duckdb_file import DuckDBFile, utcnow
+from perfsleuth.store.ingest import Limits, Offset, commit_batch, ingest_spool
+from perfsleuth.store.records import Batch
+from perfsleuth.store.schema import quote
+from perfsleuth.store.tables import Tables, drop_known_traces, trace_ids
+
+
+class DuckDBWriter(DuckDBFile):
+    # Requests per ingest transaction (ClickHouse-sized batches: 10k-100k rows per insert).
+    batch_requests = 50_000
+    # ... and payload bytes, which bounds memory when requests are large.
+    batch_bytes = 256 * 1024 * 1024
+    # An .open segment whose writer is dead is final once unchanged this long.
+    open_idle_seconds = 60.0
+    _known_days: set[date]  # the days whose tables exist, while ingesting
+
+    def ingest(self, progress: Progress | None = None) -> IngestReport:
+        """Ingest everything new in the spool (see :mod:`perfsleuth.store.ingest`)."""
+        self._writable("ingest")
+        self._known_days = set(self._days())
+        limits = Limits(self.batch_requests, self.batch_bytes, self.open_idle_seconds)
+        return ingest_spool(self, self.spool_dir, limits, progress)
+
+    def insert_batch(self, batch: Batch) -> IngestReport:
+        """Store records that came from outside the spool (OTLP, store.otlp) in one
+        transaction, as ingest stores a spool batch: requests already held are left out."""
+        self._writable("ingest")
+        self._known_days = set(self._days())
+        report = IngestReport()
+        commit_batch(self, self.spool_dir, batch, report)
+        return report
+
+    def insert_tables(self, batch: Batch, tables: Tables) -> None:
+        """Store tables built outside the spool ingest (OTLP's columnar mapping, store.otlp)
+        with the segments of ``batch``, in one transaction: requests already held are left
+        out."""
+        self._writable("ingest")
+        self._known_days = set(self._days())
+        self.commit(batch, tables)
+
+    def committed_offsets(self) -> dict[str, Offset]:
+        rows = self._con.execute(
+            'SELECT segment, "offset", closed, damaged, service, host, pid, version'
+            " FROM ingest_offsets"
+        ).fetchall()
+        return {r[0]: Offset(*r[1:]) for r in rows}
+
+    def internal_fingerprint_ids(self) -> Iterable[int]:
+        return (
+            r[0]
+            for r in self._con.execute(
+                "SELECT id FROM fingerprints WHERE kind = 'db.internal'"
+            ).fetchall()
+        )
+
+    def commit(self, batch: Batch, tables: Tables) -> None:
+        """See :meth:`perfsleuth.store.ingest.IngestTarget.commit`: new day tables (and the
+        views over them) are made in the same transaction."""
+        days = self._known_days
+        con = self._con
+        con.begin()
+        try:
+            self._drop_known_traces(tables)
+            new_days = [d for d in tables.days if d not in days]
+            for d in new_days:
+                for t in schema.EVENT_TABLES:
+                    con.execute(schema.duckdb_create(t, schema.day_table(t, d)))
+            if new_days:
+                self._create_views(sorted(days | set(new_days)))
+            for d, parts in tables.days.items():
+                for t in schema.EVENT_TABLES:
+                    if t.name in parts:
+                        self._insert(schema.day_table(t, d), parts[t.name])
+            for name, tbl in (
+                ("fingerprints", tables.fingerprints),
+                ("locations", tables.locations),
+                ("stacks", tables.stacks),
+            ):
+                if tbl is not None:
+                    self._insert(name, tbl, conflict="OR IGNORE")
+            if tables.agent_stats is not None:
+                self._insert("agent_stats", tables.agent_stats)
+            if tables.captures is not None:
+                self._insert("captures", tables.captures, conflict="OR IGNORE")
+            now = utcnow()
+            offs = pa.Table.from_pylist(
+                [
+                    {
+                        "segment": s.base,
+                        "offset": s.offset,
+                        "closed": s.final,
+                        "damaged": s.damaged,
+                        "service": s.service or None,
+                        "host": s.host or None,
+                        "pid": s.pid,
+                        "updated": now,
+                        "version": s.version or None,
+                    }
+                    for s in batch.segments
+                ],
+                schema=schema.INGEST_OFFSETS.arrow_schema(),
+            )
+            self._insert("ingest_offsets", offs, conflict="OR REPLACE")
+            self._commit()
+        except BaseException as e:
+            try:
+                con.rollback()
+            except duckdb.Error:
+                pass
+            full = disk_full(self.data_dir, e)
+            if full is not None:  # the offsets were not advanced: the spool keeps it all
+                raise full from e
+            raise
+        days.update(new_days)
+
+    def _drop_known_traces(self, tables: Tables) -> None:
+        """Requests already in the store (a record repeated, a segment copied under another
+        name) are not added again: one semi-join of the batch's trace ids."""
+        ids = trace_ids(tables)
+        if not len(ids):
+            return
+        self._con.register("_ps_ids", pa.table({"trace_id": ids}))
+        try:
+            known = self._con.execute(
+                "SELECT DISTINCT trace_id FROM requests "
+                "WHERE trace_id IN (SELECT trace_id FROM _ps_ids)"
+            ).fetchall()
+        finally:
+            self._con.unregister("_ps_ids")
+        drop_known_traces(tables, pa.array([r[0] for r in known], pa.string()))
+
+    def _commit(self) -> None:
+        self._con.commit()
+
+    def _insert(self, table: str, data: pa.Table, conflict: str = "") -> None:
+        if data.num_rows == 0:
+            return
+        self._con.register("_ps_batch", data)
+        try:
+            self._con.execute(
+                f"INSERT {conflict} INTO {quote(table)} BY NAME SELECT * FROM _ps_batch"
+            )
+        finally:
+            self._con.unregister("_ps_batch")
+
+    def apply_retention(self, days: int) -> list[str]:
+        """Drop whole days that ended more than ``days`` days ago; returns them (YYYY-MM-DD)."""
+        self._writable("retention")
+        if days < 1:
+            raise StoreError(f"retention must be at least 1 day (got {days})")
+        cutoff = utcnow() - timedelta(days=days)
+        existing = self._days()
+        old = [
+            d
+            for d in existing
+            if datetime.combine(d + timedelta(days=1), datetime.min.time()) <= cutoff
+        ]
+        con = self._con
+        con.begin()
+        try:
+            self._create_views([d for d in existing if d not in old])
+            for d in old:
+                for t in schema.EVENT_TABLES:
+                    con.execute(f"DROP TABLE IF EXISTS {quote(schema.day_table(t, d))}")
+            con.execute("DELETE FROM agent_stats WHERE ts < ?", [cutoff])
+            con.execute("DELETE FROM captures WHERE ts < ?", [cutoff])
+            # Offsets of finished segments no longer in the spool can never matter again.
+            present = [f.base for f in spool.list_spool(self.spool_dir)]
+            con.execute(
+                "DELETE FROM ingest_offsets WHERE closed AND updated < ? "
+                "AND NOT list_contains(?::VARCHAR[], segment)",
+                [cutoff, present],
+            )
+            con.commit()
+        except BaseException:
+            con.rollback()
+            raise
+        return [d.isoformat() for d in old]

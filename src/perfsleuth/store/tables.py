@@ -1,0 +1,335 @@
+"""A batch of records -> the Arrow tables one transaction adds (:func:`build_tables`).
+
+Request rows become rows of ``requests``; their calls rows of ``calls`` (with the request's ts,
+trace id, service and endpoint copied in) and per-request aggregates (db/http/cache calls and
+time) computed once here so ``top`` is one scan. Event tables are split by day (the store keeps
+a table per day). Dictionary records and agent counters become their tables; runtime evidence
+and captures are converted by :mod:`perfsleuth.store.evidence` and
+:mod:`perfsleuth.store.captures`.
+
+A request is stored once per trace id: a batch keeps the first of each (decode.once_per_trace)
+and the store leaves out those it holds already (:func:`drop_known_traces`), with their calls
+and attributes. Nothing here depends on the engine the tables go to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import date, timedelta
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from perfsleuth.store import schema
+from perfsleuth.store.captures import table as capture_table
+from perfsleuth.store.decode import CALL_WIRE, once_per_trace, parse_requests, to_numpy
+from perfsleuth.store.evidence import tables as evidence_tables
+from perfsleuth.store.records import Batch, internal_fingerprints
+from perfsleuth.store.values import EPOCH, NS_PER_DAY, TS_MAX, as_str, sane_ts, text
+from perfsleuth.wire import CAPTURE, internal_sql
+
+
+@dataclass
+class Tables:
+    """What one batch adds: event tables per day, dictionaries, counters."""
+
+    days: dict[date, dict[str, pa.Table]] = field(default_factory=dict)
+    fingerprints: pa.Table | None = None
+    locations: pa.Table | None = None
+    stacks: pa.Table | None = None
+    agent_stats: pa.Table | None = None
+    captures: pa.Table | None = None
+    requests: int = 0
+    calls: int = 0
+
+
+def build_tables(batch: Batch, now_ns: int) -> Tables:
+    """Arrow tables for a batch. Undecodable request payloads are added to ``batch.damage``.
+
+    Should a part of the batch (its requests, its evidence, its captures, its dictionaries
+    and counters) fail to convert all the same, on values the checks above do not foresee,
+    that part is damage of the segments that sent it: its rows are lost, the rest commits and
+    ingest goes on, where an error would fail every later run at the same records."""
+    out = Tables()
+    try:
+        wire, src, attr_objs = parse_requests(batch)
+        wire, src, attr_objs = once_per_trace(wire, src, attr_objs)
+        if wire.num_rows:
+            _event_tables(out, wire, src, attr_objs, batch, now_ns)
+    except MemoryError:
+        raise
+    except Exception as e:
+        out.days.clear()
+        out.requests = out.calls = 0
+        sent = {m[0] for m in batch.raw_meta} | {c[0] for c in batch.columns}
+        _unconverted(batch, sent | set(batch.dict_src), "requests", e)
+    events = {t: evs for t, evs in batch.events.items() if t != CAPTURE}
+    if events:
+        try:
+            for d, parts in evidence_tables(batch, now_ns).items():
+                out.days.setdefault(d, {}).update(parts)
+        except MemoryError:
+            raise
+        except Exception as e:
+            _unconverted(batch, {ev[0] for evs in events.values() for ev in evs}, "evidence", e)
+    if batch.events.get(CAPTURE):
+        try:
+            out.captures = capture_table(batch, now_ns)
+        except MemoryError:
+            raise
+        except Exception as e:
+            _unconverted(batch, {ev[0] for ev in batch.events[CAPTURE]}, "captures", e)
+    try:
+        _dictionaries(out, batch, now_ns)
+    except MemoryError:
+        raise
+    except Exception as e:
+        out.fingerprints = out.locations = out.stacks = out.agent_stats = None
+        _unconverted(batch, set(range(len(batch.segments))), "dictionary and counter records", e)
+    return out
+
+
+def _unconverted(batch: Batch, segments: set[int], what: str, exc: Exception) -> None:
+    """Damage of each segment in ``segments``: up to where it was read, ``what`` of it could
+    not be converted."""
+    reason = f"{what} the store could not convert ({type(exc).__name__}: {exc})"[:300]
+    for i in sorted(segments):
+        seg = batch.segments[i]
+        batch.add_damage(seg, 0, seg.offset, reason)
+
+
+def _dictionaries(out: Tables, batch: Batch, now_ns: int) -> None:
+    if batch.fingerprints:
+        ids = list(batch.fingerprints)
+        kind, op, fp_text = zip(*batch.fingerprints.values(), strict=True)
+        out.fingerprints = _table(schema.FINGERPRINTS, id=ids, kind=kind, op=op, text=fp_text)
+    if batch.locations:
+        ids = list(batch.locations)
+        file, line, func, app = zip(*batch.locations.values(), strict=True)
+        out.locations = _table(
+            schema.LOCATIONS, id=ids, file=file, line=line, function=func, app=app
+        )
+    if batch.stacks:
+        out.stacks = _table(
+            schema.STACKS, id=list(batch.stacks), frames=list(batch.stacks.values())
+        )
+    if batch.stats:
+        ts, service, host, pid, name, value = zip(*batch.stats, strict=True)
+        out.agent_stats = _table(
+            schema.AGENT_STATS,
+            ts=pa.array([sane_ts(t, now_ns) // 1000 for t in ts], pa.timestamp("us")),
+            service=[s or "" for s in service],
+            host=[h or "" for h in host],
+            pid=[p if p is not None and 0 <= p < 2**31 else 0 for p in pid],
+            name=name,
+            value=value,
+        )
+
+
+def _table(t: schema.Table, **cols: Any) -> pa.Table:
+    return pa.Table.from_pydict(cols, schema=t.arrow_schema())
+
+
+def drop_known_traces(tables: Tables, known: pa.Array) -> None:
+    """Leave out of ``tables`` the requests (with their calls and attributes) whose trace id
+    the store holds already: ingest adds each trace once."""
+    if not len(known):
+        return
+    for parts in tables.days.values():
+        for name in ("requests", "calls", "attributes"):
+            t = parts.get(name)
+            if t is None or not t.num_rows:
+                continue
+            new = pc.invert(pc.is_in(t["trace_id"], value_set=known))
+            kept = t.filter(new)
+            if name == "requests":
+                tables.requests -= t.num_rows - kept.num_rows
+            elif name == "calls":
+                tables.calls -= t.num_rows - kept.num_rows
+            parts[name] = kept
+
+
+def trace_ids(tables: Tables) -> pa.Array:
+    """The trace ids of the requests in ``tables`` (those without one left out)."""
+    ids = [p["requests"]["trace_id"] for p in tables.days.values() if "requests" in p]
+    if not ids:
+        return pa.array([], pa.string())
+    all_ids = pa.chunked_array(ids, pa.string()).combine_chunks()
+    return all_ids.filter(pc.not_equal(all_ids, ""))
+
+
+def _event_tables(
+    out: Tables,
+    wire: pa.Table,
+    src: np.ndarray,
+    attr_objs: list[tuple[int, Any]],
+    batch: Batch,
+    now_ns: int,
+) -> None:
+    n = wire.num_rows
+    segs = batch.segments
+    service = pc.take(pa.array([s.service or "unknown" for s in segs], pa.string()), src)
+    host = pc.take(pa.array([s.host or None for s in segs], pa.string()), src)
+    pid = pc.take(pa.array([s.pid for s in segs], pa.int32()), src)
+    version = pc.take(pa.array([s.version or None for s in segs], pa.string()), src)
+
+    ts_ns = to_numpy(wire["ts"], 0)
+    bad = (ts_ns <= 0) | (ts_ns >= TS_MAX)
+    if bad.any():
+        ts_ns = np.where(bad, now_ns, ts_ns)
+    ts = pa.array(ts_ns // 1000, pa.timestamp("us"))
+    day = ts_ns // NS_PER_DAY
+    trace_id = pc.fill_null(wire["id"], "")
+    endpoint = pc.fill_null(wire["endpoint"], "<unknown>")
+
+    calls = wire["calls"].combine_chunks()
+    counts = to_numpy(pc.list_value_length(calls), 0).astype(np.int64)
+    flat = pc.list_flatten(calls)
+    m = len(flat)
+    parent = np.repeat(np.arange(n, dtype=np.int64), counts)
+    starts = np.cumsum(counts) - counts
+    seq = np.arange(m, dtype=np.int64) - np.repeat(starts, counts)
+    cf = dict(zip([f.name for f in CALL_WIRE], flat.flatten(), strict=True))
+    ckind = _internal_kind(pc.fill_null(cf["kind"], "unknown"), cf["fp"])
+    cdur = _ms(cf["dur"])
+    cdur_np = to_numpy(cdur, 0.0)
+    parent_pa = pa.array(parent)
+
+    agg: dict[str, Any] = {}
+    for k in ("db", "http", "cache"):
+        mask = to_numpy(pc.equal(ckind, k), False).astype(bool)
+        p = parent[mask]
+        agg[f"{k}_calls"] = pa.array(np.bincount(p, minlength=n).astype(np.int32))
+        agg[f"{k}_ms"] = pa.array(np.bincount(p, weights=cdur_np[mask], minlength=n))
+
+    req = pa.table(
+        {
+            "ts": ts,
+            "trace_id": trace_id,
+            "service": service,
+            "host": host,
+            "pid": pid,
+            "kind": pc.fill_null(wire["kind"], "unknown"),
+            "method": wire["method"],
+            "endpoint": endpoint,
+            "path": wire["path"],
+            "status": _int32_col(wire["status"]),
+            "error": wire["error"],
+            "duration_ms": _ms(wire["dur"]),
+            "cpu_ms": _ms(wire["cpu_ns"]),
+            "req_bytes": wire["req_bytes"],
+            "resp_bytes": wire["resp_bytes"],
+            "user": wire["user"],
+            "tenant": wire["tenant"],
+            **agg,
+            "calls_dropped": _int32_col(pc.fill_null(wire["calls_dropped"], 0)),
+            "gc_ms": _ms(wire["gc_ns"]),
+            "gc_count": _int32_col(wire["gc_count"]),
+            "version": version,
+        },
+        schema=schema.REQUESTS.arrow_schema(),
+    )
+    # Repeated per call: dictionary-encoded, DuckDB stores them as plain VARCHAR.
+    call = pa.table(
+        {
+            "ts": pc.take(ts, parent_pa),
+            "trace_id": pc.take(pc.dictionary_encode(trace_id), parent_pa),
+            "service": pc.take(pc.dictionary_encode(service), parent_pa),
+            "endpoint": pc.take(pc.dictionary_encode(endpoint), parent_pa),
+            "seq": pa.array(seq.astype(np.int32)),
+            "kind": ckind,
+            "system": cf["system"],
+            "fingerprint_id": cf["fp"],
+            "offset_ms": _ms(cf["off"]),
+            "duration_ms": cdur,
+            "rows": cf["rows"],
+            "bytes": cf["bytes"],
+            "params_hash": cf["ph"],
+            "stack_id": cf["stack"],
+            "site_id": cf["site"],
+            "host": cf["host"],
+            "status": _int32_col(cf["status"]),
+            "hit": cf["hit"],
+            "wait_ms": _ms(cf["wait"]),
+            "error": cf["error"],
+            "unfinished": cf["unfinished"],
+        }
+    )
+    attr_rows, attr_cols = _attributes(attr_objs)
+    attr_idx = pa.array(np.asarray(attr_rows, dtype=np.int64))
+    attrs = pa.table(
+        {
+            "ts": pc.take(ts, attr_idx),
+            "trace_id": pc.take(trace_id, attr_idx),
+            "service": pc.take(service, attr_idx),
+            "endpoint": pc.take(endpoint, attr_idx),
+            **attr_cols,
+        },
+        schema=schema.ATTRIBUTES.arrow_schema(),
+    )
+    out.requests += n
+    out.calls += m
+    days = np.unique(day)
+    for d in days:
+        key = EPOCH + timedelta(days=int(d))
+        if len(days) == 1:
+            parts = {"requests": req, "calls": call, "attributes": attrs}
+        else:
+            in_day = day == d
+            parts = {
+                "requests": req.filter(pa.array(in_day)),
+                "calls": call.filter(pa.array(in_day[parent])),
+                "attributes": attrs.filter(pa.array(in_day[np.asarray(attr_rows, np.int64)])),
+            }
+        out.days[key] = parts
+
+
+def _internal_kind(kind: pa.Array, fp: pa.Array) -> pa.Array:
+    """``kind`` with the ``db`` calls of framework-internal statements (their fingerprint is
+    one, see :mod:`perfsleuth.wire.internal_sql`) as ``db.internal``."""
+    internal = internal_fingerprints()
+    if not internal or not len(kind):
+        return kind
+    hit = pc.and_(
+        pc.equal(kind, "db"),
+        pc.is_in(fp, value_set=pa.array(sorted(internal), pa.int64())),
+    )
+    return pc.if_else(pc.fill_null(hit, False), internal_sql.INTERNAL_KIND, kind)
+
+
+def _int32_col(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """int64 -> int32, out-of-range values to NULL (a status or count never needs more)."""
+    ok = pc.and_(pc.greater_equal(arr, -(2**31)), pc.less(arr, 2**31))
+    return pc.cast(pc.if_else(ok, arr, pa.scalar(None, pa.int64())), pa.int32())
+
+
+def _attributes(objs: list[tuple[int, Any]]) -> tuple[list[int], dict[str, list[Any]]]:
+    rows: list[int] = []
+    kind: list[str] = []
+    key: list[str] = []
+    value: list[str | None] = []
+    num: list[float | None] = []
+    for row, obj in objs:
+        if not isinstance(obj, dict):
+            continue
+        for k, name in (("attrs", "attr"), ("tags", "tag")):
+            d = obj.get(k)
+            if not isinstance(d, dict):
+                continue
+            for a, v in d.items():
+                rows.append(row)
+                kind.append(name)
+                key.append(text(str(a)))
+                value.append(as_str(v))
+                num.append(
+                    float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+                )
+    return rows, {"kind": kind, "key": key, "value": value, "num": num}
+
+
+def _ms(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """ns -> ms. Unsafe cast: an int64 above 2**53 rounds to the nearest double instead of
+    raising (a crafted figure must not fail the batch)."""
+    return pc.divide(pc.cast(arr, pa.float64(), safe=False), 1e6)
