@@ -4,7 +4,8 @@ helper in a worker thread (Starlette's ``run_in_threadpool``, ``asyncio.to_threa
 the helper over, so the findings name the caller's line, not only the helper's.
 
 A real FastAPI app under uvicorn, run by ``perfsleuth run``: one sync helper (one query per
-call) called in a loop by three endpoints, each through another hand-off.
+call) called in a loop by three endpoints, each through another hand-off, and a generic
+executor handed a statement returning too many rows.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ DB.execute("CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT)")
 DB.executemany("INSERT INTO items VALUES (?, ?)", [(i, f"item {i}") for i in range(1, 41)])
 LOCK = asyncio.Lock()
 N = 24
+CROSS = "SELECT a.id, b.id FROM items a, items b, items c"
 
 
 def load_item(item_id):
@@ -40,6 +42,10 @@ def load_item(item_id):
 
 def load_all(ids):
     return [load_item(i) for i in ids]  # ALL
+
+
+def run_query(sql):  # a generic executor
+    return DB.execute(sql).fetchall()
 
 
 app = FastAPI()
@@ -59,6 +65,12 @@ async def wishlist():
     for i in range(1, N + 1):
         names.append(await asyncio.to_thread(load_item, i))  # WISHLIST
     return names
+
+
+@app.get("/export")
+async def export():
+    rows = await run_in_threadpool(run_query, CROSS)  # EXPORT
+    return len(rows)
 
 
 @app.get("/saved")
@@ -93,7 +105,7 @@ def recorded(
                 if status != 200:
                     errors.append((path, status))
 
-        paths = ("/cart", "/wishlist", "/saved")
+        paths = ("/cart", "/wishlist", "/saved", "/export")
         threads = [threading.Thread(target=drive, args=(p,)) for p in paths]
         for t in threads:
             t.start()
@@ -130,8 +142,8 @@ def test_findings_name_each_callers_line(recorded: tuple[Path, Path]) -> None:
     data, shop = recorded
     with DuckDBStore(str(data)) as s:
         s.ingest()
-        found = find(s, config=load_config(), kinds=["n_plus_one"])
-    by_endpoint = {f.endpoint: f for f in found}
+        found = find(s, config=load_config(), kinds=["n_plus_one", "oversized_result"])
+    by_endpoint = {f.endpoint: f for f in found if f.kind == "n_plus_one"}
     for endpoint, function, marker in (
         ("GET /cart", "cart", "CART"),
         ("GET /wishlist", "wishlist", "WISHLIST"),
@@ -146,3 +158,9 @@ def test_findings_name_each_callers_line(recorded: tuple[Path, Path]) -> None:
     assert saved is not None
     # the loop of /saved runs in the worker (load_all's comprehension): named there
     assert saved.callsite is not None and saved.callsite["line"] == line_of("ALL")
+    # a generic executor's statement: its site is the executor, its path names the caller
+    (big,) = [f for f in found if f.kind == "oversized_result"]
+    assert big.endpoint == "GET /export"
+    assert big.callsite is not None and big.callsite["function"] == "run_query"
+    path = [(p["function"], p["line"]) for p in big.evidence["app_path"]]
+    assert path == [("export", line_of("EXPORT")), ("run_query", big.callsite["line"])]

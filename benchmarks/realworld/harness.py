@@ -124,7 +124,8 @@ class Server:
         raise RuntimeError(f"server not ready after {timeout:.0f} s: {self.tail()}")
 
     def tail(self, n: int = 2000) -> str:
-        self._log.flush()
+        if not self._log.closed:  # closed once stopped
+            self._log.flush()
         return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
 
     def stop(self, timeout: float = 30.0) -> None:

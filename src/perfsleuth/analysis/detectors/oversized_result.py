@@ -9,7 +9,7 @@ an upper bound, the honest one when the result is what the request spends its ti
 
 from __future__ import annotations
 
-from perfsleuth.analysis import text
+from perfsleuth.analysis import frames, text
 from perfsleuth.analysis.context import Context
 from perfsleuth.analysis.finding import Finding, iso, stable_id
 from perfsleuth.analysis.registry import register
@@ -18,7 +18,7 @@ KIND = "oversized_result"
 
 _SQL = """
 WITH big AS (
-    SELECT endpoint, kind, fingerprint_id, trace_id, site_id, rows, bytes, duration_ms, ts
+    SELECT endpoint, kind, fingerprint_id, trace_id, site_id, stack_id, rows, bytes, duration_ms, ts
     FROM c
     WHERE fingerprint_id IS NOT NULL AND (rows >= ? OR bytes >= ?)
 ),
@@ -32,13 +32,15 @@ per AS (           -- per request: the big calls, and the request's time outside
     SELECT big.endpoint, big.kind, big.fingerprint_id, big.trace_id,
         any_value(ret.returned) AS returned,
         count(*) AS n, sum(big.duration_ms) AS ms, max(big.rows) AS max_rows,
-        max(big.bytes) AS max_bytes, mode(big.site_id) AS site_id, min(big.ts) AS ts,
+        max(big.bytes) AS max_bytes, mode(big.site_id) AS site_id, mode(big.stack_id) AS stack_id,
+        min(big.ts) AS ts,
         any_value(greatest(r.duration_ms - r.db_ms - r.http_ms - r.cache_ms, 0)) AS app_ms,
         any_value(r.resp_bytes) AS resp_bytes, any_value(r.duration_ms) AS req_ms
     FROM big JOIN r USING (trace_id) LEFT JOIN ret USING (trace_id)
     GROUP BY big.endpoint, big.kind, big.fingerprint_id, big.trace_id
 )
-SELECT endpoint, kind, fingerprint_id, mode(site_id) AS site_id, count(*) AS requests_hit,
+SELECT endpoint, kind, fingerprint_id, mode(site_id) AS site_id, mode(stack_id) AS stack_id,
+    count(*) AS requests_hit,
     sum(n) AS calls, median(max_rows) AS rows_p50, max(max_rows) AS rows_max,
     median(max_bytes) AS bytes_p50, max(max_bytes) AS bytes_max, sum(ms) AS ms,
     sum(app_ms) AS app_ms, median(returned) AS returned, median(resp_bytes) AS resp_bytes,
@@ -65,6 +67,7 @@ def detect(ctx: Context) -> list[Finding]:
     if not rows:
         return []
     out = []
+    stacks = frames.stacks(ctx.store, (r["stack_id"] for r in rows))
     for r, fp, callsite in ctx.with_statements(rows):
         returned = r["returned"]
         by_rows = r["rows_p50"] is not None and r["rows_p50"] >= max_rows
@@ -111,6 +114,10 @@ def detect(ctx: Context) -> list[Finding]:
                     "request_ms_median": r["req_p50"],
                     "response_bytes_median": r["resp_bytes"],
                     "rows_returned_median": returned,
+                    # the application frames that led to the statement, outermost first: the
+                    # caller that built it when the call site is a generic executor
+                    "app_path": [f.site() for f in frames.app_frames(stacks.get(r["stack_id"], []))]
+                    or None,
                 },
             )
         )
