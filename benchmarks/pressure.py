@@ -197,9 +197,9 @@ class Child:
         during = 0
         start = time.perf_counter()
         if self.agent:
-            from perfsleuth.agent import shipper
+            from perfsleuth.agent.spool import writer
 
-            shipper._lock.acquire()
+            writer.lock.acquire()
         k = 0
         while time.perf_counter() - start < seconds:
             self.one()
@@ -207,7 +207,7 @@ class Child:
             if k % 50 == 0:
                 during = max(during, rss()[0])
         if self.agent:
-            shipper._lock.release()
+            writer.lock.release()
         self.flush()
         after = rss()[0]
         out: dict[str, Any] = {"n": k, "during": during, "after": after, "base": self.base_rss}

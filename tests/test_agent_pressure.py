@@ -24,7 +24,8 @@ from spoolread import read_spool
 APP = r"""
 import json, sqlite3, sys, tracemalloc
 import perfsleuth.agent as ps
-from perfsleuth.agent import recorder, shipper
+from perfsleuth.agent import recorder
+from perfsleuth.agent.spool import writer
 
 data, cfg, n, per, stall, distinct = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:7])
 assert ps.start(data, service="pressure", **cfg)
@@ -41,7 +42,7 @@ def statement(i, j):
 
 tracemalloc.start()
 if stall:
-    shipper._lock.acquire()  # the writer thread blocks on it: nothing is written meanwhile
+    writer.lock.acquire()  # the writer thread blocks on it: nothing is written meanwhile
 base = tracemalloc.get_traced_memory()[0]
 for i in range(n):
     req = recorder.begin("web", "GET", f"/orders/{i}")
@@ -53,7 +54,7 @@ for i in range(n):
 held = tracemalloc.get_traced_memory()[0] - base
 tracemalloc.reset_peak()
 if stall:
-    shipper._lock.release()
+    writer.lock.release()
 ps.flush()
 peak = tracemalloc.get_traced_memory()[1] - base
 after = tracemalloc.get_traced_memory()[0] - base

@@ -62,7 +62,8 @@ def test_one_rows_rule(rowcount: Any, rows: int | None) -> None:
 
 PROBE = """
 import json, sqlite3, types
-from perfsleuth.agent import accel, shipper
+from perfsleuth.agent import accel
+from perfsleuth.agent.spool import columns
 from perfsleuth.agent.frameworks import asgi
 from perfsleuth.agent.instrument import dbapi, threads
 dbapi.patch_sqlite3(sqlite3)
@@ -70,7 +71,7 @@ print(json.dumps({
     "on": accel.on,
     "send_tap_c": asgi._SendTap is not asgi.SendTap,
     "cpu_meter_c": asgi._CpuMeter is not asgi.CpuMeter,
-    "row_c": shipper._c_row is not None,
+    "row_c": columns._c_row is not None,
     "hand_off_c": not isinstance(threads._wrap_async(print), types.FunctionType),
     "sqlite_c": dbapi.use_speedups(True),
 }))

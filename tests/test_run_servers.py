@@ -402,8 +402,8 @@ AGENT_STATE = """
 import json, os, sys
 import perfsleuth.agent as ps
 from perfsleuth.agent import shipper
-print(json.dumps({"started": ps.started(), "data": shipper._cfg.data_dir,
-                  "service": shipper._cfg.service, "other": os.environ.get("OTHER_SC_RAN")}))
+print(json.dumps({"started": ps.started(), "data": shipper.config().data_dir,
+                  "service": shipper.config().service, "other": os.environ.get("OTHER_SC_RAN")}))
 """
 
 

@@ -18,6 +18,7 @@ import pytest
 from perfsleuth.agent import recorder, shipper
 from perfsleuth.agent.frameworks import asgi as ps_asgi
 from perfsleuth.agent.frameworks.common import identity
+from perfsleuth.agent.spool import columns
 from perfsleuth.wire import batch as wbatch
 from perfsleuth.wire.segment import HEAD_SIZE
 
@@ -110,7 +111,7 @@ def test_the_writer_row_is_the_python_one(
     py_req.trace_id, py_req.start, py_req.end = c_req.trace_id, c_req.start, c_req.end
     py_req.start_wall = c_req.start_wall
     ident = identity()
-    assert recorder.speedups.row(c_req, ident.user_b, ident.tenant_b) == shipper._row_values(py_req)
+    assert recorder.speedups.row(c_req, ident.user_b, ident.tenant_b) == columns.row_values(py_req)
     assert c_req.headers is None and py_req.headers is None
 
 
@@ -124,9 +125,9 @@ def test_the_row_s_integers_read_back_as_set(agent_data_dir: str) -> None:
     ident = identity()
     for values in (
         recorder.speedups.row(req, ident.user_b, ident.tenant_b),
-        shipper._row_values(req),
+        columns.row_values(req),
     ):
-        record = shipper._requests_record([(*values, None)], [bytearray()], {})
+        record = columns.requests_record([(*values, None)], [bytearray()], {})
         (got,) = wbatch.decode(record[HEAD_SIZE:])
         assert got["id"] == "f" * 16 and got["status"] == 404 and got["endpoint"] == "e"
         assert "cpu_ns" not in got and "req_bytes" not in got  # NULL: left out
@@ -141,7 +142,7 @@ def test_a_request_it_cannot_read_is_left_to_python(agent_data_dir: str) -> None
         recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
     assert recorder.speedups.row(odd, b"x-user", b"x-tenant") is NotImplemented
     user = wbatch.STRING_COLUMNS.index("user")
-    assert shipper._row_values(odd)[user] is None  # the Python one copes (and finds no user)
+    assert columns.row_values(odd)[user] is None  # the Python one copes (and finds no user)
 
 
 def test_the_hand_off_notes_the_worker_thread_while_the_function_runs(

@@ -1,0 +1,369 @@
+"""The agent's encoder: finished requests -> wire records (wire.batch's REQUESTS, and the
+LOCATION, STACK and FINGERPRINT dictionary records they refer to).
+
+:func:`encode_requests` is the one entry point for code outside the writer: tests use it to
+write spools exactly the way the agent does. The writer thread keeps one :class:`Encoder`
+(its caches survive across segments) and one :class:`Interned` per segment (what the segment
+holds already: each dictionary record is written once per segment, before the first record
+using it).
+
+Fingerprinting has a CPU budget (PERFSLEUTH_FINGERPRINT_CPU_PCT): past it a new statement is
+written with a hash of its text in place of its normalised text (``fingerprints_skipped``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from perfsleuth.agent import recorder, stacks
+from perfsleuth.agent.frameworks.common import Identity, identity
+from perfsleuth.agent.recorder import stats
+from perfsleuth.agent.spool import columns, targets
+from perfsleuth.wire import FINGERPRINT, LOCATION, STACK
+from perfsleuth.wire import calls as wcalls
+from perfsleuth.wire import fingerprint as fpr
+from perfsleuth.wire.calls import KIND_CODE, NULL, SYSTEM_CODE
+from perfsleuth.wire.fingerprint import params_hash
+from perfsleuth.wire.segment import encode_record
+
+# Requests per REQUESTS record at most: damage to a record (a bad disk sector) loses all of its
+# requests, and the per-record costs (framing, checksum, column names, the site table) are small
+# beside 64.
+BATCH_MAX = 64
+SEEN_BYTES = 72  # an id in a segment's set of what it holds: the int and its slot
+DEFAULT_CACHE_LIMIT = 4 << 20
+
+_serials = itertools.count(1)
+
+
+def encode_requests(
+    requests: Sequence[recorder.ActiveRequest],
+    into: Interned | None = None,
+    *,
+    encoder: Encoder | None = None,
+) -> bytes:
+    """The records the agent writes for these finished requests (recorder.ActiveRequest, as
+    recorder.end hands them over): the dictionary records ``into`` does not hold yet, then
+    REQUESTS records of at most BATCH_MAX requests each. Append them to a segment after its
+    header (wire.segment.FILE_MAGIC and a HEADER record).
+
+    ``into`` is what the segment holds already (pass the same one for every call writing to
+    one segment; a new one by default: the records then stand alone). ``encoder`` carries the
+    caches and the fingerprinting budget (a new one by default, without a budget: every
+    statement is fingerprinted). A request that cannot be encoded is left out and counted
+    (``internal_errors``)."""
+    enc = encoder if encoder is not None else Encoder(fingerprint_cpu_pct=None)
+    seen = into if into is not None else Interned()
+    return b"".join(b"".join(records) for records, _ in enc.records(seen, requests))
+
+
+class Interned:
+    """What one segment holds already: the ids of its dictionary records."""
+
+    def __init__(self) -> None:
+        self.serial = next(_serials)  # tells segments apart, whatever their names
+        self.locations: set[int] = set()
+        self.stacks: set[int] = set()
+        self.fingerprints: set[int] = set()
+
+
+class Encoder:
+    """Turns requests into records; caches survive across segments, emitted-sets do not."""
+
+    def __init__(
+        self,
+        fingerprint_cpu_pct: float | None = 5.0,
+        cache_limit: int = DEFAULT_CACHE_LIMIT,
+    ) -> None:
+        # Keyed by id(code): hashing code objects is not cached by CPython. Values keep the
+        # code objects alive, so their ids stay unique while cached.
+        self.locs: dict[tuple[int, int], tuple[int, dict[str, Any], Any]] = {}
+        self.stack_ids: dict[tuple[int, ...], tuple[int, list[int], Any, int]] = {}
+        # (kind, hash of the target): a statement's text is not kept as a key (distinct
+        # statements would fill the cache with their literals); str hashes are cached by
+        # CPython, so a hit costs no pass over the text.
+        self.fps: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}
+        # Bytes the caches hold (statements, fingerprint texts, stacks), estimated as they
+        # are added; past the cache budget they are all cleared (cache_resets).
+        self.cache_bytes = 0
+        self.cache_limit = cache_limit
+        # CPU budget of fingerprinting: the wall time spent normalising new targets (the
+        # writer holds the interpreter lock meanwhile, so the application waits as long) in
+        # the current second; past ``fp_budget_ns`` a new target is written with a hash of its
+        # text in place of its fingerprint (fingerprints_skipped), until the next second. None:
+        # no budget.
+        self.fp_budget_ns = (
+            None if fingerprint_cpu_pct is None else int(max(0.0, fingerprint_cpu_pct) * 10_000_000)
+        )
+        self.fp_window = 0
+        self.fp_spent_ns = 0
+        self.skipped = False  # the last fingerprint() was a hash only
+        # site key (recorder.record_call) -> [the stack last seen there, its sites entry, kind,
+        # system, serial of the segment holding its dictionary records]: most requests
+        # repeat the sites of the previous ones
+        self.sites: dict[Any, list[Any]] = {}
+        self.unlisted = False  # a site had a kind or system the wire has no code for
+
+    def reset(self) -> None:
+        """Empty the caches."""
+        for cache in (self.locs, self.stack_ids, self.fps, self.sites):
+            cache.clear()  # type: ignore[attr-defined]
+        self.cache_bytes = 0
+        stats["cache_resets"] += 1
+
+    def location(self, seg: Interned, out: list[bytes], frame: tuple[Any, int]) -> int:
+        code, where = frame
+        key = (id(code), where)
+        hit = self.locs.get(key)
+        if hit is None:
+            line = stacks.line(code, where)
+            fn = code.co_filename
+            func = getattr(code, "co_qualname", code.co_name)
+            lid = fpr.stable_id(fn, line, func)
+            rec = {"id": lid, "file": fn, "line": line, "func": func, "app": stacks.is_app_file(fn)}
+            hit = self.locs[key] = (lid, rec, code)
+            self.cache_bytes += 300 + len(fn) + len(func)
+        if hit[0] not in seg.locations:
+            seg.locations.add(hit[0])
+            self.cache_bytes += SEEN_BYTES
+            out.append(encode_record(LOCATION, hit[1]))
+        return hit[0]
+
+    def stack(self, seg: Interned, out: list[bytes], flat: tuple[Any, ...]) -> tuple[int, int]:
+        """(stack id, call-site location id) of a captured stack: ``flat`` is (code, where,
+        code, where, ...) innermost first (stacks.capture); the call site is its first
+        application frame (else its innermost frame)."""
+        key = (*map(id, flat[::2]), *flat[1::2])
+        hit = self.stack_ids.get(key)
+        if hit is None:
+            # The agent's own wrappers can sit mid-stack (a thread-pool hand-off): drop them
+            # here, once per distinct stack, rather than on the request path.
+            frames = [
+                fr
+                for fr in zip(flat[::2], flat[1::2], strict=True)
+                if stacks.classify(fr[0]) is not None
+            ]
+            ids = [self.location(seg, out, fr) for fr in reversed(frames)]  # outermost first
+            site = next((i for i, fr in enumerate(frames) if stacks.classify(fr[0])), 0)
+            site_id = ids[len(ids) - 1 - site] if ids else NULL
+            hit = self.stack_ids[key] = (fpr.stable_id(*ids), ids, flat, site_id)
+            self.cache_bytes += 200 + 48 * len(flat)
+        if hit[0] not in seg.stacks:
+            for fr in zip(flat[::2], flat[1::2], strict=True):
+                if stacks.classify(fr[0]) is not None:
+                    self.location(seg, out, fr)
+            seg.stacks.add(hit[0])
+            self.cache_bytes += SEEN_BYTES
+            out.append(encode_record(STACK, {"id": hit[0], "frames": hit[1]}))
+        return hit[0], hit[3]
+
+    def fingerprint(self, seg: Interned, out: list[bytes], kind: str, target: Any) -> int:
+        self.skipped = False
+        try:
+            key = (kind, hash(target))
+        except TypeError:  # an unhashable target (a list of URL parts): by its text
+            key = (kind, hash(repr(target)))
+        hit = self.fps.get(key)
+        if hit is None:
+            now = _perf_ns()
+            if now - self.fp_window >= 1_000_000_000:
+                self.fp_window, self.fp_spent_ns = now, 0
+            if self.fp_budget_ns is not None and self.fp_spent_ns >= self.fp_budget_ns:
+                # Over budget: detail goes, speed stays. Not cached, so the target gets its
+                # fingerprint when it comes again within budget.
+                stats["fingerprints_skipped"] += 1
+                self.skipped = True
+                fid, record = targets.unfingerprinted(kind, target, key[1])
+                if fid not in seg.fingerprints:
+                    seg.fingerprints.add(fid)
+                    self.cache_bytes += SEEN_BYTES
+                    out.append(record)
+                return fid
+            else:
+                text, op = targets.fingerprint_text(kind, target)
+                fid = fpr.stable_id(kind, text)
+                hit = self.fps[key] = (fid, {"id": fid, "kind": kind, "text": text, "op": op})
+                self.cache_bytes += 250 + len(text)
+                self.fp_spent_ns += _perf_ns() - now
+        if hit[0] not in seg.fingerprints:
+            seg.fingerprints.add(hit[0])
+            self.cache_bytes += SEEN_BYTES
+            out.append(encode_record(FINGERPRINT, hit[1]))
+        return hit[0]
+
+    def site(self, seg: Interned, out: list[bytes], entry: tuple[Any, ...]) -> list[int]:
+        """The ``sites`` entry of a request's site (recorder.ActiveRequest.site_list):
+        [fingerprint, stack, call-site location, kind code, system code]."""
+        kind, system, target, flat, key = entry
+        # A site of another request with the same key has mostly the same stack: equal
+        # tuples compare in C, element by element (code objects by identity).
+        hit = self.sites.get(key)
+        if hit is not None and hit[0] == flat and hit[2] is kind and hit[3] is system:
+            if hit[4] != seg.serial:  # its dictionary records are not in this segment yet
+                self._intern_site(seg, out, kind, target, flat)
+                hit[4] = seg.serial
+            return hit[1]  # type: ignore[no-any-return]
+        fid, sid, where = self._intern_site(seg, out, kind, target, flat)
+        skipped = self.skipped and target is not None
+        resolved = [
+            fid,
+            sid,
+            where,
+            KIND_CODE.get(kind, wcalls.OTHER),
+            SYSTEM_CODE.get(system, wcalls.OTHER),
+        ]
+        if resolved[3] == wcalls.OTHER or resolved[4] == wcalls.OTHER:
+            self.unlisted = True
+        if not skipped:  # a site whose fingerprint was skipped is resolved again next time
+            self.sites[key] = [flat, resolved, kind, system, seg.serial]
+            # the statement and stack it keeps
+            self.cache_bytes += 120 + 16 * len(flat) + (len(target) if type(target) is str else 0)
+        return resolved
+
+    def _intern_site(
+        self, seg: Interned, out: list[bytes], kind: str, target: Any, flat: tuple[Any, ...]
+    ) -> tuple[int, int, int]:
+        """Write what a site needs into this segment: (fingerprint id, stack id, call-site
+        location id), NULL for what it has not (a fingerprint: the calls carry their own
+        targets)."""
+        sid, where = self.stack(seg, out, flat) if flat else (NULL, NULL)
+        return NULL if target is None else self.fingerprint(seg, out, kind, target), sid, where
+
+    def _extras(
+        self,
+        seg: Interned,
+        out: list[bytes],
+        req: recorder.ActiveRequest,
+        sites: list[list[int]],
+    ) -> dict[str, dict[str, Any]]:
+        """The ``cx`` entries of a request (wire.calls): the rarely set values of its calls
+        (``req.more``) and the names of kinds and systems the wire has no code for. Hashes
+        parameters the request path left unhashed straight into the calls' rows."""
+        calls = req.calls
+        site_list = req.site_list
+        assert calls is not None and site_list is not None
+        ext: dict[str, dict[str, Any]] = {}
+        for i, more in (req.more or {}).items():
+            if i < 0 or i >= len(calls):
+                continue
+            kind = site_list[recorder.get_field(calls, i + recorder.SLOT)][0]
+            x: dict[str, Any] = {}
+            for name in ("status", "bytes", "wait"):
+                v = more.get(name)
+                if type(v) is int:
+                    x[name] = v
+            if "hit" in more:
+                x["hit"] = bool(more["hit"])
+            if "error" in more:
+                x["error"] = str(more["error"])[:200]
+            if more.get("extra"):
+                x["extra"] = more["extra"]
+            target = more.get("target")
+            if target is not None:
+                x["fp"] = self.fingerprint(seg, out, kind, target)
+                if kind == "http":
+                    x["host"] = targets.host_of(target)
+            if "params" in more:
+                ph = params_hash(more["params"])
+                recorder.set_field(calls, i + recorder.PH, NULL if ph is None else ph)
+            if x:
+                ext[str(i // recorder.ROW)] = x
+        for slot, site in enumerate(sites):
+            if site[3] == wcalls.OTHER or site[4] == wcalls.OTHER:  # rare: unlisted names
+                kind, system = site_list[slot][:2]
+                for i in range(0, len(calls), recorder.ROW):
+                    if recorder.get_field(calls, i + recorder.SLOT) == slot:
+                        x = ext.setdefault(str(i // recorder.ROW), {})
+                        x["kind"], x["system"] = str(kind), str(system)
+        return ext
+
+    def records(
+        self, seg: Interned, reqs: Sequence[recorder.ActiveRequest]
+    ) -> Iterator[tuple[list[bytes], int]]:
+        """(records, requests in them) of each BATCH_MAX requests of ``reqs`` in turn."""
+        for lo in range(0, len(reqs), BATCH_MAX):
+            yield self.batch(seg, reqs[lo : lo + BATCH_MAX])
+
+    def batch(
+        self, seg: Interned, reqs: Sequence[recorder.ActiveRequest]
+    ) -> tuple[list[bytes], int]:
+        """(records, requests in them) of finished requests: whatever they need interned in
+        this segment, then one REQUESTS record (wire.batch). Per request, a row of references
+        gathered into columns; the encoding is done once for all. A request that cannot be
+        encoded is left out (and counted as an internal error)."""
+        out: list[bytes] = []
+        rows: list[tuple[Any, ...]] = []
+        calls_of: list[bytearray] = []  # the agent rows of each request, in order
+        sparse: dict[str, Any] = {"attrs": {}, "tags": {}, "cx": {}, "site_table": []}
+        table_of: dict[int, int] = {}  # id(site entry) -> its index in sparse["site_table"]
+        ident = identity()
+        for req in reqs:
+            try:
+                row, calls = self._row(seg, out, req, ident, len(rows), sparse, table_of)
+            except Exception:
+                recorder.internal_error()
+                continue
+            rows.append(row)
+            calls_of.append(calls)
+        if not rows:
+            return out, 0
+        try:
+            out.append(columns.requests_record(rows, calls_of, sparse))
+            return out, len(rows)
+        except Exception:  # an odd value somewhere: one record per request, losing only it
+            recorder.internal_error()
+        n = 0
+        for i, (row, calls) in enumerate(zip(rows, calls_of, strict=True)):
+            key = str(i)
+            mine = {name: {"0": v[key]} for name in columns.SPARSE if key in (v := sparse[name])}
+            mine["site_table"] = sparse["site_table"]
+            try:
+                out.append(columns.requests_record([row], [calls], mine))
+                n += 1
+            except Exception:
+                recorder.internal_error()
+        return out, n
+
+    def _row(
+        self,
+        seg: Interned,
+        out: list[bytes],
+        req: recorder.ActiveRequest,
+        ident: Identity,
+        i: int,
+        sparse: dict[str, Any],
+        table_of: dict[int, int],
+    ) -> tuple[tuple[Any, ...], bytearray]:
+        """One request's values (text columns, ints, sites: wire.batch) and its call rows; its
+        attributes, tags and per-call extras go into ``sparse`` under its index ``i`` in the
+        batch, its sites into the batch's site table (``table_of``: where each site entry is
+        in it; requests share entries, recorder._site_cache). ``ident``: the identity
+        headers."""
+        values = columns.request_values(req, ident)
+        key = str(i)
+        if req.attrs:
+            sparse["attrs"][key] = {str(k): columns.scalar(v) for k, v in req.attrs.items()}
+        if req.tags:
+            sparse["tags"][key] = req.tags
+        calls = req.calls or columns.NO_CALLS
+        sites = None
+        if calls:
+            sites = []
+            table = sparse["site_table"]
+            for entry in req.site_list or ():
+                j = table_of.get(id(entry))
+                if j is None:
+                    j = table_of[id(entry)] = len(table)
+                    table.append(self.site(seg, out, entry))
+                sites.append(j)
+            if req.more is not None or self.unlisted:
+                ext = self._extras(seg, out, req, [table[j] for j in sites])
+                if ext:
+                    sparse["cx"][key] = ext
+        return (*values, sites), calls
+
+
+_perf_ns = time.perf_counter_ns
