@@ -226,7 +226,8 @@ def main() -> None:
             b = time.perf_counter()
             mapped = otlp.to_batch(msg, otlp.Keys(), pending)
             c = time.perf_counter()
-            store.insert_batch(mapped.batch)
+            if mapped.tables is not None:
+                store.insert_tables(mapped.batch, mapped.tables)
             d = time.perf_counter()
             phases["decode"] += b - a
             phases["map"] += c - b

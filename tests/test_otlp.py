@@ -155,8 +155,9 @@ NODE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), ".venvs", "n
 
 
 def _node_modules() -> str:
-    """The Node app with its npm packages (pinned in its package.json), installed once under
-    .venvs/node-otlp (kept between runs; reinstalled when package.json changes)."""
+    """The Node apps with their npm packages (pinned in package.json; perfsleuth-node from
+    node/), installed once under .venvs/node-otlp (kept between runs; reinstalled when
+    package.json changes)."""
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("node and npm are needed for the Node.js OTLP test")
     os.makedirs(NODE_DIR, exist_ok=True)
@@ -167,7 +168,7 @@ def _node_modules() -> str:
     if os.path.exists(stamp):
         with open(stamp, "rb") as fh:
             have = fh.read()
-    for name in ("package.json", "app.js", "tracing.js"):
+    for name in ("package.json", "app.js", "blocker.js", "tracing.js"):
         shutil.copy(os.path.join(NODE_APP, name), NODE_DIR)
     if have != want:
         subprocess.run(
@@ -236,6 +237,75 @@ def test_node_express_pg_n_plus_one_on_the_right_endpoint(server: Server) -> Non
     assert [f.endpoint for f in n1] == ["GET /users/:id/posts"], [f.title for f in found]
     assert "otlp_comments" in (n1[0].fingerprint or "")
     assert not [f for f in found if f.endpoint == "GET /users/:id"]
+
+
+def test_node_event_loop_blocker_names_the_endpoint_whose_code_blocked(server: Server) -> None:
+    """perfsleuth-node preloaded next to the SDK: POST /import JSON.parses a large body on the
+    loop, POST /notes a small one. Each block reaches the server as a span under the handler's,
+    becomes a blocker of its request, and event_loop_blocker names POST /import only."""
+    cwd = _node_modules()
+    env = dict(
+        os.environ,
+        OTEL_SERVICE_NAME="node-import",
+        OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=server.url + "/v1/traces",
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+        OTEL_BSP_SCHEDULE_DELAY="200",
+        PERFSLEUTH_LOOP_BLOCK_MS="150",
+    )
+    proc = subprocess.Popen(
+        ["node", "--require", "./tracing.js", "--require", "perfsleuth-node", "blocker.js"],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    rows = [
+        {"id": i, "sku": f"sku-{i}", "tags": ["a", "b"], "price": i * 1.5} for i in range(400_000)
+    ]
+    big = json.dumps(rows).encode()  # ~27 MB: JSON.parse holds the loop for well over 150 ms
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("listening "), line
+        base = f"http://127.0.0.1:{int(line.split()[1])}"
+
+        def post(path: str, body: bytes) -> int:
+            req = urllib.request.Request(
+                base + path, body, {"Content-Type": "application/json"}, method="POST"
+            )
+            with urllib.request.urlopen(req, timeout=120) as r:
+                r.read()
+                return r.status
+
+        for _ in range(3):
+            assert post("/import", big) == 200
+            for i in range(3):
+                assert post("/notes", json.dumps({"text": f"note {i}"}).encode()) == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    be = server.app.state.backend
+    with be.use() as store:
+        reqs = store.query("SELECT endpoint, count(*) AS n FROM requests GROUP BY 1")
+        assert {r["endpoint"]: r["n"] for r in reqs} == {"POST /import": 3, "POST /notes": 9}
+        blocks = store.query(
+            "SELECT b.trace_id, b.endpoint, b.duration_ms, b.service, r.endpoint AS request"
+            " FROM blockers b LEFT JOIN requests r USING (trace_id) WHERE r.endpoint IS NULL"
+            " OR r.endpoint = 'POST /import'"
+        )
+        found = find(store)
+    # Each /import blocked the loop in its own request (a /notes request may meet one block of
+    # its own on a machine busy enough to stall a process that long: no finding needs one).
+    assert len({b["trace_id"] for b in blocks}) == 3, blocks
+    assert all(b["request"] == b["endpoint"] == "POST /import" for b in blocks), blocks
+    assert all(b["duration_ms"] >= 150 and b["service"] == "node-import" for b in blocks)
+    elb = [f for f in found if f.kind == "event_loop_blocker"]
+    assert [f.endpoint for f in elb] == ["POST /import"], [f.title for f in found]
+    assert elb[0].evidence["blocks"] >= 3, elb[0].title
+    assert not [f for f in found if f.endpoint == "POST /notes"], [f.title for f in found]
 
 
 # ----------------------------------------------------------------- hand-made payloads

@@ -77,14 +77,14 @@ async def traces(request: Request) -> Response:
             if pending is None:
                 pending = state.otlp_pending = otlp.Pending()
             mapped = otlp.to_batch(msg, keys, pending)
-        if mapped.requests:
+        if mapped.tables is not None:
             with backend.use() as store:
-                insert = getattr(store, "insert_batch", None)
+                insert = getattr(store, "insert_tables", None)
                 if insert is None or getattr(store, "read_only", False):
                     raise otlp.OtlpError(
                         503, "this server does not write its store (started without ingest)"
                     )
-                insert(mapped.batch)
+                insert(mapped.batch, mapped.tables)
         data, out_type = otlp.response(ctype)
         return Response(data, media_type=out_type)
 

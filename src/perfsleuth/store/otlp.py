@@ -237,6 +237,10 @@ def _first(attrs: dict[str, Any], *keys: str) -> Any:
     return None
 
 
+# The location, stack and fingerprint records a payload's calls use, by (type, id).
+Dictionary = dict[tuple[bytes, int], dict[str, Any]]
+
+
 class Span(NamedTuple):
     """What the mapping needs of one span."""
 
@@ -346,10 +350,13 @@ def _spans(msg: Any, keys: Keys) -> list[Span]:
                 attrs: dict[str, Any] = {}
                 for kv in sp.attributes:
                     k = kv.key
-                    if k in wanted or k.startswith(param):
+                    if k in wanted:
                         v = kv.value
                         which = v.WhichOneof("value")
                         attrs[k] = getattr(v, which) if which in scalar else _value(v)
+                    elif k.startswith(param):
+                        attrs[k] = _value(kv.value)
+                        attrs[param] = True  # the span has parameters
                 error = None
                 if sp.events:
                     for ev in sp.events:
@@ -570,14 +577,70 @@ _REQUEST_COLUMNS = (
 )  # fmt: skip
 
 
+# What a call is, but its rows and status, by its span's name and other attributes: services
+# repeat their calls, and working one out (normalising a statement) costs far more than a look-up.
+Shape = tuple[str, str, int, int | None, str | None, int | None, int | None, Dictionary]
+_shapes: dict[tuple[Any, ...], Shape] = {}
+_ROWS = "db.response.returned_rows"
+_VARYING = frozenset({_ROWS, "http.response.status_code", "http.status_code"})
+
+
+def _shape(c: Span) -> Shape:
+    a = c.attrs
+    if _VARYING.isdisjoint(a):
+        key: tuple[Any, ...] = (c.name, *a.items())
+    else:
+        key = (c.name, *(kv for kv in a.items() if kv[0] not in _VARYING))
+    try:
+        hit = _shapes.get(key)
+    except TypeError:  # a list or map value: not cached
+        key, hit = (), None
+    if hit is None:
+        entries: Dictionary = {}
+        got = _call(c, 0, entries)
+        hit = (
+            got["kind"],
+            got["system"],
+            got["fp"],
+            got.get("ph"),
+            got.get("host"),
+            got.get("site"),
+            got.get("stack"),
+            entries,
+        )
+        if key:
+            if len(_shapes) >= _MAX_CACHED:
+                _shapes.clear()
+            _shapes[key] = hit
+    return hit
+
+
 def _calls(calls: list[Span], dictionary: Dictionary) -> dict[str, Any]:
     """The call columns (but times) of the client spans, in order."""
-    names = ("kind", "system", "fp", "rows", "ph", "host", "status", "site", "stack", "error")
-    cols: dict[str, Any] = {k: [] for k in names}
+    names = ("kind", "system", "fp", "ph", "host", "site", "stack")
+    cols: dict[str, list[Any]] = {k: [] for k in (*names, "rows", "status", "error")}
+    kind, system, fp, ph, host, site, stack = (cols[k] for k in names)
+    rows, status, error = cols["rows"], cols["status"], cols["error"]
     for c in calls:
-        got = _call(c, 0, dictionary)
-        for k in names:
-            cols[k].append(got.get(k))
+        k, sy, f, p, h, si, st, entries = _shape(c)
+        dictionary.update(entries)
+        kind.append(k)
+        system.append(sy)
+        fp.append(f)
+        ph.append(p)
+        host.append(h)
+        site.append(si)
+        stack.append(st)
+        error.append(c.error)
+        a = c.attrs
+        if k == "http":
+            rows.append(None)
+            status.append(
+                values.as_int32(_first(a, "http.response.status_code", "http.status_code"))
+            )
+        else:
+            rows.append(values.as_int(a.get(_ROWS)) if _ROWS in a else None)
+            status.append(None)
     return cols
 
 
@@ -824,8 +887,6 @@ def _is_call(s: Span) -> bool:
     return "db.system" in a or "db.system.name" in a  # some drivers report INTERNAL spans
 
 
-# The location, stack and fingerprint records a payload's calls use, by (type, id).
-Dictionary = dict[tuple[bytes, int], dict[str, Any]]
 _MAX_CACHED = 20_000
 # Normalised text and operation of statements met lately (normalising costs far more than a
 # look-up, and services repeat their statements).
@@ -928,9 +989,12 @@ def _params_hash(statement: str, text: str, a: dict[str, Any]) -> int | None:
     request): the ``db.query.parameter.*`` values when reported; else the statement itself
     when its values are written into it (literals the fingerprint replaced); None when the
     values are unknown (placeholders without parameters) or there are none."""
-    params = sorted((k, str(v)) for k, v in a.items() if k.startswith(_PARAMETER))
-    if params:
-        return _stable_id(*(x for kv in params for x in kv))
+    if _PARAMETER in a:
+        params = sorted(
+            (k, str(v)) for k, v in a.items() if k.startswith(_PARAMETER) and k != _PARAMETER
+        )
+        if params:
+            return _stable_id(*(x for kv in params for x in kv))
     if not statement or _PLACEHOLDER.search(statement):
         return None
     if "?" in text or "(...)" in text:
