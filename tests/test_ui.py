@@ -16,6 +16,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
+from perfsleuth.analysis import text
 from perfsleuth.cli.ui import free_port
 from perfsleuth.demo import ENDPOINTS
 from perfsleuth.server import create_app
@@ -35,14 +36,9 @@ def fmt_int(v: float) -> str:
 
 
 def fmt_ms(v: float | None) -> str:
-    """The UI's fmtMs: 2 decimals under 10, 1 under 100, else whole with separators."""
-    if v is None:
-        return "-"
-    if abs(v) < 10:
-        return f"{v:.2f}"
-    if abs(v) < 100:
-        return f"{v:.1f}"
-    return f"{round(v):,}"
+    """The UI's fmtMs: the one rule of perfsleuth.analysis.text (tests/test_formats.py checks
+    that format.ts follows it)."""
+    return text.ms_number(v)
 
 
 @pytest.fixture(scope="module")

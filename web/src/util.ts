@@ -1,4 +1,8 @@
-// DOM helpers and number formats shared by the pages (tests format numbers the same way).
+// DOM helpers shared by the pages; the number formats are in format.ts.
+import { fmtPct } from "./format";
+
+export { fmtInt, fmtMs, fmtPct } from "./format";
+
 type Child = Node | string | number | null | undefined | false;
 
 export function h<K extends keyof HTMLElementTagNameMap>(tag: K, attrs: Record<string, unknown> = {}, ...children: (Child | Child[])[]): HTMLElementTagNameMap[K] {
@@ -17,20 +21,6 @@ export function h<K extends keyof HTMLElementTagNameMap>(tag: K, attrs: Record<s
   return el;
 }
 
-const int = new Intl.NumberFormat("en-US", { maximumFractionDigits: 0 });
-
-export function fmtInt(v: number | null | undefined): string {
-  return v === null || v === undefined ? "-" : int.format(v);
-}
-
-/** Milliseconds: 2 decimals under 10, 1 under 100, else whole (with thousands separators). */
-export function fmtMs(v: number | null | undefined): string {
-  if (v === null || v === undefined || !isFinite(v)) return "-";
-  if (Math.abs(v) < 10) return v.toFixed(2);
-  if (Math.abs(v) < 100) return v.toFixed(1);
-  return int.format(Math.round(v));
-}
-
 /** Short axis labels for milliseconds: 0.35, 4.2, 63, 250, 1.6s, 16s. */
 export function fmtMsShort(v: number): string {
   if (v < 1) return v.toFixed(2);
@@ -42,11 +32,6 @@ export function fmtMsShort(v: number): string {
 export function fmtNum(v: number | null | undefined, digits = 1): string {
   if (v === null || v === undefined || !isFinite(v)) return "-";
   return v.toLocaleString("en-US", { maximumFractionDigits: digits, minimumFractionDigits: digits });
-}
-
-export function fmtPct(v: number | null | undefined): string {
-  if (v === null || v === undefined) return "-";
-  return (v * 100).toFixed(1) + " %";
 }
 
 export function fmtBytes(v: number | null | undefined): string {
@@ -136,5 +121,5 @@ export function table<T>(cols: Col<T>[], rows: T[], opts: { sort?: string; desc?
 
 export function bar(share: number): HTMLElement {
   const pct = Math.max(0, Math.min(1, share)) * 100;
-  return h("span", { class: "bar" }, h("span", { class: "fill", style: { width: pct.toFixed(1) + "%" } }), h("span", { class: "lbl" }, pct.toFixed(1) + " %"));
+  return h("span", { class: "bar" }, h("span", { class: "fill", style: { width: pct.toFixed(1) + "%" } }), h("span", { class: "lbl" }, fmtPct(share)));
 }

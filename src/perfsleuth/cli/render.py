@@ -13,6 +13,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from perfsleuth.analysis import text
+
 KIND_STYLE = {"db": "cyan", "http": "magenta", "cache": "yellow"}
 BAR_WIDTH = 32
 FOLD_KEEP = 3  # calls shown per repeated call site before folding the rest
@@ -24,26 +26,16 @@ FINGERPRINT_CHARS = 70
 
 
 def ms(value: Any) -> str:
-    """Milliseconds, with a decimal only where it matters."""
-    if value is None:
-        return "-"
-    v = float(value)
-    if v < 1:
-        return f"{v:.2f}"
-    if v < 10:
-        return f"{v:.1f}"
-    return f"{v:,.0f}"
+    """Milliseconds without the unit (the rule of :mod:`perfsleuth.analysis.text`)."""
+    return text.ms_number(None if value is None else float(value))
 
 
 def pct(value: Any, *, zero: str = "0%") -> str:
+    """A share 0..1 as a percentage (the rule of :mod:`perfsleuth.analysis.text`); ``zero``:
+    how a table shows exactly 0 ("-" where 0 means none)."""
     if value is None:
         return "-"
-    v = float(value) * 100
-    if v == 0:
-        return zero
-    if v < 1:
-        return f"{v:.1f}%"
-    return f"{v:.0f}%"
+    return zero if float(value) == 0 else text.pct_number(float(value))
 
 
 def num(value: Any, digits: int = 1) -> str:
