@@ -49,138 +49,35 @@ export async function api<T>(path: string, params: Record<string, string | numbe
   return data as T;
 }
 
-export interface TopRow {
-  endpoint: string;
-  count: number;
-  rate_per_min: number;
-  p50_ms: number | null;
-  p95_ms: number | null;
-  p99_ms: number | null;
-  max_ms: number | null;
-  error_rate: number;
-  db_calls_per_request: number;
-  http_calls_per_request: number;
-  cache_calls_per_request: number;
-  db_share: number;
-  http_share: number;
-  cache_share: number;
-  gc_share: number;
-  total_ms: number;
-  time_share: number;
-}
-
-export interface Win { since: string; start: number; end: number; step: number }
-
-export interface Overview {
-  window: Win;
-  totals: { requests: number; endpoints: number; errors: number };
-  endpoints: TopRow[];
-  p95: { x: number[]; series: { endpoint: string; values: (number | null)[] }[] };
-  throughput: { x: number[]; requests: number[]; errors: number[] };
-  slow: {
-    x: number[];
-    thresholds: number[];
-    now: Record<string, number[]>;
-    week_ago: Record<string, number[]>;
-    totals: { threshold_ms: number; now: number; week_ago: number }[];
-  };
-}
-
-export interface TraceRow {
-  trace_id: string;
-  ts: string;
-  endpoint: string;
-  method: string;
-  path: string;
-  status: number | null;
-  duration_ms: number | null;
-  db_calls: number;
-  db_ms: number;
-  http_calls: number;
-  http_ms: number;
-  cache_calls: number;
-  cache_ms: number;
-  user: string | null;
-  tenant: string | null;
-}
-
-export interface Frame { file: string | null; line: number | null; function: string | null; app?: boolean | null }
-
-export interface EndpointDetail {
-  endpoint: string;
-  window: Win;
-  summary: TopRow | null;
-  percentiles: { x: number[]; p50: (number | null)[]; p95: (number | null)[]; p99: (number | null)[]; count: (number | null)[] };
-  histogram: { lo_ms: number; hi_ms: number; count: number }[];
-  fingerprints: { fingerprint_id: string; kind: string; statement: string | null; calls: number; requests: number; total_ms: number; p95_ms: number | null; avg_rows: number | null; calls_per_request: number | null }[];
-  hosts: { host: string; calls: number; total_ms: number; p95_ms: number | null; errors: number }[];
-  slowest: TraceRow[];
-  users: { name: string; count: number; total_ms: number; p95_ms: number | null }[];
-  tenants: { name: string; count: number; total_ms: number; p95_ms: number | null }[];
-}
-
-export interface TreeNode { name: string; file?: string | null; line?: number | null; function?: string | null; calls?: number; ms?: number; value?: number; self?: number; children: TreeNode[] }
-
-export interface ProfileData { endpoint: string; requests: number; samples: number; states: Record<string, number>; top: { function: string; file: string; line: number; self: number; total: number; self_share: number; total_share: number }[]; tree: TreeNode }
-
-export interface Finding {
-  id: string;
-  kind: string;
-  endpoint: string;
-  title: string;
-  impact_ms_per_min: number;
-  callsite: Frame | null;
-  fingerprint: string | null;
-  count_per_request: number | null;
-  example_trace_ids: string[];
-  first_seen: string | null;
-  last_seen: string | null;
-  suggestion: string;
-  evidence: Record<string, unknown>;
-  source_line?: string | null;
-}
-
-export interface Call {
-  seq: number;
-  kind: string;
-  system: string | null;
-  offset_ms: number | null;
-  duration_ms: number | null;
-  fingerprint: string | null;
-  op: string | null;
-  rows: number | null;
-  bytes: number | null;
-  host: string | null;
-  status: number | null;
-  hit: boolean | null;
-  wait_ms: number | null;
-  error: string | null;
-  unfinished: boolean | null;
-  site: Frame | null;
-  stack: Frame[];
-}
-
-export interface Trace extends Record<string, unknown> {
-  trace_id: string;
-  ts: string;
-  endpoint: string;
-  method: string;
-  path: string;
-  status: number | null;
-  duration_ms: number | null;
-  cpu_ms: number | null;
-  user: string | null;
-  tenant: string | null;
-  service: string;
-  attributes: Record<string, unknown>;
-  tags: Record<string, string>;
-  calls: Call[];
-  samples: number;
-  blockers: number;
-  stack_samples: { offset_ms: number; state: string; stack: Frame[] }[];
-  profile: TreeNode | null;
-  replay: { reason: string | null; method: string; url: string; body_size: number | null; body_truncated: boolean | null; redacted: string[]; note: string | null; curl: string; complete: boolean } | null;
-  blocker_events: { ts: string; duration_ms: number; delayed: number; last_call: string | null; stack: Frame[] }[];
-}
-
-export interface SqlResult { columns: string[]; rows: unknown[][]; truncated: boolean; truncated_by?: "rows" | "bytes" | null; limit: number; elapsed_ms: number }
+// The replies' types are generated from the API's OpenAPI schema (scripts/openapi_ts.py).
+export type {
+  ApiErrorBody,
+  BlockerEvent,
+  Call,
+  CallTreeNode,
+  CompareResult,
+  CompareRow,
+  CompareValue,
+  EndpointDetail,
+  Finding,
+  FindingBrief,
+  FindingDetail,
+  Frame,
+  GetReplies,
+  Histogram,
+  LoadRunBrief,
+  Moved,
+  Overview,
+  Profile,
+  ProfileNode,
+  Replay,
+  SideStats,
+  SqlResult,
+  StartupRunBrief,
+  Status,
+  TimeWindow,
+  TopRow,
+  Trace,
+  TraceRow,
+  WhoRow,
+} from "./api.gen";

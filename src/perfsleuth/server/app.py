@@ -21,6 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from perfsleuth.server import console
 from perfsleuth.server.backend import CONSOLE_SLOTS, FINDINGS_TTL_S, Backend
 from perfsleuth.server.deps import (
+    ERROR_REPLIES,
     LOOPBACK,
     MIN_TOKEN_CHARS,
     Access,
@@ -95,7 +96,7 @@ def create_app(
 
     install_error_handlers(app)
     for router in ROUTERS:
-        app.include_router(router)
+        app.include_router(router, responses=ERROR_REPLIES)
     app.include_router(otlp_router)
 
     @app.api_route("/api/{rest:path}", methods=["GET", "POST"], include_in_schema=False)
@@ -114,4 +115,27 @@ def create_app(
                 "<code>web/</code>). The API is at <a href='/api/docs'>/api/docs</a>.</p>"
             )
 
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without its 422 replies: bad input is answered 400 in the API's one
+    error shape (ApiErrorBody)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        spec = get_openapi(
+            title=app.title,
+            version=app.version,
+            description=app.description,
+            routes=app.routes,
+        )
+        for ops in spec.get("paths", {}).values():
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+        schemas = spec.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = spec
+    return app.openapi_schema

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from perfsleuth.server import console, queries
 from perfsleuth.server.backend import Backend
+from perfsleuth.server.models import ApiErrorBody
 from perfsleuth.server.window import BadRange, Window, window
 from perfsleuth.store.base import Store, StoreError
 
@@ -41,6 +42,14 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.extra = extra
+
+
+ERROR_REPLIES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ApiErrorBody, "description": "Bad input: the sentence says what to change."},
+    401: {"model": ApiErrorBody, "description": "This server needs a token."},
+    403: {"model": ApiErrorBody, "description": "Wrong token."},
+    404: {"model": ApiErrorBody, "description": "No such endpoint, trace, finding or run."},
+}
 
 
 def error(status: int, message: str, **extra: Any) -> JSONResponse:

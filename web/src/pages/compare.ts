@@ -1,60 +1,13 @@
 // Compare: two time ranges, or two values of a tag / attribute / release, per endpoint with the
 // verdict line, the table (intervals, change, q-value, what moved) and the two latency
 // distributions of the chosen endpoint overlaid.
-import { api } from "../api";
+import { api, type CompareResult, type CompareRow, type FindingBrief, type Histogram, type SideStats } from "../api";
 import type { Ctx } from "../main";
 import { h, fmtInt, fmtMs, section, table, type Col } from "../util";
 
-interface SideStats {
-  count: number;
-  p50_ms: number | null;
-  p95_ms: number | null;
-  p99_ms: number | null;
-  ci: Record<string, [number, number]>;
-}
-
-interface Moved {
-  a: number | null;
-  b: number | null;
-  change: number | null;
-}
-
-interface Brief {
-  id: string;
-  kind: string;
-  endpoint: string;
-  title: string;
-}
-
-interface Row {
-  endpoint: string;
-  a: SideStats;
-  b: SideStats;
-  p50_change: number | null;
-  p95_change: number | null;
-  p95_change_pm: number | null;
-  q_value: number | null;
-  significant: boolean;
-  verdict: "faster" | "slower" | "same" | "too_few";
-  moved: Record<string, Moved>;
-  findings_appeared?: Brief[];
-  findings_gone?: Brief[];
-}
-
-interface Hist {
-  edges: number[];
-  a: number[];
-  b: number[];
-}
-
-export interface CompareResult {
-  a: string;
-  b: string;
-  verdict: string;
-  endpoints: Row[];
-  findings: { appeared: Brief[]; gone: Brief[] };
-  histograms: Record<string, Hist>;
-}
+type Row = CompareRow;
+type Brief = FindingBrief;
+type Hist = Histogram;
 
 const COLORS = { a: "#1f77b4", b: "#d62728" };
 const VERDICT_COLOR: Record<string, string> = { slower: "#c0392b", faster: "#1e8449", same: "", too_few: "#888" };

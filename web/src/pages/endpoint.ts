@@ -1,4 +1,4 @@
-import { api, type EndpointDetail, type Finding, type ProfileData, type TraceRow, type TreeNode } from "../api";
+import { api, type CallTreeNode, type EndpointDetail, type Finding, type Profile, type ProfileNode, type TraceRow, type WhoRow } from "../api";
 import { timeChart, histogram } from "../charts";
 import { treemapView, flameGraph } from "../hier";
 import type { Ctx } from "../main";
@@ -28,8 +28,8 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
   // The detectors can take seconds on big data: their section fills in when they answer.
   const [d, tree, prof] = await Promise.all([
     api<EndpointDetail>("endpoint", { name, since: ctx.since }),
-    api<TreeNode>("calltree", { endpoint: name, kind, since: ctx.since }).catch((e: Error) => e),
-    api<ProfileData>("profile", { endpoint: name, since: ctx.since }).catch((e: Error) => e),
+    api<CallTreeNode>("calltree", { endpoint: name, kind, since: ctx.since }).catch((e: Error) => e),
+    api<Profile>("profile", { endpoint: name, since: ctx.since }).catch((e: Error) => e),
   ]);
   // Asked after the rest: the server answers one question at a time, and this one is slow.
   const foundBox = h("div", { id: "endpoint-findings" }, h("span", { class: "dim" }, "running the detectors…"));
@@ -92,15 +92,15 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
       const width = Math.max(400, treeBox.clientWidth);
       const crumb = h("div", { class: "dim mono crumb" });
       const map = h("div", {});
-      const draw = (node: TreeNode, path: TreeNode[]) => {
+      const draw = (node: CallTreeNode, path: CallTreeNode[]) => {
         crumb.textContent = [...path, node].map((n) => n.name).join(" › ");
         map.replaceChildren(
           treemapView(node, width, 420, (picked) => {
             if (picked === node && path.length) draw(path[path.length - 1], path.slice(0, -1));
             else if (picked !== node) {
               // the path down to the picked node
-              const trail: TreeNode[] = [];
-              const find = (n: TreeNode): boolean => {
+              const trail: CallTreeNode[] = [];
+              const find = (n: CallTreeNode): boolean => {
                 if (n === picked) return true;
                 for (const c of n.children ?? []) {
                   if (find(c)) {
@@ -132,7 +132,7 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
       const width = Math.max(400, flameBox.clientWidth);
       const graph = h("div", { class: "flame-graph" });
       // A click on a frame zooms into it; a click on the top frame goes back up one level.
-      const draw = (node: TreeNode, path: TreeNode[]) => {
+      const draw = (node: ProfileNode, path: ProfileNode[]) => {
         graph.replaceChildren(
           flameGraph(node, width, (picked) => {
             if (picked === node && path.length) draw(path[path.length - 1], path.slice(0, -1));
@@ -147,7 +147,7 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
         table(
           [
             { key: "function", label: "function" },
-            { key: "file", label: "where", render: (r) => `${r.file.split("/").slice(-2).join("/")}:${r.line}` },
+            { key: "file", label: "where", render: (r) => `${(r.file ?? "?").split("/").slice(-2).join("/")}:${r.line ?? "?"}` },
             { key: "self_share", label: "self", num: true, render: (r) => fmtPct(r.self_share) },
             { key: "total_share", label: "total", num: true, render: (r) => fmtPct(r.total_share) },
           ],
@@ -193,7 +193,7 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
       ),
   );
   root.append(section("Slowest requests", d.slowest.length ? tracesTable(ctx, d.slowest) : h("p", { class: "dim" }, "None.")));
-  const whoCols: Col<{ name: string; count: number; total_ms: number; p95_ms: number | null }>[] = [
+  const whoCols: Col<WhoRow>[] = [
     { key: "name", label: "name" },
     { key: "count", label: "requests", num: true, render: (r) => fmtInt(r.count) },
     { key: "total_ms", label: "total ms", num: true, render: (r) => fmtMs(r.total_ms) },

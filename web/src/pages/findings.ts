@@ -1,15 +1,10 @@
-import { api, type Finding } from "../api";
+import { api, type Finding, type FindingDetail } from "../api";
 import type { Ctx } from "../main";
 import { h, fmtInt, fmtMs, fmtNum, site, link, section } from "../util";
 
 // How sure a finding is (high / medium / low) and the evidence counts it rests on.
-type Rated = Finding & {
-  confidence?: string | null;
-  confidence_basis?: Record<string, { count: number; floor: number }>;
-};
-
-function confidenceNote(f: Rated): string {
-  const counts = Object.entries(f.confidence_basis ?? {}).map(
+function confidenceNote(f: Finding): string {
+  const counts = Object.entries(f.confidence_basis).map(
     ([k, b]) => `${fmtInt(b.count)} ${k.replace(/_/g, " ")} (floor ${fmtInt(b.floor)})`,
   );
   return [f.confidence ?? "unrated", counts.join(", ")].filter(Boolean).join(": ");
@@ -47,7 +42,7 @@ export function findingList(ctx: Ctx, found: Finding[], open: string | null): HT
           { class: "finding-head" },
           h("span", { class: "impact", title: "time this problem costs per minute of traffic" }, `${fmtMs(f.impact_ms_per_min)} ms/min`),
           h("span", { class: "kind" }, f.kind),
-          h("span", { class: `kind confidence confidence-${(f as Rated).confidence ?? "unrated"}`, title: confidenceNote(f) }, `${(f as Rated).confidence ?? "unrated"} confidence`),
+          h("span", { class: `kind confidence confidence-${f.confidence ?? "unrated"}`, title: confidenceNote(f) }, `${f.confidence ?? "unrated"} confidence`),
           link(ctx.href("endpoint", { name: f.endpoint }), f.endpoint, { class: "endpoint-link" }),
         ),
         h("div", { class: "finding-title" }, f.title),
@@ -77,7 +72,7 @@ async function toggle(ctx: Ctx, f: Finding, box: HTMLElement): Promise<void> {
   }
   box.append(h("span", { class: "dim" }, "loading…"));
   try {
-    const d = await api<Finding>(`findings/${encodeURIComponent(f.id)}`, { since: ctx.since });
+    const d = await api<FindingDetail>(`findings/${encodeURIComponent(f.id)}`, { since: ctx.since });
     box.replaceChildren(
       ...[
       d.source_line ? h("pre", { class: "code" }, `${d.callsite?.line ?? ""} | ${d.source_line}`) : null,

@@ -1,16 +1,8 @@
 // Load: a saved `perfsleuth load` run: the targets, the achieved rate, the verdict line and the
 // per-endpoint table (counts, p50/p95 of each side, change, q-value, verdict).
-import { api } from "../api";
+import { api, type LoadRunBrief } from "../api";
 import type { Ctx } from "../main";
 import { h, fmtInt, fmtMs, section, table, type Col } from "../util";
-
-interface RunBrief {
-  name: string;
-  run_id: string;
-  verdict: string | null;
-  targets: Record<string, string>;
-  achieved_rate: number | null;
-}
 
 interface Side {
   count: number;
@@ -46,7 +38,7 @@ const COLOR: Record<string, string> = { faster: "#2e7d32", slower: "#c62828", sa
 const pct = (v: number | null) => (v === null ? "-" : `${v > 0 ? "+" : ""}${(v * 100).toFixed(0)} %`);
 
 export async function loadPage(root: HTMLElement, ctx: Ctx): Promise<void> {
-  const runs = await api<RunBrief[]>("load");
+  const runs = await api<LoadRunBrief[]>("load");
   if (!runs.length) {
     root.append(section("Load", h("p", { class: "dim" }, "No load runs yet: run `perfsleuth load --a URL --b URL --rate N` with this data directory.")));
     return;

@@ -1,16 +1,9 @@
 // Start-up: a saved `perfsleuth startup` run: the phases of the path to the first answer (they
 // add up to the total), the ranked import tree with the app's modules marked, the first request
 // against the steady state, the notes, and the change per phase against another run.
-import { api } from "../api";
+import { api, type StartupRunBrief } from "../api";
 import type { Ctx } from "../main";
 import { h, fmtMs, bar, section, table, type Col } from "../util";
-
-interface RunBrief {
-  name: string;
-  total_ms: number;
-  command: string[];
-  url: string;
-}
 
 interface Phase {
   phase: string;
@@ -64,7 +57,7 @@ function importTree(nodes: ImportNode[], depth: number): HTMLElement {
 }
 
 export async function startupPage(root: HTMLElement, ctx: Ctx): Promise<void> {
-  const runs = await api<RunBrief[]>("startup");
+  const runs = await api<StartupRunBrief[]>("startup");
   if (!runs.length) {
     root.append(
       section("Start-up", h("p", { class: "dim" }, "No start-up runs yet: run `perfsleuth startup --url URL -- CMD` with this data directory.")),

@@ -10,13 +10,18 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
 from perfsleuth.analysis import compare as cmp
+from perfsleuth.server import models
 from perfsleuth.server.deps import BackendDep, error, ok
 from perfsleuth.store.base import StoreError
 
 router = APIRouter()
 
 
-@router.get("/api/compare", summary="Compare two time ranges or two tag/attribute values")
+@router.get(
+    "/api/compare",
+    summary="Compare two time ranges or two tag/attribute values",
+    response_model=models.CompareResult,
+)
 def compare(
     be: BackendDep,
     a: Annotated[
@@ -51,7 +56,11 @@ def compare(
     return ok(result)
 
 
-@router.get("/api/compare/values", summary="The values of a tag, attribute or release")
+@router.get(
+    "/api/compare/values",
+    summary="The values of a tag, attribute or release",
+    response_model=list[models.CompareValue],
+)
 def values(
     be: BackendDep,
     by: Annotated[str, Query(description="tag:NAME, attr:NAME or release.")],

@@ -8,14 +8,18 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
-from perfsleuth.server import queries
+from perfsleuth.server import models, queries
 from perfsleuth.server.deps import BackendDep, SinceQ, answer, window_of
 from perfsleuth.store.base import Store
 
 router = APIRouter()
 
 
-@router.get("/api/calltree", summary="The call-site trie of an endpoint's calls of one kind")
+@router.get(
+    "/api/calltree",
+    summary="The call-site trie of an endpoint's calls of one kind",
+    response_model=models.CallTreeNode,
+)
 def calltree(
     be: BackendDep,
     endpoint: Annotated[str, Query(description="The endpoint.")],
@@ -35,7 +39,11 @@ def calltree(
     return answer(be, body)
 
 
-@router.get("/api/profile", summary="Stack samples of an endpoint's slow requests, merged")
+@router.get(
+    "/api/profile",
+    summary="Stack samples of an endpoint's slow requests, merged",
+    response_model=models.Profile,
+)
 def profile(
     be: BackendDep,
     endpoint: Annotated[str, Query(description="The endpoint.")],

@@ -9,14 +9,18 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from perfsleuth.server import queries
+from perfsleuth.server import models, queries
 from perfsleuth.server.deps import ApiError, BackendDep, SinceQ, answer, window_of
 from perfsleuth.store.base import Store
 
 router = APIRouter()
 
 
-@router.get("/api/findings", summary="Findings, highest impact first")
+@router.get(
+    "/api/findings",
+    summary="Findings, highest impact first",
+    response_model=list[models.Finding],
+)
 def findings(be: BackendDep, endpoint: str | None = None, since: SinceQ = "1h") -> Response:
     w = window_of(since)
 
@@ -28,7 +32,11 @@ def findings(be: BackendDep, endpoint: str | None = None, since: SinceQ = "1h") 
     return answer(be, body)
 
 
-@router.get("/api/findings/{finding_id}", summary="One finding with its evidence")
+@router.get(
+    "/api/findings/{finding_id}",
+    summary="One finding with its evidence",
+    response_model=models.FindingDetail,
+)
 def finding(be: BackendDep, finding_id: str, since: SinceQ = "1h") -> Response:
     from perfsleuth.analysis import loops
 

@@ -8,28 +8,40 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
+from fastapi.responses import Response
 
 from perfsleuth.analysis import load as ld
 from perfsleuth.analysis import startup as st
-from perfsleuth.server.deps import BackendDep, error
+from perfsleuth.server import models
+from perfsleuth.server.deps import BackendDep, error, ok
 
 router = APIRouter()
 
 
-@router.get("/api/startup", summary="Saved start-up runs, newest first")
-def startup_runs(be: BackendDep) -> list[dict[str, Any]]:
-    return [
-        {
-            "name": r["name"],
-            "total_ms": r["report"].get("total_ms"),
-            "command": r["report"].get("command"),
-            "url": r["report"].get("url"),
-        }
-        for r in st.list_runs(be.data_dir)
-    ]
+@router.get(
+    "/api/startup",
+    summary="Saved start-up runs, newest first",
+    response_model=list[models.StartupRunBrief],
+)
+def startup_runs(be: BackendDep) -> Response:
+    return ok(
+        [
+            {
+                "name": r["name"],
+                "total_ms": r["report"].get("total_ms"),
+                "command": r["report"].get("command"),
+                "url": r["report"].get("url"),
+            }
+            for r in st.list_runs(be.data_dir)
+        ]
+    )
 
 
-@router.get("/api/startup/{name}", summary="One start-up run (optionally against another)")
+@router.get(
+    "/api/startup/{name}",
+    summary="One start-up run (optionally against another)",
+    response_model=dict[str, Any],
+)
 def startup_run(
     be: BackendDep,
     name: str,
@@ -47,21 +59,33 @@ def startup_run(
     return report
 
 
-@router.get("/api/load", summary="Saved load runs, newest first")
-def load_runs(be: BackendDep) -> list[dict[str, Any]]:
-    return [
-        {
-            "name": r["name"],
-            "run_id": r["report"].get("run_id"),
-            "verdict": r["report"].get("verdict"),
-            "targets": {k: v.get("target") for k, v in (r["report"].get("sides") or {}).items()},
-            "achieved_rate": r["report"].get("achieved_rate"),
-        }
-        for r in st.list_runs(be.data_dir, ld.RUNS_DIR)
-    ]
+@router.get(
+    "/api/load",
+    summary="Saved load runs, newest first",
+    response_model=list[models.LoadRunBrief],
+)
+def load_runs(be: BackendDep) -> Response:
+    return ok(
+        [
+            {
+                "name": r["name"],
+                "run_id": r["report"].get("run_id"),
+                "verdict": r["report"].get("verdict"),
+                "targets": {
+                    k: v.get("target") for k, v in (r["report"].get("sides") or {}).items()
+                },
+                "achieved_rate": r["report"].get("achieved_rate"),
+            }
+            for r in st.list_runs(be.data_dir, ld.RUNS_DIR)
+        ]
+    )
 
 
-@router.get("/api/load/{name}", summary="One load run with its per-endpoint verdict")
+@router.get(
+    "/api/load/{name}",
+    summary="One load run with its per-endpoint verdict",
+    response_model=dict[str, Any],
+)
 def load_run(be: BackendDep, name: str) -> Any:
     report = st.read_run(be.data_dir, name, ld.RUNS_DIR)
     return error(404, f"no load run named {name!r}") if report is None else report

@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body
 from fastapi.responses import Response
 
-from perfsleuth.server import console
+from perfsleuth.server import console, models
 from perfsleuth.server.backend import Busy
 from perfsleuth.server.deps import ApiError, BackendDep, LimitsDep, json_value
 
@@ -19,6 +19,7 @@ router = APIRouter()
 @router.post(
     "/api/sql",
     summary="One read-only SQL statement, with a row cap, a byte cap and a time limit",
+    response_model=models.SqlResult,
 )
 def sql(
     be: BackendDep,

@@ -8,14 +8,14 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from perfsleuth.server import queries
+from perfsleuth.server import models, queries
 from perfsleuth.server.deps import BackendDep, answer
 from perfsleuth.store.base import Store
 
 router = APIRouter()
 
 
-@router.get("/api/status", summary="Server and data status")
+@router.get("/api/status", summary="Server and data status", response_model=models.Status)
 def status(be: BackendDep) -> Response:
     def body(store: Store) -> dict[str, Any]:
         first, last = queries.data_span(store)

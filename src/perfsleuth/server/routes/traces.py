@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
-from perfsleuth.server import queries
+from perfsleuth.server import models, queries
 from perfsleuth.server.deps import BackendDep, SinceQ, answer, resolve_trace, window_of
 from perfsleuth.server.routes.captures import replay_of
 from perfsleuth.store.base import Store, StoreError
@@ -16,7 +16,11 @@ from perfsleuth.store.base import Store, StoreError
 router = APIRouter()
 
 
-@router.get("/api/traces", summary="Requests, newest first or the slowest N")
+@router.get(
+    "/api/traces",
+    summary="Requests, newest first or the slowest N",
+    response_model=list[models.TraceRow],
+)
 def traces(
     be: BackendDep,
     endpoint: str | None = None,
@@ -34,7 +38,11 @@ def traces(
     return answer(be, body)
 
 
-@router.get("/api/traces/{trace_id}", summary="One request: calls, attributes, samples")
+@router.get(
+    "/api/traces/{trace_id}",
+    summary="One request: calls, attributes, samples",
+    response_model=models.Trace,
+)
 def trace(be: BackendDep, trace_id: str) -> Response:
     def body(store: Store) -> dict[str, Any]:
         from perfsleuth.analysis import profile
