@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import decimal
-import difflib
 import functools
 import json
 import os
@@ -20,6 +19,7 @@ from rich.console import Console
 
 from perfsleuth.analysis import text
 from perfsleuth.store.base import Damage, IngestReport, Store, StoreError, StoreLocked
+from perfsleuth.suggest import did_you_mean
 
 EXIT_STATE = 1  # the store cannot be used right now (locked, empty, I/O)
 EXIT_USAGE = 2  # bad input
@@ -291,6 +291,5 @@ def check_endpoint(store: Store, endpoint: str, data_dir: str) -> None:
     known = ensure_not_empty(store, data_dir)
     if endpoint in known:
         return
-    close = difflib.get_close_matches(endpoint, known, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else "; `perfsleuth top` lists the endpoints."
+    hint = did_you_mean(endpoint, known) or "; `perfsleuth top` lists the endpoints."
     raise CLIError(f"unknown endpoint {endpoint!r} in {data_dir}{hint}")

@@ -7,13 +7,13 @@ per series with None where a bucket has no data.
 
 from __future__ import annotations
 
-import difflib
 import math
 from datetime import datetime, timedelta
 from typing import Any
 
 from perfsleuth.server.window import WEEK, Window, step_seconds
 from perfsleuth.store.base import Store
+from perfsleuth.suggest import did_you_mean
 
 TOP_SERIES = 8  # endpoints drawn in the P95-over-time chart
 SLOW_MS = (1000, 2000, 5000)  # the "over 1 s / 2 s / 5 s" counts
@@ -107,9 +107,7 @@ def check_endpoint(store: Store, endpoint: str) -> None:
         return
     if not known:
         raise NotFound(f"unknown endpoint {endpoint!r}: no requests have been ingested yet")
-    close = difflib.get_close_matches(endpoint, known, n=3, cutoff=0.4)
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    raise NotFound(f"unknown endpoint {endpoint!r}{hint}")
+    raise NotFound(f"unknown endpoint {endpoint!r}{did_you_mean(endpoint, known)}")
 
 
 # ---------------------------------------------------------------------------------- overview

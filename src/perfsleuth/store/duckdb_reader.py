@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import difflib
 import glob
 import json
 import os
@@ -19,6 +18,8 @@ from perfsleuth.store.base import StoreError
 from perfsleuth.store.duckdb_file import DuckDBFile, iso, utcnow
 from perfsleuth.store.schema import quote
 from perfsleuth.store.values import as_int
+from perfsleuth.suggest import close_names
+from perfsleuth.wire.counters import AGENT as AGENT_COUNTERS
 
 GROUP_COLUMNS = ("endpoint", "user", "tenant", "service", "host", "kind", "method", "status")
 
@@ -149,11 +150,7 @@ class DuckDBReader(DuckDBFile):
             return
         if not known:
             raise StoreError(f"unknown endpoint '{endpoint}'; no requests have been ingested yet")
-        low = endpoint.lower()
-        close = [e for e in known if low in e.lower()]
-        close += [
-            e for e in difflib.get_close_matches(endpoint, known, n=5, cutoff=0.4) if e not in close
-        ]
+        close = close_names(endpoint, known, n=len(known))
         shown = (close or known)[:5]
         more = "" if len(close or known) <= 5 else ", ..."
         raise StoreError(f"unknown endpoint '{endpoint}'; known: {', '.join(shown)}{more}")
@@ -435,13 +432,7 @@ class DuckDBReader(DuckDBFile):
             counters[name] = max(counters.get(name, 0), value)
         out: dict[str, Any] = {
             "processes": len(per_proc),
-            "requests_recorded": 0,
-            "requests_written": 0,
-            "dropped_queue_full": 0,
-            "dropped_write_error": 0,
-            "dropped_spool_full": 0,
-            "dropped_writer_dead": 0,
-            "write_errors": 0,
+            **dict.fromkeys(AGENT_COUNTERS, 0),
         }
         skip = {"queued", "service", "host"}
         for counters in per_proc.values():
