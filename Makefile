@@ -27,6 +27,7 @@ format: setup
 	$(BIN)/ruff format src tests benchmarks
 	$(BIN)/ruff check --fix src tests benchmarks
 
+	$(BIN)/python scripts/openapi_ts.py --check
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
 
