@@ -79,12 +79,12 @@ async def traces(request: Request) -> Response:
             mapped = otlp.to_batch(msg, keys, pending)
         if mapped.tables is not None:
             with backend.use() as store:
-                insert = getattr(store, "insert_tables", None)
-                if insert is None or getattr(store, "read_only", False):
+                if not hasattr(store, "insert_tables") or getattr(store, "read_only", False):
                     raise otlp.OtlpError(
                         503, "this server does not write its store (started without ingest)"
                     )
-                insert(mapped.batch, mapped.tables)
+                with _pending_lock:
+                    otlp.insert(store, mapped, pending)
         data, out_type = otlp.response(ctype)
         return Response(data, media_type=out_type)
 

@@ -275,13 +275,15 @@ class Pending:
     """Client spans waiting for their SERVER ancestor, by trace, oldest trace first; at most
     ``max_spans`` in all and each for ``max_age_s`` (then dropped, and counted). ``servers``:
     the requests of the latest ``max_servers`` traces (a loop block reported after its request
-    was stored finds it there)."""
+    was stored finds it there). ``stored``: the fingerprints, locations and stacks committed
+    (a payload adds only those the store does not hold yet)."""
 
     max_spans: int = 50_000
     max_age_s: float = 120.0
     max_servers: int = 20_000
     traces: OrderedDict[str, tuple[float, list[Span]]] = field(default_factory=OrderedDict)
     servers: OrderedDict[str, list[Served]] = field(default_factory=OrderedDict)
+    stored: set[tuple[bytes, int]] = field(default_factory=set)
     size: int = 0
     dropped: int = 0
 
@@ -328,6 +330,19 @@ class Mapped:
     calls: int = 0
     blockers: int = 0
     waiting: int = 0  # client spans held for a SERVER span still to come
+    new: list[tuple[bytes, int]] = field(default_factory=list)  # dictionary rows it adds
+
+
+def insert(store: Any, mapped: Mapped, pending: Pending) -> None:
+    """Commit a payload's tables (``store.insert_tables``), in one transaction, and remember
+    its dictionary rows as stored. Its segments are not recorded: they stand for the payload's
+    sources, which have no spool offsets to keep."""
+    if mapped.tables is None:
+        return
+    store.insert_tables(records.Batch(), mapped.tables)
+    if len(pending.stored) > _MAX_CACHED * 5:
+        pending.stored.clear()
+    pending.stored.update(mapped.new)
 
 
 def _spans(msg: Any, keys: Keys) -> list[Span]:
@@ -516,7 +531,8 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
     out.requests, out.calls = len(servers), len(calls)
     if servers or out.blockers:
         times = (req_start, end[servers])
-        out.tables = _tables(out.batch, reqs, times, cols, crow, seq, links, dictionary)
+        out.new = [k for k in dictionary if k not in pending.stored]
+        out.tables = _tables(out.batch, reqs, times, cols, crow, seq, links, dictionary, out.new)
     return out
 
 
@@ -669,6 +685,7 @@ def _tables(
     seq: np.ndarray,
     links: list[tuple[int, str, str, int | None]],
     dictionary: Dictionary,
+    new: list[tuple[bytes, int]],
 ) -> Tables:
     """The store's tables for the mapped rows: requests (with their calls' counts and time by
     kind), calls, the link attributes, dictionaries and loop blocks, split by day."""
@@ -788,7 +805,7 @@ def _tables(
     if batch.events:
         for d, parts in evidence_tables(batch, now_ns).items():
             out.days.setdefault(d, {}).update(parts)
-    _dictionary_tables(out, dictionary, internal)
+    _dictionary_tables(out, {k: dictionary[k] for k in new}, internal)
     return out
 
 
