@@ -231,6 +231,16 @@ def test_importing_the_agent_imports_next_to_nothing() -> None:
 def test_starting_the_agent_imports_only_what_it_runs(tmp_path: Path) -> None:
     loaded = imported_by(f"import perfsleuth.agent as ps; assert ps.start({str(tmp_path)!r})")
     assert "perfsleuth.agent.shipper" in loaded
+    # the encoder is the writer's to import when it first writes
+    encoder = {"perfsleuth.agent.spool.encode", "perfsleuth.wire.segment", "dataclasses"}
+    assert not loaded & encoder
+    loaded = imported_by(
+        f"import perfsleuth.agent as ps; assert ps.start({str(tmp_path)!r})\n"
+        "with ps.task('t'): pass\n"
+        "ps.flush()\n"
+        "assert ps.stats()['requests_written'] == 1"
+    )
+    assert loaded >= encoder
     assert not loaded & {"importlib.abc", "multiprocessing", "multiprocessing.util"}
     # multiprocessing imported later is still hooked (its children flush at exit)
     loaded = imported_by(
@@ -250,7 +260,8 @@ def test_perfsleuth_run_execs_the_command_without_importing_the_cli(tmp_path: Pa
         ["gunicorn", "app:app"],
     )
     assert run_args(["--help"]) is None and run_args(["--data", "d", "--"]) is None
-    # the launcher process imports neither typer nor the store before it execs the command
+    # the launcher process imports neither typer nor the store before it execs the command, nor
+    # any module the interpreter does not load by itself but os and sys
     probe = (
         "import sys\n"
         "sys.argv = ['perfsleuth', 'run', '--data', sys.argv[1], '--', sys.executable, '-c',"
@@ -259,7 +270,8 @@ def test_perfsleuth_run_execs_the_command_without_importing_the_cli(tmp_path: Pa
         "import os\n"
         "real_execve = os.execve\n"
         "def execve(path, args, env):\n"
-        "    print([m for m in ('typer', 'rich', 'duckdb') if m in sys.modules], flush=True)\n"
+        "    print([m for m in ('typer', 'rich', 'duckdb', 're', 'shutil', 'typing')"
+        " if m in sys.modules], flush=True)\n"
         "    real_execve(path, args, env)\n"
         "os.execve = execve\n"
         "e.main()\n"

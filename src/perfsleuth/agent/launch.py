@@ -21,17 +21,40 @@ Also runnable as ``python -m perfsleuth.agent.launch [--data DIR] [--service NAM
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+
+# The launcher runs before the application and imports only os and sys: re, shutil and typing
+# would double what this process costs, on every ``perfsleuth run``.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import NoReturn
 
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
-_PYTHON = re.compile(r"^(python|pypy)[0-9.]*$")
 # Servers taking the app to serve as ``module:attribute`` (``module:factory()`` for some)
 SERVERS = frozenset({"uvicorn", "gunicorn", "hypercorn", "daphne", "granian", "waitress-serve"})
-_APP_SPEC = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_]")
+
+
+def _is_python(prog: str) -> bool:
+    """Whether a program name is a Python interpreter's: python, python3.12, pypy3, ..."""
+    for name in ("python", "pypy"):
+        if prog.startswith(name):
+            return all(c in "0123456789." for c in prog[len(name) :])
+    return False
+
+
+def _identifier(name: str) -> bool:
+    return name.isascii() and name.isidentifier()
+
+
+def _app_package(arg: str) -> str | None:
+    """``pkg`` of an app spec ``pkg.module:attribute`` (``module:factory()`` too), else None."""
+    module, colon, attribute = arg.partition(":")
+    if not colon or not attribute or not (attribute[0] == "_" or attribute[0].isalpha()):
+        return None
+    if not attribute[0].isascii() or not all(_identifier(p) for p in module.split(".")):
+        return None
+    return module.split(".")[0]
 
 
 def default_service(argv: Sequence[str]) -> str:
@@ -39,7 +62,7 @@ def default_service(argv: Sequence[str]) -> str:
     if not argv:
         return "python"
     prog = os.path.basename(argv[0])
-    if _PYTHON.match(prog):
+    if _is_python(prog):
         args = list(argv[1:])
         while args:
             a = args.pop(0)
@@ -66,7 +89,7 @@ def served_packages(argv: Sequence[str]) -> list[str]:
         return []
     args = list(argv[1:])
     prog = os.path.basename(argv[0])
-    if _PYTHON.match(prog):
+    if _is_python(prog):
         prog = ""
         while args:
             a = args.pop(0)
@@ -86,9 +109,9 @@ def served_packages(argv: Sequence[str]) -> list[str]:
             if "=" not in a:
                 continue
             a = a.split("=", 1)[1]
-        m = _APP_SPEC.match(a)
-        if m and m.group(1) not in SERVERS and m.group(1) not in found:
-            found.append(m.group(1))
+        top = _app_package(a)
+        if top is not None and top not in SERVERS and top not in found:
+            found.append(top)
     return found
 
 
@@ -122,10 +145,15 @@ def resolve(program: str, env: dict[str, str]) -> str:
         if os.path.isfile(program) and os.access(program, os.X_OK):
             return program
         raise FileNotFoundError(2, f"command not found: {program}", program)
-    found = shutil.which(program, path=env.get("PATH", os.defpath))
-    if found is None:
-        raise FileNotFoundError(2, f"command not found: {program}", program)
-    return found
+    seen = set()
+    for d in env.get("PATH", os.defpath).split(os.pathsep):  # as shutil.which looks
+        if d in seen:
+            continue
+        seen.add(d)
+        path = os.path.join(d, program)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    raise FileNotFoundError(2, f"command not found: {program}", program)
 
 
 def run_command(argv: list[str], data_dir: str, service: str | None = None) -> NoReturn:

@@ -21,12 +21,9 @@ from perfsleuth.agent.config import Config
 from perfsleuth.agent.frameworks import common as frameworks_common
 from perfsleuth.agent.recorder import stats
 from perfsleuth.agent.spool import queue, status, writer
-from perfsleuth.agent.spool.encode import BATCH_MAX
 from perfsleuth.agent.spool.queue import Intern, emit, enqueue
-from perfsleuth.agent.spool.targets import call_text
 
 __all__ = [
-    "BATCH_MAX",
     "Intern",
     "call_text",
     "config",
@@ -40,6 +37,21 @@ __all__ = [
 ]
 
 _cfg: Config | None = None
+
+
+def call_text(kind: str, target: Any) -> str:
+    """The fingerprint text of a call (normalised SQL, URL template, cache command)."""
+    from perfsleuth.agent.spool.targets import call_text as text
+
+    return text(kind, target)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BATCH_MAX":  # the encoder is imported when first used, not at start
+        from perfsleuth.agent.spool.encode import BATCH_MAX
+
+        return BATCH_MAX
+    raise AttributeError(name)
 
 
 def config() -> Config | None:

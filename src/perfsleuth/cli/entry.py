@@ -1,10 +1,10 @@
 """The ``perfsleuth`` console script.
 
 ``perfsleuth run [--data DIR] [--service NAME] -- CMD...`` goes straight to the agent's
-launcher, which replaces this process with CMD: importing the command line (typer, rich, the
-store) first took ~0.2 s, all of it before the application even started. Anything else (other
-commands, help, unusual options, a command that cannot run) goes to perfsleuth.cli.main,
-which parses and reports as always.
+launcher, which replaces this process with CMD: everything this process does delays the
+application's start, so it imports neither the command line (typer, rich, the store) nor
+anything but os and sys. Anything else (other commands, help, unusual options, a command that
+cannot run) goes to perfsleuth.cli.main, which parses and reports as always.
 """
 
 from __future__ import annotations

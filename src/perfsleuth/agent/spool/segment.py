@@ -16,11 +16,11 @@ import time
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.recorder import stats
 from perfsleuth.agent.spool.encode import Interned
+from perfsleuth.agent.spool.status import HOST, unlink
 from perfsleuth.wire import CLOSED_SUFFIX, FORMAT_VERSION, HEADER, OPEN_SUFFIX
 from perfsleuth.wire.segment import FILE_MAGIC, encode_record
 
 AGENT_VERSION = "0.1.0"
-HOST = socket.gethostname().replace("-", "_")[:64] or "host"  # as in segment file names
 
 
 class Segment(Interned):
@@ -97,10 +97,3 @@ class Segment(Interned):
             elif complete:
                 os.replace(self.path, self.base + CLOSED_SUFFIX)
                 stats["segments_written"] += 1
-
-
-def unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

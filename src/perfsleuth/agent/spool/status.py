@@ -14,7 +14,8 @@ from typing import Any
 
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.recorder import stats
-from perfsleuth.agent.spool.segment import HOST, unlink
+
+HOST = socket.gethostname().replace("-", "_")[:64] or "host"  # in spool and status file names
 
 # A status file is padded to this size (JSON allows trailing spaces), so that on a full disk it
 # can still be overwritten in place, in the blocks it already has.
@@ -82,4 +83,11 @@ def report_drops() -> None:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
     except Exception:
+        pass
+
+
+def unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
         pass

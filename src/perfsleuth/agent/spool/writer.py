@@ -4,6 +4,10 @@ open segment and rotates it by size or age. Write errors (disk full, permissions
 batch, count it and retry with back-off; a spool over its cap drops what comes until it
 shrinks. The thread never raises into the app: it dies quietly on a bug and is restarted
 (``MAX_WRITER_RESTARTS``) when the request path next finds the queue full.
+
+The encoder and the segment's modules are imported by the thread when it first has something
+to write, not at the agent's start: a process that never serves a request (a prefork server's
+master) never loads them, and a worker loads them after its first response, not before.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from perfsleuth.agent import recorder
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.recorder import stats
 from perfsleuth.agent.spool import queue, status
-from perfsleuth.agent.spool.encode import Encoder
-from perfsleuth.agent.spool.segment import Segment
-from perfsleuth.wire.segment import encode_record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from perfsleuth.agent.spool.encode import Encoder
+    from perfsleuth.agent.spool.segment import Segment
 
 MAX_WRITER_RESTARTS = 3
 
@@ -33,12 +39,21 @@ class Writer:
         self.cfg = cfg
         self.seq = 0
         self.seg: Segment | None = None
-        self.enc = Encoder(cfg.fingerprint_cpu_pct, queue.cache_limit)
+        self._enc: Encoder | None = None
         self.retry_at = 0.0
         self.backoff = 0.5
         self.last_status = 0.0
         self.spool_checked = 0.0
         self.spool_is_full = False
+
+    @property
+    def enc(self) -> Encoder:
+        enc = self._enc
+        if enc is None:
+            from perfsleuth.agent.spool.encode import Encoder
+
+            enc = self._enc = Encoder(self.cfg.fingerprint_cpu_pct, queue.cache_limit)
+        return enc
 
     def _open_live(self) -> Segment | None:
         """The open segment, or a new one when its file was deleted under us: what was
@@ -66,6 +81,8 @@ class Writer:
             return self.seg
         if time.monotonic() < self.retry_at:
             return None
+        from perfsleuth.agent.spool.segment import Segment
+
         try:
             self.seq += 1
             self.seg = Segment(self.cfg, self.seq)
@@ -118,12 +135,12 @@ class Writer:
             write_status()
 
     def _write_batch(self, batch: list[recorder.ActiveRequest]) -> None:
-        if self.enc.cache_bytes > self.enc.cache_limit:
+        if self._enc is not None and self._enc.cache_bytes > self._enc.cache_limit:
             # Past the cache budget: the caches start again (the recorder's site cache too:
             # its keys hold the same statements), and so does the segment (its sets of the
             # ids it holds grow with every distinct statement).
             self._rotate()
-            self.enc.reset()
+            self._enc.reset()
             queue.forget_sites()
         seg = self._open_live()
         if seg is None:
@@ -156,6 +173,8 @@ class Writer:
             self._failed(e)
 
     def _write_events(self) -> None:
+        from perfsleuth.wire.segment import encode_record
+
         events = queue.take_events()
         seg = self._open_live()
         if seg is None or self._spool_full():
