@@ -46,10 +46,11 @@ def line_of(path: str, marker: str) -> int:
 
 
 @contextmanager
-def oversubscribed() -> Iterator[None]:
-    """BUSY_PER_CORE pure-Python busy loops per core, for as long as the block runs."""
+def oversubscribed(seconds: float = BUSY_SECONDS) -> Iterator[None]:
+    """BUSY_PER_CORE pure-Python busy loops per core, for as long as the block runs (each
+    ends by itself after ``seconds``)."""
     n = BUSY_PER_CORE * (os.cpu_count() or 1)
-    code = f"import time\nend = time.time() + {BUSY_SECONDS}\nwhile time.time() < end: pass"
+    code = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
     # Each in a session of its own, like the other services of a busy box: with the kernel's
     # autogroup scheduling (sched_autogroup_enabled) a session shares the CPUs fairly with the
     # others, so busy loops in one session would leave a server in its own session a core.

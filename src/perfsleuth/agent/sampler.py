@@ -25,9 +25,11 @@ scheduled):
 - ``call``: inside a recorded DB / HTTP / cache call (the call's own timing explains it).
 
 Without schedstat (not Linux) the thread's CPU clock alone decides ``cpu`` or ``wait``.
-Schedstat is read only for the threads of sampled requests. Their run and run-queue times,
-and the cgroup's CPU throttling (``cpu.stat``), are shipped as STATS counters about once a
-second while they change (analysis.detectors.cpu_starved reads them).
+Schedstat is read for each thread serving a request in flight: every tick for the threads of
+sampled requests, every ``LOOK_EVERY_NS`` for the others (one ``pread`` a thread). Those
+threads' run and run-queue times, and the cgroup's CPU throttling (``cpu.stat``), are shipped
+as STATS counters about once a second while they change (analysis.detectors.cpu_starved reads
+them).
 
 Samples are kept per request up to ``samples_per_request`` (more are counted in
 ``samples_dropped``) and shipped as one SAMPLES record when the request ends, or in chunks
@@ -55,6 +57,10 @@ _perf = time.perf_counter_ns
 CHUNK = 100  # samples per record while a request is still in flight
 MAX_TRACKED = 64  # requests sampled at once; more slow requests in flight are skipped
 FIGURES_EVERY_NS = 1_000_000_000  # process figures (STATS) at most this often
+# Threads serving requests that are not being sampled: their scheduler counters this often (a
+# pread each; sampled threads are read every tick).
+LOOK_EVERY_NS = 50_000_000
+MAX_BASELINES = 512  # threads whose scheduler counters are kept open between looks
 # A loop's tasks are listed (to find the tasks each awaiting request started) at most every
 # LIST_EVERY_NS, or LIST_NS_PER_TASK per task when there are many (a listing costs about 1 us a
 # task: at most 1 % of a core), and not at all past MAX_TASKS_LISTED (one listing holds the GIL).
@@ -285,9 +291,10 @@ class Sampler:
         self.after_ns = int(cfg.sample_after_ms * 1e6)
         self.limit = max(1, cfg.samples_per_request)
         self.tracked: dict[int, _Tracked] = {}
-        # thread ident -> (wall ns, CPU ns, run-queue ns, slices or None, process CPU ns) at
-        # the previous look
-        self.seen: dict[int, tuple[int, int, int, int | None, int]] = {}
+        # thread ident -> (wall ns, CPU ns, run-queue ns, slices or None, process CPU ns, tick)
+        # at the previous look
+        self.seen: dict[int, tuple[int, int, int, int | None, int, int]] = {}
+        self.ticks = 0
         self.fds: dict[int, int] = {}  # thread ident -> open schedstat file (-1: none)
         self.states: dict[int, str | None] = {}  # this tick's state per thread
         # id(loop) -> (when listed, when to list again, id(request) -> tasks started in its
@@ -300,25 +307,36 @@ class Sampler:
         self.cg_base = read_cpu_stat(self.cg_dir) if self.cg_dir else {}
         self.cpus = cpus_available(self.cg_dir)
         self.figures_at = 0
+        self.looked_at = 0
         self.shipped: dict[str, int] = {}
         _samplers.add(self)
 
     def tick(self, frames: dict[int, FrameType] | None = None) -> None:
         now = _perf()
+        self.ticks += 1
         if now - self.figures_at >= FIGURES_EVERY_NS:
             self.figures_at = now
             self.ship_figures()
-        due = [r for r in list(recorder.inflight.values()) if now - r.start >= self.after_ns]
+        inflight = list(recorder.inflight.values())
+        due = [r for r in inflight if now - r.start >= self.after_ns]
         for key in [k for k, t in self.tracked.items() if k not in recorder.inflight]:
             self._ship(self.tracked.pop(key), final=True)
+        self.states = {}
+        proc_cpu = time.process_time_ns() if inflight else 0
+        # The scheduler figures (cpu_starved) cover every thread serving a request, not only
+        # those of slow requests (a service of short requests starves all the same): looked at
+        # every LOOK_EVERY_NS, their baselines kept while the thread lives (between two
+        # requests a thread is not runnable, so the figures take in its requests' time only).
+        if self.schedstat and inflight and now - self.looked_at >= LOOK_EVERY_NS:
+            self.looked_at = now
+            for ident in {r.thread if r.worker is None else r.worker for r in inflight}:
+                self._state(ident, now, proc_cpu)
         if not due:
-            self._forget(set())
+            self._forget(self._alive())
             self.loop_tasks.clear()
             return
         if frames is None:
             frames = sys._current_frames()
-        self.states = {}
-        proc_cpu = time.process_time_ns()
         for req in due:
             t = self.tracked.get(id(req))
             if t is None:
@@ -327,33 +345,57 @@ class Sampler:
                     continue
                 t = self.tracked[id(req)] = _Tracked(req, now)
             self._sample(t, frames, now, proc_cpu)
-        self._forget(set(self.states))
+        self._forget(self._alive())
+
+    def _alive(self) -> set[int]:
+        """The threads with a baseline that still run (at most MAX_BASELINES of them)."""
+        active = threading._active  # type: ignore[attr-defined]
+        alive = {i for i in self.seen if i in active}
+        if len(alive) > MAX_BASELINES:
+            alive = set(self.states)
+        return alive
 
     def _forget(self, keep: set[int]) -> None:
-        """Drop the baselines (and close the schedstat files) of threads not looked at now."""
+        """Drop the baselines (and close the schedstat files) of threads not in ``keep``."""
         for ident in [i for i in self.seen if i not in keep]:
             del self.seen[ident]
         for ident in [i for i in self.fds if i not in keep]:
-            fd = self.fds.pop(ident)
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            self._close(ident)
+
+    def _close(self, ident: int) -> None:
+        self.seen.pop(ident, None)
+        fd = self.fds.pop(ident, -1)
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _open(self, ident: int) -> int:
+        fd = -1
+        thread = threading._active.get(ident)  # type: ignore[attr-defined]
+        native = getattr(thread, "native_id", None)
+        if self.schedstat and native is not None:
+            try:
+                fd = os.open(f"/proc/self/task/{native}/schedstat", os.O_RDONLY)
+            except OSError:
+                fd = -1
+        self.fds[ident] = fd
+        return fd
 
     def _sched(self, ident: int) -> tuple[int, int, int] | None:
         fd = self.fds.get(ident)
         if fd is None:
-            fd = -1
-            thread = threading._active.get(ident)  # type: ignore[attr-defined]
-            native = getattr(thread, "native_id", None)
-            if self.schedstat and native is not None:
-                try:
-                    fd = os.open(f"/proc/self/task/{native}/schedstat", os.O_RDONLY)
-                except OSError:
-                    fd = -1
-            self.fds[ident] = fd
-        return read_schedstat(fd) if fd >= 0 else None
+            fd = self._open(ident)
+        if fd < 0:
+            return None
+        got = read_schedstat(fd)
+        if got is None:
+            # The thread ended, and its ident may be another thread's now: start over.
+            self._close(ident)
+            fd = self._open(ident)
+            got = read_schedstat(fd) if fd >= 0 else None
+        return got
 
     def _state(self, ident: int, now: int, proc_cpu: int) -> str | None:
         """The thread's state since the last look (None at the first look: a baseline)."""
@@ -372,12 +414,13 @@ class Sampler:
                 return CPU
             queue, slices = 0, None
         prev = self.seen.get(ident)
-        self.seen[ident] = (now, cpu, queue, slices, proc_cpu)
+        self.seen[ident] = (now, cpu, queue, slices, proc_cpu, self.ticks)
         if prev is not None and now > prev[0]:
             wall, d_cpu, d_queue = now - prev[0], cpu - prev[1], queue - prev[2]
-            d_slices = None if slices is None or prev[3] is None else slices - prev[3]
-            others = max(0, proc_cpu - prev[4] - d_cpu)
-            state = classify(wall, d_cpu, d_queue, d_slices, others)
+            if prev[5] == self.ticks - 1:  # a state is about the last tick's interval only
+                d_slices = None if slices is None or prev[3] is None else slices - prev[3]
+                others = max(0, proc_cpu - prev[4] - d_cpu)
+                state = classify(wall, d_cpu, d_queue, d_slices, others)
             if sched is not None:
                 f = self.figures
                 f["sched_run_ns"] += d_cpu

@@ -3,11 +3,12 @@ quota throttles it, or its request threads wait in the run queue a large share o
 are runnable (a machine with more busy threads than cores).
 
 The figures are the agent's process counters (agent.sampler, shipped as STATS records into
-``agent_stats``): the sampled request threads' time on the CPU and in the run queue
-(schedstat), the cgroup's throttled periods and time (``cpu.stat``), the CPUs the process may
-use and the load average. Counters are cumulative per process: the window's share is the
-newest value in the window less the newest before it. Processes on one host share its cgroup,
-so throttling counts once per host (the largest of its processes').
+``agent_stats``): the time on the CPU and in the run queue (schedstat) of the threads serving
+requests (while any request is in flight on them, short ones too), the cgroup's throttled
+periods and time (``cpu.stat``), the CPUs the process may use and the load average. Counters
+are cumulative per process: the window's share is the newest value in the window less the
+newest before it. Processes on one host share its cgroup, so throttling counts once per host
+(the largest of its processes').
 """
 
 from __future__ import annotations
