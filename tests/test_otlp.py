@@ -148,6 +148,63 @@ def test_python_sdk_service_n_plus_one_on_the_right_endpoint(server: Server) -> 
     assert not [f for f in found if f.endpoint == "GET /orders/summary"]
 
 
+# ------------------------------------------------------------ two services, linked
+
+
+def test_a_call_to_another_reporting_service_shows_where_its_time_went(server: Server) -> None:
+    from rich.console import Console
+
+    from apps import otlp_linked_apps
+    from perfsleuth.cli import render
+
+    servers, providers, shop = otlp_linked_apps.build(server.url + "/v1/traces")
+    try:
+        for _ in range(3):
+            assert _hit(shop + "/checkout") == 200
+            assert _hit(shop + "/health") == 200
+        for p in providers:
+            assert p.force_flush(30_000)
+    finally:
+        for s in servers:
+            s.shutdown()
+        for p in providers:
+            p.shutdown()
+    with server.app.state.backend.use() as store:
+        rows = store.query("SELECT trace_id, service, endpoint FROM requests ORDER BY ts")
+    checkout = [r["trace_id"] for r in rows if r["endpoint"] == "GET /checkout"]
+    invoices = [r for r in rows if r["service"] == "billing"]
+    assert len(checkout) == 3 and len(invoices) == 3, rows
+    for tid in checkout:
+        t = server.get(f"/api/traces/{tid}")
+        (http,) = [c for c in t["calls"] if c["kind"] == "http"]
+        (down,) = t["links"]["downstream"]
+        # the callee's request of the same trace, with where its time went
+        assert down["trace_id"][:32] == tid[:32]
+        assert (down["service"], down["endpoint"]) == ("billing", "GET /invoices/<int:invoice_id>")
+        assert down["seq"] == http["seq"]
+        assert down["db_calls"] == otlp_linked_apps.LINES
+        assert "FROM lines" in down["top_call"]["text"]
+        assert down["top_call"]["calls"] == otlp_linked_apps.LINES
+        assert t["links"]["upstream"] is None
+        callee = server.get(f"/api/traces/{down['trace_id']}")
+        up = callee["links"]["upstream"]
+        assert (up["trace_id"], up["service"], up["endpoint"], up["seq"]) == (
+            tid,
+            "shop",
+            "GET /checkout",
+            http["seq"],
+        )
+        assert callee["links"]["downstream"] == []
+        console = Console(width=300, record=True)
+        console.print(render.trace_header(t))
+        shown = console.export_text()
+        assert f"call #{http['seq']} GET 127.0.0.1:" in shown
+        assert "-> billing GET /invoices/<int:invoice_id>" in shown, shown
+        assert f"DB {float(down['db_ms']):.0f} ms in {otlp_linked_apps.LINES} calls" in shown
+    health = [r["trace_id"] for r in rows if r["endpoint"] == "GET /health"]
+    assert server.get(f"/api/traces/{health[0]}")["links"] is None
+
+
 # ------------------------------------------------- a Node.js service, the OTel Node SDK
 
 NODE_APP = os.path.join(os.path.dirname(__file__), "apps", "otlp_node_app")

@@ -359,6 +359,11 @@ class Trace(Model):
     samples: int
     blockers: int
     capture: str | None = Field(description="Why the request was captured, or null.")
+    links: dict[str, Any] | None = Field(
+        default=None,
+        description="OTLP: the call of another service that made this request (upstream) and"
+        " the requests other services served for its calls (downstream), or null.",
+    )
     stack_samples: list[StackSample]
     profile: ProfileNode | None
     blocker_events: list[BlockerEvent]

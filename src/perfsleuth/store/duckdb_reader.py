@@ -236,6 +236,11 @@ class DuckDBReader(DuckDBFile):
         req["samples"] = self._count("samples", day, tid)
         req["blockers"] = self._count("blockers", day, tid)
         req["capture"] = self._capture_reason(tid)
+        req["links"] = None
+        if any(a[0] == "link" for a in attrs):  # OTLP span ids: other services' requests
+            from perfsleuth.store import otlp
+
+            req["links"] = otlp.links(self, tid)
         return req
 
     def _capture_reason(self, trace_id: str) -> str | None:

@@ -528,6 +528,9 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
         out.batch.add(_segment(segments, b), BLOCKER, _blocker(b, stored, None))
         out.blockers += 1
     links = _links([spans[i] for i in servers], call_spans, crow, seq, cols)
+    links += _inner_links(
+        spans, par, calls, crow, seq, cols, callish & nested & (kind == SPAN_CLIENT)
+    )
     out.requests, out.calls = len(servers), len(calls)
     if servers or out.blockers:
         times = (req_start, end[servers])
@@ -673,6 +676,111 @@ def _links(
     for k, c in enumerate(calls):
         if cols["kind"][k] == "http":
             out.append((int(crow[k]), CALL_SPAN, c.trace + c.span, int(seq[k])))
+    return out
+
+
+def _inner_links(
+    spans: list[Span],
+    par: np.ndarray,
+    calls: np.ndarray,
+    crow: np.ndarray,
+    seq: np.ndarray,
+    cols: dict[str, Any],
+    inner: np.ndarray,
+) -> list[tuple[int, str, str, int | None]]:
+    """The ``otlp.call_span`` rows of client spans inside an HTTP call (a transport's span in
+    a library's): the service called names the innermost as its parent."""
+    out: list[tuple[int, str, str, int | None]] = []
+    at = {int(i): k for k, i in enumerate(calls.tolist())}
+    for i in np.nonzero(inner)[0].tolist():
+        j = int(par[i])
+        for _ in range(256):
+            if j < 0 or j in at:
+                break
+            j = int(par[j])
+        k = at.get(j)
+        if k is not None and cols["kind"][k] == "http":
+            s = spans[i]
+            out.append((int(crow[k]), CALL_SPAN, s.trace + s.span, int(seq[k])))
+    return out
+
+
+def links(store: Any, trace_id: str) -> dict[str, Any]:
+    """The requests of other services a request is linked with by OTLP span ids: ``upstream``,
+    the call of another service's request that made it (None: none reported), and
+    ``downstream``, for each of its calls that another reporting service served, that
+    request with where its time went (its calls by kind, and the statement or call that
+    took most of it)."""
+    cols = (
+        "r.trace_id, r.service, r.endpoint, r.duration_ms, r.status, r.error, r.db_calls,"
+        " r.db_ms, r.http_calls, r.http_ms, r.cache_calls, r.cache_ms"
+    )
+    prefix = trace_id[:32]
+    down = store.query(
+        f"""
+        SELECT CAST(c.num AS INTEGER) AS seq, {cols}
+        FROM attributes c
+        JOIN attributes p ON p.kind = '{LINK}' AND p.key = '{PARENT_SPAN}' AND p.value = c.value
+            AND starts_with(p.trace_id, ?)
+        JOIN requests r ON r.trace_id = p.trace_id
+        WHERE c.kind = '{LINK}' AND c.key = '{CALL_SPAN}' AND c.trace_id = ?
+        ORDER BY seq
+        """,
+        [prefix, trace_id],
+    )
+    up = store.query(
+        f"""
+        SELECT CAST(c.num AS INTEGER) AS seq, {cols}
+        FROM attributes p
+        JOIN attributes c ON c.kind = '{LINK}' AND c.key = '{CALL_SPAN}' AND c.value = p.value
+            AND starts_with(c.trace_id, ?)
+        JOIN requests r ON r.trace_id = c.trace_id
+        WHERE p.kind = '{LINK}' AND p.key = '{PARENT_SPAN}' AND p.trace_id = ?
+        LIMIT 1
+        """,
+        [prefix, trace_id],
+    )
+    for d in down:
+        top = store.query(
+            """
+            SELECT f.text, c.kind, count(*) AS calls, sum(c.duration_ms) AS ms
+            FROM calls c LEFT JOIN fingerprints f ON f.id = c.fingerprint_id
+            WHERE c.trace_id = ? GROUP BY 1, 2 ORDER BY ms DESC LIMIT 1
+            """,
+            [d["trace_id"]],
+        )
+        d["top_call"] = top[0] if top else None
+    return {"upstream": up[0] if up else None, "downstream": down}
+
+
+def link_lines(found: dict[str, Any], calls: list[dict[str, Any]]) -> list[str]:
+    """``links`` in words, for a request whose calls are ``calls`` (by seq)."""
+    out = []
+    up = found.get("upstream")
+    if up:
+        out.append(
+            f"called by {up['service']} {up['endpoint']} (its call #{up['seq']}, "
+            f"trace {up['trace_id']})"
+        )
+    by_seq = {c.get("seq"): c for c in calls}
+    for d in found.get("downstream") or []:
+        call = by_seq.get(d["seq"]) or {}
+        what = call.get("fingerprint") or "the call"
+        spent = [
+            f"{label} {float(d[k + '_ms'] or 0):.0f} ms in {d[k + '_calls']} calls"
+            for k, label in (("db", "DB"), ("http", "HTTP"), ("cache", "cache"))
+            if d[k + "_calls"]
+        ]
+        line = (
+            f"call #{d['seq']} {what} -> {d['service']} {d['endpoint']} "
+            f"{float(d['duration_ms'] or 0):.0f} ms"
+        )
+        if spent:
+            line += ": " + ", ".join(spent)
+        top = d.get("top_call")
+        if top and top["text"]:
+            line += f"; most in `{top['text'][:80]}` x{top['calls']} ({float(top['ms']):.0f} ms)"
+        out.append(line + f" (trace {d['trace_id']})")
     return out
 
 
