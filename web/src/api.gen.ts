@@ -454,6 +454,8 @@ export interface Trace {
   blockers: number;
   /** Why the request was captured, or null. */
   capture: string | null;
+  /** OTLP: the call of another service that made this request (upstream) and the requests other services served for its calls (downstream), or null. */
+  links?: Record<string, unknown> | null;
   stack_samples: StackSample[];
   profile: ProfileNode | null;
   blocker_events: BlockerEvent[];
