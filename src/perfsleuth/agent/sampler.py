@@ -274,11 +274,16 @@ class _Tracked:
 
 
 _samplers: weakref.WeakSet[Sampler] = weakref.WeakSet()
+# In a forked child, the thread that forked and its kernel thread id: Python 3.11 leaves that
+# thread's ``native_id`` at the parent's, and its schedstat file is under its own id.
+_forked: tuple[threading.Thread, int] | None = None
 
 
 def _after_fork_in_child() -> None:
     """A forked child has none of the parent's threads: close the schedstat files it inherited
     (registered before agent.evidence's hook, which then starts a new sampler)."""
+    global _forked
+    _forked = (threading.current_thread(), threading.get_native_id())
     for s in list(_samplers):
         s._forget(set())
 
@@ -374,7 +379,8 @@ class Sampler:
     def _open(self, ident: int) -> int:
         fd = -1
         thread = threading._active.get(ident)  # type: ignore[attr-defined]
-        native = getattr(thread, "native_id", None)
+        forked = _forked
+        native = forked[1] if forked and forked[0] is thread else getattr(thread, "native_id", None)
         if self.schedstat and native is not None:
             try:
                 fd = os.open(f"/proc/self/task/{native}/schedstat", os.O_RDONLY)
