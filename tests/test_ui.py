@@ -157,7 +157,12 @@ def test_overview_endpoint_trace(page: Any, server: str) -> None:
     page.wait_for_selector("#endpoint-findings :is(ol.findings, p)")
     shown = page.locator("li.finding").evaluate_all("els => els.map(e => e.dataset.id)")
     assert shown == [f["id"] for f in mine]
-    page.wait_for_selector("svg.flame .flame-frame")
+    # The flame graph of the endpoint's sampled requests (how many were slow enough to be
+    # sampled depends on the machine's load: without samples the page says so).
+    if api(server, "profile", endpoint=N1, since=SINCE)["samples"]:
+        page.wait_for_selector("svg.flame .flame-frame")
+    else:
+        page.wait_for_selector(".flame-box p.dim:has-text('No stack samples')")
     slow_links = page.locator("a.trace-link")
     assert slow_links.count() >= len(d["slowest"])
 
