@@ -419,30 +419,32 @@ export interface Totals {
   errors: number;
 }
 
+/** One request: its row of the traces list and all the rest. */
 export interface Trace {
-  ts: string;
   trace_id: string;
-  service: string | null;
-  host: string | null;
-  pid: number | null;
-  kind: string | null;
-  method: string | null;
+  /** ISO 8601. */
+  ts: string;
   endpoint: string;
+  method: string | null;
   path: string | null;
   status: number | null;
-  error: string | null;
   duration_ms: number | null;
-  cpu_ms: number | null;
-  req_bytes: number | null;
-  resp_bytes: number | null;
-  user: string | null;
-  tenant: string | null;
   db_calls: number | null;
   db_ms: number | null;
   http_calls: number | null;
   http_ms: number | null;
   cache_calls: number | null;
   cache_ms: number | null;
+  user: string | null;
+  tenant: string | null;
+  service: string | null;
+  host: string | null;
+  pid: number | null;
+  kind: string | null;
+  error: string | null;
+  cpu_ms: number | null;
+  req_bytes: number | null;
+  resp_bytes: number | null;
   calls_dropped: number | null;
   gc_ms: number | null;
   gc_count: number | null;

@@ -325,30 +325,17 @@ class Replay(Model):
     complete: bool
 
 
-class Trace(Model):
-    ts: str
-    trace_id: str
+class Trace(TraceRow):
+    """One request: its row of the traces list and all the rest."""
+
     service: str | None
     host: str | None
     pid: int | None
     kind: str | None
-    method: str | None
-    endpoint: str
-    path: str | None
-    status: int | None
     error: str | None
-    duration_ms: float | None
     cpu_ms: float | None
     req_bytes: int | None
     resp_bytes: int | None
-    user: str | None
-    tenant: str | None
-    db_calls: int | None
-    db_ms: float | None
-    http_calls: int | None
-    http_ms: float | None
-    cache_calls: int | None
-    cache_ms: float | None
     calls_dropped: int | None
     gc_ms: float | None
     gc_count: int | None
