@@ -324,11 +324,15 @@ class RunResult:
     false_alarms: list[str] = field(default_factory=list)  # "kind @ endpoint: title"
     other: list[str] = field(default_factory=list)  # other findings on the affected pages
     lost: list[str] = field(default_factory=list)  # "endpoint: stored/served" where some lack
+    # the case's further documented problems (judge's ``also``): problem, endpoint, found,
+    # line, ok (each a row of the table), and whether all are right
+    also: list[dict[str, Any]] = field(default_factory=list)
+    also_ok: bool = True
     error: str = ""
 
     @property
     def ok(self) -> bool:
-        if self.error or self.lost:
+        if self.error or self.lost or not self.also_ok:
             return False
         if self.role == "buggy":
             return bool(self.found and self.line_ok and not self.false_alarms)
@@ -342,6 +346,7 @@ def conclude(
     traffic: dict[str, Any],
     expect: Expect,
     min_requests: dict[str, int],
+    also: tuple[Expect, ...] = (),
 ) -> None:
     """After a case's traffic: an unexpected status is an error; the server stops (the agent
     flushes at SIGTERM); the stored requests and the findings are read and judged."""
@@ -350,15 +355,67 @@ def conclude(
     server.stop()
     result.requests = requests_by_endpoint(data)
     result.findings = perfsleuth_json("findings", "--limit", "100", data=data)
-    judge(result, expect, min_requests)
+    judge(result, expect, min_requests, also)
 
 
-def judge(result: RunResult, expect: Expect, min_requests: dict[str, int]) -> None:
+@dataclass
+class _Match:
+    """What the findings say about one documented problem."""
+
+    hits: list[dict[str, Any]]
+    line_ok: bool
+    named_line: str
+    line_where: str
+
+
+def _match(result: RunResult, expect: Expect) -> _Match:
+    """The findings naming ``expect``'s problem on its endpoint (``also`` endpoints added on
+    the fixed release), and whether one of them names a documented line."""
+
+    def known(f: dict[str, Any]) -> bool:
+        fp = f.get("fingerprint") or ""
+        if expect.statements and not fp.startswith(expect.statements):
+            return True
+        return any(fp.startswith(prefix) for prefix, _ in expect.known)
+
+    endpoints = {expect.endpoint, *(expect.also if result.role == "fixed" else ())}
+    hits = [
+        f
+        for f in result.findings
+        if f["kind"] in expect.kinds and f["endpoint"] in endpoints and not known(f)
+    ]
+    lines = {expect.line, *expect.other_lines}
+
+    def documented(file: str, line: Any) -> bool:
+        if file.endswith(expect.file_suffix) and line in lines:
+            return True
+        return any(file.endswith(sfx) and line == ln for sfx, ln in expect.other_places)
+
+    m = _Match(hits, False, "", "")
+    for f in hits:
+        if f["endpoint"] != expect.endpoint:
+            continue
+        site = f.get("callsite") or {}
+        if site and not m.named_line:
+            m.named_line = f"{_short(site.get('file'))}:{site.get('line')}"
+        if documented(str(site.get("file", "")), site.get("line")):
+            m.line_ok, m.line_where = True, "call site"
+        elif any(documented(fl, ln) for fl, ln in locations(f)):
+            m.line_ok = True
+            m.line_where = m.line_where or "evidence"
+    return m
+
+
+def judge(
+    result: RunResult, expect: Expect, min_requests: dict[str, int], also: tuple[Expect, ...] = ()
+) -> None:
     """Fill the verdict of ``result`` from its findings.
 
     Both releases: a finding of ``expect.kinds`` on ``expect.endpoint`` is the problem found; on
     the buggy release it must name ``expect.file_suffix:expect.line`` (as its call site or in its
-    evidence), on the fixed release it must be gone (from ``expect.also`` too). Any finding on
+    evidence), on the fixed release it must be gone (from ``expect.also`` too). ``also``: other
+    problems of the buggy release that the fixed one documents as fixed, judged the same way
+    (each found at its line, each gone) and summed up in ``result.also``. Any finding on
     another page (the clean ones driven, or a login page on the way) is a false alarm.
     Other findings on the affected pages, and about the whole service, are listed, not judged:
     the documented bug is not all a real page does. Every
@@ -376,46 +433,42 @@ def judge(result: RunResult, expect: Expect, min_requests: dict[str, int]) -> No
             return "not the documented statement"
         return next((why for prefix, why in expect.known if fp.startswith(prefix)), None)
 
-    hits = [
-        f
-        for f in result.findings
-        if f["kind"] in expect.kinds and f["endpoint"] == expect.endpoint and not known(f)
-    ]
-    result.found = bool(hits)
-    lines = {expect.line, *expect.other_lines}
-
-    def documented(file: str, line: Any) -> bool:
-        if file.endswith(expect.file_suffix) and line in lines:
-            return True
-        return any(file.endswith(sfx) and line == ln for sfx, ln in expect.other_places)
-
-    result.line_ok = False
-    for f in hits:
-        site = f.get("callsite") or {}
-        if site and not result.named_line:
-            result.named_line = f"{_short(site.get('file'))}:{site.get('line')}"
-        at_site = (
-            str(site.get("file", "")).endswith(expect.file_suffix) and site.get("line") in lines
+    main = _match(result, expect)
+    hits = main.hits
+    result.found = any(f["endpoint"] == expect.endpoint for f in hits) or (
+        result.role == "fixed" and bool(hits)
+    )
+    result.line_ok, result.named_line, result.line_where = (
+        main.line_ok,
+        main.named_line,
+        main.line_where,
+    )
+    expected = [id(f) for f in hits]
+    for x in also:
+        m = _match(result, x)
+        expected += [id(f) for f in m.hits]
+        if result.role == "buggy":
+            ok = bool(m.hits) and m.line_ok
+            where = f"right, in the {m.line_where}" if m.line_ok else "wrong"
+            line = f"{m.named_line} ({where})" if m.hits else "-"
+            found = "yes" if m.hits else "no"
+        else:
+            ok = not m.hits
+            line = m.named_line or "-"
+            found = "still reported" if m.hits else "no (fixed)"
+        result.also.append(
+            {"problem": x.problem, "endpoint": x.endpoint, "found": found, "line": line, "ok": ok}
         )
-        if at_site:
-            result.line_ok, result.line_where = True, "call site"
-        elif any(documented(fl, ln) for fl, ln in locations(f)):
-            result.line_ok = True
-            result.line_where = result.line_where or "evidence"
-    if result.role == "fixed":
-        hits += [
-            f
-            for f in result.findings
-            if f["kind"] in expect.kinds and f["endpoint"] in expect.also and not known(f)
-        ]
-        result.found = bool(hits)
+        result.also_ok = result.also_ok and ok
     affected = {expect.endpoint, *expect.also}
+    for x in also:
+        affected |= {x.endpoint, *x.also}
     for f in result.findings:
         text = f"{f['kind']} @ {f['endpoint']}: {f['title']}"
         why = known(f)
         if why:
             result.other.append(f"[not judged: {why}] {text}")
-        elif f in hits:
+        elif id(f) in expected:
             continue
         elif f["endpoint"] in affected or f["endpoint"].startswith("<"):
             # Another finding on a page with the documented bug, or about the whole service

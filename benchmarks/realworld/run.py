@@ -101,6 +101,19 @@ def table_rows(results: list[harness.RunResult]) -> list[tuple[str, ...]]:
                 "ok" if r.ok else "FAIL",
             )
         )
+        for x in r.also:  # the case's further documented problems: a row each
+            rows.append(
+                (
+                    r.app,
+                    f"{r.version} ({r.role})",
+                    x["problem"],
+                    x["found"],
+                    x["line"],
+                    '"',
+                    '"',
+                    "ok" if x["ok"] else "FAIL",
+                )
+            )
     return rows
 
 
