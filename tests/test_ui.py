@@ -8,7 +8,8 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -41,14 +42,13 @@ def fmt_ms(v: float | None) -> str:
     return text.ms_number(v)
 
 
-@pytest.fixture(scope="module")
-def server(demo_data: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextmanager
+def serving(data: str) -> Iterator[str]:
+    """The UI and API of ``data`` under uvicorn, with the token; yields the base URL."""
     if not os.path.isfile(os.path.join(STATIC_DIR, "index.html")):
         pytest.fail("the web UI is not built: run `bash scripts/setup.sh` (npm ci, npm run build)")
     import uvicorn
 
-    data = str(tmp_path_factory.mktemp("ui") / "data")
-    shutil.copytree(demo_data, data)
     port = free_port("127.0.0.1", 0)
     app = create_app(data, token=TOKEN, ingest_every=5)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -58,9 +58,19 @@ def server(demo_data: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     while not srv.started and time.time() < deadline:
         time.sleep(0.05)
     assert srv.started, "the UI server did not start"
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    t.join(timeout=30)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        t.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(demo_data: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    data = str(tmp_path_factory.mktemp("ui") / "data")
+    shutil.copytree(demo_data, data)
+    with serving(data) as base:
+        yield base
 
 
 def api(base: str, path: str, **params: Any) -> Any:
@@ -305,3 +315,34 @@ def test_auto_refresh_redraws_in_place(page: Any, server: str) -> None:
     page.wait_for_selector("#app tr[data-endpoint]")
     page.wait_for_timeout(300)
     assert abs(page.evaluate("window.scrollY") - y) < 5
+
+
+def test_a_service_wide_finding_names_the_service(browser: Any, synth: Callable[..., Any]) -> None:
+    """A finding of the whole service (gc_pressure's: every endpoint pays about the same share
+    to collections of one big heap) says so instead of linking to an endpoint page that has no
+    "<service>" endpoint."""
+    shares = {"GET /a": 0.2, "GET /b": 0.25, "POST /c": 0.3, "GET /d": 0.22}
+
+    def fill(w: Any) -> None:
+        for endpoint, share in shares.items():
+            for _ in range(10):
+                w.request(endpoint, dur_ms=100, gc_ns=int(share * 100e6), gc_count=3)
+        w.stats({"gc_heap_objects": 2_400_000, "gc_collections": 120})
+
+    store = synth(fill)
+    data = store.data_dir
+    store.close()
+    with serving(data) as base:
+        found = api(base, "findings", since="all")
+        service = next(f for f in found if f["endpoint"] == "<service>")
+        page = browser.new_page()
+        page.goto(f"{base}/?token={TOKEN}#/findings?since=all")
+        wait_ready(page, "findings")
+        li = page.locator(f"li.finding[data-id='{service['id']}']")
+        assert li.locator(".service-wide").inner_text() == "the whole service"
+        assert li.locator("a.endpoint-link").count() == 0
+        others = [f for f in found if f["endpoint"] != "<service>"]
+        for f in others:
+            link = page.locator(f"li.finding[data-id='{f['id']}'] a.endpoint-link")
+            assert link.inner_text() == f["endpoint"]
+        page.close()

@@ -10,6 +10,9 @@ function confidenceNote(f: Finding): string {
   return [f.confidence ?? "unrated", counts.join(", ")].filter(Boolean).join(": ");
 }
 
+// The endpoint of a finding about the whole service (cpu_starved, gc_pressure's heap).
+const SERVICE = "<service>";
+
 type Where = { file?: string | null; line?: number | null; function?: string | null };
 
 // The template expression a call ran from and the {% for %} around it (evidence.template).
@@ -43,7 +46,9 @@ export function findingList(ctx: Ctx, found: Finding[], open: string | null): HT
           h("span", { class: "impact", title: "time this problem costs per minute of traffic" }, `${fmtMs(f.impact_ms_per_min)} ms/min`),
           h("span", { class: "kind" }, f.kind),
           h("span", { class: `kind confidence confidence-${f.confidence ?? "unrated"}`, title: confidenceNote(f) }, `${f.confidence ?? "unrated"} confidence`),
-          link(ctx.href("endpoint", { name: f.endpoint }), f.endpoint, { class: "endpoint-link" }),
+          f.endpoint === SERVICE
+            ? h("span", { class: "service-wide", title: "a finding of the whole service, not of one endpoint" }, "the whole service")
+            : link(ctx.href("endpoint", { name: f.endpoint }), f.endpoint, { class: "endpoint-link" }),
         ),
         h("div", { class: "finding-title" }, f.title),
         f.callsite ? h("div", { class: "mono dim" }, `at ${site(f.callsite)} — ${f.callsite.file ?? ""}`) : null,
