@@ -5,9 +5,7 @@ exit (the status file may not say so on a full disk, and the counters die with t
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import sys
 import time
 from typing import Any
@@ -15,7 +13,19 @@ from typing import Any
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.recorder import stats
 
-HOST = socket.gethostname().replace("-", "_")[:64] or "host"  # in spool and status file names
+
+def hostname() -> str:
+    """This machine's name, as socket.gethostname() says it (without importing socket at the
+    agent's start where the system tells it otherwise)."""
+    uname = getattr(os, "uname", None)
+    if uname is not None:
+        return str(uname().nodename)
+    import socket
+
+    return socket.gethostname()
+
+
+HOST = hostname().replace("-", "_")[:64] or "host"  # in spool and status file names
 
 # A status file is padded to this size (JSON allows trailing spaces), so that on a full disk it
 # can still be overwritten in place, in the blocks it already has.
@@ -38,13 +48,15 @@ def write(cfg: Config, *, queued: int = 0, writer_dead: bool = False) -> None:
     global written
     written = False
     try:
+        import json
+
         os.makedirs(cfg.agents_dir, exist_ok=True)
         path = os.path.join(cfg.agents_dir, f"{HOST}-{os.getpid()}.json")
         body: dict[str, Any] = dict(stats)
         body["dropped_writer_dead"] = stats["dropped_writer_dead"] + (queued if writer_dead else 0)
         body.update(
             pid=os.getpid(),
-            host=socket.gethostname(),
+            host=hostname(),
             service=cfg.service,
             updated_ns=time.time_ns(),
             last_error=last_error,
