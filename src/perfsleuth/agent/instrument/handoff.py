@@ -14,9 +14,10 @@ stack then runs from the statement through the worker's frames and the hand-off 
 request's entry, so findings that read stacks (an N+1's loop, the lines where a helper's
 callers part ways) see the caller's code.
 
-Cost: one stack capture per hand-off while a request is recorded (the helper's call, not its
-statements), and a look at the request's new sites when the function returns. Nothing is done
-outside a request.
+Cost, per hand-off while a request is recorded (the helper's call, not its statements): the
+frames above the hand-off compared with the stack last captured at the same line (captured
+again only when they differ), a partial, one Python frame in the worker and a look at the
+request's new sites when the function returns. Nothing is done outside a request.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable
-from types import CodeType, FunctionType
+from types import CodeType, FrameType, FunctionType
 from typing import Any
 
 from perfsleuth.agent import recorder, stacks
@@ -33,6 +34,7 @@ from perfsleuth.agent import recorder, stacks
 _getframe = sys._getframe
 _current_get = recorder.current_get
 _capture = stacks.capture
+_same = stacks.same
 _partial = functools.partial
 _MAX_FLAT = 2 * stacks.MAX_DEPTH
 
@@ -104,6 +106,27 @@ def _run_stitched(
             recorder.internal_error()
 
 
+# (id(code), f_lasti) of the frame that handed work over -> the stack last captured there: the
+# next hand-off from that line takes it when its frames are the same (compared, not copied:
+# stacks.same holds no allocation), as the recorder reuses a site's stack. The stack holds the
+# code objects it compares by identity, so a reused id cannot match a stale entry.
+_origins: dict[tuple[int, int], tuple[Any, ...]] = {}
+_MAX_ORIGINS = 2_000
+
+
+def _origin(frame: FrameType) -> tuple[Any, ...]:
+    """The stack above a hand-off (:func:`perfsleuth.agent.stacks.capture` of ``frame``)."""
+    key = (id(frame.f_code), frame.f_lasti)
+    hit = _origins.get(key)
+    if hit is not None and _same(frame, hit):
+        return hit
+    flat = _capture(frame)
+    if len(_origins) >= _MAX_ORIGINS:
+        _origins.clear()
+    _origins[key] = flat
+    return flat
+
+
 def wrap(run_sync: Callable[..., Any]) -> Callable[..., Any]:
     """``run_sync(func, *args, **kwargs)`` (anyio's ``to_thread.run_sync``, ``asyncio.to_thread``,
     already marked by :mod:`perfsleuth.agent.instrument.threads`) handing over ``func``
@@ -114,7 +137,7 @@ def wrap(run_sync: Callable[..., Any]) -> Callable[..., Any]:
         req = _current_get()
         if req is not None:
             try:
-                origin = _capture(_getframe(1))
+                origin = _origin(_getframe(1))
                 if origin:
                     func = _partial(_run_stitched, req, origin, func)
             except Exception:
