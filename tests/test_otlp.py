@@ -744,6 +744,106 @@ def test_odd_but_valid_spans_are_stored_or_left_out_never_a_failure(server: Serv
     assert stored_before > 0
 
 
+def _span(
+    trace: str,
+    span: str,
+    parent: str,
+    kind: int,
+    start_ms: float,
+    dur_ms: float,
+    attrs: dict[str, Any] | None = None,
+    name: str = "span",
+) -> dict[str, Any]:
+    t0 = 1_764_000_000_000_000_000
+    out = {
+        "traceId": trace,
+        "spanId": span,
+        "name": name,
+        "kind": kind,
+        "startTimeUnixNano": str(t0 + int(start_ms * 1e6)),
+        "endTimeUnixNano": str(t0 + int((start_ms + dur_ms) * 1e6)),
+        "attributes": [_kv(k, v) for k, v in (attrs or {}).items()],
+    }
+    if parent:
+        out["parentSpanId"] = parent
+    return out
+
+
+def _otlp(service: str, *spans: dict[str, Any]) -> bytes:
+    body = {
+        "resourceSpans": [
+            {
+                "resource": {"attributes": [_kv("service.name", service)]},
+                "scopeSpans": [{"spans": list(spans)}],
+            }
+        ]
+    }
+    return json.dumps(body).encode()
+
+
+def test_loop_blocks_find_their_request_in_any_payload_order(server: Server) -> None:
+    """A block span sent after its request was stored is filed under it (the request whose
+    span holds it); one sent before its request waits for it, and gets the last call the
+    request finished before the block; one under no request is a blocker of none."""
+    tr = [f"{i + 1:032x}" for i in range(3)]
+    route = {"http.request.method": "POST", "http.route": "/import"}
+    srv = [_span(t, "a" * 16, "", 2, 0, 900, route) for t in tr]
+    handler = [_span(t, "b" * 16, "a" * 16, 1, 1, 890, name="request handler") for t in tr]
+    sql = {"db.system": "postgresql", "db.query.text": "SELECT * FROM big_table"}
+    query = _span(tr[1], "c" * 16, "b" * 16, 3, 5, 40, {**sql, "db.response.returned_rows": 90_000})
+    blocked = {"perfsleuth.block.ms": 700.0, "perfsleuth.block.delayed": 2}
+    block = [_span(t, "d" * 16, "b" * 16, 1, 50, 700, blocked, "perfsleuth.loop_block") for t in tr]
+    # 1: the request first, its block in a later payload
+    assert server.post(_otlp("node-api", srv[0], handler[0]), "application/json")[0] == 200
+    assert server.post(_otlp("node-api", block[0]), "application/json")[0] == 200
+    # 2: the block first (its request has not ended yet), then the request with its query
+    assert server.post(_otlp("node-api", block[1], handler[1]), "application/json")[0] == 200
+    assert server.count("blockers") == 1
+    assert server.post(_otlp("node-api", srv[1], query), "application/json")[0] == 200
+    # 3: a block under no span at all
+    alone = {"perfsleuth.block.ms": 300.0}
+    lone = _span(tr[2], "e" * 16, "", 1, 0, 300, alone, "perfsleuth.loop_block")
+    assert server.post(_otlp("node-api", lone), "application/json")[0] == 200
+    with server.app.state.backend.use() as store:
+        rows = store.query(
+            "SELECT trace_id, endpoint, duration_ms, delayed, last_call, last_rows, service"
+            " FROM blockers ORDER BY trace_id NULLS LAST"
+        )
+    assert [(r["trace_id"], r["endpoint"]) for r in rows] == [
+        (tr[0] + "a" * 16, "POST /import"),
+        (tr[1] + "a" * 16, "POST /import"),
+        (None, ""),
+    ], rows
+    assert rows[0]["last_call"] is None
+    assert (rows[1]["last_call"], rows[1]["last_rows"]) == ("SELECT * FROM big_table", 90000)
+    assert [r["duration_ms"] for r in rows] == pytest.approx([700.0, 700.0, 300.0])
+    assert [r["delayed"] for r in rows] == [2, 2, None]
+    assert {r["service"] for r in rows} == {"node-api"}
+
+
+def test_a_transport_span_inside_an_http_call_links_the_call(server: Server) -> None:
+    """The service called names the innermost client span as its parent (urllib3's inside
+    requests'): the link is to the outer span's call."""
+    t = "9" * 32
+    get = {"http.request.method": "GET", "url.full": "http://billing:8080/invoices/7"}
+    caller = _otlp(
+        "shop",
+        _span(t, "a" * 16, "", 2, 0, 100, {"http.request.method": "GET", "http.route": "/c"}),
+        _span(t, "b" * 16, "a" * 16, 3, 5, 80, get),
+        _span(t, "c" * 16, "b" * 16, 3, 6, 78, get),
+    )
+    route = {"http.request.method": "GET", "http.route": "/invoices/:id"}
+    callee = _otlp("billing", _span(t, "d" * 16, "c" * 16, 2, 8, 70, route))
+    assert server.post(callee, "application/json")[0] == 200
+    assert server.post(caller, "application/json")[0] == 200
+    t_shop = server.get(f"/api/traces/{t}{'a' * 16}")
+    assert len(t_shop["calls"]) == 1  # the transport's span is not a second call
+    (down,) = t_shop["links"]["downstream"]
+    assert (down["seq"], down["service"], down["endpoint"]) == (0, "billing", "GET /invoices/:id")
+    up = server.get(f"/api/traces/{t}{'d' * 16}")["links"]["upstream"]
+    assert (up["trace_id"], up["seq"]) == (f"{t}{'a' * 16}", 0)
+
+
 def test_client_spans_waiting_for_their_server_span_are_bounded() -> None:
     from perfsleuth.store import otlp
 
