@@ -13,8 +13,9 @@ demo: setup
 test: setup
 	$(BIN)/pytest -q
 
-# Issue 21's acceptance: the zoo and the async-evidence app, on a quiet and on an oversubscribed
-# machine (4 busy loops per core); about 5 minutes, so `make test` leaves it out.
+# Issue 21's acceptance: the zoo and the async-evidence app on a quiet and on an oversubscribed
+# machine (4 busy loops per core), the demo on the oversubscribed one; about 6 minutes on two
+# cores, so `make test` leaves it out.
 test-busy: setup
 	BUSY_ACCEPTANCE=1 $(BIN)/pytest -q tests/test_busy_acceptance.py
 
