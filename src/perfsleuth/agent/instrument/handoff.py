@@ -2,8 +2,9 @@
 handed the work over.
 
 A statement run by a function handed to a thread pool (``anyio.to_thread.run_sync``, which
-Starlette's ``run_in_threadpool`` and FastAPI use, or ``asyncio.to_thread``) has a worker
-thread's stack: it starts at the function handed over (a generic executor such as
+Starlette's ``run_in_threadpool`` and FastAPI use, ``asyncio.to_thread``, or the ``submit``
+of a ``concurrent.futures.ThreadPoolExecutor``, where ``loop.run_in_executor`` goes) has a
+worker thread's stack: it starts at the function handed over (a generic executor such as
 ``_run_query_sync``), and the code that awaited it (the endpoint's loop, the caller of the
 executor) is on another thread. So at the hand-off, while the caller's frames are still
 linked, the stack above the hand-off is captured once (:func:`perfsleuth.agent.stacks.capture`,
@@ -26,7 +27,8 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable
-from types import CodeType, FrameType, FunctionType
+from contextvars import Context, copy_context
+from types import CodeType, FrameType, FunctionType, ModuleType
 from typing import Any
 
 from perfsleuth.agent import recorder, stacks
@@ -104,6 +106,38 @@ def _run_stitched(
                     _stitch(req, first, code, origin)
         except Exception:
             recorder.internal_error()
+
+
+def _carries_context(fn: Any) -> bool:
+    """Whether ``fn`` already runs in a context of its own: ``partial(context.run, ...)``, what
+    asyncio.to_thread (wrapped above) hands to the executor."""
+    return type(fn) is _partial and type(getattr(fn.func, "__self__", None)) is Context
+
+
+def patch_futures(module: ModuleType) -> None:
+    """``concurrent.futures.ThreadPoolExecutor.submit`` (``loop.run_in_executor`` submits
+    there): work submitted while a request is recorded runs in a copy of the submitter's
+    context, so the request's calls made there are recorded (the executor does not copy
+    contexts), with the submitter's stack stitched on. Process pools are left alone."""
+    cls = getattr(module, "ThreadPoolExecutor", None)
+    submit = getattr(cls, "submit", None)
+    if submit is None or getattr(submit, "__perfsleuth__", False):
+        return
+
+    @functools.wraps(submit)
+    def wrapper(self: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        req = _current_get()
+        if req is not None:
+            try:
+                if not _carries_context(fn):
+                    origin = _origin(_getframe(1))
+                    fn = _partial(copy_context().run, _run_stitched, req, origin, fn)
+            except Exception:
+                recorder.internal_error()
+        return submit(self, fn, *args, **kwargs)
+
+    wrapper.__perfsleuth__ = True  # type: ignore[attr-defined]
+    cls.submit = wrapper  # type: ignore[union-attr]
 
 
 # (id(code), f_lasti) of the frame that handed work over -> the stack last captured there: the

@@ -30,6 +30,7 @@ register("pymemcache", f"{P}.cache:patch_pymemcache")
 # Thread pools: which thread runs a request's sync code (for the stack sampler)
 register("anyio.to_thread", f"{P}.threads:patch_anyio")
 register("asyncio.threads", f"{P}.threads:patch_asyncio_threads")
+register("concurrent.futures.thread", f"{P}.handoff:patch_futures")
 
 # Frameworks: endpoint names come from their routers
 register("starlette.applications", f"{F}.asgi:patch_starlette")
