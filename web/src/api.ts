@@ -49,6 +49,21 @@ export async function api<T>(path: string, params: Record<string, string | numbe
   return data as T;
 }
 
+type Params = Record<string, string | number | undefined>;
+
+/** GET an API path named as in the OpenAPI schema ("/api/traces/{trace_id}"), its reply typed
+ * by the schema: {name} parts are filled from ``params``, the other params are the query. */
+export function get<P extends keyof GetReplies>(path: P, params: Params = {}): Promise<GetReplies[P]> {
+  const used = new Set<string>();
+  const filled = path.replace(/\{(\w+)\}/g, (_, k: string) => {
+    used.add(k);
+    return encodeURIComponent(String(params[k] ?? ""));
+  });
+  const query: Params = {};
+  for (const [k, v] of Object.entries(params)) if (!used.has(k)) query[k] = v;
+  return api<GetReplies[P]>(filled.slice("/api/".length), query);
+}
+
 // The replies' types are generated from the API's OpenAPI schema (scripts/openapi_ts.py).
 export type {
   ApiErrorBody,
@@ -81,3 +96,4 @@ export type {
   TraceRow,
   WhoRow,
 } from "./api.gen";
+import type { GetReplies } from "./api.gen";

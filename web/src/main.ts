@@ -1,7 +1,7 @@
 // perfsleuth web UI: a hash router (#/page?params) over the pages; the range picker and the
 // auto-refresh live in the URL too, so a link shows the same view.
 import "./style.css";
-import { api, token, type Status } from "./api";
+import { get, token } from "./api";
 import { h, errorBox } from "./util";
 import { overviewPage } from "./pages/overview";
 import { endpointPage } from "./pages/endpoint";
@@ -126,7 +126,7 @@ const ON_DEMAND = new Set(["sql", "compare"]);
 async function status(): Promise<void> {
   const el = document.getElementById("status")!;
   try {
-    const s = await api<Status>("status");
+    const s = await get("/api/status");
     const at = s.ingest_every_s <= 0 ? "never (read-only)" : s.ingest.at ? new Date(s.ingest.at * 1000).toISOString().slice(11, 19) + "Z" : "-";
     el.textContent = s.ingest.error ? `ingest failed: ${s.ingest.error}` : `latest request ${s.last ? s.last.slice(0, 19).replace("T", " ") + "Z" : "-"} · ingested ${at}`;
   } catch (e) {

@@ -1,7 +1,7 @@
 // Compare: two time ranges, or two values of a tag / attribute / release, per endpoint with the
 // verdict line, the table (intervals, change, q-value, what moved) and the two latency
 // distributions of the chosen endpoint overlaid.
-import { api, type CompareResult, type CompareRow, type FindingBrief, type Histogram, type SideStats } from "../api";
+import { get, type CompareRow, type FindingBrief, type Histogram, type SideStats } from "../api";
 import type { Ctx } from "../main";
 import { h, fmtInt, fmtMs, section, table, type Col } from "../util";
 
@@ -120,7 +120,7 @@ export async function comparePage(root: HTMLElement, ctx: Ctx): Promise<void> {
     root.append(h("p", { class: "dim" }, "Give two time ranges (a and b), or a tag to compare its values (by)."));
     return;
   }
-  const res = await api<CompareResult>("compare", { a: p.get("a") ?? undefined, b: p.get("b") ?? undefined, by: by || undefined, window: p.get("window") ?? undefined });
+  const res = await get("/api/compare", { a: p.get("a") ?? undefined, b: p.get("b") ?? undefined, by: by || undefined, window: p.get("window") ?? undefined });
   root.append(h("div", { class: "card verdict", id: "compare-verdict", style: { fontWeight: "600", fontSize: "15px" } }, res.verdict));
   const chosen = p.get("endpoint") ?? res.endpoints.find((r) => res.histograms[r.endpoint])?.endpoint ?? "";
   const cols: Col<Row>[] = [

@@ -1,4 +1,4 @@
-import { api, type CallTreeNode, type EndpointDetail, type Finding, type Profile, type ProfileNode, type TraceRow, type WhoRow } from "../api";
+import { get, type CallTreeNode, type ProfileNode, type TraceRow, type WhoRow } from "../api";
 import { timeChart, histogram } from "../charts";
 import { treemapView, flameGraph } from "../hier";
 import type { Ctx } from "../main";
@@ -27,13 +27,13 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
   if (!name) throw new Error("no endpoint given: pick one on the overview");
   // The detectors can take seconds on big data: their section fills in when they answer.
   const [d, tree, prof] = await Promise.all([
-    api<EndpointDetail>("endpoint", { name, since: ctx.since }),
-    api<CallTreeNode>("calltree", { endpoint: name, kind, since: ctx.since }).catch((e: Error) => e),
-    api<Profile>("profile", { endpoint: name, since: ctx.since }).catch((e: Error) => e),
+    get("/api/endpoint", { name, since: ctx.since }),
+    get("/api/calltree", { endpoint: name, kind, since: ctx.since }).catch((e: Error) => e),
+    get("/api/profile", { endpoint: name, since: ctx.since }).catch((e: Error) => e),
   ]);
   // Asked after the rest: the server answers one question at a time, and this one is slow.
   const foundBox = h("div", { id: "endpoint-findings" }, h("span", { class: "dim" }, "running the detectors…"));
-  api<Finding[]>("findings", { endpoint: name, since: ctx.since }).then(
+  get("/api/findings", { endpoint: name, since: ctx.since }).then(
     (found) => foundBox.replaceChildren(findingList(ctx, found, null)),
     (e) => foundBox.replaceChildren(errorBox(e)),
   );

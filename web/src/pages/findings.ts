@@ -1,4 +1,4 @@
-import { api, type Finding, type FindingDetail } from "../api";
+import { get, type Finding } from "../api";
 import type { Ctx } from "../main";
 import { h, fmtInt, fmtMs, fmtNum, site, link, section } from "../util";
 
@@ -77,7 +77,7 @@ async function toggle(ctx: Ctx, f: Finding, box: HTMLElement): Promise<void> {
   }
   box.append(h("span", { class: "dim" }, "loading…"));
   try {
-    const d = await api<FindingDetail>(`findings/${encodeURIComponent(f.id)}`, { since: ctx.since });
+    const d = await get("/api/findings/{finding_id}", { finding_id: f.id, since: ctx.since });
     box.replaceChildren(
       ...[
       d.source_line ? h("pre", { class: "code" }, `${d.callsite?.line ?? ""} | ${d.source_line}`) : null,
@@ -98,6 +98,6 @@ async function toggle(ctx: Ctx, f: Finding, box: HTMLElement): Promise<void> {
 }
 
 export async function findingsPage(root: HTMLElement, ctx: Ctx): Promise<void> {
-  const found = await api<Finding[]>("findings", { since: ctx.since });
+  const found = await get("/api/findings", { since: ctx.since });
   root.append(section(`Findings (${found.length}), highest impact first`, findingList(ctx, found, ctx.params.get("id"))));
 }

@@ -1,6 +1,6 @@
 // Load: a saved `perfsleuth load` run: the targets, the achieved rate, the verdict line and the
 // per-endpoint table (counts, p50/p95 of each side, change, q-value, verdict).
-import { api, type LoadRunBrief } from "../api";
+import { api, get } from "../api";
 import type { Ctx } from "../main";
 import { h, fmtInt, fmtMs, section, table, type Col } from "../util";
 
@@ -38,7 +38,7 @@ const COLOR: Record<string, string> = { faster: "#2e7d32", slower: "#c62828", sa
 const pct = (v: number | null) => (v === null ? "-" : `${v > 0 ? "+" : ""}${(v * 100).toFixed(0)} %`);
 
 export async function loadPage(root: HTMLElement, ctx: Ctx): Promise<void> {
-  const runs = await api<LoadRunBrief[]>("load");
+  const runs = await get("/api/load");
   if (!runs.length) {
     root.append(section("Load", h("p", { class: "dim" }, "No load runs yet: run `perfsleuth load --a URL --b URL --rate N` with this data directory.")));
     return;

@@ -1,10 +1,10 @@
-import { api, type Overview, type TopRow } from "../api";
+import { get, type TopRow } from "../api";
 import { timeChart, PALETTE } from "../charts";
 import type { Ctx } from "../main";
 import { h, fmtInt, fmtMs, fmtNum, fmtPct, bar, table, link, type Col } from "../util";
 
 export async function overviewPage(root: HTMLElement, ctx: Ctx): Promise<void> {
-  const data = await api<Overview>("overview", { since: ctx.since });
+  const data = await get("/api/overview", { since: ctx.since });
   const sort = ctx.params.get("sort") || "total_ms";
   const desc = ctx.params.get("dir") !== "asc";
   const filter = ctx.params.get("filter") || "";

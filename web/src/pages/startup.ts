@@ -1,7 +1,7 @@
 // Start-up: a saved `perfsleuth startup` run: the phases of the path to the first answer (they
 // add up to the total), the ranked import tree with the app's modules marked, the first request
 // against the steady state, the notes, and the change per phase against another run.
-import { api, type StartupRunBrief } from "../api";
+import { api, get } from "../api";
 import type { Ctx } from "../main";
 import { h, fmtMs, bar, section, table, type Col } from "../util";
 
@@ -57,7 +57,7 @@ function importTree(nodes: ImportNode[], depth: number): HTMLElement {
 }
 
 export async function startupPage(root: HTMLElement, ctx: Ctx): Promise<void> {
-  const runs = await api<StartupRunBrief[]>("startup");
+  const runs = await get("/api/startup");
   if (!runs.length) {
     root.append(
       section("Start-up", h("p", { class: "dim" }, "No start-up runs yet: run `perfsleuth startup --url URL -- CMD` with this data directory.")),

@@ -1,4 +1,4 @@
-import { api, apiText, type Call, type Frame, type Trace } from "../api";
+import { apiText, get, type Call, type Frame } from "../api";
 import { flameGraph } from "../hier";
 import type { Ctx } from "../main";
 import { h, fmtInt, fmtMs, fmtBytes, fmtTime, site, link, section } from "../util";
@@ -21,7 +21,7 @@ function stackList(stack: Frame[]): HTMLElement {
 export async function tracePage(root: HTMLElement, ctx: Ctx): Promise<void> {
   const id = ctx.params.get("id") || "";
   if (!id) throw new Error("no trace id given");
-  const t = await api<Trace>(`traces/${encodeURIComponent(id)}`);
+  const t = await get("/api/traces/{trace_id}", { trace_id: id });
   const total = Math.max(t.duration_ms ?? 0, ...t.calls.map((c) => (c.offset_ms ?? 0) + (c.duration_ms ?? 0)), 0.001);
   root.append(
     h("h1", {}, link(ctx.href("endpoint", { name: t.endpoint }), t.endpoint, { class: "endpoint-link" }), h("span", { class: "dim" }, ` · trace ${t.trace_id}`)),
