@@ -8,12 +8,24 @@ process has it, and DuckDB refuses to switch external access back on while the d
 
 Rows are fetched a few at a time and encoded as they come, so the reply never holds more than
 ``max_bytes`` of rows (DuckDB itself still computes a vector of up to 2048 rows at a time).
+
+DuckDB's own memory is bounded for the console's statements only, so that ingest on the same
+database keeps the engine's whole memory: sorts, hash tables and aggregates of the console's
+connection get ``max_memory / 2`` (DuckDB's per-connection ``operator_memory_limit``; past it
+they spill to the store's temporary directory, itself capped), and a watcher stops the
+statement (an interrupt) once the process has grown by ``max_memory`` since it began (the
+store's tables cached meanwhile aside): the values DuckDB builds (``list``, ``string_agg``) are
+outside its memory limits. An interrupt is seen between vectors only, so the functions that
+make one value of any size from a number (``repeat``, ``lpad``, ``rpad``, ``range``) are
+guarded by macros (:func:`guard_functions`); a value larger than the reply may hold is refused
+before it is encoded. The global ``memory_limit`` is left to ingest: it bounds none of these.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import threading
 import time
@@ -28,11 +40,23 @@ import duckdb
 MAX_ROWS = 10_000
 MAX_BYTES = 8 * 1024 * 1024
 TIME_LIMIT_S = 10.0
+MAX_MEMORY = 256 * 1024 * 1024  # what a console statement may grow the process by
+# After a statement stopped at its cap, the memory it had comes back to the system within a few
+# seconds: a statement starting meanwhile waits for it (within its time limit), up to SETTLE_S.
+SETTLE_S = 5.0
+MAX_TEMP = "4GiB"  # what DuckDB may spill to the store's temporary directory
+WATCH_S = 0.02  # how often the watcher looks at the time and the process's memory
+VECTOR = 2048  # rows DuckDB computes at a time (its STANDARD_VECTOR_SIZE)
 
 _SANDBOX = (
     "SET autoinstall_known_extensions = false",
     "SET autoload_known_extensions = false",
     "SET enable_external_access = false",
+    # Console statements spill past their operator_memory_limit: not until the disk is full.
+    f"SET max_temp_directory_size = '{MAX_TEMP}'",
+    # Memory freed (a statement stopped at its cap) goes back to the system within seconds,
+    # so that the next statement's cap starts from where the process rests.
+    "SET allocator_background_threads = true",
 )
 _EXPLAIN = re.compile(r"^\s*explain\s+(?:analyze\s+|analyse\s+)?(?:\([^)]*\)\s*)?", re.I)
 _READ_ONLY = {duckdb.StatementType.SELECT}
@@ -127,6 +151,182 @@ class Result:
         return self.truncated_by is not None
 
 
+def rss() -> int | None:
+    """The process's resident memory in bytes (None where /proc is not there)."""
+    try:
+        with open("/proc/self/statm", "rb") as fh:
+            return int(fh.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_settling: tuple[float, int] = (0.0, 0)  # (until, resident bytes) after a stop at the cap
+
+
+def cached_table_bytes(con: duckdb.DuckDBPyConnection) -> int:
+    """The bytes of stored tables DuckDB's buffer pool holds (evictable, bounded by its
+    memory_limit, shared with ingest): a statement reading the store grows the process by
+    these without making anything."""
+    row = con.execute(
+        "SELECT coalesce(sum(memory_usage_bytes), 0) FROM duckdb_memory() WHERE tag = 'BASE_TABLE'"
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+class _Watch:
+    """Interrupts ``cur``'s statement past ``deadline`` or once the process's resident memory,
+    less the store's tables cached meanwhile, exceeds what it was at the start by
+    ``max_memory``; ``stopped`` says which."""
+
+    def __init__(
+        self, cur: duckdb.DuckDBPyConnection, time_limit: float | None, max_memory: int | None
+    ) -> None:
+        self.cur = cur
+        self.time_limit = time_limit
+        self.max_memory = max_memory
+        self.deadline = time.perf_counter() + time_limit if time_limit else math.inf
+        self.stopped: str | None = None  # "time" or "memory"
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._mon: duckdb.DuckDBPyConnection | None = None
+        base = rss() if max_memory else None
+        if base is not None and max_memory and _settling[0] > time.perf_counter():
+            # what the stopped statement had is still the process's: wait until it is not
+            until = min(_settling[0], self.deadline)
+            while base > _settling[1] + max_memory // 4 and time.perf_counter() < until:
+                time.sleep(WATCH_S)
+                base = rss() or base
+        self.base = base
+        self.rss_limit = base + max_memory if base is not None and max_memory else None
+        if self.rss_limit is not None:
+            self._mon = cur.cursor()  # the watcher's own connection, for duckdb_memory()
+            self._cached0 = cached_table_bytes(self._mon)
+        if time_limit or self.rss_limit is not None:
+            t = threading.Thread(target=self._watch, name="perfsleuth-sql-watch", daemon=True)
+            t.start()
+
+    def _watch(self) -> None:
+        while not self._done.wait(WATCH_S):
+            with self._lock:  # done() waits: the statement's thread closes the cursors
+                if self._done.is_set():
+                    return
+                if time.perf_counter() > self.deadline:
+                    self.stopped = "time"
+                elif self.rss_limit is not None and self._over():
+                    self.stopped = "memory"
+                if self.stopped:
+                    self.cur.interrupt()
+                    return
+
+    def _over(self) -> bool:
+        over = (rss() or 0) - (self.rss_limit or 0)
+        if over <= 0 or self._mon is None:
+            return False
+        try:
+            return over > cached_table_bytes(self._mon) - self._cached0
+        except duckdb.Error:
+            return True
+
+    def done(self) -> None:
+        global _settling
+        with self._lock:
+            self._done.set()
+            if self.stopped == "memory" and self.base is not None:
+                _settling = (time.perf_counter() + SETTLE_S, self.base)
+            else:
+                _settling = (0.0, 0)
+            if self._mon is not None:
+                self._mon.close()
+
+    def check(self) -> None:
+        """ConsoleError if the statement was stopped, or its time is up."""
+        if self.stopped is None and time.perf_counter() > self.deadline:
+            self.stopped = "time"
+        if self.stopped:
+            raise self.error()
+
+    def error(self) -> ConsoleError:
+        if self.stopped == "memory":
+            return ConsoleError(
+                "the query was stopped: it used more than "
+                f"{_mb(self.max_memory)} of memory (make its values or results smaller)"
+            )
+        return _too_long(self.time_limit)
+
+
+def guard_functions(max_memory: int) -> list[str]:
+    """Temporary macros, for one connection, in front of the functions that make one value of
+    any size from a number (``repeat``, ``lpad``, ``rpad``, the list-valued ``range`` and
+    ``generate_series``): a value over ``max_memory / VECTOR`` (characters; list items count
+    16 bytes) is an error, so that a whole vector of them stays within ``max_memory``. Such a
+    value is allocated in one go, before anything else could stop it. Table functions
+    (``FROM range(...)``) are not affected."""
+    cap = max(max_memory // VECTOR, 1024)
+    items = max(cap // 16, 64)
+
+    def too_big(what: str, limit: int) -> str:
+        return (
+            f"error('{what} would make a value of more than {limit:,} "
+            f"{'items' if limit == items else 'characters'} (the console memory limit)')"
+        )
+
+    def over(a: str, b: str, s: str) -> str:
+        # range(a, b, s) makes more than ``items`` items; numbers, dates and times alike
+        d = f"(({b} + {s} * 0) - {a})"
+        n = f"{s} * {items}"
+        return f"(({d} > {n} AND {n} > {s} * 0) OR ({d} < {n} AND {n} < {s} * 0))"
+
+    # The function gets harmless arguments when over the limit: constant folding computes
+    # the ELSE branch too.
+    out = []
+    big = f"length(s) * n * (CASE WHEN typeof(s) LIKE '%[]' THEN 16 ELSE 1 END) > {cap}"
+    out.append(
+        f"CREATE OR REPLACE TEMP MACRO repeat(s, n) AS CASE WHEN {big} THEN "
+        f"{too_big('repeat', cap)} ELSE system.main.repeat(s, CASE WHEN {big} THEN 0 ELSE n END) "
+        "END"
+    )
+    for f in ("lpad", "rpad"):
+        out.append(
+            f"CREATE OR REPLACE TEMP MACRO {f}(s, n, p) AS CASE WHEN n > {cap} THEN "
+            f"{too_big(f, cap)} ELSE system.main.{f}(s, least(n, {cap}), p) END"
+        )
+    for f in ("range", "generate_series"):
+        out.append(
+            f"CREATE OR REPLACE TEMP MACRO {f}(b) AS CASE WHEN b > {items} THEN "
+            f"{too_big(f, items)} ELSE system.main.{f}(least(b, {items})) END, "
+            f"(a, b) AS CASE WHEN b - a > {items} THEN {too_big(f, items)} "
+            f"ELSE system.main.{f}(a, CASE WHEN b - a > {items} THEN a ELSE b END) END, "
+            f"(a, b, s) AS CASE WHEN {over('a', 'b', 's')} THEN {too_big(f, items)} "
+            f"ELSE system.main.{f}(a, CASE WHEN {over('a', 'b', 's')} THEN a ELSE b END, s) END"
+        )
+    return out
+
+
+def _mb(n: int | None) -> str:
+    return f"{(n or 0) / 2**20:g} MB"
+
+
+def _longer_than(row: tuple[Any, ...] | list[Any], budget: int) -> bool:
+    """True when ``row``'s texts, bytes and items alone exceed ``budget`` (so that a huge
+    value is refused before it is encoded)."""
+    stack: list[Any] = [row]
+    total = 0
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str | bytes | bytearray):
+            total += len(v)
+        elif isinstance(v, list | tuple):
+            total += len(v)
+            stack.extend(v)
+        elif isinstance(v, dict):
+            total += len(v)
+            stack.extend(v.values())
+        if total > budget:
+            return True
+    return False
+
+
 def run(
     cur: duckdb.DuckDBPyConnection,
     query: str,
@@ -134,6 +334,7 @@ def run(
     limit: int = MAX_ROWS,
     max_bytes: int | None = MAX_BYTES,
     time_limit: float | None = TIME_LIMIT_S,
+    max_memory: int | None = MAX_MEMORY,
     encode: bool = True,
     prepare: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
 ) -> Result:
@@ -141,23 +342,17 @@ def run(
     use the store's connection meanwhile), and close it. At most ``limit`` rows and
     ``max_bytes`` of encoded rows (JSON, UTF-8) are kept; past either the result says it was
     truncated. Over ``time_limit`` seconds, counted
-    until the last row is encoded, it is stopped with a ConsoleError. ``prepare(cursor)`` runs
-    first (e.g. the temporary views a read-only store made on its own connection)."""
+    until the last row is encoded, or once the process grew by ``max_memory`` bytes, it is
+    stopped with a ConsoleError. ``prepare(cursor)`` runs first (e.g. the temporary views a
+    read-only store made on its own connection)."""
     t0 = time.perf_counter()
-    deadline = t0 + time_limit if time_limit else math.inf
-    running = threading.Event()
-    running.set()
-    timer: threading.Timer | None = None
-    if time_limit:
-
-        def stop() -> None:
-            if running.is_set():
-                cur.interrupt()
-
-        timer = threading.Timer(time_limit, stop)
-        timer.daemon = True
-        timer.start()
+    watch = _Watch(cur, time_limit, max_memory)
     try:
+        if max_memory:
+            # sorts, hash tables, aggregates: of this connection only (ingest keeps its own)
+            cur.execute(f"SET operator_memory_limit = '{max(max_memory // 2, 1 << 20)}B'")
+            for stmt in guard_functions(max_memory):
+                cur.execute(stmt)
         if prepare is not None:
             prepare(cur)
         stmt = read_only_statement(cur, query)
@@ -166,12 +361,15 @@ def run(
             out = Result([d[0] for d in res.description or ()])
             batch = 1
             while len(out.raw) + len(out.encoded) < limit:
-                if time.perf_counter() > deadline:
-                    raise _too_long(time_limit)
+                watch.check()
                 rows = res.fetchmany(min(batch, limit - len(out.raw) - len(out.encoded)))
                 if not rows:
                     break
                 for row in rows:
+                    left = (max_bytes or 1 << 62) - out.bytes
+                    if max_bytes is not None and _longer_than(row, left):
+                        out.truncated_by = "bytes"
+                        break
                     text = json.dumps(json_value(list(row)), ensure_ascii=False)
                     size = len(text.encode()) + 1
                     if max_bytes is not None and out.bytes + size > max_bytes:
@@ -193,18 +391,20 @@ def run(
             else:
                 if res.fetchmany(1):
                     out.truncated_by = "rows"
-            if time.perf_counter() > deadline:
-                raise _too_long(time_limit)
+            watch.check()
         except duckdb.InterruptException as e:
-            raise _too_long(time_limit) from e
+            raise (watch.error() if watch.stopped else _too_long(time_limit)) from e
+        except duckdb.OutOfMemoryException as e:
+            raise ConsoleError(
+                f"the query needs more memory than the console allows ({_mb(max_memory)}): "
+                + _first_line(e)
+            ) from e
         except duckdb.Error as e:
-            if time_limit and time.perf_counter() >= deadline and "interrupt" in str(e).lower():
-                raise _too_long(time_limit) from e
+            if watch.stopped and "interrupt" in str(e).lower():
+                raise watch.error() from e
             raise ConsoleError(_first_line(e)) from e
     finally:
-        running.clear()
-        if timer is not None:
-            timer.cancel()
+        watch.done()
         cur.close()
     out.elapsed_ms = (time.perf_counter() - t0) * 1000
     return out
