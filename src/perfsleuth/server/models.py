@@ -8,6 +8,9 @@ trace can hold thousands of calls). tests/test_api_models.py validates real repl
 models (no unknown keys allowed), so a key added to a query without its model fails there.
 
 Numbers from SQL aggregates are ``| None``: an empty group gives NULL.
+
+About 500 lines, one class per reply and part of a reply: they are kept in one module, in the
+order of the API's areas, so that the whole schema the UI is typed by reads in one place.
 """
 
 from __future__ import annotations
