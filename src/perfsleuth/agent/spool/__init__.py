@@ -4,7 +4,8 @@ spool segments on one background thread. :mod:`perfsleuth.agent.shipper` starts 
 - ``queue``: the bounded queues (requests under a memory budget in bytes, evidence records)
   and what the request path does: ``enqueue``, ``emit``; nothing else runs there.
 - ``encode``: requests -> wire records (``encode_requests``: the agent's encoder, which tests
-  use to write spools the way the agent does).
+  use to write spools the way the agent does); ``columns``: a batch's REQUESTS record;
+  ``targets``: what a call's statement, URL or command is written as (its fingerprint).
 - ``segment``: the open segment file of this process.
 - ``writer``: the writer thread: drains the queues in bounded slices, writes, rotates, backs
   off after write errors.

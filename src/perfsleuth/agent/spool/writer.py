@@ -16,6 +16,8 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from perfsleuth.agent import recorder
 from perfsleuth.agent.config import Config
@@ -32,6 +34,27 @@ MAX_WRITER_RESTARTS = 3
 lock = threading.Lock()  # serialises writing (writer thread vs. flush at exit)
 writer: Writer | None = None
 thread: threading.Thread | None = None
+
+# Held while the encoder's modules are imported; a fork waits for it. Forked mid-import (a
+# prefork master starting a worker while its writer thread writes a first GC record), the
+# child would hold a half-run module whose import lock belongs to a thread it does not have,
+# and hang at its own first write.
+_importing = threading.Lock()
+os.register_at_fork(
+    before=_importing.acquire,
+    after_in_parent=_importing.release,
+    after_in_child=_importing.release,
+)
+
+
+def _encoding() -> tuple[type[Encoder], type[Segment], Callable[[bytes, Any], bytes]]:
+    """The encoder, the segment file and the record encoder, imported on first use (see the
+    module docstring)."""
+    with _importing:
+        from perfsleuth.agent.spool.encode import Encoder
+        from perfsleuth.agent.spool.segment import Segment
+        from perfsleuth.wire.segment import encode_record
+    return Encoder, Segment, encode_record
 
 
 class Writer:
@@ -50,9 +73,8 @@ class Writer:
     def enc(self) -> Encoder:
         enc = self._enc
         if enc is None:
-            from perfsleuth.agent.spool.encode import Encoder
-
-            enc = self._enc = Encoder(self.cfg.fingerprint_cpu_pct, queue.cache_limit)
+            encoder = _encoding()[0]
+            enc = self._enc = encoder(self.cfg.fingerprint_cpu_pct, queue.cache_limit)
         return enc
 
     def _open_live(self) -> Segment | None:
@@ -81,11 +103,10 @@ class Writer:
             return self.seg
         if time.monotonic() < self.retry_at:
             return None
-        from perfsleuth.agent.spool.segment import Segment
-
+        segment = _encoding()[1]
         try:
             self.seq += 1
-            self.seg = Segment(self.cfg, self.seq)
+            self.seg = segment(self.cfg, self.seq)
             self.backoff = 0.5
         except OSError as e:
             self._failed(e)
@@ -173,8 +194,7 @@ class Writer:
             self._failed(e)
 
     def _write_events(self) -> None:
-        from perfsleuth.wire.segment import encode_record
-
+        encode_record = _encoding()[2]
         events = queue.take_events()
         seg = self._open_live()
         if seg is None or self._spool_full():
