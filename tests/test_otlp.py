@@ -362,6 +362,7 @@ def test_node_event_loop_blocker_names_the_endpoint_whose_code_blocked(server: S
     elb = [f for f in found if f.kind == "event_loop_blocker"]
     assert [f.endpoint for f in elb] == ["POST /import"], [f.title for f in found]
     assert elb[0].evidence["blocks"] >= 3, elb[0].title
+    assert elb[0].title.startswith("Code (no stack was recorded) blocked the event loop in POST")
     assert not [f for f in found if f.endpoint == "POST /notes"], [f.title for f in found]
 
 
@@ -819,6 +820,11 @@ def test_loop_blocks_find_their_request_in_any_payload_order(server: Server) -> 
     assert [r["duration_ms"] for r in rows] == pytest.approx([700.0, 700.0, 300.0])
     assert [r["delayed"] for r in rows] == [2, 2, None]
     assert {r["service"] for r in rows} == {"node-api"}
+    with server.app.state.backend.use() as store:
+        (elb,) = [f for f in find(store) if f.kind == "event_loop_blocker"]
+    assert elb.endpoint == "POST /import" and elb.callsite is None
+    assert elb.title.startswith("Code (no stack was recorded) blocked the event loop in POST")
+    assert "right after `SELECT * FROM big_table` returned 90,000 rows" in elb.title, elb.title
 
 
 def test_a_transport_span_inside_an_http_call_links_the_call(server: Server) -> None:

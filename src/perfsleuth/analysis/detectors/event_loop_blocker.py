@@ -157,8 +157,10 @@ def detect(ctx: Context) -> list[Finding]:
             if after_return[key]
             else ""
         )
+        # Blocks reported without a stack (OTLP spans of perfsleuth-node) name no line.
+        who = f"{func} ({where})" if at is not None else "Code (no stack was recorded)"
         title = (
-            f"{func} ({where}) blocked the event loop in {ep} {len(rs):,} time(s){tail}, "
+            f"{who} blocked the event loop in {ep} {len(rs):,} time(s){tail}, "
             f"{text.ms(total)} in all, up to {text.ms(longest)}{parsed}{deepest}; "
             f"{delayed:,} other in-flight request(s) waited."
         )
