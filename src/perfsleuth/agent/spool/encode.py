@@ -2,7 +2,8 @@
 LOCATION, STACK and FINGERPRINT dictionary records they refer to).
 
 :func:`encode_requests` is the one entry point for code outside the writer: tests use it to
-write spools exactly the way the agent does. The writer thread keeps one :class:`Encoder`
+write spools exactly the way the agent does (and :meth:`Encoder.stack` for the stacks of the
+evidence records they write). The writer thread keeps one :class:`Encoder`
 (its caches survive across segments) and one :class:`Interned` per segment (what the segment
 holds already: each dictionary record is written once per segment, before the first record
 using it).
