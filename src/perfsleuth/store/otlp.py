@@ -353,6 +353,7 @@ def _spans(msg: Any, keys: Keys) -> list[Span]:
     param = _PARAMETER
     out: list[Span] = []
     append = out.append
+    new = tuple.__new__  # Span(...) without its Python-level __new__
     for rs in msg.resource_spans:
         res = _attrs(rs.resource.attributes)
         source = (
@@ -367,8 +368,12 @@ def _spans(msg: Any, keys: Keys) -> list[Span]:
                     k = kv.key
                     if k in wanted:
                         v = kv.value
-                        which = v.WhichOneof("value")
-                        attrs[k] = getattr(v, which) if which in scalar else _value(v)
+                        text = v.string_value  # most are strings: one call
+                        if text:
+                            attrs[k] = text
+                        else:
+                            which = v.WhichOneof("value")
+                            attrs[k] = getattr(v, which) if which in scalar else _value(v)
                     elif k.startswith(param):
                         attrs[k] = _value(kv.value)
                         attrs[param] = True  # the span has parameters
@@ -382,18 +387,21 @@ def _spans(msg: Any, keys: Keys) -> list[Span]:
                 if error is None and sp.status.code == STATUS_ERROR:
                     error = sp.status.message or "error"
                 append(
-                    Span(
-                        sp.trace_id.hex(),
-                        sp.span_id.hex(),
-                        sp.parent_span_id.hex(),
-                        sp.kind,
-                        sp.name,
-                        sp.start_time_unix_nano,
-                        sp.end_time_unix_nano,
-                        attrs,
-                        error,
-                        source,
-                        res,
+                    new(
+                        Span,
+                        (
+                            sp.trace_id.hex(),
+                            sp.span_id.hex(),
+                            sp.parent_span_id.hex(),
+                            sp.kind,
+                            sp.name,
+                            sp.start_time_unix_nano,
+                            sp.end_time_unix_nano,
+                            attrs,
+                            error,
+                            source,
+                            res,
+                        ),
                     )
                 )
     return out
