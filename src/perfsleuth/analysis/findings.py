@@ -1,5 +1,5 @@
 """Findings: :func:`find` runs the registered detectors over a window and ranks what they
-report.
+report (a slow statement once: see EXPLAINS_SLOW_QUERY).
 
 What a finding holds and how its confidence is graded is in :mod:`perfsleuth.analysis.finding`;
 what a detector sees, in :mod:`perfsleuth.analysis.context`; the detectors themselves, one module
@@ -17,6 +17,11 @@ from perfsleuth.analysis.finding import Finding, assess
 from perfsleuth.store.base import Store
 
 __all__ = ["find"]
+
+# One statement, one explanation: a slow_query finding yields to a finding of these kinds on the
+# same endpoint and statement, which says why it is slow (the rows it moves into the client,
+# one tenant's data), where slow_query would send the reader to the query's plan.
+EXPLAINS_SLOW_QUERY = ("oversized_result", "outlier_tenant")
 
 
 def find(
@@ -43,6 +48,10 @@ def find(
         if not cfg.enabled.get(kind, True):
             continue
         out.extend(f for f in detect(ctx) if f.id not in cfg.ignore and assess(f, cfg))
+    explained = {
+        (f.endpoint, f.fingerprint) for f in out if f.kind in EXPLAINS_SLOW_QUERY and f.fingerprint
+    }
+    out = [f for f in out if f.kind != "slow_query" or (f.endpoint, f.fingerprint) not in explained]
     if endpoint is not None:  # service-wide findings (cpu_starved, gc_pressure's) are no one's
         out = [f for f in out if f.endpoint == endpoint]
     out.sort(key=lambda f: (-f.impact_ms_per_min, f.kind, f.endpoint, f.id))

@@ -2,11 +2,6 @@
 
 Only statements that reach ``p95_ms`` at least once are ranked by percentile (a cheap max()
 first), so the quantiles are computed over a few groups, not over every call.
-
-A statement whose calls typically return an oversized result (oversized_result's ``max_rows``
-or ``max_bytes``) is left to that detector while it is enabled: its time is mostly moving and
-decoding the rows in the client (CPU, which a starved machine stretches), and the remedy is
-to fetch fewer, not the query's plan.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ from perfsleuth.analysis.finding import Finding, iso, stable_id
 from perfsleuth.analysis.registry import register
 
 KIND = "slow_query"
-OVERSIZED = "oversized_result"
 
 _SQL = """
 WITH cand AS (     -- statements slow at least once: the only ones worth a percentile
@@ -30,7 +24,6 @@ SELECT c.endpoint, c.kind, c.fingerprint_id, count(*) AS calls,
     count(DISTINCT c.trace_id) AS requests,
     quantile_cont(c.duration_ms, 0.5) AS p50, quantile_cont(c.duration_ms, 0.95) AS p95,
     max(c.duration_ms) AS max_ms, sum(c.duration_ms) AS ms, median(c.rows) AS rows_p50,
-    median(c.bytes) AS bytes_p50,
     mode(c.site_id) AS site_id, min(c.ts) AS first_ts, max(c.ts) AS last_ts,
     max_by(c.trace_id, (c.duration_ms, c.trace_id), 3) AS examples,
     any_value(ep.total_ms) AS ep_total_ms
@@ -54,12 +47,6 @@ def detect(ctx: Context) -> list[Finding]:
             float(ctx.t(KIND, "min_time_share")),
         ],
     )
-    if ctx.config.enabled.get(OVERSIZED, True):
-        max_rows = float(ctx.t(OVERSIZED, "max_rows"))
-        max_bytes = float(ctx.t(OVERSIZED, "max_bytes"))
-        rows = [
-            r for r in rows if (r["rows_p50"] or 0) < max_rows and (r["bytes_p50"] or 0) < max_bytes
-        ]
     if not rows:
         return []
     out = []
