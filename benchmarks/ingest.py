@@ -3,148 +3,107 @@ ingest into DuckDB and timed queries.
 
     .venv/bin/python benchmarks/ingest.py [--requests 100000] [--calls 10] [--dir DIR]
 
-The spool has the agent's shapes (perfsleuth.agent.shipper): 8 MB segments, each starting
-with a header and the L/S/F dictionary records its requests use; 300 Zipf-distributed
-endpoints, lognormal durations, 5,000 users, ``--calls`` DB/HTTP/cache calls per request with
-a call site and a 12-frame stack. Prints spool size, requests/s and calls/s, on-disk bytes
-per request, and the time of ``top`` and ``traces``.
+The spool is written by the agent's encoder (tests/spoolwrite.py): 8 MB segments of REQUESTS
+records of BATCH_MAX requests, each after the L/S/F dictionary records it uses; 300
+Zipf-distributed endpoints, lognormal durations, 5,000 users, ``--calls`` DB/HTTP/cache calls
+per request with a call site and a stack of up to 12 frames. Prints spool size, requests/s and
+calls/s, on-disk bytes per request, and the time of ``top`` and ``traces``.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from datetime import timedelta
 from typing import Any
 
+from perfsleuth.agent.spool.encode import BATCH_MAX
 from perfsleuth.store.duckdb_store import DuckDBStore
-from perfsleuth.store.spool import local_host
-from perfsleuth.wire import FINGERPRINT, HEADER, LOCATION, REQUEST, STACK
-from perfsleuth.wire.segment import FILE_MAGIC, encode_record
+
+# The tests' spool writer (tests/ is not a package: its modules are found through sys.path).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from spoolwrite import SegmentWriter, call
 
 SEGMENT_BYTES = 8_000_000
-
-
-def _id(*parts: Any) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()) >> 1
 
 
 def write_spool(data_dir: str, n_requests: int, calls_per_request: int, seed: int = 1) -> int:
     """Write the synthetic spool; returns its size in bytes."""
     rng = random.Random(seed)
-    spool = os.path.join(data_dir, "spool")
-    os.makedirs(spool, exist_ok=True)
     n_endpoints = 300
     endpoints = [f"GET /api/v1/resource{i}/{{id}}" for i in range(n_endpoints)]
     weights = [1 / (i + 1) for i in range(n_endpoints)]
-    frames = [(f"app/module{i}.py", 10 + i, f"func{i}", i % 3 != 0) for i in range(40)]
-    systems = {"db": "postgresql", "http": "http", "cache": "redis"}
-    # Per endpoint: the dictionary records its calls use, and (kind, system, fp, stack, site).
-    needs: list[list[tuple[tuple[bytes, int], bytes]]] = []
-    templates: list[list[tuple[str, str, int, int, int]]] = []
+    frames = [
+        (f"{'app' if i % 3 else 'lib'}/module{i}.py", 10 + i, f"func{i}", i % 3 != 0)
+        for i in range(40)
+    ]
+    # Per endpoint: six call sites (kind, statement / URL / cache command, stack)
+    templates: list[list[tuple[str, str, list[tuple[str, int, str, bool]]]]] = []
     for e in range(n_endpoints):
-        recs: dict[tuple[bytes, int], bytes] = {}
         stack = frames[e % 20 : e % 20 + 12]
-        ids = []
-        for file, line, func, app in stack:
-            lid = _id(file, line, func)
-            ids.append(lid)
-            body = {"id": lid, "file": file, "line": line, "func": func, "app": app}
-            recs[(LOCATION, lid)] = encode_record(LOCATION, body)
-        sid = _id(*ids)
-        recs[(STACK, sid)] = encode_record(STACK, {"id": sid, "frames": ids})
-        tpl = []
-        for j in range(6):
-            kind = ("db", "http", "cache")[j % 3]
-            text = f"{kind.upper()} statement {e} {j}"
-            fid = _id(kind, text)
-            body = {"id": fid, "kind": kind, "text": text, "op": kind.upper()}
-            recs[(FINGERPRINT, fid)] = encode_record(FINGERPRINT, body)
-            tpl.append((kind, systems[kind], fid, sid, ids[-1]))
-        needs.append(list(recs.items()))
-        templates.append(tpl)
+        while not stack[-1][3]:  # the call site: an application frame, innermost
+            stack = stack[:-1]
+        texts = {
+            "db": f"SELECT * FROM table{e} WHERE k{{j}} = ?",
+            "http": f"GET api.example.com/v1/service{e}/op{{j}}",
+            "cache": f"GET key{e}:{{j}}",
+        }
+        templates.append(
+            [
+                (kind, texts[kind].format(j=j), stack)
+                for j, kind in enumerate(("db", "http", "cache") * 2)
+            ]
+        )
     start_ns = time.time_ns() - 3_600 * 10**9
     total = 0
-    seg_no = 0
-    chunks: list[bytes] = []
-    size = 0
-    emitted: set[tuple[bytes, int]] = set()
-
-    def new_segment() -> None:
-        nonlocal chunks, size, emitted, seg_no
-        seg_no += 1
-        header = {"v": 1, "host": "bench", "pid": 1, "service": "bench", "agent": "bench"}
-        chunks = [FILE_MAGIC + encode_record(HEADER, header)]
-        size = len(chunks[0])
-        emitted = set()
-
-    def close_segment() -> None:
-        nonlocal total
-        path = os.path.join(spool, f"{local_host()}-1-{start_ns}-{seg_no:06d}.seg")
-        with open(path, "wb") as fh:
-            fh.write(b"".join(chunks))
-        total += size
-
-    new_segment()
+    seq = 0
+    w: SegmentWriter | None = None
     picks = rng.choices(range(n_endpoints), weights, k=n_requests)
-    for i, e in enumerate(picks):
-        for key, rec in needs[e]:
-            if key not in emitted:
-                emitted.add(key)
-                chunks.append(rec)
-                size += len(rec)
-        dur = rng.lognormvariate(3.0, 0.8) * 1e6
-        calls = []
-        off = 0
-        tpl = templates[e]
-        for j in range(calls_per_request):
-            kind, system, fid, sid, site = tpl[j % len(tpl)]
-            cdur = int(dur / (calls_per_request * 2) * rng.random())
-            call: dict[str, Any] = {
-                "kind": kind,
-                "system": system,
-                "fp": fid,
-                "off": off,
-                "dur": cdur,
-                "stack": sid,
-                "site": site,
-            }
-            if kind == "db":
-                call["rows"] = rng.randint(0, 50)
-                call["ph"] = rng.getrandbits(62)
-            elif kind == "http":
-                call["status"] = 200
-                call["host"] = "api.example.com"
-            else:
-                call["hit"] = rng.random() < 0.8
-            off += cdur
-            calls.append(call)
-        body = {
-            "id": f"{rng.getrandbits(64):016x}",
-            "ts": start_ns + i * 3_600 * 10**9 // max(1, n_requests),
-            "dur": int(dur),
-            "kind": "web",
-            "method": "GET",
-            "endpoint": endpoints[e],
-            "path": f"/api/v1/resource{e}/{i}",
-            "status": 500 if rng.random() < 0.01 else 200,
-            "calls": calls,
-            "user": f"user{rng.randint(0, 4999)}",
-            "tenant": f"tenant{rng.randint(0, 49)}",
-            "cpu_ns": int(dur * 0.3),
-        }
-        rec = encode_record(REQUEST, body)
-        chunks.append(rec)
-        size += len(rec)
-        if size >= SEGMENT_BYTES:
-            close_segment()
-            new_segment()
-    close_segment()
+    for lo in range(0, n_requests, BATCH_MAX):
+        if w is None:
+            seq += 1
+            w = SegmentWriter(data_dir, service="bench", pid=1, seq=seq)
+        specs = []
+        for i in range(lo, min(lo + BATCH_MAX, n_requests)):
+            e = picks[i]
+            dur = rng.lognormvariate(3.0, 0.8)
+            calls = []
+            off = 0.0
+            for j in range(calls_per_request):
+                kind, text, stack = templates[e][j % 6]
+                cdur = dur / (calls_per_request * 2) * rng.random()
+                extra: dict[str, Any] = {}
+                if kind == "db":
+                    extra = {"rows": rng.randint(0, 50), "ph": rng.getrandbits(62)}
+                elif kind == "http":
+                    extra = {"status": 200}
+                else:
+                    extra = {"hit": rng.random() < 0.8}
+                calls.append(call(kind, text, dur_ms=cdur, off_ms=off, stack=stack, **extra))
+                off += cdur
+            specs.append(
+                {
+                    "endpoint": endpoints[e],
+                    "ts_ns": start_ns + i * 3_600 * 10**9 // max(1, n_requests),
+                    "dur_ms": dur,
+                    "status": 500 if rng.random() < 0.01 else 200,
+                    "calls": calls,
+                    "user": f"user{rng.randint(0, 4999)}",
+                    "tenant": f"tenant{rng.randint(0, 49)}",
+                    "cpu_ns": int(dur * 0.3e6),
+                }
+            )
+        w.write_requests(specs)
+        if os.path.getsize(w.path) >= SEGMENT_BYTES:
+            total += os.path.getsize(w.close())
+            w = None
+    if w is not None:
+        total += os.path.getsize(w.close())
     return total
 
 

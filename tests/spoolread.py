@@ -7,7 +7,7 @@ import glob
 import os
 from typing import Any
 
-from perfsleuth.wire import FINGERPRINT, LOCATION, REQUEST_TYPES, REQUESTS, STACK
+from perfsleuth.wire import FINGERPRINT, LOCATION, REQUESTS, STACK
 from perfsleuth.wire.segment import read_segment
 
 
@@ -31,8 +31,6 @@ def read_spool(data_dir: str) -> list[dict[str, Any]]:
                 fps[obj["id"]] = obj
             elif rtype == REQUESTS:  # a batch: a list of requests
                 requests.extend(obj)
-            elif rtype in REQUEST_TYPES:
-                requests.append(obj)
     for req in requests:
         for call in req["calls"]:
             fp = fps[call["fp"]]

@@ -58,7 +58,7 @@ def variant_traffic(seed: int, requests: int = 1500) -> Callable[[SegmentWriter]
             if ep == PLANTED and variant == "b":
                 dur += 30.0
             calls = [call("db", "SELECT * FROM items WHERE id = ?", dur_ms=dur * 0.2, rows=1)]
-            w.request(ep, dur_ms=dur, calls=calls, tags={"variant": variant}, db=1)
+            w.request(ep, dur_ms=dur, calls=calls, tags={"variant": variant})
 
     return fill
 

@@ -38,8 +38,6 @@ from perfsleuth.wire import (
     GC,
     HEADER,
     LOCATION,
-    REQUEST,
-    REQUEST_BIN,
     REQUESTS,
     SAMPLES,
     STACK,
@@ -172,53 +170,6 @@ class _Maker:
         fp = {"id": rng.choice(self.fps), "kind": "db", "text": text, "op": "SELECT"}
         self.add_json(FINGERPRINT, fp, hostile)
 
-    def json_request(self, hostile: bool) -> None:
-        rng = self.rng
-        tid = _hex_id(rng)
-        ncalls = rng.randrange(4)
-        calls = [
-            {"kind": "db", "fp": rng.choice(self.fps), "off": i * 1000, "dur": 500}
-            for i in range(ncalls)
-        ]
-        obj = {
-            "id": tid,
-            "ts": NOW + rng.randrange(-DAY, DAY),
-            "dur": rng.randrange(1, 10**9),
-            "kind": "web",
-            "method": "GET",
-            "endpoint": f"GET /e{rng.randrange(5)}",
-            "status": 200,
-            "calls": calls,
-            "attrs": {"n": rng.randrange(10)},
-        }
-        if hostile:
-            spoilt = self.spoil(obj)
-            if isinstance(spoilt, dict):
-                spoilt["id"] = self.hostile() if rng.random() < 0.3 else _hex_id(rng)
-                if isinstance(spoilt.get("calls"), list):
-                    spoilt["calls"] = [self.spoil(c) for c in spoilt["calls"]]
-            self.add(REQUEST, to_json(spoilt))
-        else:
-            self.add(REQUEST, to_json(obj), {tid: ncalls})
-
-    def bin_request(self, hostile: bool) -> None:
-        rng = self.rng
-        tid = _hex_id(rng)
-        ncalls = rng.randrange(4)
-        fp = rng.choice(self.fps)
-        row = (500, fp, NULL, NULL, NULL, 1, NULL, NULL, wcalls.NULL_32, 0, 0, -1, 0)
-        rows = b"".join(wcalls.CALL.pack(i * 1000, *row) for i in range(ncalls))
-        head: Any = {"id": tid, "ts": NOW, "dur": 10**6, "endpoint": "GET /bin", "kind": "web"}
-        if hostile:
-            head = self.spoil(head)
-            if isinstance(head, dict):
-                head["id"] = _hex_id(rng)
-            if rng.random() < 0.3:
-                rows = rows[: rng.randrange(len(rows) + 1)]
-            self.add(REQUEST_BIN, to_json(head) + b"\x00" + rows)
-        else:
-            self.add(REQUEST_BIN, to_json(head) + b"\x00" + rows, {tid: ncalls})
-
     def batch(self, hostile: bool) -> None:
         rng = self.rng
         n = rng.randrange(1, 6)
@@ -290,7 +241,7 @@ def make_case(seed: int, index: int) -> Case:
     m = _Maker(rng, seed, index)
     hostile_share = rng.choice([0.0, 0.1, 0.3, 0.7])
     m.header(rng.random() < hostile_share / 3)
-    makers = [m.dictionaries, m.json_request, m.bin_request, m.batch, m.evidence]
+    makers = [m.dictionaries, m.batch, m.evidence]
     for _ in range(rng.randrange(1, 25)):
         rng.choice(makers)(rng.random() < hostile_share)
     data = bytearray(FILE_MAGIC)
@@ -330,7 +281,7 @@ def _damage(rng: random.Random, data: bytearray, ends: list[int]) -> tuple[int, 
             k = rng.randrange(1, 300)
             head = struct.Struct("<2scII")
             data[at:at] = b"".join(
-                head.pack(REC_MAGIC, REQUEST, (k - i - 1) * 11, rng.getrandbits(32))
+                head.pack(REC_MAGIC, REQUESTS, (k - i - 1) * 11, rng.getrandbits(32))
                 for i in range(k)
             )
         elif kind == "zeros":

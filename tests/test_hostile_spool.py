@@ -25,10 +25,11 @@ from perfsleuth.wire import (
     HEADER,
     LOCATION,
     RECORD_TYPES,
-    REQUEST,
+    REQUESTS,
     SAMPLES,
     STATS,
 )
+from perfsleuth.wire.batch import AGENT_ROW, INT_ROW
 from perfsleuth.wire.segment import FILE_MAGIC, REC_MAGIC, encode_record, read_segment
 from spoolwrite import MS, SegmentWriter, call
 
@@ -70,8 +71,7 @@ def healthy_segment(data_dir: str, seq: int = 99) -> str:
 def batch_record(n: int, **ints: list[int]) -> bytes:
     """A REQUESTS record (wire.batch) of ``n`` requests without calls; ``ints`` replace
     integer columns."""
-    from perfsleuth.wire import REQUESTS
-    from perfsleuth.wire.batch import INT_COLUMNS, INT_ROW
+    from perfsleuth.wire.batch import INT_COLUMNS
 
     values: dict[str, list[int]] = {
         "id": list(range(1, n + 1)),
@@ -156,19 +156,16 @@ def test_deeply_nested_json_is_damage_alone(
     w.close()
     other = healthy_segment(data_dir)
     rep = store.ingest()
-    assert count(store) in (3, 4)  # a JSON request record keeps its fields, the rest are lost
+    assert count(store) == 3
     assert store.trace(other)
-    assert [d.offset for d in rep.damaged] in ([], [at])
-    assert {(d.offset, d.reason) for d in rep.damaged} <= {(at, "undecodable payload")}
-    if rtype != REQUEST:
-        assert rep.damaged
+    assert [(d.offset, d.reason) for d in rep.damaged] == [(at, "undecodable payload")]
 
 
 def test_deeply_nested_json_after_damage_is_damage_alone(data_dir: str, store: DuckDBStore) -> None:
     """Past damage, records are decoded by wire.segment.read_segment: the same holds there."""
     w = SegmentWriter(data_dir)
     w.request("GET /a")
-    w.write(b"\xa5\x5aRgarbage-bytes")
+    w.write(b"\xa5\x5aNgarbage-bytes")
     w.write(raw_record(GC, b'{"pauses": ' + NESTED + b"}"))
     w.request("GET /b")
     w.close()
@@ -186,12 +183,19 @@ def test_lone_surrogates_become_replacement_text(data_dir: str, store: DuckDBSto
     w.write(raw_record(LOCATION, b'{"id": 6, "file": "' + sur + b'", "line": 1}'))
     w.write(raw_record(STATS, b'{"c' + sur + b'": 5}'))
     tid = "00000000000000ff"
+    null = -(2**63)
+    ints = INT_ROW.pack(0xFF, 1_700_000_000 * 10**9, MS, *[null] * 7, 0, 1)  # t0 0, one call
     w.write(
         raw_record(
-            REQUEST,
-            b'{"id": "' + tid.encode() + b'", "endpoint": "GET /' + sur + b'", '
-            b'"attrs": {"k' + sur + b'": "v' + sur + b'"}, "calls": [{"kind": "db", "fp": 5, '
-            b'"error": "E' + sur + b'"}]}',
+            REQUESTS,
+            b'{"v": 2, "n": 1, "endpoint": ["GET /' + sur + b'"], "sites": [[0]], '
+            b'"site_table": [[5, ' + str(null).encode() + b", " + str(null).encode() + b", 0, 1]], "
+            b'"attrs": {"0": {"k' + sur + b'": "v' + sur + b'"}}, '
+            b'"cx": {"0": {"0": {"error": "E'
+            + sur
+            + b'"}}}}\x00'
+            + ints
+            + AGENT_ROW.pack(0, 1, 2, null, null),
         )
     )
     w.write(raw_record(CAPTURE, b'{"id": "' + tid.encode() + b'", "url": "/' + sur + b'"}'))
@@ -228,7 +232,7 @@ def header_run(size: int) -> bytes:
     (wrong checksums): every one is a candidate for resynchronising."""
     k = size // 11
     return b"".join(
-        struct.pack("<2scII", REC_MAGIC, REQUEST, (k - i - 1) * 11, 0) for i in range(k)
+        struct.pack("<2scII", REC_MAGIC, REQUESTS, (k - i - 1) * 11, 0) for i in range(k)
     )
 
 
@@ -240,8 +244,8 @@ def test_resync_past_a_run_of_crafted_headers_is_linear(
 
     crc = CrcBytes()
     monkeypatch.setattr(segment, "zlib", crc)
-    good = encode_record(REQUEST, {"id": "after"})
-    before = encode_record(REQUEST, {"id": "before"})
+    good = encode_record(LOCATION, {"id": "after"})
+    before = encode_record(LOCATION, {"id": "before"})
     data = FILE_MAGIC + before + b"\xa5\x5aZ" + header_run(size)
     res = read_segment(data + good)
     assert [obj["id"] for _, obj in res.records] == ["before", "after"]
@@ -260,7 +264,7 @@ def test_resync_finds_every_valid_record_among_damage() -> None:
     parts, want = [FILE_MAGIC, b"\xa5\x5aZ"], []
     for i in range(60):
         size = int(2 ** rng.uniform(0, 20))
-        rec = encode_record(rng.choice([REQUEST, GC, STATS]), {"i": i, "pad": "x" * size})
+        rec = encode_record(rng.choice([LOCATION, GC, STATS]), {"i": i, "pad": "x" * size})
         if i % 3 == 0:  # damaged: one bit of its payload flipped
             flip = bytearray(rec)
             flip[rng.randrange(11, len(rec))] ^= 1 << rng.randrange(8)
@@ -292,7 +296,7 @@ def test_a_record_repeated_in_a_segment_adds_its_request_once(
     w.request("GET /a", calls=[call(), call("cache", "GET k")], attrs={"plan": "gold"})
     with open(w.path, "rb") as fh:
         whole = fh.read()
-    last = whole.rindex(REC_MAGIC + REQUEST)
+    last = whole.rindex(REC_MAGIC + REQUESTS)
     w.write(whole[last:])  # the request record again
     w.write(batch_record(2) * 2)  # a batch of two, twice
     w.close()

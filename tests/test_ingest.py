@@ -18,9 +18,9 @@ import pytest
 
 from perfsleuth.store.base import IngestReport
 from perfsleuth.store.duckdb_store import DuckDBStore
-from perfsleuth.wire import REQUEST
+from perfsleuth.wire import REQUESTS
 from perfsleuth.wire.calls import NULL
-from perfsleuth.wire.segment import REC_MAGIC, encode_record
+from perfsleuth.wire.segment import REC_MAGIC
 from spoolwrite import MS, SegmentWriter, call
 
 STACK = [("app/main.py", 5, "main", True), ("lib/orm.py", 80, "query", False)]
@@ -153,8 +153,14 @@ def test_ingest_rows_content_and_removes_closed_segments(data_dir: str, store: D
     assert [c["kind"] for c in calls] == ["db", "db", "http", "cache"]
     assert [c["offset_ms"] for c in calls] == [1.0, 5.0, 8.0, 30.0]
     assert (calls[0]["rows"], calls[0]["params_hash"]) == (1, 99)
-    assert calls[0]["stack_id"] == sent["calls"][0]["stack"] and calls[1]["stack_id"] is None
-    assert calls[0]["site_id"] == sent["calls"][0]["site"]
+    # the agent's call site is the innermost application frame of the call's stack; a call
+    # given no stack has its site's frame alone
+    t = store.trace(sent["id"])
+    frames = [(f["file"], f["line"], f["function"], f["app"]) for f in t["calls"][0]["stack"]]
+    assert frames == STACK
+    assert t["calls"][0]["site"] == {"file": "app/main.py", "line": 5, "function": "main"}
+    assert [f["function"] for f in t["calls"][1]["stack"]] == ["show"]
+    assert calls[0]["stack_id"] != calls[1]["stack_id"] == calls[2]["stack_id"]
     assert (calls[2]["status"], calls[2]["host"], calls[2]["wait_ms"]) == (
         200,
         "pay.example.com",
@@ -168,8 +174,8 @@ def test_ingest_rows_content_and_removes_closed_segments(data_dir: str, store: D
         ("attr", "rows_loaded", "12", 12.0),
         ("tag", "variant", "B", None),
     ]
-    assert count(store, "fingerprints") == 4 and count(store, "stacks") == 1
-    assert count(store, "locations") == 3  # two stack frames and the call site
+    assert count(store, "fingerprints") == 4 and count(store, "stacks") == 2
+    assert count(store, "locations") == 3  # two stack frames and the other calls' site
 
 
 def test_ingest_twice_adds_nothing(data_dir: str, store: DuckDBStore) -> None:
@@ -188,7 +194,7 @@ def test_dictionaries_are_global_and_inserted_once(data_dir: str, store: DuckDBS
     write_segments(data_dir, 2, 5)
     store.ingest()
     assert count(store, "fingerprints") == 2
-    assert count(store, "stacks") == 1
+    assert count(store, "stacks") == 2  # STACK, and the cache call's site alone
     assert count(store, "locations") == 3
 
 
@@ -285,17 +291,7 @@ def test_open_segment_is_read_incrementally_as_it_grows(data_dir: str, store: Du
     assert spool_names(data_dir) == [w.name]  # still open: kept
     for i in range(5):
         w.request("GET /b", dur_ms=i + 1, calls=[call()])
-    rec = encode_record(
-        REQUEST,
-        {
-            "id": "f" * 16,
-            "ts": w.requests[0]["ts"],
-            "dur": MS,
-            "kind": "web",
-            "endpoint": "GET /c",
-            "calls": [],
-        },
-    )
+    rec = batch_record(1, id=[-1], ts=[w.requests[0]["ts"]], kind=["web"], endpoint=["GET /c"])
     w.write(rec[:20])  # a record being written right now
     rep = store.ingest()
     assert rep.requests == 5 and not rep.damaged and not rep.truncated_tails
@@ -319,7 +315,7 @@ def test_open_segment_of_dead_writer_is_finished_once_idle(
     w = SegmentWriter(data_dir, pid=dead_pid())
     for _ in range(3):
         w.request("GET /a")
-    w.write(encode_record(REQUEST, {"id": "0" * 16, "calls": []})[:-3])  # torn by the crash
+    w.write(batch_record(1)[:-3])  # torn by the crash
     rep = store.ingest()  # changed just now: maybe the writer is only slow
     assert rep.requests == 3 and spool_names(data_dir) == [w.name]
     store.open_idle_seconds = 0
@@ -332,7 +328,7 @@ def test_truncated_tail_of_closed_segment_is_reported(data_dir: str, store: Duck
     w = SegmentWriter(data_dir)
     for _ in range(4):
         w.request("GET /a")
-    w.write(encode_record(REQUEST, {"id": "1" * 16, "calls": []})[:15])
+    w.write(batch_record(1)[:15])
     w.close()
     rep = store.ingest()
     assert rep.requests == 4 and rep.truncated_tails == [os.path.basename(w.path)]
@@ -378,7 +374,7 @@ def test_damage_in_open_segment_is_reported_once_and_quarantined_when_closed(
 ) -> None:
     w = SegmentWriter(data_dir, pid=os.getpid())
     w.request("GET /a")
-    w.write(b"\xa5\x5aRnonsense bytes here")
+    w.write(b"\xa5\x5aNnonsense bytes here")
     w.request("GET /b")
     rep = store.ingest()
     assert rep.requests == 2 and len(rep.damaged) == 1 and not rep.quarantined
@@ -420,52 +416,13 @@ def test_undecodable_payload_with_valid_checksum_is_damage(
     w = SegmentWriter(data_dir)
     w.request("GET /a")
     at = os.path.getsize(w.path)
-    w.write(raw_record(REQUEST, b'{"id": "broken'))
+    w.write(raw_record(REQUESTS, b'{"id": "broken'))
     w.request("GET /b")
     w.close()
     rep = store.ingest()
     assert rep.requests == 2
     assert [(d.offset, d.reason) for d in rep.damaged] == [(at, "undecodable payload")]
     assert rep.quarantined == [os.path.basename(w.path)]
-
-
-def test_odd_values_are_coerced_not_fatal(data_dir: str, store: DuckDBStore) -> None:
-    w = SegmentWriter(data_dir)
-    good = w.request("GET /a", calls=[call()])
-    odd = w.request(
-        "GET /b",
-        status="503",  # a string where a number belongs
-        user=42,
-        calls=[call(rows="many", fields_ignored=True), call("http", "GET x/y", status=True)],
-    )
-    w.write(
-        encode_record(
-            REQUEST,
-            {
-                "id": "2" * 16,
-                "ts": good["ts"],
-                "endpoint": "GET /c",
-                "calls": [{"kind": "db", "fp": 2**64 - 1}, None, 5],
-            },
-        )
-    )
-    at = os.path.getsize(w.path)
-    w.write(encode_record(REQUEST, ["not", "a", "request"]))
-    w.close()
-    rep = store.ingest()
-    assert rep.requests == 3
-    assert [(d.offset, d.reason) for d in rep.damaged] == [(at, "not a request object")]
-    _, rows = store.sql('SELECT endpoint, status, "user" FROM requests ORDER BY endpoint')
-    assert rows == [("GET /a", 200, None), ("GET /b", 503, "42"), ("GET /c", None, None)]
-    _, rows = store.sql(
-        "SELECT endpoint, seq, rows, status, fingerprint_id FROM calls ORDER BY endpoint, seq"
-    )
-    assert rows[0][0] == "GET /a"
-    assert rows[1:3] == [
-        ("GET /b", 0, None, None, odd["calls"][0]["fp"]),
-        ("GET /b", 1, None, 1, odd["calls"][1]["fp"]),
-    ]
-    assert rows[3] == ("GET /c", 0, None, None, (2**64 - 1) & (2**63 - 1))
 
 
 def test_requests_are_split_into_day_tables(data_dir: str, store: DuckDBStore) -> None:
@@ -559,9 +516,9 @@ BINARY_SCRIPT = textwrap.dedent(
 )
 
 
-def test_binary_and_json_request_records_ingest_together(data_dir: str) -> None:
-    """The agent's REQUESTS records (calls as agent rows) and JSON REQUEST records from
-    another writer land in one batch, each call with its values."""
+def test_records_of_two_writers_ingest_together(data_dir: str) -> None:
+    """The agent's records from a real process and from the tests' writer land in one batch,
+    each call with its values."""
     subprocess.run([sys.executable, "-c", BINARY_SCRIPT, data_dir], check=True, timeout=60)
     w = SegmentWriter(data_dir, service="json-writer")
     body = w.request("GET /j", dur_ms=3, calls=[call(dur_ms=1, rows=2), call("cache", "GET k")])
@@ -586,45 +543,6 @@ def test_binary_and_json_request_records_ingest_together(data_dir: str) -> None:
         j = store.trace(body["id"])
         assert [(c["kind"], c["rows"]) for c in j["calls"]] == [("db", 2), ("cache", None)]
         assert (got["db_calls"], j["db_calls"], j["cache_calls"]) == (5, 1, 1)
-
-
-def test_torn_binary_calls_are_damage_not_rows(data_dir: str, store: DuckDBStore) -> None:
-    from perfsleuth.wire import REQUEST_BIN
-    from perfsleuth.wire.calls import CALL
-
-    w = SegmentWriter(data_dir)
-    w.request("GET /ok", dur_ms=1, calls=[])
-    # valid checksum, but the call rows stop mid-row
-    w.write(
-        raw_record(REQUEST_BIN, b'{"id": "' + b"2" * 16 + b'"}\x00' + b"\x01" * (CALL.size - 3))
-    )
-    w.close()
-    rep = store.ingest()
-    assert rep.requests == 1 and rep.damaged
-    assert len(trace_ids(store)) == 1 and count(store, "calls") == 0
-
-
-def test_binary_rows_win_over_json_calls_in_the_same_record(
-    data_dir: str, store: DuckDBStore
-) -> None:
-    """A REQUEST_BIN record whose JSON also says "calls" (a confused writer) keeps its binary
-    rows only, and the JSON calls of a neighbouring REQUEST record stay with that record."""
-    from perfsleuth.wire import REQUEST_BIN
-    from perfsleuth.wire.calls import CALL, NULL, NULL_32
-
-    w = SegmentWriter(data_dir)
-    row = CALL.pack(0, 2_000_000, 7, NULL, NULL, NULL, 3, NULL, NULL, NULL_32, 0, 0, -1, 0)
-    head = b'{"id": "' + b"3" * 16 + b'", "endpoint": "GET /bin", "calls": [{"kind": "http"}]}'
-    w.write(raw_record(REQUEST_BIN, head + b"\x00" + row))
-    body = w.request("GET /json", dur_ms=1, calls=[call(rows=9), call(rows=8)])
-    w.close()
-    rep = store.ingest()
-    assert (rep.requests, rep.calls) == (2, 3) and not rep.damaged
-    b = store.trace("3" * 16)
-    assert [(c["kind"], c["system"], c["rows"], c["duration_ms"]) for c in b["calls"]] == [
-        ("db", "sqlite", 3, 2.0)
-    ]
-    assert [c["rows"] for c in store.trace(body["id"])["calls"]] == [9, 8]
 
 
 # ------------------------------------------------------------------ the agent's batch records
@@ -699,7 +617,6 @@ def test_batched_records_ingest_as_the_python_decoder_reads_them(data_dir: str) 
 def batch_record(n: int, rows: bytes = b"", ints: bytes | None = None, **columns: Any) -> bytes:
     """A hand-made REQUESTS record (wire.batch) of ``n`` requests: ``columns`` of the integer
     columns go into its ints (None: NULL), the others into its JSON; ``ints`` replaces them."""
-    from perfsleuth.wire import REQUESTS
     from perfsleuth.wire.batch import INT_COLUMNS
 
     values: dict[str, Any] = {"id": list(range(1, n + 1)), "ts": [10**18] * n, "dur": [MS] * n}

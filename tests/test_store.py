@@ -24,7 +24,7 @@ from spoolwrite import MS, SegmentWriter, call
 
 STACK = [
     ("app/main.py", 5, "main", True),
-    ("app/views.py", 20, "order_detail", True),
+    ("app/views.py", 21, "order_detail", True),
     ("lib/orm.py", 80, "execute", False),
 ]
 MINUTE = 60 * 10**9

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from perfsleuth.wire import FINGERPRINT, HEADER, REQUEST
-from perfsleuth.wire.segment import FILE_MAGIC, HEAD_SIZE, encode_record, read_segment
+from perfsleuth.wire import FINGERPRINT, HEADER, LOCATION
+from perfsleuth.wire.segment import (
+    FILE_MAGIC,
+    HEAD_SIZE,
+    encode_payload,
+    encode_record,
+    read_segment,
+)
 
 
 def _segment(n: int) -> tuple[bytes, list[int]]:
-    """A segment with a header and n request records; returns bytes and record end offsets."""
+    """A segment with a header and n location records; returns bytes and record end offsets."""
     data = bytearray(FILE_MAGIC + encode_record(HEADER, {"v": 1, "pid": 1}))
     ends = []
     for i in range(n):
-        data += encode_record(REQUEST, {"id": f"{i:016x}", "dur": i, "calls": []})
+        data += encode_record(LOCATION, {"id": i, "file": "app/views.py", "line": i})
         ends.append(len(data))
     return bytes(data), ends
 
@@ -19,8 +25,8 @@ def _segment(n: int) -> tuple[bytes, list[int]]:
 def test_round_trip_keeps_every_record_in_order() -> None:
     data, _ = _segment(50)
     res = read_segment(data)
-    assert [t for t, _ in res.records] == [HEADER] + [REQUEST] * 50
-    assert [o["dur"] for t, o in res.records if t == REQUEST] == list(range(50))
+    assert [t for t, _ in res.records] == [HEADER] + [LOCATION] * 50
+    assert [o["line"] for t, o in res.records if t == LOCATION] == list(range(50))
     assert res.end == len(data) and not res.damaged and res.incomplete_tail == 0
 
 
@@ -30,8 +36,8 @@ def test_incremental_read_resumes_at_end_offset_without_duplicates() -> None:
     first = read_segment(data[:cut])
     assert first.end == ends[9] and first.incomplete_tail == 5
     second = read_segment(data, first.end)
-    ids = [o["id"] for t, o in first.records + second.records if t == REQUEST]
-    assert ids == [f"{i:016x}" for i in range(20)]
+    ids = [o["id"] for t, o in first.records + second.records if t == LOCATION]
+    assert ids == list(range(20))
 
 
 def test_flipped_byte_loses_only_the_damaged_record() -> None:
@@ -39,8 +45,8 @@ def test_flipped_byte_loses_only_the_damaged_record() -> None:
     buf = bytearray(data)
     buf[ends[10] + HEAD_SIZE + 3] ^= 0xFF  # inside the payload of record 11
     res = read_segment(bytes(buf))
-    ids = {o["id"] for t, o in res.records if t == REQUEST}
-    assert len(ids) == 29 and f"{11:016x}" not in ids
+    ids = {o["id"] for t, o in res.records if t == LOCATION}
+    assert len(ids) == 29 and 11 not in ids
     assert len(res.damaged) == 1
     assert res.damaged[0].offset == ends[10] and res.damaged[0].reason == "checksum mismatch"
 
@@ -50,7 +56,7 @@ def test_garbage_and_bad_magic_are_reported_not_raised() -> None:
     assert res.bad_magic and res.records == [] and res.damaged
     data, _ = _segment(3)
     res = read_segment(b"XXXXXXXX" + data[len(FILE_MAGIC) :])
-    assert res.bad_magic and len([1 for t, _ in res.records if t == REQUEST]) == 3
+    assert res.bad_magic and len([1 for t, _ in res.records if t == LOCATION]) == 3
 
 
 def test_odd_values_are_encoded_as_text() -> None:
@@ -79,3 +85,13 @@ def test_records_are_the_json_text_json_dumps_writes() -> None:
     }
     want = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, default=str)
     assert encode_json(obj) == want.encode("utf-8")
+
+
+def test_the_retired_one_request_records_are_damage() -> None:
+    """R and Q (one request a record, before REQUESTS) are no record type any more: a segment
+    holding one loses that record only."""
+    data, ends = _segment(2)
+    retired = encode_payload(b"R", b'{"id": "0000000000000001", "calls": []}')
+    res = read_segment(data[: ends[0]] + retired + data[ends[0] :])
+    assert [o["id"] for t, o in res.records if t == LOCATION] == [0, 1]
+    assert [(d.offset, d.reason) for d in res.damaged] == [(ends[0], "unknown record type b'R'")]

@@ -2,10 +2,10 @@
 
 The agent's REQUESTS records (:mod:`perfsleuth.wire.batch`) are read vectorised: integer
 columns straight from their bytes, calls from the agent rows with their sites looked up in a
-few numpy steps per batch. JSON request objects (store.otlp; the one-request records of earlier
-agents) are read in bulk by Arrow's JSON reader. Payloads Arrow cannot read with the expected
-types (an odd agent, a hand-written record) go through a slow path that coerces each value or
-drops it to NULL: one odd record never fails a batch.
+few numpy steps per batch. JSON request objects (store.otlp's) are read in bulk by Arrow's JSON
+reader. Payloads Arrow cannot read with the expected types (an odd agent, a hand-written
+record) go through a slow path that coerces each value or drops it to NULL: one odd record
+never fails a batch.
 
 Duplicates: a batch keeps the first request of each trace id (:func:`once_per_trace`).
 """
@@ -124,8 +124,7 @@ def parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int, 
     that carry attributes or tags)."""
     parts: list[pa.Table] = []
     src: list[int] = []
-    blobs: list[bytes | memoryview | None] = []  # binary call rows per row (None: JSON calls)
-    agent_rows: list[bool] = []  # whether the blob holds agent rows (wire.batch) or CALL rows
+    blobs: list[memoryview | None] = []  # agent rows (wire.batch) per row (None: JSON calls)
     where: list[tuple[int, int, int] | None] = []  # (segment, start, end) of the row's record
     ext_rows: list[tuple[int, Any]] = []  # (row, object) of rows with per-call extras
     attr_objs: list[tuple[int, Any]] = []
@@ -153,11 +152,8 @@ def parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int, 
             p = raw[i]
             if b'"attrs"' in p or b'"tags"' in p:
                 attr_objs.append((rows + i - lo, p))
-            if b'"cx"' in p:
-                ext_rows.append((rows + i - lo, p))
             src.append(meta[i][0])
-            blobs.append(batch.raw_calls[i])
-            agent_rows.append(False)
+            blobs.append(None)
             where.append(meta[i])
         rows += hi - lo
         return True
@@ -170,9 +166,7 @@ def parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int, 
             for i in range(lo, hi):
                 seg, start, end = meta[i]
                 try:
-                    blob = batch.raw_calls[i]
-                    obj = loads(raw[i]) if blob is None else wcalls.decode_parts(raw[i], blob)
-                    slow.append((seg, obj, start, end))
+                    slow.append((seg, loads(raw[i]), start, end))
                 except (ValueError, RecursionError):
                     batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
     for seg, columns, start, end in batch.columns:
@@ -191,7 +185,6 @@ def parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int, 
             blobs.append(columns.rows[at : at + c * wbatch.AGENT_ROW.size])
             at += c * wbatch.AGENT_ROW.size
         src.extend([seg] * n)
-        agent_rows.extend([True] * n)
         where.extend([(seg, start, end)] * n)
         for name in ("attrs", "tags"):
             for key, value in (obj.get(name) or {}).items():
@@ -220,20 +213,19 @@ def parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int, 
         objs.append(req)
         src.append(seg_i)
         blobs.append(None)
-        agent_rows.append(False)
         where.append(None)
     if objs:
         parts.append(pa.Table.from_pylist(objs, schema=REQUEST_WIRE))
     wire = pa.concat_tables(parts) if parts else REQUEST_WIRE.empty_table()
     if any(b is not None for b in blobs):
-        rows_ok = _check_agent_rows(wire, blobs, agent_rows)
+        rows_ok = _check_agent_rows(wire, blobs)
         for bad in np.flatnonzero(~rows_ok).tolist():
             rec = where[bad]
             if rec is not None:
                 seg, start, end = rec
                 batch.add_damage(batch.segments[seg], start, end - start, "call rows without sites")
-            blobs[bad] = b""
-        wire = _with_binary_calls(wire, blobs, agent_rows, ext_rows)
+            blobs[bad] = memoryview(b"")
+        wire = _with_agent_calls(wire, blobs, ext_rows)
     # Raw payloads of requests with attributes are decoded only now, for those only.
     decoded = []
     for row, p in attr_objs:
@@ -291,14 +283,12 @@ def _columns_table(columns: wbatch.Batch) -> tuple[pa.Table, np.ndarray]:
     return table, ints[:, wbatch.INT_COLUMNS.index("ncalls")]
 
 
-def _check_agent_rows(
-    wire: pa.Table, blobs: list[bytes | memoryview | None], agent: list[bool]
-) -> np.ndarray:
+def _check_agent_rows(wire: pa.Table, blobs: list[memoryview | None]) -> np.ndarray:
     """Per row: False for a batched request with call rows but no ``t0``/``sites`` (or sites
     that are not five ids each): its rows cannot be read."""
     n = wire.num_rows
     ok = np.ones(n, dtype=bool)
-    has = np.fromiter((a and bool(b) for a, b in zip(agent, blobs, strict=True)), bool, count=n)
+    has = np.fromiter((bool(b) for b in blobs), bool, count=n)
     if not has.any():
         return ok
     sites = wire["sites"].combine_chunks()
@@ -312,9 +302,7 @@ def _check_agent_rows(
     return ok
 
 
-def _agent_calls(
-    wire: pa.Table, blobs: list[bytes | memoryview], rows_of: np.ndarray
-) -> np.ndarray:
+def _agent_calls(wire: pa.Table, blobs: list[memoryview], rows_of: np.ndarray) -> np.ndarray:
     """The agent rows (wire.batch) of the requests at wire rows ``rows_of`` (``blobs``, in that
     order) as ``CALL`` rows: offsets from t0, durations (unfinished ones up to the request's
     end), and the fingerprint, stack, site, kind and system of their slot's site."""
@@ -357,28 +345,22 @@ def _agent_calls(
     return out
 
 
-def _with_binary_calls(
-    wire: pa.Table,
-    blobs: list[bytes | memoryview | None],
-    agent_rows: list[bool],
-    ext_rows: list[tuple[int, Any]],
+def _with_agent_calls(
+    wire: pa.Table, blobs: list[memoryview | None], ext_rows: list[tuple[int, Any]]
 ) -> pa.Table:
-    """``wire`` with its ``calls`` column built from the binary rows of REQUEST_BIN and
-    REQUESTS (wire.batch) records, in a few vectorised steps per batch, keeping the JSON calls
-    of the other rows in place."""
+    """``wire`` with its ``calls`` column built from the agent rows of REQUESTS records
+    (wire.batch), in a few vectorised steps per batch, keeping the JSON calls of the other
+    rows (store.otlp's, the slow path's) in place."""
     n = wire.num_rows
     has = np.fromiter((b is not None for b in blobs), dtype=bool, count=n)
-    is_agent = np.fromiter(agent_rows, dtype=bool, count=n)
-    size = np.where(is_agent, wbatch.AGENT_ROW.size, wcalls.CALL.size)
+    size = wbatch.AGENT_ROW.size
     bin_counts = np.fromiter((len(b) if b is not None else 0 for b in blobs), np.int64, n) // size
-    arr = np.empty(int(bin_counts.sum()), dtype=_CALL_DTYPE)
-    row_is_agent = np.repeat(is_agent, bin_counts)
-    if is_agent.any():
-        which = np.flatnonzero(is_agent & (bin_counts > 0))
-        arr[row_is_agent] = _agent_calls(wire, [blobs[i] or b"" for i in which], which)
-    if (has & ~is_agent).any():
-        packed = b"".join(b for b, a in zip(blobs, agent_rows, strict=True) if b and not a)
-        arr[~row_is_agent] = np.frombuffer(packed, dtype=_CALL_DTYPE)
+    which = np.flatnonzero(has & (bin_counts > 0))
+    arr = (
+        _agent_calls(wire, [blobs[i] or memoryview(b"") for i in which], which)
+        if len(which)
+        else np.empty(0, dtype=_CALL_DTYPE)
+    )
     bin_starts = np.cumsum(bin_counts) - bin_counts
     bin_flat = _binary_struct(arr, bin_starts, ext_rows)
 

@@ -20,7 +20,7 @@ from perfsleuth.store import spool
 from perfsleuth.store.base import IngestReport, Progress
 from perfsleuth.store.records import Batch, SegmentState, remember_internal_fingerprints
 from perfsleuth.store.tables import Tables, build_tables
-from perfsleuth.wire import REQUEST_TYPES
+from perfsleuth.wire import REQUESTS
 
 
 class Offset(NamedTuple):
@@ -142,7 +142,7 @@ def ingest_spool(
         for rtype, payload, rstart, rend in rd.raw:
             batch.add_raw(seg, rtype, payload, rstart, rend)
             seg.offset = rend
-            if rtype in REQUEST_TYPES and full():
+            if rtype == REQUESTS and full():
                 flush(rend - start)
         for rtype, obj in rd.decoded:
             batch.add(seg, rtype, obj)

@@ -19,16 +19,12 @@ from perfsleuth.wire import (
     FINGERPRINT,
     HEADER,
     LOCATION,
-    REQUEST,
-    REQUEST_BIN,
-    REQUEST_TYPES,
     REQUESTS,
     STACK,
     STATS,
     internal_sql,
 )
 from perfsleuth.wire import batch as wbatch
-from perfsleuth.wire import calls as wcalls
 from perfsleuth.wire.segment import Damage
 
 
@@ -84,8 +80,7 @@ class Batch:
         self.seen: set[bytes] = set() if seen is None else seen
         self.segments: list[SegmentState] = []
         self._seg_index: dict[int, int] = {}
-        self.raw_requests: list[bytes] = []  # JSON objects, one per request
-        self.raw_calls: list[bytes | None] = []  # their binary call rows (REQUEST_BIN)
+        self.raw_requests: list[bytes] = []  # JSON objects, one per request (add_json_request)
         # REQUESTS records (wire.batch): (segment index, its parts, start, end)
         self.columns: list[tuple[int, wbatch.Batch, int, int]] = []
         self.raw_meta: list[tuple[int, int, int]] = []  # (segment index, start, end)
@@ -114,20 +109,12 @@ class Batch:
         self.touch(seg)
         self.damage.append(Damage(offset, length, reason, seg.name))
 
-    def add_json_request(
-        self,
-        seg: SegmentState,
-        payload: bytes,
-        start: int = 0,
-        end: int = 0,
-        call_rows: bytes | None = None,
-    ) -> None:
+    def add_json_request(self, seg: SegmentState, payload: bytes) -> None:
         """One request as a JSON object shaped like :data:`perfsleuth.store.decode.REQUEST_WIRE`
-        (store.otlp maps spans to these): read in bulk with the others by Arrow's JSON reader.
-        ``start``, ``end``: where its record lies in the segment, for damage reports."""
+        (store.otlp maps spans to these; no spool record has this shape): read in bulk with the
+        others by Arrow's JSON reader."""
         self.raw_requests.append(payload)
-        self.raw_calls.append(call_rows)
-        self.raw_meta.append((self.touch(seg), start, end))
+        self.raw_meta.append((self.touch(seg), 0, 0))
         self.requests += 1
         self.request_bytes += len(payload)
 
@@ -144,16 +131,6 @@ class Batch:
             self.requests += parts.n
             self.request_bytes += len(payload)
             return
-        if rtype in REQUEST_TYPES:
-            call_rows = None
-            if rtype == REQUEST_BIN:
-                try:
-                    payload, call_rows = wcalls.split(payload)
-                except ValueError:
-                    self.add_damage(seg, start, end - start, "undecodable payload")
-                    return
-            self.add_json_request(seg, payload, start, end, call_rows)
-            return
         if rtype in _DICTIONARY_TYPES:
             if payload in self.seen:
                 return
@@ -169,14 +146,11 @@ class Batch:
         self, seg: SegmentState, rtype: bytes, obj: Any, start: int = -1, end: int = -1
     ) -> None:
         """A decoded record (``start``, ``end``: where it lies in its segment, if known)."""
-        if rtype == REQUESTS and isinstance(obj, list):  # wire.batch.decode: its requests
-            for req in obj:
-                self.add(seg, REQUEST, req)
-            return
-        if rtype in REQUEST_TYPES:
-            self.dict_requests.append(obj)
-            self.dict_src.append(self.touch(seg))
-            self.requests += 1
+        if rtype == REQUESTS:  # wire.batch.decode: a list of requests
+            for req in obj if isinstance(obj, list) else (obj,):
+                self.dict_requests.append(req)
+                self.dict_src.append(self.touch(seg))
+                self.requests += 1
             return
         if not isinstance(obj, dict):
             return

@@ -26,8 +26,9 @@ plus ``fp``, ``status``, ``bytes``, ``hit`` and ``wait``, which a row has no roo
 ``len(INT_COLUMNS)`` each: decimal text and JSON escaping were most of the writer's work:
 
     id        the trace id, 64 bits (two's complement; shown as 16 hex digits)
-    ts, dur, status, cpu_ns, req_bytes, resp_bytes,      ns and bytes like REQUEST's
-    calls_dropped, gc_ns, gc_count
+    ts        the start, wall-clock ns since the epoch
+    dur, cpu_ns, gc_ns                                   ns
+    status, req_bytes, resp_bytes, calls_dropped, gc_count
     t0        perf_counter ns at the request's start, on the process clock of the rows
     ncalls    the request's number of rows
 
@@ -178,7 +179,7 @@ def _int64(v: Any) -> int:
 
 def decode(payload: bytes | memoryview) -> list[dict[str, Any]]:
     """A REQUESTS payload as JSON-shaped requests (``calls``: one dict per call, absent values
-    left out, as wire.calls.decode_request gives them): for tools, tests and the store's slow
+    left out, as wire.calls.decode_parts gives them): for tools, tests and the store's slow
     path (the store reads batches vectorised). ValueError if malformed."""
     return decode_columns(split(payload))
 

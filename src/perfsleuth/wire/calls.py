@@ -1,10 +1,10 @@
-"""The calls of a request as fixed-width binary rows (``REQUEST_BIN``; the store's ``CALL``).
+"""The calls of a request as fixed-width binary rows (``CALL``): the codes and sentinels the
+agent's rows and the store share, and the JSON shape of decoded calls.
 
-Calls are most of what an agent writes (an N+1 request has thousands), so they are not JSON:
-a ``REQUEST_BIN`` record is the request's JSON object, one NUL byte (JSON text never contains
-a raw NUL), then one ``CALL`` row per call. Earlier agents wrote these, one record per request;
-the agent now writes batches (:mod:`perfsleuth.wire.batch`), whose rows the store turns into
-``CALL`` rows too.
+The agent writes its calls as agent rows in REQUESTS records (:mod:`perfsleuth.wire.batch`);
+decoding a batch request by request (tools, tests, the store's slow path) turns them into
+``CALL`` rows (:func:`perfsleuth.wire.batch.call_rows`) and then into one dict per call
+(:func:`decode_parts`).
 
 ``CALL`` row fields, little-endian; ``NULL`` marks an absent integer:
     off, dur        ns from the request start, ns duration
@@ -18,7 +18,7 @@ the agent now writes batches (:mod:`perfsleuth.wire.batch`), whose rows the stor
     flags           FLAG_UNFINISHED, FLAG_EXT (an entry in ``cx`` holds its strings)
 
 Rare per-call values (error class, HTTP host, unlisted kind/system, driver details such as
-``{"many": n}`` for executemany) go into the JSON object as
+``{"many": n}`` for executemany) go into the request's JSON object as
 ``"cx": {"<call index>": {"error": ..., "host": ..., "kind": ..., "system": ..., "extra": ...}}``.
 """
 
@@ -50,23 +50,10 @@ KIND_CODE = {k: i for i, k in enumerate(KINDS)}
 SYSTEM_CODE = {s: i for i, s in enumerate(SYSTEMS)}
 
 
-def split(payload: bytes) -> tuple[bytes, bytes]:
-    """(JSON object, call rows) of a REQUEST_BIN payload. ValueError if the rows are torn."""
-    head, sep, rows = payload.partition(SEPARATOR)
-    if not sep or len(rows) % CALL.size:
-        raise ValueError("a REQUEST_BIN payload without whole call rows")
-    return head, rows
-
-
-def decode_request(payload: bytes) -> dict[str, Any]:
-    """A REQUEST_BIN payload as the JSON-shaped request (``calls``: one dict per call, absent
-    values left out): for tools, tests and the store's slow path. ValueError if malformed."""
-    return decode_parts(*split(payload))
-
-
 def decode_parts(head: bytes | dict[str, Any], rows: bytes) -> dict[str, Any]:
-    """:func:`decode_request` of a payload already :func:`split` into JSON object (or its
-    decoded dict) and ``CALL`` rows."""
+    """A request as JSON-shaped dicts (``calls``: one dict per call, absent values left out)
+    from its JSON object (or its decoded dict) and its ``CALL`` rows. ValueError if the object
+    is not a JSON object."""
     obj = json.loads(head) if isinstance(head, bytes | bytearray | memoryview) else head
     if not isinstance(obj, dict):
         raise ValueError("a request record that is not a JSON object")

@@ -3,8 +3,8 @@
     file   := FILE_MAGIC record*
     record := REC_MAGIC(2) type(1) length(u32 LE) crc32(u32 LE) payload(length bytes)
 
-A payload is JSON (UTF-8), or for request records JSON followed by binary call rows
-(:mod:`perfsleuth.wire.calls`).
+A payload is JSON (UTF-8), or for REQUESTS records JSON followed by binary columns and call
+rows (:mod:`perfsleuth.wire.batch`).
 
 The crc covers type + payload. REC_MAGIC lets a reader resynchronise after a damaged record
 instead of losing the rest of the file. A record cut short at the end of a file is either
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from perfsleuth.wire import FORMAT_VERSION, RECORD_TYPES, REQUEST_BIN, REQUESTS, batch, calls
+from perfsleuth.wire import FORMAT_VERSION, RECORD_TYPES, REQUESTS, batch
 
 FILE_MAGIC = b"PSLSEG" + bytes([0, FORMAT_VERSION])
 REC_MAGIC = b"\xa5\x5a"
@@ -155,8 +155,6 @@ def decode_payload(rtype: bytes, payload: bytes) -> Any:
     """The object a record carries (ValueError when it cannot be decoded)."""
     if rtype == REQUESTS:
         return batch.decode(payload)  # a list of requests
-    if rtype == REQUEST_BIN:
-        return calls.decode_request(payload)
     try:
         return json.loads(payload)
     except RecursionError:
