@@ -30,7 +30,7 @@ from perfsleuth.cli.ui import free_port
 from perfsleuth.server import create_app
 from perfsleuth.server.app import STATIC_DIR
 from perfsleuth.store.duckdb_store import DuckDBStore
-from spoolwrite import SegmentWriter, call
+from spoolwrite import SegmentWriter, call, stored
 
 SERVER = ("/usr/lib/python3/site-packages/server.py", 10, "serve", False)
 HOT = ("/srv/app/reports.py", 42, "crunch", True)
@@ -116,6 +116,8 @@ def test_a_finding_under_its_floor_is_not_raised(synth: Any) -> None:
     """Five slow calls made by one request are one slow request: slow_query asks for calls in
     three requests (its min_requests) as well as five calls."""
     one = synth(slow_ledger(requests=1, calls_each=5))
+    with DuckDBStore(one, read_only=True) as store:
+        assert stored(store) == {"GET /ledger": (1, 5), "GET /ok": (20, 20)}
     assert [f.kind for f in findings(one) if f.endpoint == "GET /ledger"] == []
     [f] = [f for f in findings(one, "slow_query.min_requests=1") if f.endpoint == "GET /ledger"]
     assert f.kind == "slow_query" and f.evidence["calls"] == 5

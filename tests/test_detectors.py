@@ -25,7 +25,7 @@ from perfsleuth.analysis.detectors import DETECTORS
 from perfsleuth.analysis.finding import Finding
 from perfsleuth.cli.main import app
 from perfsleuth.store.duckdb_store import DuckDBStore
-from spoolwrite import SegmentWriter, call
+from spoolwrite import SegmentWriter, call, stored
 
 CONTRACT = {
     "id",
@@ -387,7 +387,10 @@ def test_n_plus_one_ignores_a_rare_or_cheap_pattern(synth: Any, src: dict) -> No
                 calls=[call("db", ITEMS, dur_ms=0.05, site=(src["file"], src["SITE"], "f"))] * 6,
             )
 
-    assert find(synth(fill), config=Config()) == []
+    store = synth(fill)
+    # the rare loop: 2 requests of 1 + 10 calls, 98 of 1 + 1
+    assert stored(store) == {"GET /rare": (100, 2 * 11 + 98 * 2), "GET /cheap": (100, 600)}
+    assert find(store, config=Config()) == []
 
 
 def test_cache_n_plus_one_only_with_a_loop_in_the_source(synth: Any, src: dict) -> None:
@@ -516,7 +519,9 @@ def test_slow_query_ignores_a_fast_statement_with_a_few_slow_waits(synth: Any) -
             d = 150.0 if i in (3, 11) else 10.0
             w.request("GET /order", dur_ms=d + 5, calls=[call(text="SELECT pk()", dur_ms=d)])
 
-    assert find(synth(fill), config=Config()) == []
+    store = synth(fill)
+    assert stored(store) == {"GET /order": (20, 20)}
+    assert find(store, config=Config()) == []
 
 
 def test_upstream_latency(synth: Any) -> None:
@@ -568,7 +573,9 @@ def test_many_fast_calls_to_a_host_are_not_upstream_latency(synth: Any) -> None:
             ]  # fmt: skip
             w.request("GET /team", dur_ms=55.0, calls=calls)
 
-    assert [f for f in find(synth(fill), config=Config()) if f.kind == "upstream_latency"] == []
+    store = synth(fill)
+    assert stored(store) == {"GET /team": (20, 500)}
+    assert [f for f in find(store, config=Config()) if f.kind == "upstream_latency"] == []
     # with the per-call floor lowered, the same traffic is reported
     tuned = Config()
     tuned.apply("upstream_latency.min_ms_per_call=1")

@@ -26,7 +26,7 @@ from perfsleuth.analysis.detectors.outlier_tenant import mann_whitney_greater
 from perfsleuth.analysis.finding import Finding
 from perfsleuth.analysis.findings import find
 from perfsleuth.store.duckdb_store import DuckDBStore
-from spoolwrite import SegmentWriter, call
+from spoolwrite import SegmentWriter, call, stored
 from test_run_servers import APPS, Server, launched, uvicorn
 
 APP = os.path.join(APPS, "outlier_tenant_app.py")
@@ -235,6 +235,7 @@ def test_outlier_tenant_needs_an_absolute_effect(synth: Any) -> None:
                       tenant="megacorp" if big else f"t{i % 3}")  # fmt: skip
 
     store = synth(fill)
+    assert stored(store) == {"GET /ping": (100, 0)}
     assert outliers(store) == []
     [f] = outliers(store, "outlier_tenant.min_median_gap_ms=0.1")
     assert (f.endpoint, f.evidence["tenant"]) == ("GET /ping", "megacorp")
@@ -253,6 +254,7 @@ def test_outlier_tenant_needs_to_be_slow_as_a_rule(synth: Any) -> None:
                       tenant="t-odd" if odd else f"t{i % 3}")  # fmt: skip
 
     noisy = synth(lambda w: fill(w, 5))
+    assert stored(noisy) == {"GET /health": (60, 0)}
     assert outliers(noisy) == []
     # the median rule alone tells them apart, and the rank test alone does too
     assert outliers(noisy, "outlier_tenant.max_p_value=1") == []
@@ -277,6 +279,7 @@ def test_outlier_tenant_needs_requests_on_both_sides(synth: Any) -> None:
                       tenant=f"t{i % 2}" if few else "whale")  # fmt: skip
 
     store = synth(fill)
+    assert stored(store) == {"GET /mine": (40, 0)}
     assert outliers(store, "outlier_tenant.min_ratio=1") == []
     [f] = outliers(store, "outlier_tenant.min_ratio=1", "outlier_tenant.min_other_requests=5")
     assert (f.evidence["tenant"], f.evidence["other_requests"]) == ("whale", 5)
