@@ -1,6 +1,7 @@
 // uPlot wrappers: time-series charts sized to their container.
 import uPlot from "uplot";
 import "uplot/dist/uPlot.min.css";
+import { fmtMs } from "./format";
 import { h } from "./util";
 
 export const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"];
@@ -39,7 +40,9 @@ export function timeChart(title: string, x: number[], lines: Line[], opts: { hei
       scale: l.scale ?? "y",
       fill: l.bars ? (l.color ?? PALETTE[i % PALETTE.length]) + "55" : undefined,
       paths: l.bars ? uPlot.paths.bars!({ size: [0.8, 40] }) : undefined,
-      value: (_u, v) => (v === null || v === undefined ? "-" : v >= 100 ? Math.round(v).toLocaleString("en-US") : v.toFixed(1)) + (l.unit ?? ""),
+      // milliseconds by the one rule (format.ts); counts with one decimal under 100
+      value: (_u, v) =>
+        l.unit === " ms" ? fmtMs(v) + " ms" : (v === null || v === undefined ? "-" : v >= 100 ? Math.round(v).toLocaleString("en-US") : v.toFixed(1)) + (l.unit ?? ""),
     });
   }
   const axes: uPlot.Axis[] = [{}, { label: opts.yLabel, size: 72 }];

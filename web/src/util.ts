@@ -1,5 +1,5 @@
 // DOM helpers shared by the pages; the number formats are in format.ts.
-import { fmtPct } from "./format";
+import { fmtMs, fmtPct } from "./format";
 
 export { fmtInt, fmtMs, fmtPct } from "./format";
 
@@ -21,11 +21,10 @@ export function h<K extends keyof HTMLElementTagNameMap>(tag: K, attrs: Record<s
   return el;
 }
 
-/** Short axis labels for milliseconds: 0.35, 4.2, 63, 250, 1.6s, 16s. */
+/** Short axis labels for milliseconds: fmtMs under a second (0.35, 4.2, 63, 250), then
+ * seconds (1.6s, 16s). */
 export function fmtMsShort(v: number): string {
-  if (v < 1) return v.toFixed(2);
-  if (v < 10) return v.toFixed(1);
-  if (v < 1000) return String(Math.round(v));
+  if (v < 1000) return fmtMs(v);
   return (v < 10000 ? (v / 1000).toFixed(1) : String(Math.round(v / 1000))) + "s";
 }
 
