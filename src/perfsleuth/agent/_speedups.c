@@ -37,6 +37,7 @@ static Py_ssize_t max_rows = (Py_ssize_t)20000 * 5;
 static PyObject *code_kinds;    /* stacks._kind: id(code) -> (code, kind) */
 static PyObject *classify_code; /* stacks.classify */
 static PyObject *site_cache;    /* recorder._site_cache */
+static PyObject *stack_cache;   /* recorder._stack_cache: (id(code), lasti) -> stack */
 static Py_ssize_t max_depth = 64, max_sites = 20000;
 static int one_stack_per_site = 1; /* PERFSLEUTH_STACKS_PER_SITE is 1: else Python does it */
 /* Set once a template engine is loaded (recorder hands them over when stacks.templates_on is
@@ -52,7 +53,7 @@ static PyObject *no_sites;      /* recorder._NO_SITES */
 static PyObject *default_class; /* recorder.ActiveRequest */
 
 static PyObject *s_rows_attr, *s_description, *s_rowcount;
-static PyObject *s_record_call, *s_fail_call, *s_dropped, *s_db, *s_sqlite;
+static PyObject *s_record_call, *s_fail_call, *s_dropped, *s_db, *s_sqlite, *s_params;
 static PyObject *null_value;    /* recorder.NULL: -(1 << 63) */
 static PyObject *s_empty;       /* "" */
 static PyObject *zero, *one, *up_one, *empty_tuple;
@@ -553,44 +554,163 @@ is_engine_frame(PyFrameObject *f)
     return r;
 }
 
-/* Whether a template engine's frame is among those stacks.capture(frame) walks (its stack
- * then has template frames, which only Python's capture makes): 1 yes, 0 no, -1 error. */
-static int
-under_template(PyFrameObject *frame)
+/* The stack of a new site (key: (statement, id(code), lasti[, template line])): the one last
+ * captured at the same place (recorder._stack_cache, keyed by the key without its statement)
+ * when the frames are the same, else a new capture, cached there. A new reference or NULL. */
+static PyObject *
+stack_at(PyFrameObject *frame, PyObject *key)
 {
-    int error = 0;
-    PyFrameObject *f = past_agent(frame, &error);
-    if (error)
-        return -1;
-    int found = 0;
-    for (Py_ssize_t n = 0; f != NULL && n < max_depth; n++) {
-        int k = kind_of(f);
-        if (k == -2) {
-            found = -1;
-            break;
+    if (stack_cache == NULL)
+        return capture(frame);
+    PyObject *place = PyTuple_GetSlice(key, 1, PyTuple_GET_SIZE(key));
+    if (place == NULL)
+        return NULL;
+    PyObject *flat = PyDict_GetItemWithError(stack_cache, place); /* borrowed */
+    if (flat != NULL) {
+        int same = same_stack(frame, flat);
+        if (same == 1) {
+            Py_DECREF(place);
+            return Py_NewRef(flat);
         }
-        if (k == -1)
-            break;
-        found = is_engine_frame(f);
-        if (found != 0)
+        if (same < 0) {
+            Py_DECREF(place);
+            return NULL;
+        }
+    }
+    else if (PyErr_Occurred()) {
+        Py_DECREF(place);
+        return NULL;
+    }
+    flat = capture(frame);
+    if (flat != NULL) {
+        if (PyDict_GET_SIZE(stack_cache) >= max_sites)
+            PyDict_Clear(stack_cache);
+        if (PyDict_SetItem(stack_cache, place, flat) < 0)
+            Py_CLEAR(flat);
+    }
+    Py_DECREF(place);
+    return flat;
+}
+
+/* The call site of a statement made from frame (a borrowed reference): the first application
+ * frame (else the first frame that is not the agent's), as recorder's Python path finds it,
+ * walking at most max_depth frames; *templated: whether a template engine's frame is among the
+ * frames stacks.capture(frame) walks (only looked for while engines are known), found in the
+ * same walk. Returns 0 with *site a new reference (NULL: no frame), -1 on error. */
+static int
+find_site(PyFrameObject *frame, PyFrameObject **site, int *templated)
+{
+    PyFrameObject *f = (PyFrameObject *)Py_XNewRef(frame), *leaf = NULL;
+    int found = 0, site_done = 0, tpl_done = engines == NULL, started = 0;
+    Py_ssize_t site_depth = 0, tpl_depth = 0;
+    *site = NULL;
+    *templated = 0;
+    while (f != NULL && !(site_done && tpl_done)) {
+        int k = kind_of(f);
+        if (k == -2)
+            goto error;
+        if (!site_done) {
+            if (site_depth >= max_depth) {
+                site_done = 1;
+            }
+            else if (k == 1) {
+                *site = (PyFrameObject *)Py_NewRef(f);
+                found = site_done = 1;
+            }
+            else if (k == 0 && leaf == NULL) {
+                leaf = (PyFrameObject *)Py_NewRef(f);
+            }
+            site_depth++;
+        }
+        if (!tpl_done) {
+            if (k != -1)
+                started = 1; /* capture skips the agent's innermost frames, then stops at one */
+            else if (started)
+                tpl_done = 1;
+            if (started && !tpl_done) {
+                if (tpl_depth >= max_depth) {
+                    tpl_done = 1;
+                }
+                else {
+                    int e = is_engine_frame(f);
+                    if (e < 0)
+                        goto error;
+                    if (e) {
+                        *templated = 1;
+                        tpl_done = 1;
+                    }
+                    tpl_depth++;
+                }
+            }
+        }
+        if (site_done && tpl_done)
             break;
         f = up(f);
     }
     Py_XDECREF(f);
-    return found;
+    if (!found)
+        *site = leaf;
+    else
+        Py_XDECREF(leaf);
+    return 0;
+error:
+    Py_XDECREF(f);
+    Py_XDECREF(leaf);
+    Py_CLEAR(*site);
+    return -1;
 }
 
-/* record_call's slow path (recorder.ActiveRequest._record_call) for a statement with its
- * parameters in a tuple: the call site (the first application frame, else the first that is
- * not the agent's), the request's site entry (the shared one when the frames are the same,
- * else a new capture), the row. Returns the row offset; -1 when it cannot (the caller then
- * asks Python), -2 when the request is full (counted). */
-static Py_ssize_t
-record_site(PyObject *req, PyObject *sql, PyObject *params)
+/* Note a call's parameters that are not a tuple (a dict, a list) on its row, for the writer
+ * to hash: req.more[i]["params"] (recorder.ActiveRequest._note). 0, or -1 with an error. */
+static int
+note_params(PyObject *req, Layout *layout, Py_ssize_t i, PyObject *params)
 {
-    PyFrameObject *frame = PyEval_GetFrame(); /* borrowed */
+    PyObject *more = get_field(req, layout, F_MORE);
+    if (more == NULL || more == Py_None) {
+        more = PyDict_New();
+        if (set_field(req, layout, F_MORE, more) < 0)
+            return -1;
+    }
+    if (!PyDict_CheckExact(more)) {
+        PyErr_SetString(PyExc_TypeError, "more is not a dict");
+        return -1;
+    }
+    PyObject *index = PyLong_FromSsize_t(i);
+    if (index == NULL)
+        return -1;
+    PyObject *entry = PyDict_GetItemWithError(more, index); /* borrowed */
+    int r;
+    if (entry != NULL && PyDict_CheckExact(entry)) {
+        r = PyDict_SetItem(entry, s_params, params);
+    }
+    else if (PyErr_Occurred()) {
+        r = -1;
+    }
+    else {
+        PyObject *fresh = PyDict_New();
+        r = fresh == NULL || PyDict_SetItem(fresh, s_params, params) < 0 ||
+                    PyDict_SetItem(more, index, fresh) < 0
+                ? -1
+                : 0;
+        Py_XDECREF(fresh);
+    }
+    Py_DECREF(index);
+    return r;
+}
+
+/* record_call's slow path (recorder.ActiveRequest._record_call) for a statement (an exact
+ * str) made from frame (borrowed: the wrapper's caller), its parameters a tuple, None (none)
+ * or anything else (a dict, a list: noted on the row for the writer to hash): the call site,
+ * the request's site entry (the shared one when the frames are the same, else the stack last
+ * captured at the same place when its frames are the same, else a new capture), the row.
+ * Returns the row offset; -1 when it cannot (the caller then asks Python), -2 when the request
+ * is full (counted). */
+static Py_ssize_t
+record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyObject *params,
+            PyFrameObject *frame)
+{
     if (frame == NULL || !one_stack_per_site || code_kinds == NULL || site_cache == NULL ||
-        !PyUnicode_CheckExact(sql) || !PyTuple_CheckExact(params))
+        !PyUnicode_CheckExact(sql))
         return -1;
     Py_ssize_t result = -1;
     Layout *layout = layout_of(Py_TYPE(req));
@@ -598,7 +718,7 @@ record_site(PyObject *req, PyObject *sql, PyObject *params)
     PyObject *sites = calls ? Py_XNewRef(get_field(req, layout, F_SITES)) : NULL;
     PyObject *site_list = sites ? Py_XNewRef(get_field(req, layout, F_SITE_LIST)) : NULL;
     PyObject *key = NULL, *entry = NULL;
-    PyFrameObject *f = NULL, *leaf = NULL;
+    PyFrameObject *f = NULL;
     if (site_list == NULL)
         goto done;
     if (sites == no_sites && calls != Py_None) { /* a call after the request ended */
@@ -626,25 +746,16 @@ record_site(PyObject *req, PyObject *sql, PyObject *params)
         result = -2;
         goto done;
     }
-    /* the call site */
-    f = (PyFrameObject *)Py_NewRef(frame);
-    int found = 0;
-    for (Py_ssize_t depth = 0; f != NULL && depth < max_depth; depth++) {
-        int k = kind_of(f);
-        if (k == -2)
-            goto done;
-        if (k == 1) {
-            found = 1;
-            break;
-        }
-        if (k == 0 && leaf == NULL)
-            leaf = (PyFrameObject *)Py_NewRef(f);
-        f = up(f);
+    long long ph = NULL_LL;
+    if (PyTuple_CheckExact(params)) {
+        ph = params_hash(params);
     }
-    if (!found) {
-        Py_XSETREF(f, leaf);
-        leaf = NULL;
+    else if (params == Py_None) {
+        params = NULL;
     }
+    int templated = 0;
+    if (find_site(frame, &f, &templated) < 0)
+        goto done;
     PyObject *where, *lasti;
     if (f != NULL) {
         PyCodeObject *code = PyFrame_GetCode(f);
@@ -657,19 +768,18 @@ record_site(PyObject *req, PyObject *sql, PyObject *params)
         lasti = PyLong_FromLong(0);
     }
     key = (where && lasti) ? PyTuple_Pack(3, sql, where, lasti) : NULL;
-    if (key != NULL && template_key != NULL) {
+    if (key != NULL && templated) {
         /* A call under a template line is a site of its own, keyed by that line too
          * (stacks.template_key, as recorder's Python path keys it): its row goes here when
          * the request has the site, its first call to Python, whose capture has the
          * template frames. A call under no template stays here, whole. */
-        int t = under_template(frame);
-        PyObject *tkey = t == 1 ? PyObject_CallOneArg(template_key, (PyObject *)frame) : NULL;
-        if (t == 1 && tkey != NULL && tkey != Py_None)
+        PyObject *tkey = PyObject_CallOneArg(template_key, (PyObject *)frame);
+        if (tkey != NULL && tkey != Py_None)
             Py_SETREF(key, PyTuple_Pack(4, sql, where, lasti, tkey));
-        else if (t != 0)
+        else
             Py_CLEAR(key); /* an error, or an engine's frame without a template line */
         Py_XDECREF(tkey);
-        if (t == 1 && key != NULL) {
+        if (key != NULL) {
             PyObject *known = PyDict_GetItemWithError(sites, key); /* borrowed */
             if (known == NULL)
                 Py_CLEAR(key); /* the site's first call in the request */
@@ -687,17 +797,17 @@ record_site(PyObject *req, PyObject *sql, PyObject *params)
         Py_XINCREF(entry);
         int reuse = 0;
         if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 5 &&
-            PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 0), s_db, Py_EQ) == 1 &&
-            PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 1), s_sqlite, Py_EQ) == 1) {
+            PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 0), kind, Py_EQ) == 1 &&
+            PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 1), system, Py_EQ) == 1) {
             reuse = same_stack(frame, PyTuple_GET_ITEM(entry, 3));
             if (reuse < 0)
                 goto done;
         }
         if (!reuse) {
-            PyObject *flat = capture(frame);
+            PyObject *flat = stack_at(frame, key);
             if (flat == NULL)
                 goto done;
-            Py_XSETREF(entry, PyTuple_Pack(5, s_db, s_sqlite, sql, flat, key));
+            Py_XSETREF(entry, PyTuple_Pack(5, kind, system, sql, flat, key));
             Py_DECREF(flat);
             if (entry == NULL)
                 goto done;
@@ -716,13 +826,14 @@ record_site(PyObject *req, PyObject *sql, PyObject *params)
         slot = index;
         Py_DECREF(index); /* the dict holds it */
     }
-    Py_ssize_t i = append_row(calls, slot, params_hash(params));
+    Py_ssize_t i = append_row(calls, slot, ph);
     if (i < 0)
+        goto done;
+    if (params != NULL && !PyTuple_CheckExact(params) && note_params(req, layout, i, params) < 0)
         goto done;
     result = i;
 done:
     Py_XDECREF(f);
-    Py_XDECREF(leaf);
     Py_XDECREF(key);
     Py_XDECREF(entry);
     Py_XDECREF(calls);
@@ -733,6 +844,35 @@ done:
         return -1;
     }
     return result;
+}
+
+/* recorder.ActiveRequest.record_call for a statement, in C: record_call(req, kind, system,
+ * statement, params, up), up counted from the Python function calling it (0: that function's
+ * own frame). The row offset, -1 when Python's path must do it (not a str statement, a
+ * template site's first call, an internal error: counted), -2 when the request is full
+ * (counted). */
+static PyObject *
+py_record_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "record_call(req, kind, system, target, params, up)");
+        return NULL;
+    }
+    PyObject *req = args[0], *sql = args[3];
+    Py_ssize_t up_n = PyLong_AsSsize_t(args[5]);
+    if (up_n == -1 && PyErr_Occurred())
+        return NULL;
+    if (!PyUnicode_CheckExact(sql) || !PyUnicode_CheckExact(args[1]) ||
+        !PyUnicode_CheckExact(args[2]))
+        return PyLong_FromLong(-1);
+    PyFrameObject *f = (PyFrameObject *)Py_XNewRef(PyEval_GetFrame());
+    for (Py_ssize_t k = 0; f != NULL && k < up_n; k++)
+        f = up(f);
+    if (f == NULL)
+        return PyLong_FromLong(-1);
+    Py_ssize_t i = record_site(req, args[1], args[2], sql, args[4], f);
+    Py_DECREF(f);
+    return PyLong_FromSsize_t(i);
 }
 
 /* record_call(..., up=1) in Python: the frame above record_call is the application's (this
@@ -783,7 +923,7 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
     if (req != NULL && req != Py_None) {
         i = record_fast(req, sql, params);
         if (i == -1)
-            i = record_site(req, sql, params);
+            i = record_site(req, s_db, s_sqlite, sql, params, PyEval_GetFrame());
         if (i == -1)
             i = record_slow(req, sql, params);
     }
@@ -2024,18 +2164,18 @@ static PyObject *
 configure(PyObject *module, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"current", "sql_text", "internal_error", "max_rows", "perf_counter",
-                            "code_kinds", "classify", "site_cache", "max_depth", "max_sites",
+                            "code_kinds", "classify", "site_cache", "stack_cache", "max_depth", "max_sites",
                             "stacks_per_site", "sink", "inflight", "stats", "getrandbits",
                             "no_sites", "request_class", "template_key", "template_engines",
                             "engine_of", NULL};
     PyObject *current = NULL, *text = NULL, *error = NULL, *perf = NULL, *kinds = NULL,
-             *classify = NULL, *cache = NULL, *new_sink = NULL, *flying = NULL,
+             *classify = NULL, *cache = NULL, *stacks_cache = NULL, *new_sink = NULL, *flying = NULL,
              *counters = NULL, *random_bits = NULL, *empty_sites = NULL, *req_class = NULL,
              *tpl_key = NULL, *tpl_engines = NULL, *tpl_engine_of = NULL;
     Py_ssize_t rows = -1, depth = -1, sites = -1, per_site = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOnOOOOnnnOOOOOOOOO:configure", names,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOnOOOOOnnnOOOOOOOOO:configure", names,
                                      &current, &text, &error, &rows, &perf, &kinds, &classify,
-                                     &cache, &depth, &sites, &per_site, &new_sink, &flying,
+                                     &cache, &stacks_cache, &depth, &sites, &per_site, &new_sink, &flying,
                                      &counters, &random_bits, &empty_sites, &req_class,
                                      &tpl_key, &tpl_engines, &tpl_engine_of))
         return NULL;
@@ -2070,8 +2210,9 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
     if (req_class != NULL)
         Py_XSETREF(default_class, Py_NewRef(req_class));
     if ((kinds != NULL && !PyDict_CheckExact(kinds)) ||
-        (cache != NULL && !PyDict_CheckExact(cache))) {
-        PyErr_SetString(PyExc_TypeError, "code_kinds and site_cache are dicts");
+        (cache != NULL && !PyDict_CheckExact(cache)) ||
+        (stacks_cache != NULL && !PyDict_CheckExact(stacks_cache))) {
+        PyErr_SetString(PyExc_TypeError, "code_kinds, site_cache and stack_cache are dicts");
         return NULL;
     }
     if (current != NULL)
@@ -2088,6 +2229,8 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
         Py_XSETREF(classify_code, Py_NewRef(classify));
     if (cache != NULL)
         Py_XSETREF(site_cache, Py_NewRef(cache));
+    if (stacks_cache != NULL)
+        Py_XSETREF(stack_cache, Py_NewRef(stacks_cache));
     if (rows >= 0)
         max_rows = rows;
     if (depth > 0)
@@ -2102,12 +2245,16 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
 static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "configure(*, current, sql_text, internal_error, max_rows, perf_counter, code_kinds, "
-     "classify, site_cache, max_depth, max_sites, stacks_per_site, sink, inflight, stats, "
+     "classify, site_cache, stack_cache, max_depth, max_sites, stacks_per_site, sink, inflight, stats, "
      "getrandbits, no_sites, request_class, template_key, template_engines, engine_of): what "
      "the wrappers use (each optional); perf_counter: time.perf_counter_ns when it is not "
      "CLOCK_MONOTONIC, else None; template_key (stacks.template_key, None: off), "
      "template_engines (templates._engine) and engine_of (templates.engine_of), given together "
      "once a template engine is loaded."},
+    {"record_call", (PyCFunction)(void (*)(void))py_record_call, METH_FASTCALL,
+     "record_call(req, kind, system, statement, params, up): recorder.ActiveRequest."
+     "record_call for a str statement, up counted from the calling Python function's frame; "
+     "the row offset, -1 when Python's path must do it, -2 when the request is full"},
     {"begin", (PyCFunction)(void (*)(void))begin, METH_FASTCALL | METH_KEYWORDS,
      "begin(kind, method='', path='', *, cpu=False, cls=request_class): recorder.begin."},
     {"end", (PyCFunction)end, METH_O, "end(req): recorder.end."},
@@ -2141,6 +2288,7 @@ PyInit__speedups(void)
     INTERN(s_dropped, "_dropped");
     INTERN(s_db, "db");
     INTERN(s_sqlite, "sqlite");
+    INTERN(s_params, "params");
     INTERN(s_requests_recorded, "requests_recorded");
     INTERN(s_type, "type");
     INTERN(s_body, "body");

@@ -57,6 +57,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from perfsleuth.agent import accel, stacks
+from perfsleuth.wire import counters
 
 _perf = time.perf_counter_ns
 _time_ns = time.time_ns
@@ -102,11 +103,7 @@ _current: contextvars.ContextVar[ActiveRequest | None] = contextvars.ContextVar(
 current_get = _current.get  # the request being recorded in this context, or None
 
 # Counters shared with the shipper; plain ints mutated under the GIL (approximate is fine).
-stats: dict[str, int] = {
-    "requests_recorded": 0,
-    "calls_dropped": 0,
-    "internal_errors": 0,
-}
+stats: dict[str, int] = dict.fromkeys(counters.RECORDER, 0)  # the names: wire.counters
 
 MAX_ATTRS = 64
 MAX_ATTR_CHARS = 1024
@@ -116,6 +113,11 @@ MAX_SITES = 20_000
 # system, statement, stack, key): shared by the requests, which keep references to the entries
 # they use (so clearing it loses nothing but reuse)
 _site_cache: dict[Any, tuple[Any, ...]] = {}
+# where a statement is made, without the statement (id(site code), f_lasti[, template key]) ->
+# the stack last captured there: a statement never made before (literals written into its
+# text) at a known place takes that stack when the frames are the same, and is not captured
+# again. Holds no statement text.
+_stack_cache: dict[Any, tuple[Any, ...]] = {}
 
 # Set by the shipper when the agent starts; None means "agent not started": record nothing.
 _sink: Callable[[ActiveRequest], None] | None = None
@@ -163,6 +165,7 @@ def configure(
             code_kinds=_code_kinds,
             classify=_classify,
             site_cache=_site_cache,
+            stack_cache=_stack_cache,
             max_depth=_MAX_DEPTH,
             max_sites=MAX_SITES,
             stacks_per_site=_stacks_per_site,
@@ -279,7 +282,8 @@ class ActiveRequest:
         frame it returns, and the wrapper's would be a new one at every call."""
         # The fast path, every opcode counted (it runs for every statement of an N+1 loop):
         # a statement this request already made from the same line of the same application
-        # frame, its parameters in a tuple (or none). Anything else takes _record_call.
+        # frame, its parameters in a tuple (or none). Anything else takes _record_call, in C
+        # when the accelerator is there.
         try:
             f = _getframe(up)
             slot = self.sites.get((target, id(f.f_code), f.f_lasti))
@@ -297,6 +301,13 @@ class ActiveRequest:
                 return self._dropped()
         except Exception:  # an unhashable target or parameters: the slow path copes
             pass
+        if _c_record_call is not None:
+            try:
+                i = _c_record_call(self, kind, system, target, params, up)
+            except Exception:
+                i = -1
+            if i != -1:
+                return i if i >= 0 else -1
         return self._record_call(kind, system, target, params, up + 1)
 
     def _record_call(self, kind: str, system: str, target: Any, params: Any, up: int) -> int:
@@ -358,7 +369,18 @@ class ActiveRequest:
                     or _stacks_per_site > 1
                     or not _same_stack(frame, entry[3])
                 ):
-                    entry = (kind, system, target if statement else None, _capture(frame), key)
+                    flat = None
+                    if statement and _stacks_per_site == 1:
+                        place = key[1:]
+                        flat = _stack_cache.get(place)
+                        if flat is None or not _same_stack(frame, flat):
+                            flat = _capture(frame)
+                            if len(_stack_cache) >= MAX_SITES:
+                                _stack_cache.clear()
+                            _stack_cache[place] = flat
+                    else:
+                        flat = _capture(frame)
+                    entry = (kind, system, target if statement else None, flat, key)
                     if len(_site_cache) >= MAX_SITES:
                         _site_cache.clear()
                     _site_cache[key] = entry
@@ -561,9 +583,13 @@ def end(req: ActiveRequest) -> None:
 # begin and end in C when the accelerator is there (agent/_speedups.c: the same, field by
 # field; these Python ones are the reference): they run for every request.
 python_begin, python_end = begin, end
+# record_call's site path in C (speedups.record_call: a str statement): the call site found
+# and the stack compared or captured without a Python frame per stack frame.
+_c_record_call: Callable[..., int] | None = None
 if speedups is not None:
     begin = speedups.begin
     end = speedups.end
+    _c_record_call = getattr(speedups, "record_call", None)
 
 
 def start_call(kind: str, system: str, target: Any, params: Any = None, up: int = 1) -> Call | None:

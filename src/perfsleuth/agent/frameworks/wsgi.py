@@ -32,6 +32,9 @@ from perfsleuth.agent.frameworks.common import content_length, endpoint, read_en
 
 _get_ident = threading.get_ident
 _current = recorder._current
+_set = _current.set
+_new = object.__new__
+_END: Any = object()  # what next(iterator, _END) returns at the end (no StopIteration to catch)
 
 # ------------------------------------------------------------------------------------- WSGI
 
@@ -68,7 +71,15 @@ def record_wsgi(
         req = None
     if req is None:
         return app(environ, start_response)
-    body = _Body(req, start_response, environ)
+    # _Body's fields set here: its __init__ would be one more Python call a request
+    body = _new(_Body)
+    body._req = req
+    body._environ = environ  # for a possible capture (agent.capture)
+    body._tap = None
+    body._start_response = start_response
+    body._tid = req.thread
+    body._sent = 0
+    body._headers = body._iterable = body._it = None
     try:
         read_environ(req, environ)
         if capture.on:
@@ -182,35 +193,42 @@ class _Body:
 
     def __next__(self) -> bytes:
         req = self._req
-        token = _current.set(req) if req is not None else None
-        try:
-            it = self._it
+        it = self._it
+        if req is None:  # ended (a failure, or iterated again after the end)
             if it is None:
                 it = self._it = iter(self._iterable)
-            chunk = next(it)
-        except StopIteration:
-            self._finish()
-            raise
+            return next(it)
+        token = _set(req)
+        try:
+            if it is None:
+                it = self._it = iter(self._iterable)
+            chunk = next(it, _END)
         except BaseException as exc:
+            _reset(token)
             self.fail(exc)
             raise
-        finally:
-            if token is not None:
-                _reset(token)
-        if req is not None:
-            try:
-                self._sent += len(chunk)
-            except Exception:
-                pass
+        try:  # _reset, inlined
+            _current.reset(token)
+        except ValueError:  # a generator switched contexts under us: just clear ours
+            _set(None)
+        if chunk is _END:
+            self._finish()
+            raise StopIteration
+        try:
+            self._sent += len(chunk)
+        except Exception:
+            pass
         return chunk
 
     def close(self) -> None:
         close = getattr(self._iterable, "close", None)
-        if close is None:
+        req = self._req
+        if close is None or req is None:  # nothing to run, or the request ended (exhausted)
+            if close is not None:
+                close()
             self._finish()
             return
-        req = self._req
-        token = _current.set(req) if req is not None else None
+        token = _set(req)
         try:
             close()
         except BaseException as exc:

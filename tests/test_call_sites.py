@@ -1,0 +1,142 @@
+"""Call sites on the request path (issue 22): a statement never seen before at a known place
+takes the stack last captured there, and a statement made through a library (an ORM, Django's
+execute hook) finds its application site without Python's site path.
+
+Real sqlite3 (its C cursor wrappers) and a "library" module compiled under site-packages (so
+the agent classifies its frames as library code, as it does an ORM's)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sysconfig
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from perfsleuth.agent import recorder, stacks
+
+LIBRARY_FILE = os.path.join(sysconfig.get_paths()["purelib"], "fake_orm_for_tests", "query.py")
+_LIBRARY_SRC = """
+def execute(start_call, sql, params):
+    return run(start_call, sql, params)
+
+def run(start_call, sql, params):
+    call = start_call("db", "postgresql", sql, params)
+    if call is not None:
+        call.finish()
+    return call
+"""
+_library: dict[str, Any] = {}
+exec(compile(_LIBRARY_SRC, LIBRARY_FILE, "exec"), _library)
+
+
+def distinct(k: int) -> str:
+    # literals written into the text: every statement is new
+    return f"SELECT {k} AS k, '{'x' * k}' AS pad FROM t WHERE id IN ({', '.join(['1'] * (k + 1))})"
+
+
+@pytest.fixture(params=["c", "python"])
+def site_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The C site path (when the accelerator is built) or Python's alone."""
+    if request.param == "c":
+        if recorder.speedups is None:
+            pytest.skip("the C accelerator is not built")
+    else:
+        monkeypatch.setattr(recorder, "_c_record_call", None, raising=False)
+    return str(request.param)
+
+
+def app_frames(flat: tuple[Any, ...]) -> list[str]:
+    """The names of a captured stack's application frames, innermost first."""
+    return [c.co_name for c in flat[::2] if stacks.is_app_file(c.co_filename)]
+
+
+def test_the_library_file_is_library_code() -> None:
+    assert stacks.is_app_file(__file__)
+    assert not stacks.is_app_file(LIBRARY_FILE)
+
+
+def test_distinct_statements_at_one_place_share_its_stack(
+    in_request: Callable[..., Any], site_path: str
+) -> None:
+    with in_request("GET /distinct") as req:
+        for k in range(6):
+            _library["execute"](recorder.start_call, distinct(k), ())
+    entries = req.site_list
+    assert [e[2] for e in entries] == [distinct(k) for k in range(6)]
+    # one stack object for all: captured at the first, taken as it was by the others
+    assert all(e[3] is entries[0][3] for e in entries)
+    # and it is this function's line, above the library's frames
+    names = [c.co_name for c in entries[0][3][::2]]
+    assert names[:3] == ["run", "execute", "test_distinct_statements_at_one_place_share_its_stack"]
+
+
+def test_a_new_statement_from_another_stack_gets_its_own(
+    in_request: Callable[..., Any], site_path: str
+) -> None:
+    def helper(k: int) -> None:
+        _library["execute"](recorder.start_call, distinct(k), ())
+
+    def caller_a(k: int) -> None:
+        helper(k)
+
+    def caller_b(k: int) -> None:
+        helper(k)
+
+    with in_request("GET /two-callers") as req:
+        for k in (1, 2):
+            caller_a(k)  # one line: one stack
+        caller_b(3)
+    a1, a2, b3 = req.site_list
+    assert a1[3] is a2[3]
+    assert b3[3] is not a1[3]
+    assert app_frames(b3[3])[:2] == ["helper", "caller_b"]
+    assert app_frames(a1[3])[:2] == ["helper", "caller_a"]
+
+
+def test_sqlite_distinct_statements_share_the_stack(in_request: Callable[..., Any]) -> None:
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY)")
+    db.execute("INSERT INTO t VALUES (1)")
+    with in_request("GET /sqlite-distinct") as req:
+        for k in range(5):
+            db.execute(distinct(k)).fetchall()
+    entries = req.site_list
+    assert [e[2] for e in entries] == [distinct(k) for k in range(5)]
+    assert all(e[3] is entries[0][3] for e in entries)
+
+
+def test_a_library_call_s_known_site_takes_no_python_site_path(
+    in_request: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Django's execute hook and SQLAlchemy call the driver from their own frames: the
+    site is the application's line above them, found in C (Python's path walked the frames in
+    Python for every statement: the fast path's key is the library's frame)."""
+    if recorder.speedups is None:
+        pytest.skip("the C accelerator is not built")
+    slow: list[str] = []
+    python_path = recorder.ActiveRequest._record_call
+
+    def counted(self: recorder.ActiveRequest, *args: Any) -> int:
+        slow.append(args[2])
+        return python_path(self, *args)
+
+    monkeypatch.setattr(recorder.ActiveRequest, "_record_call", counted)
+    with in_request("GET /orm") as req:
+        for k in range(10):
+            _library["execute"](recorder.start_call, "SELECT * FROM p WHERE id = %s", (k,))
+        _library["execute"](recorder.start_call, "SELECT * FROM p WHERE id = %(id)s", {"id": 1})
+    assert slow == []
+    assert req.calls is not None and len(req.calls) == 11 * recorder.ROW
+    assert len(req.site_list) == 2
+    slots = [recorder.get_field(req.calls, i + recorder.SLOT) for i in range(0, 11 * 40, 40)]
+    assert slots == [0] * 10 + [1]
+    hashes = {recorder.get_field(req.calls, i + recorder.PH) for i in range(0, 10 * 40, 40)}
+    assert len(hashes) == 10  # each call's parameters hashed
+    # the dict's parameters are left for the writer to hash, as Python's path leaves them
+    assert req.call_value(10 * recorder.ROW, "params") == {"id": 1}
+    assert app_frames(req.site_list[0][3])[0] == (
+        "test_a_library_call_s_known_site_takes_no_python_site_path"
+    )
