@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -159,7 +160,7 @@ def test_a_call_to_another_reporting_service_shows_where_its_time_went(server: S
 
     servers, providers, shop = otlp_linked_apps.build(server.url + "/v1/traces")
     try:
-        for _ in range(3):
+        for _ in range(6):
             assert _hit(shop + "/checkout") == 200
             assert _hit(shop + "/health") == 200
         for p in providers:
@@ -173,7 +174,7 @@ def test_a_call_to_another_reporting_service_shows_where_its_time_went(server: S
         rows = store.query("SELECT trace_id, service, endpoint FROM requests ORDER BY ts")
     checkout = [r["trace_id"] for r in rows if r["endpoint"] == "GET /checkout"]
     invoices = [r for r in rows if r["service"] == "billing"]
-    assert len(checkout) == 3 and len(invoices) == 3, rows
+    assert len(checkout) == 6 and len(invoices) == 6, rows
     for tid in checkout:
         t = server.get(f"/api/traces/{tid}")
         (http,) = [c for c in t["calls"] if c["kind"] == "http"]
@@ -203,6 +204,24 @@ def test_a_call_to_another_reporting_service_shows_where_its_time_went(server: S
         assert f"DB {float(down['db_ms']):.0f} ms in {otlp_linked_apps.LINES} calls" in shown
     health = [r["trace_id"] for r in rows if r["endpoint"] == "GET /health"]
     assert server.get(f"/api/traces/{health[0]}")["links"] is None
+    # checkout waits mostly on billing: explain's upstream_latency says where billing's went
+    with server.app.state.backend.use() as store:
+        found = find(store)
+    (slow,) = [f for f in found if f.kind == "upstream_latency"]
+    assert slow.endpoint == "GET /checkout", [f.title for f in found]
+    server.stop()
+    server.app.state.backend.close()
+    shown = subprocess.run(
+        [sys.executable, "-m", "perfsleuth", "explain", slow.id, "--data", server.data_dir],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, COLUMNS="300"),
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "Other services in the first example:" in shown.stdout, shown.stdout
+    assert "-> billing GET /invoices/<int:invoice_id>" in shown.stdout
+    assert f"in {otlp_linked_apps.LINES} calls" in shown.stdout
 
 
 # ------------------------------------------------- a Node.js service, the OTel Node SDK

@@ -278,6 +278,7 @@ def explain(
             out.print(
                 Text("  " + _cmd("perfsleuth", "trace", tid, *d), style="green"), soft_wrap=True
             )
+        _linked_services(data, f.example_trace_ids[0], out)
     # Where to dig next: the runtime-evidence kinds have their own commands.
     nxt = _NEXT.get(f.kind)
     if nxt is not None:
@@ -289,6 +290,23 @@ def explain(
         out.print(Text("Where the calls come from:", style="bold"))
         tree_cmd = _cmd("perfsleuth", "calltree", f.endpoint, "--kind", kind, *d)
         out.print(Text("  " + tree_cmd, style="green"), soft_wrap=True)
+
+
+def _linked_services(data: str, trace_id: str, out: Any) -> None:
+    """Where the calls of a trace to other reporting services went (OTLP links), if any."""
+    from perfsleuth.store.base import StoreError
+    from perfsleuth.store.otlp import link_lines
+
+    try:
+        with store_for_reading(data, ingest=False) as store:
+            t = store.trace(trace_id)
+    except StoreError:
+        return
+    lines = link_lines(t["links"], t.get("calls") or []) if t.get("links") else []
+    if lines:
+        out.print(Text("Other services in the first example:", style="bold"))
+        for line in lines:
+            out.print(Text("  " + line), soft_wrap=True)
 
 
 def _template_lines(tpl: dict[str, Any] | None) -> dict[str, str]:
