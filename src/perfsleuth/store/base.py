@@ -20,6 +20,7 @@ from perfsleuth.wire.segment import Damage
 
 if TYPE_CHECKING:
     from perfsleuth.store.records import Batch
+    from perfsleuth.store.tables import Tables
 
 __all__ = [
     "Damage",
@@ -87,8 +88,10 @@ class StoreWriter(Protocol):
         """Ingest everything new in the spool, exactly once (see :mod:`perfsleuth.store.ingest`)."""
         ...
 
-    def insert_batch(self, batch: Batch) -> IngestReport:
-        """Store records that came from outside the spool (OTLP) as ingest stores a batch."""
+    def insert_tables(self, batch: Batch, tables: Tables) -> None:
+        """Store tables built outside the spool (store.otlp's), with the segments of
+        ``batch``, in one transaction as ingest commits a batch: requests already held are
+        left out."""
         ...
 
     def apply_retention(self, days: int) -> list[str]:

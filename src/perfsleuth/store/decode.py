@@ -2,30 +2,27 @@
 
 The agent's REQUESTS records (:mod:`perfsleuth.wire.batch`) are read vectorised: integer
 columns straight from their bytes, calls from the agent rows with their sites looked up in a
-few numpy steps per batch. JSON request objects (store.otlp's) are read in bulk by Arrow's JSON
-reader. Payloads Arrow cannot read with the expected types (an odd agent, a hand-written
-record) go through a slow path that coerces each value or drops it to NULL: one odd record
-never fails a batch.
+few numpy steps per batch. A record Arrow cannot read with the expected types (an odd agent, a
+hand-written record), and the requests read past damage (decoded by wire.segment), go through
+a slow path that coerces each value (calls as JSON-shaped dicts) or drops it to NULL: one odd
+record never fails a batch.
 
 Duplicates: a batch keeps the first request of each trace id (:func:`once_per_trace`).
 """
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.json as pajson
 
 from perfsleuth.store.records import Batch
-from perfsleuth.store.values import ID_MASK, as_bool, as_id, as_int, as_str, loads
+from perfsleuth.store.values import ID_MASK, as_bool, as_id, as_int, as_str
 from perfsleuth.wire import batch as wbatch
 from perfsleuth.wire import calls as wcalls
 
-# The request record as the agent writes it (perfsleuth.agent.shipper._Encoder.request).
 # The request as the store reads it: one row per request, its calls as a list of structs.
 CALL_WIRE = pa.struct(
     [
@@ -80,12 +77,6 @@ REQUEST_WIRE = pa.schema(
 _ID_FIELDS = frozenset({"fp", "stack", "site", "ph"})
 
 
-_JSON_OPTS = pajson.ParseOptions(explicit_schema=REQUEST_WIRE, unexpected_field_behavior="ignore")
-
-
-_FAST_CHUNK = 2_000  # records per retry when a whole batch cannot be read by Arrow
-
-
 _CALL_DTYPE = np.dtype([(name, "<" + code) for name, code in wcalls.FIELDS])
 assert _CALL_DTYPE.itemsize == wcalls.CALL.size
 
@@ -129,46 +120,7 @@ def parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int, 
     ext_rows: list[tuple[int, Any]] = []  # (row, object) of rows with per-call extras
     attr_objs: list[tuple[int, Any]] = []
     slow: list[tuple[int, Any, int, int]] = []  # (segment index, object, start, end)
-    raw = batch.raw_requests
-    meta = batch.raw_meta
     rows = 0
-
-    def fast(lo: int, hi: int) -> bool:
-        nonlocal rows
-        try:
-            t = pajson.read_json(
-                io.BytesIO(b"\n".join(raw[lo:hi])),
-                read_options=pajson.ReadOptions(
-                    use_threads=True, block_size=max(1 << 24, max(map(len, raw[lo:hi])) + 2)
-                ),
-                parse_options=_JSON_OPTS,
-            )
-        except (pa.ArrowException, OverflowError):
-            return False
-        if t.num_rows != hi - lo:  # a payload that was not one JSON object per line
-            return False
-        parts.append(t.cast(REQUEST_WIRE))
-        for i in range(lo, hi):
-            p = raw[i]
-            if b'"attrs"' in p or b'"tags"' in p:
-                attr_objs.append((rows + i - lo, p))
-            src.append(meta[i][0])
-            blobs.append(None)
-            where.append(meta[i])
-        rows += hi - lo
-        return True
-
-    if raw and not fast(0, len(raw)):
-        for lo in range(0, len(raw), _FAST_CHUNK):
-            hi = min(lo + _FAST_CHUNK, len(raw))
-            if fast(lo, hi):
-                continue
-            for i in range(lo, hi):
-                seg, start, end = meta[i]
-                try:
-                    slow.append((seg, loads(raw[i]), start, end))
-                except (ValueError, RecursionError):
-                    batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
     for seg, columns, start, end in batch.columns:
         obj, n = columns.obj, columns.n
         try:
@@ -226,16 +178,7 @@ def parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int, 
                 batch.add_damage(batch.segments[seg], start, end - start, "call rows without sites")
             blobs[bad] = memoryview(b"")
         wire = _with_agent_calls(wire, blobs, ext_rows)
-    # Raw payloads of requests with attributes are decoded only now, for those only.
-    decoded = []
-    for row, p in attr_objs:
-        if isinstance(p, bytes):
-            try:
-                p = loads(p)
-            except ValueError:
-                continue
-        decoded.append((row, p))
-    return wire, np.asarray(src, dtype=np.int64), decoded
+    return wire, np.asarray(src, dtype=np.int64), attr_objs
 
 
 def once_per_trace(
@@ -401,11 +344,6 @@ def _binary_struct(
     if not arr.flags.writeable:
         arr = arr.copy()
     for row, obj in ext_rows:  # rare: errors, HTTP hosts and statuses, cache hits, ...
-        if isinstance(obj, bytes):
-            try:
-                obj = loads(obj)
-            except ValueError:
-                continue
         cx = obj.get("cx") if isinstance(obj, dict) else None
         if not isinstance(cx, dict) or row >= len(row_starts):
             continue

@@ -12,7 +12,7 @@ import pyarrow as pa
 from perfsleuth.store import schema, spool
 from perfsleuth.store.base import IngestReport, Progress, StoreError, disk_full
 from perfsleuth.store.duckdb_file import DuckDBFile, utcnow
-from perfsleuth.store.ingest import Limits, Offset, commit_batch, ingest_spool
+from perfsleuth.store.ingest import Limits, Offset, ingest_spool
 from perfsleuth.store.records import Batch
 from perfsleuth.store.schema import quote
 from perfsleuth.store.tables import Tables, drop_known_traces, trace_ids
@@ -33,15 +33,6 @@ class DuckDBWriter(DuckDBFile):
         self._known_days = set(self._days())
         limits = Limits(self.batch_requests, self.batch_bytes, self.open_idle_seconds)
         return ingest_spool(self, self.spool_dir, limits, progress)
-
-    def insert_batch(self, batch: Batch) -> IngestReport:
-        """Store records that came from outside the spool (OTLP, store.otlp) in one
-        transaction, as ingest stores a spool batch: requests already held are left out."""
-        self._writable("ingest")
-        self._known_days = set(self._days())
-        report = IngestReport()
-        commit_batch(self, self.spool_dir, batch, report)
-        return report
 
     def insert_tables(self, batch: Batch, tables: Tables) -> None:
         """Store tables built outside the spool ingest (OTLP's columnar mapping, store.otlp)

@@ -80,10 +80,8 @@ class Batch:
         self.seen: set[bytes] = set() if seen is None else seen
         self.segments: list[SegmentState] = []
         self._seg_index: dict[int, int] = {}
-        self.raw_requests: list[bytes] = []  # JSON objects, one per request (add_json_request)
         # REQUESTS records (wire.batch): (segment index, its parts, start, end)
         self.columns: list[tuple[int, wbatch.Batch, int, int]] = []
-        self.raw_meta: list[tuple[int, int, int]] = []  # (segment index, start, end)
         self.dict_requests: list[Any] = []
         self.dict_src: list[int] = []
         self.locations: dict[int, tuple[Any, ...]] = {}
@@ -108,15 +106,6 @@ class Batch:
         seg.damaged = True
         self.touch(seg)
         self.damage.append(Damage(offset, length, reason, seg.name))
-
-    def add_json_request(self, seg: SegmentState, payload: bytes) -> None:
-        """One request as a JSON object shaped like :data:`perfsleuth.store.decode.REQUEST_WIRE`
-        (store.otlp maps spans to these; no spool record has this shape): read in bulk with the
-        others by Arrow's JSON reader."""
-        self.raw_requests.append(payload)
-        self.raw_meta.append((self.touch(seg), 0, 0))
-        self.requests += 1
-        self.request_bytes += len(payload)
 
     def add_raw(
         self, seg: SegmentState, rtype: bytes, payload: bytes, start: int, end: int

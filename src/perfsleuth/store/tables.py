@@ -63,7 +63,7 @@ def build_tables(batch: Batch, now_ns: int) -> Tables:
     except Exception as e:
         out.days.clear()
         out.requests = out.calls = 0
-        sent = {m[0] for m in batch.raw_meta} | {c[0] for c in batch.columns}
+        sent = {c[0] for c in batch.columns}
         _unconverted(batch, sent | set(batch.dict_src), "requests", e)
     events = {t: evs for t, evs in batch.events.items() if t != CAPTURE}
     if events:
