@@ -473,6 +473,7 @@ def test_agent_drops_sums_status_files_and_stats_records(data_dir: str, store: D
                     "requests_written": rec - dropped,
                     "dropped_queue_full": dropped,
                     "dropped_spool_full": 0,
+                    "dropped_events": 4,  # evidence records: not requests, not in the total
                     "write_errors": 1 if err else 0,
                     "last_error": err,
                     "updated_ns": ns,

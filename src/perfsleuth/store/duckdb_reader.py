@@ -444,7 +444,10 @@ class DuckDBReader(DuckDBFile):
             for k, v in counters.items():
                 if k not in skip and not k.startswith(_SCHED_COUNTERS):
                     out[k] = out.get(k, 0) + v
-        out["dropped_total"] = sum(v for k, v in out.items() if k.startswith("dropped_"))
+        # requests (dropped_events counts evidence records, not requests)
+        out["dropped_total"] = sum(
+            v for k, v in out.items() if k.startswith("dropped_") and k != "dropped_events"
+        )
         out["last_error"] = last_error
         return out
 
