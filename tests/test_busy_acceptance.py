@@ -316,7 +316,8 @@ def test_the_demo_on_the_busy_machine(busy_demo: tuple[Path, list[dict[str, Any]
     with DuckDBStore(str(data), read_only=True) as store:
         for ep in cpu_endpoints:
             p = profile.load(store, ep)
-            assert p.samples >= 10, (ep, p.states)
+            # The demo's traffic is timed (8 s): a starved machine sends fewer slow requests.
+            assert p.samples >= 5, (ep, p.states)
             assert p.verdict().kind == "cpu", (ep, p.states)
     # The blocker: the handler line of the async endpoint that parses the feed on the loop.
     shop = perfsleuth.demo.shop.__file__
