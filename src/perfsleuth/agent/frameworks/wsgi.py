@@ -299,15 +299,21 @@ def connect_flask() -> None:
         with _flask_lock:
             if _flask_connected:
                 return
+            from flask import globals as flask_globals
             from flask import signals
-            from flask.globals import request
+
+            # Flask >= 2.3 keeps the request context in a ContextVar: read straight from it
+            # (the ``request`` proxy costs a few Python calls per request); else the proxy.
+            request_var = getattr(flask_globals, "_cv_request", None)
+            proxy = flask_globals.request
 
             def on_request_started(sender: Any, **extra: Any) -> None:
                 req = _current.get()
                 if req is None or req.endpoint:
                     return
                 try:
-                    rule = request.url_rule
+                    ctx = request_var.get(None) if request_var is not None else None
+                    rule = ctx.request.url_rule if ctx is not None else proxy.url_rule
                     if rule is not None:
                         req.endpoint = endpoint(req.method, rule.rule)
                 except Exception:
