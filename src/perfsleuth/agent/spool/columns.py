@@ -80,8 +80,9 @@ def requests_record(
     names = (*wbatch.STRING_COLUMNS, "sites")
     for name, col in zip(names, (*columns[: len(wbatch.STRING_COLUMNS)], columns[-1]), strict=True):
         # The requests of a batch mostly share their kind, method, endpoint, tenant, error and
-        # sites: one value then, not one per request (JSON encoding was a third of the writer's
-        # work). ``count`` compares by identity first: shared strings cost next to nothing.
+        # sites: one value then, not one per request (JSON encoding is a large part of the
+        # writer's work). ``count`` compares by identity first: shared strings cost next to
+        # nothing.
         first = col[0]
         body[name] = {"all": first} if col.count(first) == len(col) else col
     for name, values in sparse.items():
