@@ -49,6 +49,7 @@ _current_get = recorder.current_get
 _perf = time.perf_counter_ns
 _set_field = recorder.set_field
 _internal_error = recorder.internal_error
+_c_record_call = recorder._c_record_call
 END, ROWS = recorder.END, recorder.ROWS
 _MAX_ROWCOUNT = 1 << 62
 # Django's ``connection.vendor`` -> the wire's system name (others are passed as they are)
@@ -69,6 +70,12 @@ def execute_wrapper(execute: Any, sql: Any, params: Any, many: bool, context: An
         if many:
             passed, hashed, n = dbcall.many_args(params)
             i = req.record_call("db", system, text, hashed, 2)
+        elif _c_record_call is not None:
+            # Straight to the C site path: the caller is Django's cursor wrapper, never the
+            # application line record_call's fast path keys by (up=1: this function's caller)
+            i = _c_record_call(req, "db", system, text, params, 1)
+            if i < 0:
+                i = req.record_call("db", system, text, params, 2) if i == -1 else -1
         else:
             i = req.record_call("db", system, text, params, 2)
     except Exception:
