@@ -28,12 +28,12 @@ lint: setup
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/python scripts/check_imports.py --deferred
+	$(BIN)/python scripts/openapi_ts.py --check
 
 format: setup
 	$(BIN)/ruff format src tests benchmarks
 	$(BIN)/ruff check --fix src tests benchmarks
 
-	$(BIN)/python scripts/openapi_ts.py --check
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
 
