@@ -20,6 +20,10 @@
 - PERFSLEUTH_FSYNC (rotate): rotate fsyncs when a segment closes; always after every write
   batch; never leaves it to the OS
 - PERFSLEUTH_SPOOL_MAX_BYTES (1000000000): spool size cap; past it new requests are dropped
+  (forwarding to a collector: past 90 % of it the oldest segments are dropped and counted)
+- PERFSLEUTH_COLLECTOR (""): a ``perfsleuth server`` URL (http://host:port) to forward the
+  spool to (agent.spool.forward); PERFSLEUTH_TOKEN: its ingest token
+- PERFSLEUTH_HOST (the machine's name): the host stored with every request
 - PERFSLEUTH_STACKS_PER_SITE (1): full stacks captured per (statement, call site) and
   request; later repeats reuse the last one captured (an N+1 loop has one stack)
 - PERFSLEUTH_EVIDENCE (1): 0 turns off the runtime-evidence thread (stack samples of slow
@@ -76,6 +80,9 @@ class Config:
     flush_seconds: float = 0.2
     fsync: str = "rotate"
     spool_max_bytes: int = 1_000_000_000
+    collector: str = ""
+    token: str = ""
+    host: str = ""
     stacks_per_site: int = 1
     evidence: bool = True
     sample_after_ms: float = 300.0

@@ -69,6 +69,10 @@ def start(cfg: Config) -> None:
 
     capture.configure(cfg, emit)
     writer.start(cfg)
+    if cfg.collector:  # store and forward to a perfsleuth server
+        from perfsleuth.agent.spool import forward
+
+        forward.start(cfg)
     _install_sigterm()
     mp_util = sys.modules.get("multiprocessing.util")
     if mp_util is not None:  # else when it is imported (instrument.registry)

@@ -14,6 +14,7 @@ from perfsleuth.cli import compare as _compare  # noqa: F401  (compare)
 from perfsleuth.cli import evidence as _evidence  # noqa: F401  (profile, blockers)
 from perfsleuth.cli import load as _load  # noqa: F401  (load)
 from perfsleuth.cli import replay as _replay  # noqa: F401  (replay, heap)
+from perfsleuth.cli import server as _server  # noqa: F401  (server)
 from perfsleuth.cli import startup as _startup  # noqa: F401  (startup)
 from perfsleuth.cli import ui as _ui  # noqa: F401  (ui)
 from perfsleuth.cli.app import app

@@ -59,6 +59,7 @@ def create_app(
     sql_max_bytes: int = SQL_MAX_BYTES,
     allowed_hosts: tuple[str, ...] | list[str] = (),
     backend: Backend | None = None,
+    tokens: dict[str, tuple[str, str]] | None = None,
 ) -> FastAPI:
     """The ASGI app. ``token``: when set, every /api/ call must carry it (``Authorization:
     Bearer TOKEN`` or ``?token=TOKEN``); a blank token is refused (ValueError). Requests must
@@ -66,8 +67,9 @@ def create_app(
     Host header ("*" allows any). Ingest starts with the app and stops with it."""
     from perfsleuth.server.otlp import router as otlp_router
     from perfsleuth.server.routes import ROUTERS
+    from perfsleuth.server.routes.ingest import router as ingest_router
 
-    access = Access(token, allowed_hosts)
+    access = Access(token, allowed_hosts, tokens)
     be = backend or Backend(data_dir, ingest_every)
 
     @asynccontextmanager
@@ -98,6 +100,7 @@ def create_app(
     for router in ROUTERS:
         app.include_router(router, responses=ERROR_REPLIES)
     app.include_router(otlp_router)
+    app.include_router(ingest_router, responses=ERROR_REPLIES)
 
     @app.api_route("/api/{rest:path}", methods=["GET", "POST"], include_in_schema=False)
     def unknown(rest: str) -> Response:

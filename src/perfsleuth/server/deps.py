@@ -116,10 +116,18 @@ def check_token(token: str | None) -> None:
 class Access:
     """The Host allow-list and the token of one app: :meth:`refusal` of a request."""
 
-    def __init__(self, token: str | None, allowed_hosts: tuple[str, ...] | list[str]) -> None:
+    def __init__(
+        self,
+        token: str | None,
+        allowed_hosts: tuple[str, ...] | list[str],
+        tokens: dict[str, tuple[str, str]] | None = None,
+    ) -> None:
+        """``tokens``: token -> (name, kind), kind ``ingest`` (may only send data: POST
+        /api/ingest/..., /v1/traces) or ``read`` (may only read); ``token`` may do both."""
         if token is not None and not token.strip():
             raise ValueError("the token is blank: give a token, or none for no token check")
         self.token = token
+        self.tokens = dict(tokens or {})
         hosts = {host_name(h) for h in allowed_hosts if h.strip()}
         self.any_host = "*" in hosts
         hosts.update(LOOPBACK)
@@ -140,7 +148,8 @@ class Access:
                     "the server with --allow-host NAME",
                 )
         # The token guards the API and the OTLP receiver (/v1/: it writes to the store).
-        if self.token and request.url.path.startswith(("/api", "/v1/")):
+        path = request.url.path
+        if (self.token or self.tokens) and path.startswith(("/api", "/v1/")):
             auth = request.headers.get("authorization", "")
             given = auth[7:].strip() if auth.lower().startswith("bearer ") else None
             if given is None:
@@ -151,9 +160,28 @@ class Access:
                     "this server needs a token: send 'Authorization: Bearer TOKEN' "
                     "or add ?token=TOKEN to the URL",
                 )
-            if not hmac.compare_digest(given.encode(), self.token.encode()):
+            name_kind = self.token_of(given)
+            if name_kind is None:
                 return error(403, "wrong token")
+            name, kind = name_kind
+            writes = path.startswith(("/api/ingest/", "/v1/"))
+            if kind == "ingest" and not writes:
+                return error(403, f"the token {name!r} may only send data (kind ingest)")
+            if kind == "read" and writes:
+                return error(403, f"the token {name!r} may only read (kind read)")
+            request.state.token_name = name
         return None
+
+    def token_of(self, given: str) -> tuple[str, str] | None:
+        """(name, kind) of a token this server knows, else None (every one compared)."""
+        found = None
+        g = given.encode()
+        if self.token and hmac.compare_digest(g, self.token.encode()):
+            found = ("default", "all")
+        for tok, name_kind in self.tokens.items():
+            if hmac.compare_digest(g, tok.encode()):
+                found = name_kind
+        return found
 
 
 # ------------------------------------------------------------------------------ the store

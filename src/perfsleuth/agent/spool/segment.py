@@ -42,7 +42,7 @@ class Segment(Interned):
         self.events = 0
         header = {
             "v": FORMAT_VERSION,
-            "host": socket.gethostname(),
+            "host": cfg.host or socket.gethostname(),
             "pid": os.getpid(),
             "service": cfg.service,
             "version": cfg.version,

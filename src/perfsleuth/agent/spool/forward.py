@@ -1,0 +1,401 @@
+"""Store and forward: ship the local spool to a collector (``perfsleuth server``).
+
+With ``PERFSLEUTH_COLLECTOR=http://host:port`` (and ``PERFSLEUTH_TOKEN``, an ingest token), the
+agent keeps writing its spool as always (the buffer) and one background thread per spool
+directory (a lock file elects it among a prefork server's processes) sends each segment's new
+bytes, gzip-compressed, to ``POST /api/ingest/segment`` with the offset they start at. The
+collector's reply is the offset it holds, remembered per segment in ``SPOOL/forward.json`` so a
+restart resumes where the collector is; a 409 names the offset to resend from. A segment that
+is closed (``.seg``, or ``.open`` of a dead writer) and fully acknowledged is deleted.
+
+Failures back off exponentially (1 s to 60 s). A refused token (401/403) is said once in the
+status file's ``last_error`` and the spool keeps buffering. While the collector is away the
+spool is kept under ``PERFSLEUTH_SPOOL_MAX_BYTES``: past 90 % of it the oldest segments are
+deleted; their unsent requests are counted (``dropped_spool_cap``), as are the segments
+(``forward_dropped_segments``), in the status file and, as a STATS record, in the store.
+
+Nothing here runs on the request path, nothing raises into the app (stdlib only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import struct
+import threading
+import time
+import zlib
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from perfsleuth.agent import recorder
+from perfsleuth.agent.config import Config
+from perfsleuth.agent.recorder import stats
+from perfsleuth.agent.spool import status
+from perfsleuth.wire import CLOSED_SUFFIX, OPEN_SUFFIX, REQUESTS, STATS
+
+CHUNK_BYTES = 4 << 20  # raw bytes per request (the collector takes up to 16 MB)
+ROUND_SECONDS = 1.0
+BACKOFF_MAX = 60.0
+DEAD_IDLE_SECONDS = 10.0  # an .open segment of a dead writer, this idle, is complete
+CAP_SHARE = 0.9  # trim the spool to this share of its cap
+
+COUNTERS = (
+    "forward_bytes_sent",
+    "forward_segments_sent",
+    "forward_errors",
+    "forward_auth_errors",
+    "forward_dropped_segments",
+    "dropped_spool_cap",
+)
+for _name in COUNTERS:
+    stats.setdefault(_name, 0)
+
+_HEAD = struct.Struct("<2scII")  # wire.segment's record head: magic, type, length, crc
+_FILE_MAGIC_LEN = 8
+
+_thread: threading.Thread | None = None
+_cfg: Config | None = None
+_stop = threading.Event()
+
+
+class Refused(Exception):
+    """The collector refused the token (401/403)."""
+
+
+class Forwarder:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        url = urlsplit(cfg.collector.strip())
+        self.https = url.scheme == "https"
+        self.netloc = url.hostname or "127.0.0.1"
+        self.port = url.port or (443 if self.https else 80)
+        self.prefix = url.path.rstrip("/")
+        self.agent = re.sub(r"[^A-Za-z0-9_.]", "_", cfg.host or status.HOST)[:64] or "agent"
+        self.spool = cfg.spool_dir
+        self.state_path = os.path.join(self.spool, "forward.json")
+        self.acked: dict[str, int] = {}
+        self.conn: Any = None
+        self.lock_fd: int | None = None
+        self.backoff = 0.0
+        self.said_refused = ""
+
+    # ---------------------------------------------------------------- state
+
+    def load(self) -> None:
+        try:
+            with open(self.state_path, encoding="utf-8") as fh:
+                got = json.load(fh)
+            self.acked = {str(k): int(v) for k, v in got.items() if isinstance(v, int)}
+        except (OSError, ValueError, AttributeError):
+            self.acked = {}
+
+    def save(self) -> None:
+        tmp = self.state_path + f".{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(self.acked, fh)
+            os.replace(tmp, self.state_path)
+        except OSError:
+            status.unlink(tmp)
+
+    def elected(self) -> bool:
+        """Whether this process forwards this spool (one per spool, by an flock)."""
+        if self.lock_fd is not None:
+            return True
+        try:
+            import fcntl
+
+            os.makedirs(self.spool, exist_ok=True)
+            fd = os.open(os.path.join(self.spool, "forward.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                return False
+            self.lock_fd = fd
+            self.load()
+            return True
+        except Exception:
+            return False
+
+    # ---------------------------------------------------------------- the spool
+
+    def segments(self) -> list[tuple[str, str, bool, int]]:
+        """(base, path, complete, size) of the spool's segments, oldest name first."""
+        out: dict[str, tuple[str, str, bool, int]] = {}
+        try:
+            entries = list(os.scandir(self.spool))
+        except OSError:
+            return []
+        now = time.time()
+        for e in entries:
+            name = e.name
+            if name.endswith(CLOSED_SUFFIX):
+                base, closed = name[: -len(CLOSED_SUFFIX)], True
+            elif name.endswith(OPEN_SUFFIX):
+                base, closed = name[: -len(OPEN_SUFFIX)], False
+            else:
+                continue
+            try:
+                st = e.stat()
+            except OSError:
+                continue
+            if not closed:
+                closed = _writer_dead(base) and now - st.st_mtime >= DEAD_IDLE_SECONDS
+            if base not in out or name.endswith(CLOSED_SUFFIX):
+                out[base] = (base, e.path, closed, st.st_size)
+        return [out[k] for k in sorted(out)]
+
+    def trim(self, segs: list[tuple[str, str, bool, int]]) -> list[tuple[str, str, bool, int]]:
+        """Delete the oldest complete segments while the spool is over its share of the cap."""
+        cap = int(self.cfg.spool_max_bytes * CAP_SHARE)
+        total = sum(s[3] for s in segs)
+        if total <= cap:
+            return segs
+        kept = []
+        dropped = 0
+        for seg in segs:
+            base, path, complete, size = seg
+            if total > cap and complete:
+                lost = _requests_from(path, self.acked.get(base, 0))
+                status.unlink(path)
+                total -= size
+                self.acked.pop(base, None)
+                stats["forward_dropped_segments"] += 1
+                stats["dropped_spool_cap"] += lost
+                dropped += 1
+                continue
+            kept.append(seg)
+        if dropped:
+            self.save()
+            _emit_counters()
+        return kept
+
+    # ---------------------------------------------------------------- shipping
+
+    def connection(self) -> Any:
+        if self.conn is None:
+            import http.client
+
+            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            self.conn = cls(self.netloc, self.port, timeout=30)
+        return self.conn
+
+    def drop_connection(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def post(self, base: str, offset: int, data: bytes, final: bool) -> tuple[int, dict[str, Any]]:
+        comp = zlib.compressobj(1, zlib.DEFLATED, 31)
+        body = comp.compress(data) + comp.flush()
+        path = (
+            f"{self.prefix}/api/ingest/segment?agent={quote(self.agent)}&segment={quote(base)}"
+            f"&offset={offset}&final={int(final)}"
+        )
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "Content-Encoding": "gzip",
+            "Authorization": f"Bearer {self.cfg.token}",
+        }
+        conn = self.connection()
+        try:
+            conn.request("POST", path, body=body, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read(65536)
+        except Exception:
+            self.drop_connection()
+            raise
+        try:
+            reply = json.loads(raw) if raw else {}
+        except ValueError:
+            reply = {}
+        if not isinstance(reply, dict):
+            reply = {}
+        return resp.status, reply
+
+    def ship(self, base: str, path: str, complete: bool, size: int) -> None:
+        """Send a segment's bytes past the acknowledged offset; delete it once complete."""
+        offset = self.acked.get(base, 0)
+        if offset >= size and not complete:
+            return
+        for _ in range(1000):  # a 409 may move the offset; bounded all the same
+            end = min(size, offset + CHUNK_BYTES)
+            data = _read(path, base, self.spool, offset, end - offset)
+            if data is None:
+                self.acked.pop(base, None)
+                return
+            final = complete and offset + len(data) >= size
+            code, reply = self.post(base, offset, data, final)
+            held = reply.get("held")
+            if code in (401, 403):
+                raise Refused(f"{code}: {reply.get('error') or 'refused'}")
+            if code == 409 and isinstance(held, int) and 0 <= held <= size:
+                offset = held
+                self.acked[base] = held
+                self.save()
+                continue
+            if code != 200 or not isinstance(held, int):
+                raise OSError(f"the collector answered {code}: {reply.get('error', '')}"[:300])
+            stats["forward_bytes_sent"] += max(0, held - offset)
+            offset = held
+            self.acked[base] = held
+            if reply.get("complete") and complete:
+                stats["forward_segments_sent"] += 1
+                status.unlink(path)
+                self.acked.pop(base, None)
+                self.save()
+                return
+            self.save()
+            if offset >= size:
+                return
+
+    def round(self) -> None:
+        if not self.elected():
+            return
+        segs = self.trim(self.segments())
+        present = {s[0] for s in segs}
+        if any(b not in present for b in self.acked):
+            self.acked = {b: v for b, v in self.acked.items() if b in present}
+            self.save()
+        for seg in segs:
+            if _stop.is_set():
+                return
+            self.ship(*seg)
+        if self.said_refused:
+            self.said_refused = ""
+            if status.last_error.startswith("collector"):
+                status.error("")
+
+    def run(self) -> None:
+        while not _stop.is_set():
+            try:
+                self.round()
+                self.backoff = 0.0
+                wait = ROUND_SECONDS
+            except Refused as e:
+                stats["forward_auth_errors"] += 1
+                msg = f"collector {self.cfg.collector} refused the token ({e}); buffering"
+                if self.said_refused != msg:  # said once, not every retry
+                    self.said_refused = msg
+                    status.error(msg)
+                wait = self._next_backoff()
+            except Exception:
+                stats["forward_errors"] += 1
+                self.drop_connection()
+                wait = self._next_backoff()
+            if _stop.wait(wait):
+                return
+
+    def _next_backoff(self) -> float:
+        self.backoff = min(BACKOFF_MAX, max(1.0, self.backoff * 2))
+        return self.backoff
+
+
+def _writer_dead(base: str) -> bool:
+    """Whether the writer named by ``<host>-<pid>-<ns>-<seq>`` (this host) is gone."""
+    parts = base.rsplit("-", 3)
+    if len(parts) != 4 or parts[0] != status.HOST or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _read(path: str, base: str, spool: str, offset: int, n: int) -> bytes | None:
+    """``n`` bytes at ``offset`` of a segment (following its .open -> .seg rename)."""
+    for p in (path, os.path.join(spool, base + CLOSED_SUFFIX)):
+        try:
+            with open(p, "rb") as fh:
+                fh.seek(offset)
+                return fh.read(n)
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def _requests_from(path: str, offset: int) -> int:
+    """Requests in the REQUESTS records starting at or after ``offset`` (best effort)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return 0
+    pos, n, count = _FILE_MAGIC_LEN, len(data), 0
+    while n - pos >= _HEAD.size:
+        _magic, rtype, length, _crc = _HEAD.unpack_from(data, pos)
+        start = pos + _HEAD.size
+        if start + length > n:
+            break
+        if rtype == REQUESTS and pos >= offset:
+            nul = data.find(b"\0", start, start + length)
+            try:
+                head = json.loads(data[start : nul if nul >= 0 else start + length])
+                count += int(head.get("n", 0))
+            except (ValueError, AttributeError, TypeError):
+                pass
+        pos = start + length
+    return count
+
+
+def _emit_counters() -> None:
+    """The drop counters as a STATS record, so that the collector's store (top) has them."""
+    try:
+        from perfsleuth.agent.spool.queue import emit
+
+        body = {k: stats[k] for k in ("forward_dropped_segments", "dropped_spool_cap")}
+        ts, pid = time.time_ns(), os.getpid()
+        emit(STATS, lambda _intern: {"ts": ts, "pid": pid, "counters": dict(body)})
+    except Exception:
+        recorder.internal_error()
+
+
+def _run(fw: Forwarder) -> None:
+    try:
+        fw.run()
+    except BaseException as e:  # dies quietly; the spool keeps buffering
+        status.error(f"forwarder died: {type(e).__name__}: {e}")
+        recorder.internal_error()
+
+
+def start(cfg: Config) -> None:
+    """Start this process's forwarding thread when ``cfg.collector`` is set."""
+    global _thread, _cfg
+    try:
+        _cfg = cfg
+        if not cfg.collector or (_thread is not None and _thread.is_alive()):
+            return
+        _stop.clear()
+        fw = Forwarder(cfg)
+        t = threading.Thread(target=_run, args=(fw,), name="perfsleuth-forward", daemon=True)
+        t.start()
+        _thread = t
+    except Exception:
+        recorder.internal_error()
+
+
+def stop() -> None:
+    _stop.set()
+
+
+def _after_fork_in_child() -> None:
+    # The parent's thread is not the child's; the child competes for the lock anew (the
+    # inherited descriptor still belongs to the parent's lock and is left alone).
+    global _thread
+    _thread = None
+    if _cfg is not None:
+        start(_cfg)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,155 @@
+"""``perfsleuth server``: the collector a fleet ships to, with the API and the web UI, in one
+process on one port. Remote agents (``PERFSLEUTH_COLLECTOR``) send their spool segments to
+``POST /api/ingest/segment``, OpenTelemetry exporters to ``/v1/traces``; the server ingests
+them into its data directory's store as ``perfsleuth ui`` does a local spool.
+
+Tokens: ``--tokens FILE`` (or ``PERFSLEUTH_TOKENS_FILE``), one ``name kind token`` a line
+(``#`` comments), kind ``ingest`` (may only send data) or ``read`` (may only read: the API and
+the UI); ``--token`` is one token that may do both. A bind other than loopback needs tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+
+from perfsleuth.cli.app import app
+from perfsleuth.cli.common import DEFAULT_DATA, EXIT_STATE, CLIError, DataOpt, handle_errors
+from perfsleuth.cli.ui import DEFAULT_PORT, port_free
+
+KINDS = ("ingest", "read")
+
+
+def read_tokens(path: str) -> dict[str, tuple[str, str]]:
+    """token -> (name, kind) from a tokens file; CLIError naming the line when malformed."""
+    from perfsleuth.server.deps import check_token
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError as e:
+        raise CLIError(f"--tokens: cannot read {path}: {e.strerror or e}") from e
+    out: dict[str, tuple[str, str]] = {}
+    names: set[str] = set()
+    for i, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        parts = text.split()
+        where = f"--tokens {path}, line {i}"
+        if len(parts) != 3:
+            raise CLIError(f"{where}: expected 'name kind token', got {len(parts)} words")
+        name, kind, token = parts
+        if kind not in KINDS:
+            raise CLIError(f"{where}: kind {kind!r}: use one of {', '.join(KINDS)}")
+        try:
+            check_token(token)
+        except ValueError as e:
+            raise CLIError(f"{where}: {e}") from e
+        if token in out:
+            raise CLIError(f"{where}: the token of {name!r} is also {out[token][0]!r}'s")
+        if name in names:
+            raise CLIError(f"{where}: the name {name!r} is used twice")
+        names.add(name)
+        out[token] = (name, kind)
+    if not out:
+        raise CLIError(f"--tokens {path}: no tokens in the file")
+    return out
+
+
+def start_server(
+    data: str,
+    host: str,
+    port: int,
+    token: str | None,
+    tokens: dict[str, tuple[str, str]],
+    allowed_hosts: list[str],
+) -> None:
+    import uvicorn
+
+    from perfsleuth.server import LOOPBACK, check_token, url_for
+    from perfsleuth.server.app import create_app
+
+    try:
+        check_token(token)
+    except ValueError as e:
+        raise CLIError(f"--token / PERFSLEUTH_TOKEN: {e}") from e
+    if host not in LOOPBACK and not token and not tokens:
+        raise CLIError(
+            f"binding to {host} makes the collector reachable from other machines: give "
+            "tokens with --tokens FILE (or one token with --token)"
+        )
+    if not port_free(host, port):
+        raise CLIError(f"port {port} on {host} is in use; choose another with --port", EXIT_STATE)
+    own = [host] if host not in ("0.0.0.0", "::", "") else []
+    application = create_app(
+        data, token=token, tokens=tokens, ingest_every=1.0, allowed_hosts=[*allowed_hosts, *own]
+    )
+    config = uvicorn.Config(application, host=host, port=port, log_level="warning")
+    config.access_log = False
+    server = uvicorn.Server(config)
+    orig = server.startup
+
+    async def startup(sockets: object = None) -> None:
+        await orig(sockets=sockets)  # type: ignore[arg-type]
+        if server.started:
+            socks = [sk for srv in getattr(server, "servers", []) for sk in srv.sockets]
+            p = int(socks[0].getsockname()[1]) if socks else port
+            shown = url_for(host, p, None)
+            typer.echo(f"perfsleuth server: {shown}  (data: {os.path.abspath(data)})")
+            typer.echo(f"agents: PERFSLEUTH_COLLECTOR={shown.rstrip('/')}", err=False)
+            typer.echo("Ctrl-C stops it.")
+
+    server.startup = startup  # type: ignore[method-assign]
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+@handle_errors
+def server(
+    data: DataOpt = DEFAULT_DATA,
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind (other than loopback needs tokens).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = DEFAULT_PORT,
+    tokens: Annotated[
+        str | None,
+        typer.Option(
+            "--tokens",
+            metavar="FILE",
+            envvar="PERFSLEUTH_TOKENS_FILE",
+            show_envvar=True,
+            help="Tokens per service or team: lines 'name kind token', kind ingest (may only "
+            "send data) or read (may only read).",
+        ),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            envvar="PERFSLEUTH_SERVER_TOKEN",
+            show_envvar=True,
+            help="One token that may send and read (at least 16 characters).",
+        ),
+    ] = None,
+    allow_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-host",
+            metavar="NAME",
+            envvar="PERFSLEUTH_ALLOWED_HOSTS",
+            show_envvar=True,
+            help="Also answer requests naming this host (repeat, or '*' for any): agents and "
+            "browsers reach the server by this name.",
+        ),
+    ] = None,
+) -> None:
+    """Run the collector: remote agents and OTLP exporters send here; API and UI included."""
+    hosts = [h.strip() for v in allow_host or () for h in v.split(",") if h.strip()]
+    table = read_tokens(tokens) if tokens else {}
+    start_server(data, host, port, token, table, hosts)

@@ -1,0 +1,278 @@
+"""The collector's segment ingest: ``POST /api/ingest/segment``, what remote agents send
+(:mod:`perfsleuth.agent.spool.forward`).
+
+An agent ships the bytes of its spool segments as they are on its disk, from an offset. They
+are stored under this server's spool as ``DATA/spool/<agent>~<segment>.open`` at that offset,
+and the spool ingest the server already runs reads them with its exactly-once offsets: nothing
+in the store differs from a local agent's data. The reply is the acknowledgement, (agent,
+segment, offset held):
+
+- bytes this server already holds are acknowledged again without being written, so a segment
+  sent twice (a lost reply, a restart of either side) is stored once;
+- a chunk starting past the bytes held is refused, 409 with ``held``: the agent resends from
+  there;
+- the chunk that ends a segment (``final=1``) renames the file to ``.seg``; a marker in
+  ``DATA/incoming/done/`` remembers its size after the ingest has read and removed it.
+
+The token's name (``--tokens`` of ``perfsleuth server``) is recorded per segment in the
+store's ``segments_received`` table (segment, token, agent, host, service, pid, first
+received), and in ``DATA/incoming/received.jsonl``: a request row's origin is the segment of
+its host and pid.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import re
+import threading
+import time
+import zlib
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from perfsleuth.server.deps import ApiError, ok
+from perfsleuth.wire import CLOSED_SUFFIX, HEADER, OPEN_SUFFIX
+from perfsleuth.wire.segment import FILE_MAGIC, read_segment
+
+log = logging.getLogger("perfsleuth.server")
+router = APIRouter(tags=["ingest"])
+
+MAX_BODY = 16 << 20  # bytes of one request, as sent and after decompression
+AGENT_RE = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
+SEGMENT_RE = re.compile(r"^[A-Za-z0-9_.]{1,64}-\d{1,10}-\d{1,20}-\d{1,10}$")
+SEP = "~"
+
+_locks: dict[str, threading.Lock] = {}
+_locks_lock = threading.Lock()
+_pending_lock = threading.Lock()
+
+
+def _lock(name: str) -> threading.Lock:
+    with _locks_lock:
+        lk = _locks.get(name)
+        if lk is None:
+            if len(_locks) > 4096:
+                _locks.clear()  # locks of finished segments; a live one is made again
+            lk = _locks[name] = threading.Lock()
+        return lk
+
+
+class Place:
+    """Where one agent segment is kept on this server."""
+
+    def __init__(self, data_dir: str, agent: str, segment: str) -> None:
+        self.name = f"{agent}{SEP}{segment}"
+        spool = os.path.join(data_dir, "spool")
+        self.open_path = os.path.join(spool, self.name + OPEN_SUFFIX)
+        self.closed_path = os.path.join(spool, self.name + CLOSED_SUFFIX)
+        self.done_path = os.path.join(data_dir, "incoming", "done", self.name)
+
+    def held(self) -> tuple[int, bool]:
+        """(bytes held, whether the segment is complete)."""
+        try:
+            with open(self.done_path, encoding="ascii") as fh:
+                return int(fh.read().strip() or 0), True
+        except (OSError, ValueError):
+            pass
+        for path, closed in ((self.open_path, False), (self.closed_path, True)):
+            try:
+                return os.stat(path).st_size, closed
+            except OSError:
+                continue
+        return 0, False
+
+    def finish(self, size: int) -> None:
+        """Mark complete (the marker first: it is what :meth:`held` trusts), then rename."""
+        os.makedirs(os.path.dirname(self.done_path), exist_ok=True)
+        tmp = self.done_path + ".tmp"
+        with open(tmp, "w", encoding="ascii") as fh:
+            fh.write(str(size))
+        os.replace(tmp, self.done_path)
+        if os.path.exists(self.open_path):
+            os.replace(self.open_path, self.closed_path)
+
+
+def _decode(body: bytes, encoding: str | None) -> bytes:
+    enc = (encoding or "identity").strip().lower()
+    if enc in ("identity", ""):
+        return body
+    if enc not in ("gzip", "deflate"):
+        raise ApiError(415, f"Content-Encoding {enc!r}: send gzip, deflate or none")
+    try:
+        d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
+        out = d.decompress(body, MAX_BODY + 1)
+        if len(out) > MAX_BODY or d.unconsumed_tail:
+            raise ApiError(413, f"the chunk is over {MAX_BODY} bytes once decompressed")
+        if not d.eof:
+            raise ApiError(400, f"the {enc} stream is truncated")
+        return out
+    except (zlib.error, gzip.BadGzipFile) as e:
+        raise ApiError(400, f"the body is not valid {enc}: {e}") from e
+
+
+def _header(data: bytes) -> dict[str, Any]:
+    """The segment's header record (host, pid, service), or {}."""
+    try:
+        for rtype, obj in read_segment(data[: 64 << 10], 0).records:
+            if rtype == HEADER and isinstance(obj, dict):
+                return obj
+            break
+    except Exception:  # a damaged header is the store's to report; nothing to record here
+        pass
+    return {}
+
+
+def _record_origin(request: Request, place: Place, agent: str, token: str, data: bytes) -> None:
+    """Remember which token sent this segment: the ledger file now, the store's table when
+    its lock is free (never waiting for an ingest round)."""
+    head = _header(data)
+    row = {
+        "segment": place.name,
+        "token": token,
+        "agent": agent,
+        "host": str(head.get("host") or ""),
+        "service": str(head.get("service") or ""),
+        "pid": head.get("pid") if isinstance(head.get("pid"), int) else None,
+        "received_ns": time.time_ns(),
+    }
+    state = request.app.state
+    data_dir = state.backend.data_dir
+    with _pending_lock:
+        try:
+            os.makedirs(os.path.join(data_dir, "incoming"), exist_ok=True)
+            with open(os.path.join(data_dir, "incoming", "received.jsonl"), "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        except OSError as e:
+            log.warning("could not write the received-segments ledger: %s", e)
+        pending: list[dict[str, Any]] | None = getattr(state, "ingest_origins", None)
+        if pending is None:
+            pending = state.ingest_origins = []
+        pending.append(row)
+
+
+def flush_origins(request: Request) -> None:
+    """Insert the pending origin rows into ``segments_received`` if the store is free."""
+    state = request.app.state
+    be = state.backend
+    with _pending_lock:
+        pending: list[dict[str, Any]] = getattr(state, "ingest_origins", None) or []
+        if not pending or not be.lock.acquire(blocking=False):
+            return
+        try:
+            con = getattr(be.store, "_con", None)
+            if con is None or getattr(be.store, "read_only", False):
+                return
+            con.execute(
+                "CREATE TABLE IF NOT EXISTS segments_received (segment VARCHAR PRIMARY KEY, "
+                "token VARCHAR, agent VARCHAR, host VARCHAR, service VARCHAR, pid INTEGER, "
+                "received TIMESTAMP)"
+            )
+            con.executemany(
+                "INSERT OR IGNORE INTO segments_received VALUES "
+                "(?, ?, ?, ?, ?, ?, make_timestamp(?::BIGINT // 1000))",
+                [
+                    [
+                        r["segment"],
+                        r["token"],
+                        r["agent"],
+                        r["host"],
+                        r["service"],
+                        r["pid"],
+                        r["received_ns"],
+                    ]
+                    for r in pending
+                ],
+            )
+            pending.clear()
+        except Exception as e:  # the ledger file has them; try again with the next chunk
+            log.warning("could not record received segments: %s", e)
+        finally:
+            be.lock.release()
+
+
+def _store(place: Place, offset: int, data: bytes, final: bool) -> tuple[int, bool, bool]:
+    """Write ``data`` at ``offset`` (what is held already is skipped). Returns (held, complete,
+    whether the file was started now). ApiError 409 on a gap."""
+    with _lock(place.name):
+        held, complete = place.held()
+        if offset > held:
+            raise ApiError(
+                409, f"this server holds {held} bytes of the segment; send from there", held=held
+            )
+        if complete:
+            return held, True, False
+        new = data[held - offset :] if offset + len(data) > held else b""
+        started = held == 0 and bool(new)
+        if started and not new.startswith(FILE_MAGIC[: len(new)]):
+            raise ApiError(400, "a segment must start with the spool file magic")
+        if new:
+            os.makedirs(os.path.dirname(place.open_path), exist_ok=True)
+            with open(place.open_path, "ab") as fh:
+                if fh.tell() != held:  # another writer? never write at the wrong place
+                    raise ApiError(409, "the segment changed meanwhile", held=fh.tell())
+                fh.write(new)
+                fh.flush()
+                os.fsync(fh.fileno())
+            held += len(new)
+        if final and held == offset + len(data):
+            place.finish(held)
+            complete = True
+        return held, complete, started
+
+
+@router.post(
+    "/api/ingest/segment",
+    summary="Receive spool segment bytes from a remote agent (perfsleuth server)",
+)
+async def segment(
+    request: Request,
+    agent: Annotated[str, Query(description="The agent's name (its host).")],
+    segment: Annotated[str, Query(description="The segment's name, without suffix.")],
+    offset: Annotated[int, Query(ge=0, description="Where the body starts in the segment.")],
+    final: Annotated[int, Query(ge=0, le=1, description="1: the body ends the segment.")] = 0,
+) -> Response:
+    if not AGENT_RE.match(agent):
+        raise ApiError(400, "agent: letters, digits, '_' and '.' only, at most 64")
+    if not SEGMENT_RE.match(segment):
+        raise ApiError(400, "segment: a spool segment name, <host>-<pid>-<ns>-<seq>")
+    be = request.app.state.backend
+    if getattr(be.store, "read_only", False) or be.ingest_every <= 0:
+        raise ApiError(503, "this server does not ingest (started with --no-ingest)")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY:
+        raise ApiError(413, f"the chunk is {length} bytes; at most {MAX_BODY}")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ApiError(413, f"the chunk is over {MAX_BODY} bytes")
+        parts.append(chunk)
+    body = b"".join(parts)
+    token = str(getattr(request.state, "token_name", "") or "")
+    place = Place(be.data_dir, agent, segment)
+
+    def work() -> tuple[int, bool]:
+        data = _decode(body, request.headers.get("content-encoding"))
+        held, complete, started = _store(place, offset, data, bool(final))
+        if started:
+            _record_origin(request, place, agent, token, data)
+        flush_origins(request)
+        return held, complete
+
+    try:
+        held, complete = await run_in_threadpool(work)
+    except ApiError:
+        raise
+    except OSError as e:
+        log.warning("could not store a segment chunk: %s", e)
+        return JSONResponse(
+            {"error": f"could not store the chunk: {e}"[:300], "status": 503}, status_code=503
+        )
+    return ok({"agent": agent, "segment": segment, "held": held, "complete": complete})
