@@ -64,6 +64,12 @@ def _code_of(func: Any) -> CodeType | None:
     return None
 
 
+# (id(site entry), id(origin)) -> (site entry, origin, the entry with the origin appended):
+# both kept in the value so that their ids cannot be reused while the key exists
+_stitched: dict[tuple[int, int], tuple[Any, Any, tuple[Any, ...]]] = {}
+_MAX_STITCHED = 20_000
+
+
 def _stitch(
     req: recorder.ActiveRequest, first: int, code: CodeType, origin: tuple[Any, ...]
 ) -> None:
@@ -80,8 +86,19 @@ def _stitch(
         if n < 2 or n >= _MAX_FLAT or flat[n - 2] is not code:
             continue
         # a new entry: the shared one (recorder._site_cache) keeps the worker's stack, which
-        # stacks.same compares with the worker's frames when the next request makes the site
-        site_list[i] = (entry[0], entry[1], entry[2], flat + origin, entry[4])
+        # stacks.same compares with the worker's frames when the next request makes the site.
+        # The requests that stitch the same origin to the same shared entry share the result
+        # (the writer encodes a site entry once per batch, by identity).
+        key = (id(entry), id(origin))
+        hit = _stitched.get(key)
+        if hit is not None and hit[0] is entry and hit[1] is origin:
+            site_list[i] = hit[2]
+            continue
+        stitched = (entry[0], entry[1], entry[2], flat + origin, entry[4])
+        if len(_stitched) >= _MAX_STITCHED:
+            _stitched.clear()
+        _stitched[key] = (entry, origin, stitched)
+        site_list[i] = stitched
 
 
 def _run_stitched(
@@ -140,24 +157,33 @@ def patch_futures(module: ModuleType) -> None:
     cls.submit = wrapper  # type: ignore[union-attr]
 
 
-# (id(code), f_lasti) of the frame that handed work over -> the stack last captured there: the
-# next hand-off from that line takes it when its frames are the same (compared, not copied:
-# stacks.same holds no allocation), as the recorder reuses a site's stack. The stack holds the
-# code objects it compares by identity, so a reused id cannot match a stale entry.
-_origins: dict[tuple[int, int], tuple[Any, ...]] = {}
+# (id(code), f_lasti) of the frame that handed work over -> the stacks last captured there
+# (a few: one line serves several callers, as Starlette's run_in_threadpool serves FastAPI's
+# endpoint and its response serialisation): the next hand-off from that line takes the one
+# whose frames are its own (compared, not copied: stacks.same allocates nothing; a different
+# stack differs a frame or two up), as the recorder reuses a site's stack. A stack holds the
+# code objects it is compared by, so a reused id cannot match a stale entry.
+_origins: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
 _MAX_ORIGINS = 2_000
+_PER_LINE = 4
 
 
 def _origin(frame: FrameType) -> tuple[Any, ...]:
     """The stack above a hand-off (:func:`perfsleuth.agent.stacks.capture` of ``frame``)."""
     key = (id(frame.f_code), frame.f_lasti)
-    hit = _origins.get(key)
-    if hit is not None and _same(frame, hit):
-        return hit
+    known = _origins.get(key)
+    if known is None:
+        if len(_origins) >= _MAX_ORIGINS:
+            _origins.clear()
+        known = _origins[key] = []
+    for i, flat in enumerate(known):
+        if _same(frame, flat):
+            if i:  # the latest first
+                known.insert(0, known.pop(i))
+            return flat
     flat = _capture(frame)
-    if len(_origins) >= _MAX_ORIGINS:
-        _origins.clear()
-    _origins[key] = flat
+    known.insert(0, flat)
+    del known[_PER_LINE:]
     return flat
 
 
