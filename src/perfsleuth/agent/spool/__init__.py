@@ -10,6 +10,7 @@ spool segments on one background thread. :mod:`perfsleuth.agent.shipper` starts 
 - ``writer``: the writer thread: drains the queues in bounded slices, writes, rotates, backs
   off after write errors.
 - ``status``: the counters in ``DATA/agents/<host>-<pid>.json`` and the drop report at exit.
+- ``forward``: with PERFSLEUTH_COLLECTOR, ships the spool to a ``perfsleuth server``.
 """
 
 from __future__ import annotations
