@@ -42,6 +42,11 @@ EXPECT = Expect(
             "SELECT EXISTS (SELECT ? FROM ab_permission_view JOIN ab_permission_view_role",
             "the menu checks each entry's permission with its own query, on every page",
         ),
+        (
+            "SELECT ab_role.id AS ab_role_id, ab_role.name AS ab_role_name FROM ab_role",
+            "the menu's checks for an anonymous user read the public role once per entry "
+            "(SecurityManager.get_public_role, the same in both releases): the login page",
+        ),
     ),
 )
 CLEAN = ["GET /", "GET /permissions/list/", "GET /productview/list/"]

@@ -50,7 +50,8 @@ EXPECT = Expect(
     problem=PROBLEM,
 )
 # The dashboard's repeated root-page look-up (see above): repeated_query (the same statement
-# and parameters) or n_plus_one (5 a request), named in first_common_ancestor or its caller.
+# and parameters) or n_plus_one (5 a request), named in first_common_ancestor or its caller;
+# raised or not in 5.0.5 (near the floors), never in 5.1.
 ROOT_PAGE = Expect(
     kinds=("n_plus_one", "repeated_query"),
     endpoint="GET /admin/",
@@ -64,6 +65,9 @@ ROOT_PAGE = Expect(
         'SELECT "wagtailcore_page"."id", "wagtailcore_page"."path", "wagtailcore_page"."depth"',
     ),
     problem="repeated root-page look-up (5 a request)",
+    # 5 repeats of 3 fast SQLite statements: 5-10 % of the dashboard's time, which crosses
+    # n_plus_one's or repeated_query's cost floor in some runs and not in others
+    required=False,
 )
 CLEAN = ["GET /admin/groups/"]
 ROUNDS = 25
