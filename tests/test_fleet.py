@@ -1,0 +1,388 @@
+"""Fleet (issue 19 items 1-2): remote agents store and forward their spools to one
+``perfsleuth server``. Real processes throughout: the server, and small WSGI apps under the
+agent on their own ports (standing in for hosts, each with its own spool and PERFSLEUTH_HOST).
+
+Every request sent to an app has a unique path, so "exactly once" is checked as: the server's
+store holds each path once and as many as were sent (less what the agents say they dropped).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PY = sys.executable
+INGEST_TOKEN = "ingest-token-aaaaaaaaaaaaaaaa"
+READ_TOKEN = "read-token-rrrrrrrrrrrrrrrrrrrr"
+WRONG_TOKEN = "wrong-token-wwwwwwwwwwwwwwwwww"
+DEADLINE = 120.0
+
+APP = """
+import sqlite3, sys
+import perfsleuth.agent as ps
+ps.start()
+from wsgiref.simple_server import make_server, WSGIRequestHandler
+
+class Quiet(WSGIRequestHandler):
+    def log_message(self, *a):
+        pass
+
+def app(environ, start_response):
+    con = sqlite3.connect(":memory:")
+    for i in range(3):
+        con.execute("select ?", (i,)).fetchall()
+    con.close()
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+srv = make_server("127.0.0.1", int(sys.argv[1]), ps.wsgi(app), handler_class=Quiet)
+srv.serve_forever()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"{what} did not listen on {port}")
+
+
+class Fleet:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.data = tmp / "server"
+        self.tokens = tmp / "tokens"
+        self.tokens.write_text(
+            f"# name kind token\nteam_a ingest {INGEST_TOKEN}\nui read {READ_TOKEN}\n"
+        )
+        (tmp / "app.py").write_text(APP)
+        self.server: subprocess.Popen[bytes] | None = None
+        self.agents: dict[str, tuple[subprocess.Popen[bytes], int, Path]] = {}
+        self.sent: dict[str, int] = {}
+
+    # -------------------------------------------------------------------- server
+
+    def start_server(self) -> None:
+        log = open(self.tmp / "server.log", "ab")  # noqa: SIM115 - the child writes it
+        self.server = subprocess.Popen(
+            [
+                PY,
+                "-m",
+                "perfsleuth",
+                "server",
+                "--data",
+                str(self.data),
+                "--port",
+                str(self.port),
+                "--tokens",
+                str(self.tokens),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        wait_port(self.port, self.server, "perfsleuth server")
+
+    def kill_server(self, sig: int = signal.SIGKILL) -> None:
+        assert self.server is not None
+        self.server.send_signal(sig)
+        self.server.wait(timeout=60)
+        self.server = None
+
+    def sql(self, query: str) -> list[list[Any]]:
+        status, body = self.call("POST", "/api/sql", READ_TOKEN, json.dumps({"query": query}))
+        assert status == 200, body
+        rows: list[list[Any]] = json.loads(body)["rows"]
+        return rows
+
+    def call(
+        self, method: str, path: str, token: str | None, body: bytes | str | None = None
+    ) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def stored(self) -> dict[str, tuple[int, int]]:
+        """host -> (request rows, distinct paths) in the server's store."""
+        rows = self.sql(
+            "SELECT host, count(*), count(DISTINCT path) FROM requests "
+            "WHERE path LIKE '/r/%' GROUP BY host"
+        )
+        return {h: (int(n), int(d)) for h, n, d in rows}
+
+    # -------------------------------------------------------------------- agents
+
+    def start_agent(self, host: str, token: str = INGEST_TOKEN, **env: str) -> None:
+        port = self.agents[host][1] if host in self.agents else free_port()
+        data = self.tmp / f"agent-{host}"
+        e = dict(os.environ)
+        e.update(
+            PERFSLEUTH_DATA=str(data),
+            PERFSLEUTH_COLLECTOR=f"http://127.0.0.1:{self.port}",
+            PERFSLEUTH_TOKEN=token,
+            PERFSLEUTH_HOST=host,
+            PERFSLEUTH_SERVICE=f"svc_{host}",
+            PERFSLEUTH_SEGMENT_SECONDS="1",
+            PERFSLEUTH_CAPTURE="0",
+            PERFSLEUTH_EVIDENCE="0",
+        )
+        e.update(env)
+        log = open(self.tmp / f"agent-{host}.log", "ab")  # noqa: SIM115 - the child writes it
+        proc = subprocess.Popen(
+            [PY, str(self.tmp / "app.py"), str(port)], env=e, stdout=log, stderr=subprocess.STDOUT
+        )
+        wait_port(port, proc, f"agent {host}")
+        self.agents[host] = (proc, port, data)
+
+    def stop_agent(self, host: str) -> None:
+        proc = self.agents[host][0]
+        proc.terminate()
+        proc.wait(timeout=30)
+
+    def send(self, host: str, n: int) -> None:
+        _, port, _ = self.agents[host]
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        start = self.sent.get(host, 0)
+        for i in range(start, start + n):
+            conn.request("GET", f"/r/{host}/{i}")
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.status == 200
+            conn.close()
+        self.sent[host] = start + n
+
+    def status(self, host: str) -> dict[str, Any]:
+        """The agent process's status file (its counters, last_error)."""
+        proc, _, data = self.agents[host]
+        path = data / "agents"
+        files = [p for p in path.glob("*.json") if p.name.endswith(f"-{proc.pid}.json")]
+        if not files:
+            return {}
+        try:
+            got: dict[str, Any] = json.loads(files[0].read_text())
+            return got
+        except ValueError:
+            return {}
+
+    def wait_status(self, host: str, pred: Any, what: str) -> dict[str, Any]:
+        end = time.monotonic() + DEADLINE
+        st: dict[str, Any] = {}
+        while time.monotonic() < end:
+            st = self.status(host)
+            if st and pred(st):
+                return st
+            time.sleep(0.3)
+        raise AssertionError(f"{host}: {what}; status: {st}")
+
+    def wait_stored(self, expect: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """Poll until the store holds ``expect`` requests per host (or the deadline), then
+        a few ingest rounds more, so that a late double would show."""
+        end = time.monotonic() + DEADLINE
+        got: dict[str, tuple[int, int]] = {}
+        while time.monotonic() < end:
+            got = self.stored()
+            if all(got.get(h, (0, 0))[0] >= n for h, n in expect.items()):
+                break
+            time.sleep(0.5)
+        time.sleep(3)
+        return self.stored()
+
+    def close(self) -> None:
+        for proc, _, _ in self.agents.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if self.server is not None and self.server.poll() is None:
+            self.server.kill()
+            self.server.wait()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def spool_files(data: Path) -> list[Path]:
+    return [p for p in (data / "spool").iterdir() if p.suffix in (".seg", ".open")]
+
+
+def test_three_agents_exactly_once_across_outage_and_kill(fleet: Fleet) -> None:
+    hosts = ["host_a", "host_b", "host_c"]
+    # The collector is down when the agents start: they buffer.
+    for h in hosts:
+        fleet.start_agent(h)
+    for h in hosts:
+        fleet.send(h, 40)
+    st = fleet.wait_status("host_a", lambda s: s.get("forward_errors", 0) > 0, "no send error")
+    assert st["forward_segments_sent"] == 0
+    assert spool_files(fleet.agents["host_a"][2]), "the spool buffers while the server is down"
+
+    fleet.start_server()
+    got = fleet.wait_stored({h: 40 for h in hosts})
+    assert got == {h: (40, 40) for h in hosts}, "the backlog drained once"
+
+    # Killed with -9 while agents send and the server ingests, then restarted.
+    for h in hosts:
+        fleet.send(h, 30)
+    fleet.kill_server()
+    for h in hosts:
+        fleet.send(h, 30)
+    fleet.start_server()
+    for h in hosts:
+        fleet.send(h, 20)
+    got = fleet.wait_stored({h: 120 for h in hosts})
+    assert got == {h: (120, 120) for h in hosts}
+
+    # The origin of the rows: the token's name per segment received.
+    tokens = fleet.sql("SELECT DISTINCT token, host FROM segments_received ORDER BY host")
+    assert tokens == [["team_a", h] for h in hosts]
+    # Agents delete what the collector holds completely.
+    for h in hosts:
+        fleet.wait_status(h, lambda s: s.get("forward_segments_sent", 0) > 0, "nothing sent")
+
+    # top --by host on the server's data counts every request once.
+    fleet.kill_server(signal.SIGTERM)
+    out = subprocess.run(
+        [PY, "-m", "perfsleuth", "top", "--data", str(fleet.data), "--by", "host", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {r["host"]: r["count"] for r in json.loads(out.stdout)["rows"]}
+    assert rows == {h: 120 for h in hosts}
+
+
+def test_wrong_token_buffers_then_right_token_drains(fleet: Fleet) -> None:
+    fleet.start_server()
+    fleet.start_agent("host_w", token=WRONG_TOKEN)
+    fleet.send("host_w", 50)
+    st = fleet.wait_status(
+        "host_w", lambda s: "refused the token" in s.get("last_error", ""), "no refusal said"
+    )
+    assert "403" in st["last_error"]
+    assert st["forward_auth_errors"] >= 1
+    assert fleet.stored() == {}
+    assert spool_files(fleet.agents["host_w"][2]), "it keeps buffering"
+
+    fleet.stop_agent("host_w")
+    fleet.start_agent("host_w", token=INGEST_TOKEN)
+    fleet.send("host_w", 10)
+    assert fleet.wait_stored({"host_w": 60}) == {"host_w": (60, 60)}
+    st = fleet.status("host_w")
+    assert "refused" not in st.get("last_error", "")
+
+
+def test_spool_cap_drops_oldest_and_counts(fleet: Fleet) -> None:
+    cap = 40_000
+    fleet.start_agent(
+        "host_cap", PERFSLEUTH_SPOOL_MAX_BYTES=str(cap), PERFSLEUTH_SEGMENT_SECONDS="0.3"
+    )
+    for _ in range(12):
+        fleet.send("host_cap", 50)
+        time.sleep(0.4)  # segments rotate: the oldest can go
+    st = fleet.wait_status(
+        "host_cap", lambda s: s.get("forward_dropped_segments", 0) > 0, "nothing dropped"
+    )
+    data = fleet.agents["host_cap"][2]
+    st = fleet.wait_status(
+        "host_cap",
+        lambda s: sum(p.stat().st_size for p in spool_files(data)) <= cap,
+        "spool over its cap",
+    )
+    fleet.start_server()
+    sent = fleet.sent["host_cap"]
+
+    def settled(s: dict[str, Any]) -> bool:
+        n = fleet.stored().get("host_cap", (0, 0))[0]
+        return n + s["dropped_spool_cap"] + s["dropped_spool_full"] >= sent
+
+    st = fleet.wait_status("host_cap", settled, "not drained")
+    got = fleet.wait_stored({"host_cap": sent - st["dropped_spool_cap"] - st["dropped_spool_full"]})
+    st = fleet.status("host_cap")
+    n, distinct = got["host_cap"]
+    assert n == distinct
+    assert st["dropped_spool_cap"] > 0
+    assert n + st["dropped_spool_cap"] + st["dropped_spool_full"] == sent
+    assert n < sent
+    # The drop counters reach the collector's store too (a STATS record).
+    rows = fleet.sql(
+        "SELECT max(value) FROM agent_stats WHERE name = 'dropped_spool_cap' AND host = 'host_cap'"
+    )
+    assert rows and rows[0][0] and int(rows[0][0]) > 0
+
+
+def test_ingest_endpoint_idempotent_gap_and_token_kinds(fleet: Fleet) -> None:
+    # A real segment: an agent that writes locally only.
+    fleet.start_agent("host_local", PERFSLEUTH_COLLECTOR="")
+    fleet.send("host_local", 25)
+    fleet.stop_agent("host_local")
+    segs = sorted((fleet.agents["host_local"][2] / "spool").glob("*.seg"))
+    assert len(segs) == 1
+    seg = segs[0]
+    data = seg.read_bytes()
+    base = seg.name[: -len(".seg")]
+    fleet.start_server()
+    url = f"/api/ingest/segment?agent=host_local&segment={base}"
+    half = len(data) // 2
+
+    def post(offset: int, chunk: bytes, final: int = 0, token: str = INGEST_TOKEN) -> Any:
+        status, body = fleet.call("POST", f"{url}&offset={offset}&final={final}", token, chunk)
+        return status, json.loads(body)
+
+    assert post(0, data[:half], token=READ_TOKEN)[0] == 403  # a read token cannot send
+    assert fleet.call("GET", "/api/status", INGEST_TOKEN)[0] == 403  # nor an ingest token read
+    assert fleet.call("GET", "/api/status", None)[0] == 401
+    status, reply = post(half + 10, data[half + 10 :])
+    assert (status, reply["held"]) == (409, 0)  # a gap: told where to send from
+    for _ in range(2):  # the second time: already held, acknowledged again
+        status, reply = post(0, data[:half])
+        assert (status, reply["held"], reply["complete"]) == (200, half, False)
+    status, reply = post(0, data, final=1)  # overlaps what is held: only the rest is written
+    assert (status, reply["held"], reply["complete"]) == (200, len(data), True)
+    status, reply = post(0, data, final=1)  # sent twice: stored once
+    assert (status, reply["held"], reply["complete"]) == (200, len(data), True)
+    got = fleet.wait_stored({"host_local": 25})
+    assert got == {"host_local": (25, 25)}
+    status, reply = post(0, data, final=1)  # after the ingest removed the file: still once
+    assert (status, reply["complete"]) == (200, True)
+    time.sleep(3)
+    assert fleet.stored() == {"host_local": (25, 25)}
+    other = f"/api/ingest/segment?agent=host_local&segment={base}9&offset=0"
+    assert fleet.call("POST", other, INGEST_TOKEN, b"garbage")[0] == 400  # not a segment
+    bad = fleet.call("POST", "/api/ingest/segment?agent=x&segment=../y&offset=0", INGEST_TOKEN)
+    assert bad[0] == 400
