@@ -565,13 +565,15 @@ stack_at(PyFrameObject *frame, PyObject *key)
     PyObject *place = PyTuple_GetSlice(key, 1, PyTuple_GET_SIZE(key));
     if (place == NULL)
         return NULL;
-    PyObject *flat = PyDict_GetItemWithError(stack_cache, place); /* borrowed */
+    /* held: same_stack may run Python code (stacks.classify), which may clear the cache */
+    PyObject *flat = Py_XNewRef(PyDict_GetItemWithError(stack_cache, place));
     if (flat != NULL) {
         int same = same_stack(frame, flat);
         if (same == 1) {
             Py_DECREF(place);
-            return Py_NewRef(flat);
+            return flat;
         }
+        Py_DECREF(flat);
         if (same < 0) {
             Py_DECREF(place);
             return NULL;
