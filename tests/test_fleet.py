@@ -267,6 +267,18 @@ def test_three_agents_exactly_once_across_outage_and_kill(fleet: Fleet) -> None:
     got = fleet.wait_stored({h: 120 for h in hosts})
     assert got == {h: (120, 120) for h in hosts}
 
+    # An agent killed with -9 that forgot what was acknowledged sends its open segment again
+    # from the start: the server acknowledges what it holds and stores only the rest.
+    fleet.send("host_a", 10)
+    fleet.wait_status("host_a", lambda s: s.get("requests_written", 0) >= 130, "not written")
+    fleet.agents["host_a"][0].kill()
+    fleet.agents["host_a"][0].wait()
+    (fleet.agents["host_a"][2] / "spool" / "forward.json").unlink()
+    fleet.start_agent("host_a")
+    expect = {"host_a": 130, "host_b": 120, "host_c": 120}
+    got = fleet.wait_stored(expect)
+    assert got == {h: (n, n) for h, n in expect.items()}
+
     # The origin of the rows: the token's name per segment received.
     tokens = fleet.sql("SELECT DISTINCT token, host FROM segments_received ORDER BY host")
     assert tokens == [["team_a", h] for h in hosts]
@@ -284,7 +296,7 @@ def test_three_agents_exactly_once_across_outage_and_kill(fleet: Fleet) -> None:
     )
     assert out.returncode == 0, out.stderr
     rows = {r["host"]: r["count"] for r in json.loads(out.stdout)["rows"]}
-    assert rows == {h: 120 for h in hosts}
+    assert rows == expect
 
 
 def test_wrong_token_buffers_then_right_token_drains(fleet: Fleet) -> None:

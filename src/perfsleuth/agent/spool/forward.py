@@ -57,6 +57,7 @@ _HEAD = struct.Struct("<2scII")  # wire.segment's record head: magic, type, leng
 _FILE_MAGIC_LEN = 8
 
 _thread: threading.Thread | None = None
+_fw: Forwarder | None = None
 _cfg: Config | None = None
 _stop = threading.Event()
 
@@ -81,6 +82,8 @@ class Forwarder:
         self.lock_fd: int | None = None
         self.backoff = 0.0
         self.said_refused = ""
+        self.timeout = 30.0
+        self.deadline: float | None = None  # at exit: stop shipping past it
 
     # ---------------------------------------------------------------- state
 
@@ -181,7 +184,7 @@ class Forwarder:
             import http.client
 
             cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-            self.conn = cls(self.netloc, self.port, timeout=30)
+            self.conn = cls(self.netloc, self.port, timeout=self.timeout)
         return self.conn
 
     def drop_connection(self) -> None:
@@ -263,7 +266,9 @@ class Forwarder:
             self.acked = {b: v for b, v in self.acked.items() if b in present}
             self.save()
         for seg in segs:
-            if _stop.is_set():
+            if self.deadline is None and _stop.is_set():
+                return
+            if self.deadline is not None and time.monotonic() > self.deadline:
                 return
             self.ship(*seg)
         if self.said_refused:
@@ -371,13 +376,13 @@ def _run(fw: Forwarder) -> None:
 
 def start(cfg: Config) -> None:
     """Start this process's forwarding thread when ``cfg.collector`` is set."""
-    global _thread, _cfg
+    global _thread, _cfg, _fw
     try:
         _cfg = cfg
         if not cfg.collector or (_thread is not None and _thread.is_alive()):
             return
         _stop.clear()
-        fw = Forwarder(cfg)
+        fw = _fw = Forwarder(cfg)
         t = threading.Thread(target=_run, args=(fw,), name="perfsleuth-forward", daemon=True)
         t.start()
         _thread = t
@@ -389,11 +394,33 @@ def stop() -> None:
     _stop.set()
 
 
+def at_exit(timeout: float = 3.0) -> None:
+    """At the agent's shutdown (its last segment just closed): stop the thread and ship what
+    is left in one last round, bounded by ``timeout`` seconds; what is not sent stays in the
+    spool for the next start."""
+    fw, t = _fw, _thread
+    if fw is None or fw.lock_fd is None or fw.said_refused:
+        return
+    _stop.set()
+    try:
+        if t is not None:
+            t.join(timeout)
+            if t.is_alive():  # in the middle of a request: it stays where it is
+                return
+        fw.drop_connection()
+        fw.timeout = max(0.5, timeout / 2)
+        fw.deadline = time.monotonic() + timeout
+        fw.round()
+        status.write(fw.cfg)
+    except Exception:
+        pass
+
+
 def _after_fork_in_child() -> None:
     # The parent's thread is not the child's; the child competes for the lock anew (the
     # inherited descriptor still belongs to the parent's lock and is left alone).
-    global _thread
-    _thread = None
+    global _thread, _fw
+    _thread = _fw = None
     if _cfg is not None:
         start(_cfg)
 
