@@ -36,7 +36,7 @@ from perfsleuth.agent import recorder, stacks
 _getframe = sys._getframe
 _current_get = recorder.current_get
 _capture = stacks.capture
-_same = stacks.same
+_kinds = stacks._kind
 _partial = functools.partial
 _MAX_FLAT = 2 * stacks.MAX_DEPTH
 
@@ -160,27 +160,46 @@ def patch_futures(module: ModuleType) -> None:
 # (id(code), f_lasti) of the frame that handed work over -> the stacks last captured there
 # (a few: one line serves several callers, as Starlette's run_in_threadpool serves FastAPI's
 # endpoint and its response serialisation): the next hand-off from that line takes the one
-# whose frames are its own (compared, not copied: stacks.same allocates nothing; a different
-# stack differs a frame or two up), as the recorder reuses a site's stack. A stack holds the
+# whose frames are its own (compared, not copied: nothing is allocated; a different stack
+# differs a frame or two up), as the recorder reuses a site's stack. A stack holds the
 # code objects it is compared by, so a reused id cannot match a stale entry.
 _origins: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
 _MAX_ORIGINS = 2_000
 _PER_LINE = 4
 
 
+def _matches(frame: FrameType, flat: tuple[Any, ...]) -> bool:
+    """Whether the frames from ``frame`` up are ``flat``, as capture made it: the same code
+    objects at the same instructions, then the request's entry (an agent's frame) or the
+    root. (A stack with template frames never matches: captured again, which is correct.)"""
+    f: FrameType | None = frame
+    n = len(flat)
+    i = 0
+    while f is not None and i < n:
+        if f.f_code is not flat[i] or ~f.f_lasti != flat[i + 1]:
+            return False
+        f = f.f_back
+        i += 2
+    if i != n:
+        return False
+    if f is None or n >= _MAX_FLAT:
+        return True
+    hit = _kinds.get(id(f.f_code))
+    return hit is not None and hit[1] is None
+
+
 def _origin(frame: FrameType) -> tuple[Any, ...]:
     """The stack above a hand-off (:func:`perfsleuth.agent.stacks.capture` of ``frame``)."""
     key = (id(frame.f_code), frame.f_lasti)
     known = _origins.get(key)
-    if known is None:
+    if known is not None:
+        for flat in known:
+            if _matches(frame, flat):
+                return flat
+    else:
         if len(_origins) >= _MAX_ORIGINS:
             _origins.clear()
         known = _origins[key] = []
-    for i, flat in enumerate(known):
-        if _same(frame, flat):
-            if i:  # the latest first
-                known.insert(0, known.pop(i))
-            return flat
     flat = _capture(frame)
     known.insert(0, flat)
     del known[_PER_LINE:]
