@@ -5,8 +5,9 @@ their calls as the recorder's rows and site entries) encoded by the agent's enco
 (:func:`perfsleuth.agent.spool.encode.encode_requests`): REQUESTS records, each preceded by the
 LOCATION, STACK and FINGERPRINT records it needs, so what tests ingest is what production
 ingests. Fingerprints, operations and HTTP hosts are the agent's too (from the statement,
-URL or cache command a call spec gives). Runtime-evidence, counter and stack records for
-evidence are written with the wire's record encoder, as the agent's evidence threads write them.
+URL or cache command a call spec gives). The stacks evidence records name are interned by the
+same encoder; evidence and counter records themselves are written with the wire's record
+encoder, as the agent's evidence threads write them.
 
 Stack frames are given as (file, line, function, app); the agent tells library code from
 application code by its directory (site-packages, the standard library), so the directory of
@@ -29,7 +30,7 @@ from perfsleuth.wire.segment import FILE_MAGIC, encode_record
 MS = 1_000_000  # ns
 NULL = recorder.NULL
 T0 = 10**12  # the perf_counter ns a request starts at (a process clock: only differences count)
-# what a call spec may set beside timings: a row field, or a value of the call's ``more`` entry
+# what a call spec may set beside timings and rows: the values of the call's ``more`` entry
 _MORE = ("status", "bytes", "wait", "hit", "error", "extra")
 _REQUEST_FIELDS = (
     "method",
