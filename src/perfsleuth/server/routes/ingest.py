@@ -47,6 +47,8 @@ MAX_BODY = 16 << 20  # bytes of one request, as sent and after decompression
 AGENT_RE = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 SEGMENT_RE = re.compile(r"^[A-Za-z0-9_.]{1,64}-\d{1,10}-\d{1,20}-\d{1,10}$")
 SEP = "~"
+DONE_KEEP_S = 30 * 86400  # a done marker answers an agent that missed the last reply this long
+_pruned_at = 0.0
 
 _locks: dict[str, threading.Lock] = {}
 _locks_lock = threading.Lock()
@@ -96,6 +98,27 @@ class Place:
         os.replace(tmp, self.done_path)
         if os.path.exists(self.open_path):
             os.replace(self.open_path, self.closed_path)
+
+
+def prune_done(data_dir: str, now: float) -> int:
+    """Remove done markers older than DONE_KEEP_S (at most once an hour); how many."""
+    global _pruned_at
+    if now - _pruned_at < 3600:
+        return 0
+    _pruned_at = now
+    done = os.path.join(data_dir, "incoming", "done")
+    n = 0
+    try:
+        for e in os.scandir(done):
+            try:
+                if now - e.stat().st_mtime > DONE_KEEP_S:
+                    os.unlink(e.path)
+                    n += 1
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return n
 
 
 def _decode(body: bytes, encoding: str | None) -> bytes:
@@ -264,6 +287,7 @@ async def segment(
         if started:
             _record_origin(request, place, agent, token, data)
         flush_origins(request)
+        prune_done(be.data_dir, time.time())
         return held, complete
 
     try:
