@@ -143,7 +143,7 @@ def test_a_share_over_a_second_that_rose_is_a_regression_though_p95_held(synth: 
     assert f.evidence["metric"] == "over_1000ms"
     started = datetime.fromisoformat(f.first_seen or "").replace(tzinfo=None)
     assert abs((started - start) / timedelta(hours=1) - 30) <= 1
-    assert "GET /tail: requests over 1,000 ms went from 0.0% to 4.0% of its traffic" in f.title
+    assert "GET /tail: requests over 1,000 ms went from 0% to 4.0% of its traffic" in f.title
 
 
 def test_week_over_week_compares_the_same_hours_last_week(synth: Any) -> None:
