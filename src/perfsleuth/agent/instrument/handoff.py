@@ -18,7 +18,9 @@ callers part ways) see the caller's code.
 Cost, per hand-off while a request is recorded (the helper's call, not its statements): the
 frames above the hand-off compared with the stack last captured at the same line (captured
 again only when they differ), a partial, one Python frame in the worker and a look at the
-request's new sites when the function returns. Nothing is done outside a request.
+request's new sites when the function returns. A framework handing over the application's
+own function (FastAPI's sync endpoints) is left as it was: the worker's stack starts at the
+application's code already. Nothing is done outside a request.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ _getframe = sys._getframe
 _current_get = recorder.current_get
 _capture = stacks.capture
 _kinds = stacks._kind
+_classify = stacks.classify
 _partial = functools.partial
 _MAX_FLAT = 2 * stacks.MAX_DEPTH
 
@@ -168,6 +171,28 @@ _MAX_ORIGINS = 2_000
 _PER_LINE = 4
 
 
+_DISPATCH_DEPTH = 3
+
+
+def _dispatch(frame: FrameType, func: Callable[..., Any]) -> bool:
+    """Whether a framework hands the application's own function over (FastAPI running a sync
+    endpoint or dependency): the function is application code and the frames just above the
+    hand-off are the framework's. Its stack in the worker already starts at the
+    application's code; the framework's dispatch above adds nothing to name, and walking it
+    (a frame object made for every frame of every request) is the hand-off's main cost."""
+    code = _code_of(func)
+    if code is None or not _classify(code):
+        return False
+    f: FrameType | None = frame
+    for _ in range(_DISPATCH_DEPTH):
+        if f is None:
+            return True
+        if _classify(f.f_code) is not False:  # the application's (or the agent's) frame
+            return False
+        f = f.f_back
+    return True
+
+
 def _matches(frame: FrameType, flat: tuple[Any, ...]) -> bool:
     """Whether the frames from ``frame`` up are ``flat``, as capture made it: the same code
     objects at the same instructions, then the request's entry (an agent's frame) or the
@@ -216,9 +241,11 @@ def wrap(run_sync: Callable[..., Any]) -> Callable[..., Any]:
         req = _current_get()
         if req is not None:
             try:
-                origin = _origin(_getframe(1))
-                if origin:
-                    func = _partial(_run_stitched, req, origin, func)
+                frame = _getframe(1)
+                if not _dispatch(frame, func):
+                    origin = _origin(frame)
+                    if origin:
+                        func = _partial(_run_stitched, req, origin, func)
             except Exception:
                 recorder.internal_error()
         return run_sync(func, *args, **kwargs)
