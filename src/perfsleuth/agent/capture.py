@@ -26,6 +26,10 @@ X-Amz-Security-Token, Api-Key, ...) and of ``PERFSLEUTH_REDACT_HEADERS`` (comma 
 replaced by ``[redacted]``; so are query-string parameters and urlencoded form fields with such
 names (the body kept is then the redacted one; its size and hash stay the original's). All
 unless ``PERFSLEUTH_CAPTURE_SECRETS=1``.
+
+It is one module because the decision, the body taps, the redaction and the record share
+the budget of pending bodies and the per-request state, and the agent keeps one module per
+concern (the server interfaces call ``finish_*`` and ``tap_wsgi_input`` only).
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ Samples are kept per request up to ``samples_per_request`` (more are counted in
 ``samples_dropped``) and shipped as one SAMPLES record when the request ends, or in chunks
 while a very long request is still running, so a request stuck for minutes is visible before
 it finishes.
+
+It is one module because the sampling thread, the stack and await-chain walks and the
+scheduler and cgroup counters that classify a sample all serve its tick (the watchdog
+reuses only ``frames_flat``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ rows, CPU, GC, errors, findings that appeared or went away).
 An endpoint is ``slower``/``faster`` when its q-value is at most ``alpha`` and its p50 or p95
 moved by ``min_change`` or more in the direction the ranks say; ``same`` otherwise;
 ``too_few`` with fewer than ``min_requests`` requests on a side.
+
+It is one module because it is one pipeline read top to bottom (the sides, the statistics per
+endpoint, the verdict and what moved with it) that the CLI, the API and ``perfsleuth load``
+call through a few functions; split, each part would only make sense next to the others.
 """
 
 from __future__ import annotations

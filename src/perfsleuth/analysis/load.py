@@ -18,6 +18,10 @@ The verdict per endpoint (b against a) is ``perfsleuth compare``'s (analysis.com
 two-sided Mann-Whitney test on the two latency samples, Benjamini-Hochberg across endpoints
 (false discovery rate 1 %), ``faster``/``slower`` when significant and p50 or p95 moved by 5 %
 or more, else ``same``; ``too_few`` under 20 measured requests on a side.
+
+It is one module because its parts (the traffic sources, the target check, the pacing loop,
+the summary) are each small and used only by this run; the statistics it shares live in
+analysis.compare.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ that into a report:
 - ``first_request``: its latency against the median of the steady-state requests, and the
   modules the first request imported;
 - ``notes``: what ran one after another that could overlap or be deferred.
+
+It is one module because measuring and analysing share one format, the probe's events
+(:mod:`perfsleuth.analysis.startup_probe` writes them, this module reads them), and the
+saved runs are that report; the probe is apart because it runs inside the measured server.
 """
 
 from __future__ import annotations

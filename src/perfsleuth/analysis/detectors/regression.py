@@ -17,6 +17,10 @@ Week over week: when the store holds the same hours a week earlier, the last
 A finding names when it started, by how much, the release or tag value that appeared then (if
 any), and what moved with it: calls per request, statements first seen after the breakpoint,
 the upstream whose wait per request grew most.
+
+It is one module because a detector is one file registered by name (as every detector in
+this package); its parts (shift search, the confirming tests, week over week, the finding's
+context) serve this detector alone.
 """
 
 from __future__ import annotations
