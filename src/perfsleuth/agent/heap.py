@@ -4,9 +4,10 @@ The agent installs a SIGUSR2 handler when the application has none (a handler of
 SIG_IGN, is left alone) and then writes ``DATA/agents/heap-PID.ready`` to say that this
 process answers. The handler only writes a byte to a pipe (async-signal-safe, whatever the
 interrupted thread held); a daemon thread reading the pipe takes the snapshot: a full
-collection, then every object the garbage collector tracks (``gc.get_objects``: instances,
-containers; not ints or strings) counted by type with its shallow size (``sys.getsizeof``),
-written to ``DATA/heap/heap-PID-TIMESTAMP.json``. Two snapshots diffed show what grows.
+collection, then every object the garbage collector tracks (instances, containers; not ints
+or strings) reachable from the modules and the threads' frames, counted by type with its
+shallow size (``sys.getsizeof``), written to ``DATA/heap/heap-PID-TIMESTAMP.json``. Two
+snapshots diffed show what grows.
 
 gunicorn resets SIGUSR2 in its workers (installed again right after) and takes it in its
 master (the marker is then removed, so the CLI never signals a master into re-executing).
@@ -26,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+import types
 from types import ModuleType
 from typing import Any
 
@@ -149,21 +151,58 @@ def _stop_reader(fd: int) -> None:
                 os.close(end)
 
 
+def _roots() -> list[Any]:
+    """Where the walk starts: every module, and every thread's frames."""
+    roots: list[Any] = [sys.modules, *list(sys.modules.values())]
+    for frame in sys._current_frames().values():
+        f: Any = frame
+        while f is not None:
+            roots.append(f)
+            f = f.f_back
+    return roots
+
+
 def snapshot(top: int = TOP) -> dict[str, Any]:
-    """Live (gc-tracked) objects by type: count and shallow bytes, largest first."""
+    """Live objects by type: count and shallow bytes, largest first.
+
+    The objects are those the garbage collector tracks (instances, containers; not ints or
+    strings) that can be reached from the modules and the threads' frames, found by walking
+    ``gc.get_referents``. Not ``gc.get_objects()``: its list holds a reference to every tracked
+    object, a tuple another thread is still filling in (``tuple(generator)``) included, and
+    that thread's resize of the tuple then fails with SystemError in application code. Such a
+    tuple is referenced by the C code building it only: no walk reaches it. (Objects only C
+    code holds, such as the descriptors of built-in types, are not counted either.) Sizes come
+    from ``__sizeof__`` where it is built in; one written in Python is not run (it could do
+    anything), the object's base size stands instead."""
     gc.collect()
     counts: dict[type, int] = {}
     sizes: dict[type, int] = {}
+    native: dict[type, bool] = {}
     getsizeof = sys.getsizeof
-    objs = gc.get_objects()
-    for o in objs:
+    base_sizeof = object.__sizeof__
+    is_tracked = gc.is_tracked
+    referents = gc.get_referents
+    seen: set[int] = set()
+    # the objects stay alive (and their ids unique) while the walk holds them
+    held: list[Any] = []
+    stack = _roots()
+    while stack:
+        o = stack.pop()
+        if not is_tracked(o) or id(o) in seen:
+            continue
+        seen.add(id(o))
+        held.append(o)
+        stack.extend(referents(o))
         t = type(o)
         counts[t] = counts.get(t, 0) + 1
+        ok = native.get(t)
+        if ok is None:
+            ok = native[t] = not isinstance(getattr(t, "__sizeof__", None), types.FunctionType)
         try:
-            sizes[t] = sizes.get(t, 0) + getsizeof(o)
+            sizes[t] = sizes.get(t, 0) + (getsizeof(o) if ok else base_sizeof(o))
         except Exception:
             sizes.setdefault(t, 0)
-    del objs
+    del held, stack, seen
     rows = [(_name(t), n, sizes.get(t, 0)) for t, n in counts.items()]
     by_bytes = sorted(rows, key=lambda r: (-r[2], -r[1], r[0]))[:top]
     by_count = sorted(rows, key=lambda r: (-r[1], r[0]))[:top]
