@@ -352,10 +352,13 @@ def test_spool_cap_drops_oldest_and_counts(fleet: Fleet) -> None:
     assert n + st["dropped_spool_cap"] + st["dropped_spool_full"] == sent
     assert n < sent
     # The drop counters reach the collector's store too (a STATS record).
-    rows = fleet.sql(
+    query = (
         "SELECT max(value) FROM agent_stats WHERE name = 'dropped_spool_cap' AND host = 'host_cap'"
     )
-    assert rows and rows[0][0] and int(rows[0][0]) > 0
+    end = time.monotonic() + DEADLINE
+    while time.monotonic() < end and fleet.sql(query)[0][0] is None:
+        time.sleep(0.5)
+    assert int(fleet.sql(query)[0][0] or 0) > 0
 
 
 def test_ingest_endpoint_idempotent_gap_and_token_kinds(fleet: Fleet) -> None:

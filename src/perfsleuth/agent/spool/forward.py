@@ -20,15 +20,10 @@ Nothing here runs on the request path, nothing raises into the app (stdlib only)
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
-import struct
 import threading
 import time
-import zlib
 from typing import Any
-from urllib.parse import quote, urlsplit
 
 from perfsleuth.agent import recorder
 from perfsleuth.agent.config import Config
@@ -53,7 +48,8 @@ COUNTERS = (
 for _name in COUNTERS:
     stats.setdefault(_name, 0)
 
-_HEAD = struct.Struct("<2scII")  # wire.segment's record head: magic, type, length, crc
+_HEAD = "<2scII"  # wire.segment's record head: magic, type, length, crc
+_HEAD_SIZE = 11
 _FILE_MAGIC_LEN = 8
 
 _thread: threading.Thread | None = None
@@ -68,6 +64,9 @@ class Refused(Exception):
 
 class Forwarder:
     def __init__(self, cfg: Config) -> None:
+        import re
+        from urllib.parse import urlsplit
+
         self.cfg = cfg
         url = urlsplit(cfg.collector.strip())
         self.https = url.scheme == "https"
@@ -88,6 +87,8 @@ class Forwarder:
     # ---------------------------------------------------------------- state
 
     def load(self) -> None:
+        import json
+
         try:
             with open(self.state_path, encoding="utf-8") as fh:
                 got = json.load(fh)
@@ -96,6 +97,8 @@ class Forwarder:
             self.acked = {}
 
     def save(self) -> None:
+        import json
+
         tmp = self.state_path + f".{os.getpid()}.tmp"
         try:
             with open(tmp, "w", encoding="utf-8") as fh:
@@ -194,6 +197,10 @@ class Forwarder:
                 conn.close()
 
     def post(self, base: str, offset: int, data: bytes, final: bool) -> tuple[int, dict[str, Any]]:
+        import json
+        import zlib
+        from urllib.parse import quote
+
         comp = zlib.compressobj(1, zlib.DEFLATED, 31)
         body = comp.compress(data) + comp.flush()
         path = (
@@ -332,15 +339,18 @@ def _read(path: str, base: str, spool: str, offset: int, n: int) -> bytes | None
 
 def _requests_from(path: str, offset: int) -> int:
     """Requests in the REQUESTS records starting at or after ``offset`` (best effort)."""
+    import json
+    import struct
+
     try:
         with open(path, "rb") as fh:
             data = fh.read()
     except OSError:
         return 0
     pos, n, count = _FILE_MAGIC_LEN, len(data), 0
-    while n - pos >= _HEAD.size:
-        _magic, rtype, length, _crc = _HEAD.unpack_from(data, pos)
-        start = pos + _HEAD.size
+    while n - pos >= _HEAD_SIZE:
+        _magic, rtype, length, _crc = struct.unpack_from(_HEAD, data, pos)
+        start = pos + _HEAD_SIZE
         if start + length > n:
             break
         if rtype == REQUESTS and pos >= offset:
@@ -366,8 +376,22 @@ def _emit_counters() -> None:
         recorder.internal_error()
 
 
-def _run(fw: Forwarder) -> None:
+def _run(cfg: Config) -> None:
+    global _fw
     try:
+        # Imported here, not at the agent's start, and while a fork waits (see
+        # agent.spool.writer._importing: a child forked mid-import would hang on it).
+        from perfsleuth.agent.spool import writer
+
+        with writer._importing:
+            import fcntl  # noqa: F401
+            import http.client  # noqa: F401
+            import json  # noqa: F401
+            import re  # noqa: F401
+            import struct  # noqa: F401
+            import urllib.parse  # noqa: F401
+            import zlib  # noqa: F401
+        fw = _fw = Forwarder(cfg)
         fw.run()
     except BaseException as e:  # dies quietly; the spool keeps buffering
         status.error(f"forwarder died: {type(e).__name__}: {e}")
@@ -376,14 +400,13 @@ def _run(fw: Forwarder) -> None:
 
 def start(cfg: Config) -> None:
     """Start this process's forwarding thread when ``cfg.collector`` is set."""
-    global _thread, _cfg, _fw
+    global _thread, _cfg
     try:
         _cfg = cfg
         if not cfg.collector or (_thread is not None and _thread.is_alive()):
             return
         _stop.clear()
-        fw = _fw = Forwarder(cfg)
-        t = threading.Thread(target=_run, args=(fw,), name="perfsleuth-forward", daemon=True)
+        t = threading.Thread(target=_run, args=(cfg,), name="perfsleuth-forward", daemon=True)
         t.start()
         _thread = t
     except Exception:
