@@ -229,21 +229,23 @@ def main() -> None:
     total = per * len(bodies)
     print(f"{len(bodies)} payloads of {per} spans ({sum(map(len, bodies)) / len(bodies):,.0f} B)")
 
-    from perfsleuth.store import otlp
     from perfsleuth.store.duckdb_store import DuckDBStore
+    from perfsleuth.store.otlp.batch import insert, to_batch
+    from perfsleuth.store.otlp.payload import decode
+    from perfsleuth.store.otlp.spans import Keys, Pending
 
     with tempfile.TemporaryDirectory() as tmp:
         store = DuckDBStore(os.path.join(tmp, "pipeline"))
         phases = {"decode": 0.0, "map": 0.0, "insert": 0.0}
-        pending = otlp.Pending()
+        pending = Pending()
         cpu = time.process_time()
         for body in bodies:
             a = time.perf_counter()
-            msg = otlp.decode(body, "application/x-protobuf", None)
+            msg = decode(body, "application/x-protobuf", None)
             b = time.perf_counter()
-            mapped = otlp.to_batch(msg, otlp.Keys(), pending)
+            mapped = to_batch(msg, Keys(), pending)
             c = time.perf_counter()
-            otlp.insert(store, mapped, pending)
+            insert(store, mapped, pending)
             d = time.perf_counter()
             phases["decode"] += b - a
             phases["map"] += c - b

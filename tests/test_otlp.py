@@ -467,11 +467,9 @@ def _payload(trace: str, *, queries: int = 3, code: bool = False) -> dict[str, A
 
 
 def _proto(obj: dict[str, Any]) -> bytes:
-    from perfsleuth.store import otlp
+    from perfsleuth.store.otlp.payload import decode
 
-    return bytes(
-        otlp.decode(json.dumps(obj).encode(), "application/json", None).SerializeToString()
-    )
+    return bytes(decode(json.dumps(obj).encode(), "application/json", None).SerializeToString())
 
 
 def test_json_and_gzip_protobuf_map_requests_and_calls_once(server: Server) -> None:
@@ -870,11 +868,11 @@ def test_a_transport_span_inside_an_http_call_links_the_call(server: Server) -> 
 
 
 def test_client_spans_waiting_for_their_server_span_are_bounded() -> None:
-    from perfsleuth.store import otlp
+    from perfsleuth.store.otlp.spans import Pending, Span
 
-    pending = otlp.Pending(max_spans=10, max_age_s=60.0)
+    pending = Pending(max_spans=10, max_age_s=60.0)
     spans = [
-        otlp.Span(f"{i:032x}", f"{i:016x}", "ff" * 8, 3, "q", 0, 1, {}, None, ("s", "", ""), {})
+        Span(f"{i:032x}", f"{i:016x}", "ff" * 8, 3, "q", 0, 1, {}, None, ("s", "", ""), {})
         for i in range(25)
     ]
     pending.add(spans, now=0.0)

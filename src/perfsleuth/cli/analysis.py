@@ -295,7 +295,7 @@ def explain(
 def _linked_services(data: str, trace_id: str, out: Any) -> None:
     """Where the calls of a trace to other reporting services went (OTLP links), if any."""
     from perfsleuth.store.base import StoreError
-    from perfsleuth.store.otlp import link_lines
+    from perfsleuth.store.otlp.links import link_lines
 
     try:
         with store_for_reading(data, ingest=False) as store:

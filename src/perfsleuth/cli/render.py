@@ -297,7 +297,7 @@ def trace_header(t: dict[str, Any]) -> RenderableType:
             body = ", ".join(f"{k}={v}" for k, v in sorted(d.items()))
             lines.append(Text(f"  {label}: {body}"))
     if t.get("links"):  # other services' requests linked by OTLP span ids
-        from perfsleuth.store.otlp import link_lines
+        from perfsleuth.store.otlp.links import link_lines
 
         for link in link_lines(t["links"], t.get("calls") or []):
             lines.append(Text(f"  {link}"))

@@ -19,21 +19,23 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from perfsleuth.store import otlp
+from perfsleuth.store.otlp.batch import insert, to_batch
+from perfsleuth.store.otlp.payload import MAX_BODY, OtlpError, decode, response
+from perfsleuth.store.otlp.spans import Keys, Pending
 
 log = logging.getLogger("perfsleuth.server")
 router = APIRouter()
 _pending_lock = threading.Lock()
 
 
-def keys_from_env() -> otlp.Keys:
+def keys_from_env() -> Keys:
     def split(name: str, default: tuple[str, ...]) -> tuple[str, ...]:
         v = os.environ.get(name, "")
         got = tuple(k.strip() for k in v.split(",") if k.strip())
         return got or default
 
-    d = otlp.Keys()
-    return otlp.Keys(
+    d = Keys()
+    return Keys(
         user=split("PERFSLEUTH_OTLP_USER_KEYS", d.user),
         tenant=split("PERFSLEUTH_OTLP_TENANT_KEYS", d.tenant),
     )
@@ -46,14 +48,14 @@ def _refuse(status: int, reason: str) -> JSONResponse:
 
 async def _read_body(request: Request) -> bytes:
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > otlp.MAX_BODY:
-        raise otlp.OtlpError(413, f"the payload is {length} bytes; at most {otlp.MAX_BODY}")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY:
+        raise OtlpError(413, f"the payload is {length} bytes; at most {MAX_BODY}")
     parts: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > otlp.MAX_BODY:
-            raise otlp.OtlpError(413, f"the payload is over {otlp.MAX_BODY} bytes")
+        if size > MAX_BODY:
+            raise OtlpError(413, f"the payload is over {MAX_BODY} bytes")
         parts.append(chunk)
     return b"".join(parts)
 
@@ -64,33 +66,33 @@ async def traces(request: Request) -> Response:
     state = request.app.state
     try:
         body = await _read_body(request)
-    except otlp.OtlpError as e:
+    except OtlpError as e:
         return _refuse(e.status, e.reason)
     ctype = request.headers.get("content-type")
     encoding = request.headers.get("content-encoding")
 
     def work() -> Response:
-        msg = otlp.decode(body, ctype, encoding)
+        msg = decode(body, ctype, encoding)
         keys = getattr(state, "otlp_keys", None) or keys_from_env()
         with _pending_lock:
             pending = getattr(state, "otlp_pending", None)
             if pending is None:
-                pending = state.otlp_pending = otlp.Pending()
-            mapped = otlp.to_batch(msg, keys, pending)
+                pending = state.otlp_pending = Pending()
+            mapped = to_batch(msg, keys, pending)
         if mapped.tables is not None:
             with backend.use() as store:
                 if not hasattr(store, "insert_tables") or getattr(store, "read_only", False):
-                    raise otlp.OtlpError(
+                    raise OtlpError(
                         503, "this server does not write its store (started without ingest)"
                     )
                 with _pending_lock:
-                    otlp.insert(store, mapped, pending)
-        data, out_type = otlp.response(ctype)
+                    insert(store, mapped, pending)
+        data, out_type = response(ctype)
         return Response(data, media_type=out_type)
 
     try:
         return await run_in_threadpool(work)
-    except otlp.OtlpError as e:
+    except OtlpError as e:
         return _refuse(e.status, e.reason)
     except Exception as e:  # stored nothing; say why, keep serving
         log.exception("OTLP ingest failed")

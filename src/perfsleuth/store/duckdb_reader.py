@@ -238,9 +238,9 @@ class DuckDBReader(DuckDBFile):
         req["capture"] = self._capture_reason(tid)
         req["links"] = None
         if any(a[0] == "link" for a in attrs):  # OTLP span ids: other services' requests
-            from perfsleuth.store import otlp
+            from perfsleuth.store.otlp.links import links
 
-            req["links"] = otlp.links(self, tid)
+            req["links"] = links(self, tid)
         return req
 
     def _capture_reason(self, trace_id: str) -> str | None:

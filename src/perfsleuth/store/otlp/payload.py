@@ -1,0 +1,119 @@
+"""OTLP/HTTP bodies: an ``ExportTraceServiceRequest`` decoded (protobuf or JSON, maybe gzip)
+with the official ``opentelemetry-proto`` messages, refusals as :class:`OtlpError` with the
+HTTP status to answer, and the empty success response."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from typing import Any
+
+MAX_BODY = 32 * 1024 * 1024  # bytes as sent (compressed or not)
+MAX_DECODED = 128 * 1024 * 1024  # bytes after gunzip
+
+
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+class OtlpError(Exception):
+    """A payload refused: ``status`` is the HTTP status to answer, the message says why."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+def _messages() -> Any:
+    """The opentelemetry-proto messages and protobuf's JSON mapping, imported on first use (a
+    server that is never sent OTLP does not load protobuf)."""
+    try:
+        from google.protobuf import json_format
+        from google.protobuf.message import DecodeError
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+    except ImportError as e:
+        raise OtlpError(501, f"OTLP ingest needs the opentelemetry-proto package ({e})") from e
+    return json_format, DecodeError, trace_service_pb2
+
+
+def decode(body: bytes, content_type: str | None, content_encoding: str | None) -> Any:
+    """The ExportTraceServiceRequest of an OTLP/HTTP body; OtlpError (400, 413, 415) when it
+    is not one."""
+    json_format, DecodeError, pb = _messages()
+    if len(body) > MAX_BODY:
+        raise OtlpError(413, f"the payload is {len(body)} bytes; at most {MAX_BODY} are taken")
+    enc = (content_encoding or "identity").strip().lower()
+    if enc == "gzip":
+        try:
+            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            body = d.decompress(body, MAX_DECODED)
+            if d.unconsumed_tail:
+                raise OtlpError(413, f"the payload is over {MAX_DECODED} bytes once unzipped")
+            if not d.eof:
+                raise OtlpError(400, "bad gzip body: it ends before the gzip stream does")
+        except (zlib.error, EOFError, gzip.BadGzipFile) as e:
+            raise OtlpError(400, f"bad gzip body: {e}") from None
+    elif enc not in ("identity", ""):
+        raise OtlpError(415, f"unsupported Content-Encoding {enc!r}: send gzip or none")
+    ctype = (content_type or "").split(";", 1)[0].strip().lower()
+    msg = pb.ExportTraceServiceRequest()
+    if ctype == "application/x-protobuf":
+        try:
+            msg.ParseFromString(body)
+        except (DecodeError, RecursionError, ValueError) as e:
+            raise OtlpError(400, f"bad protobuf: not an ExportTraceServiceRequest ({e})") from None
+    elif ctype == "application/json":
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError) as e:
+            raise OtlpError(400, f"bad JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise OtlpError(400, "bad JSON: the body must be an object")
+        try:
+            _hex_ids_to_base64(obj)
+            json_format.ParseDict(obj, msg, ignore_unknown_fields=True)
+        except (json_format.ParseError, ValueError, TypeError, RecursionError) as e:
+            raise OtlpError(400, f"bad OTLP JSON: {e}"[:500]) from None
+    else:
+        raise OtlpError(
+            415,
+            f"unsupported Content-Type {ctype!r}: send application/x-protobuf or application/json",
+        )
+    return msg
+
+
+def _hex_ids_to_base64(obj: dict[str, Any]) -> None:
+    """OTLP JSON spells trace and span ids in hex where protobuf's JSON mapping of ``bytes``
+    expects base64: rewrite them in place (ValueError for an id that is not hex)."""
+    import base64
+
+    def fix(d: dict[str, Any]) -> None:
+        for k in _ID_FIELDS:
+            v = d.get(k)
+            if isinstance(v, str):
+                try:
+                    d[k] = base64.b64encode(bytes.fromhex(v)).decode()
+                except ValueError:
+                    raise ValueError(f"{k} {v[:40]!r} is not hex") from None
+
+    for rs in _list(obj, "resourceSpans"):
+        for ss in _list(rs, "scopeSpans"):
+            for span in _list(ss, "spans"):
+                fix(span)
+                for link in _list(span, "links"):
+                    fix(link)
+
+
+def _list(d: Any, key: str) -> list[Any]:
+    v = d.get(key) if isinstance(d, dict) else None
+    return [x for x in v if isinstance(x, dict)] if isinstance(v, list) else []
+
+
+def response(content_type: str | None) -> tuple[bytes, str]:
+    """An empty ExportTraceServiceResponse (full success) in the request's encoding."""
+    ctype = (content_type or "").split(";", 1)[0].strip().lower()
+    if ctype == "application/json":
+        return b"{}", "application/json"
+    response = _messages()[2].ExportTraceServiceResponse()
+    return response.SerializeToString(), "application/x-protobuf"
