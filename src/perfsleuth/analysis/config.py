@@ -86,7 +86,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # Peers flag single queries at 500-1000 ms (Sentry, debug-toolbar, Glowroot); a p95
         # is already an aggregate of many calls, so we go lower, but not to 100 ms: a call's
         # wall time includes waiting for the interpreter lock and the CPU, and on a starved
-        # machine a primary-key lookup in the demo reached a p95 of 103 ms (median 11 ms).
+        # machine a primary-key lookup in the demo can reach a p95 of ~100 ms (median ~10 ms).
         "p95_ms": 250.0,
         "min_calls": 5,
         # ... in this many requests: five slow calls of one request are one slow request.

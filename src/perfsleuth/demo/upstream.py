@@ -14,8 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 # Their wait must stay most of the endpoint's time on a slow, loaded machine too (the
-# upstream_latency detector asks for half): at 60 ms it fell below half on a CI machine
-# running three times slower than usual, our part of the request growing with the machine.
+# upstream_latency detector asks for half): our own part of the request grows with the
+# machine's slowness, so the base delay is large enough to stay over half on a machine three
+# times slower than usual.
 BASE_DELAY_S = 0.2
 JITTER_S = 0.12
 FAR_CITIES = {"Perth": 0.35, "Osaka": 0.25}  # extra seconds for the long-haul routes
