@@ -401,3 +401,19 @@ def test_ingest_endpoint_idempotent_gap_and_token_kinds(fleet: Fleet) -> None:
     assert fleet.call("POST", other, INGEST_TOKEN, b"garbage")[0] == 400  # not a segment
     bad = fleet.call("POST", "/api/ingest/segment?agent=x&segment=../y&offset=0", INGEST_TOKEN)
     assert bad[0] == 400
+
+
+def test_a_segment_the_collector_refuses_does_not_hold_back_the_rest(fleet: Fleet) -> None:
+    spool = fleet.tmp / "agent-host_r" / "spool"
+    spool.mkdir(parents=True)
+    bogus = spool / "aaa_bogus-1-1-1.seg"  # sorts first: shipped first
+    bogus.write_bytes(b"not a spool segment at all")
+    fleet.start_server()
+    fleet.start_agent("host_r")
+    fleet.send("host_r", 10)
+    assert fleet.wait_stored({"host_r": 10}) == {"host_r": (10, 10)}
+    st = fleet.wait_status(
+        "host_r", lambda s: s.get("forward_rejected_segments", 0) == 1, "not rejected"
+    )
+    assert "refused segment aaa_bogus-1-1-1" in st["last_error"]
+    assert not bogus.exists()

@@ -43,7 +43,9 @@ COUNTERS = (
     "forward_errors",
     "forward_auth_errors",
     "forward_dropped_segments",
+    "forward_rejected_segments",
     "dropped_spool_cap",
+    "dropped_forward_rejected",
 )
 for _name in COUNTERS:
     stats.setdefault(_name, 0)
@@ -244,6 +246,18 @@ class Forwarder:
             held = reply.get("held")
             if code in (401, 403):
                 raise Refused(f"{code}: {reply.get('error') or 'refused'}")
+            if code in (400, 413, 415):
+                # The collector will never take these bytes: say why, and leave the segment
+                # out (deleted once complete) rather than hold every later one back.
+                status.error(f"collector refused segment {base}: {reply.get('error', code)}"[:300])
+                if complete:
+                    stats["forward_rejected_segments"] += 1
+                    stats["dropped_forward_rejected"] += _requests_from(path, offset)
+                    status.unlink(path)
+                    self.acked.pop(base, None)
+                    self.save()
+                    _emit_counters()
+                return
             if code == 409 and isinstance(held, int) and 0 <= held <= size:
                 offset = held
                 self.acked[base] = held
@@ -369,7 +383,8 @@ def _emit_counters() -> None:
     try:
         from perfsleuth.agent.spool.queue import emit
 
-        body = {k: stats[k] for k in ("forward_dropped_segments", "dropped_spool_cap")}
+        names = ("forward_dropped_segments", "dropped_spool_cap", "dropped_forward_rejected")
+        body = {k: stats[k] for k in names}
         ts, pid = time.time_ns(), os.getpid()
         emit(STATS, lambda _intern: {"ts": ts, "pid": pid, "counters": dict(body)})
     except Exception:
