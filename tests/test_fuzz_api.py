@@ -138,10 +138,27 @@ def send(
         conn.close()
 
 
+# PERFSLEUTH_FUZZ_PROGRESS=FILE: a line every PROGRESS_EVERY requests (a long run's log)
+PROGRESS = os.environ.get("PERFSLEUTH_FUZZ_PROGRESS")
+PROGRESS_EVERY = 1000
+_started = time.monotonic()
+_slowest: list[float] = [0.0]
+
+
 def check(server: tuple[int, list[int]], method: str, target: str, **kw: Any) -> None:
     port, seen = server
+    t0 = time.monotonic()
     status, body = send(port, method, target, **kw)
+    _slowest[0] = max(_slowest[0], time.monotonic() - t0)
     seen.append(status)
+    if PROGRESS and len(seen) % PROGRESS_EVERY == 0:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(PROGRESS, "a") as fh:
+            fh.write(
+                f"{time.strftime('%H:%M:%S')} {len(seen)} requests "
+                f"({time.monotonic() - _started:.0f} s) in {test}; 5xx: "
+                f"{sum(s >= 500 for s in seen)}; slowest {_slowest[0]:.1f} s\n"
+            )
     assert status < 500, f"{method} {target} -> {status}: {body[:500]!r}"
 
 
