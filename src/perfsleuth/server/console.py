@@ -60,6 +60,7 @@ _SANDBOX = (
 )
 _EXPLAIN = re.compile(r"^\s*explain\s+(?:analyze\s+|analyse\s+)?(?:\([^)]*\)\s*)?", re.I)
 _READ_ONLY = {duckdb.StatementType.SELECT}
+_GUARDED = re.compile(r"(?i)(?:repeat|lpad|rpad|range|generate_series)")
 
 
 class ConsoleError(Exception):
@@ -351,8 +352,9 @@ def run(
         if max_memory:
             # sorts, hash tables, aggregates: of this connection only (ingest keeps its own)
             cur.execute(f"SET operator_memory_limit = '{max(max_memory // 2, 1 << 20)}B'")
-            for stmt in guard_functions(max_memory):
-                cur.execute(stmt)
+            if _GUARDED.search(query):  # a statement can call them only by name
+                for stmt in guard_functions(max_memory):
+                    cur.execute(stmt)
         if prepare is not None:
             prepare(cur)
         stmt = read_only_statement(cur, query)
