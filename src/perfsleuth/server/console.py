@@ -347,7 +347,11 @@ def run(
     stopped with a ConsoleError. ``prepare(cursor)`` runs first (e.g. the temporary views a
     read-only store made on its own connection)."""
     t0 = time.perf_counter()
-    watch = _Watch(cur, time_limit, max_memory)
+    try:
+        watch = _Watch(cur, time_limit, max_memory)
+    except duckdb.Error as e:
+        cur.close()
+        raise ConsoleError(_first_line(e)) from e
     try:
         if max_memory:
             # sorts, hash tables, aggregates: of this connection only (ingest keeps its own)
