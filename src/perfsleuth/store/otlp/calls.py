@@ -13,18 +13,14 @@ from perfsleuth.wire import FINGERPRINT, LOCATION, STACK
 from perfsleuth.wire import fingerprint as fpr
 
 CACHE_SYSTEMS = frozenset({"redis", "memcached"})
-
-
 # The location, stack and fingerprint records a payload's calls use, by (type, id).
 Dictionary = dict[tuple[bytes, int], dict[str, Any]]
-
-
+# Entries a look-up cache of this package holds before it starts over.
 MAX_CACHED = 20_000
 # Normalised text and operation of statements met lately (normalising costs far more than a
 # look-up, and services repeat their statements).
 _normalized: dict[str, tuple[str, str]] = {}
-
-
+# Stable ids of the texts and locations met lately.
 _ids: dict[tuple[str | int, ...], int] = {}
 
 

@@ -61,6 +61,7 @@ SPAN_KEYS = frozenset(
         *(BLOCK_MS, BLOCK_DELAYED),
     }
 )
+# The prefix of the attributes holding a statement's parameter values (read with the wanted keys).
 PARAMETER = "db.query.parameter."
 _SCALAR = frozenset({"string_value", "int_value", "double_value", "bool_value"})
 
