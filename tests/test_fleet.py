@@ -417,3 +417,73 @@ def test_a_segment_the_collector_refuses_does_not_hold_back_the_rest(fleet: Flee
     )
     assert "refused segment aaa_bogus-1-1-1" in st["last_error"]
     assert not bogus.exists()
+
+
+WSGI_MODULE = """
+import sqlite3
+
+import perfsleuth.agent as ps
+
+def plain(environ, start_response):
+    con = sqlite3.connect(":memory:")
+    con.execute("select 1").fetchall()
+    con.close()
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+app = ps.wsgi(plain)
+"""
+
+
+def test_prefork_workers_ship_once(fleet: Fleet) -> None:
+    """gunicorn with 3 workers under `perfsleuth run`: the processes share one spool, one of
+    them forwards it (a lock file elects it), every request is stored once."""
+    (fleet.tmp / "fleet_wsgi.py").write_text(WSGI_MODULE)
+    fleet.start_server()
+    port = free_port()
+    data = fleet.tmp / "agent-host_g"
+    env = dict(os.environ)
+    env.update(
+        PERFSLEUTH_COLLECTOR=f"http://127.0.0.1:{fleet.port}",
+        PERFSLEUTH_TOKEN=INGEST_TOKEN,
+        PERFSLEUTH_HOST="host_g",
+        PERFSLEUTH_SEGMENT_SECONDS="1",
+        PERFSLEUTH_CAPTURE="0",
+        PERFSLEUTH_EVIDENCE="0",
+        PYTHONPATH=str(fleet.tmp),
+    )
+    log = open(fleet.tmp / "gunicorn.log", "ab")  # noqa: SIM115 - the child writes it
+    proc = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "perfsleuth",
+            "run",
+            "--data",
+            str(data),
+            "--",
+            str(Path(PY).parent / "gunicorn"),
+            "-w",
+            "3",
+            "-b",
+            f"127.0.0.1:{port}",
+            "fleet_wsgi:app",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=fleet.tmp,
+    )
+    fleet.agents["host_g"] = (proc, port, data)
+    try:
+        wait_port(port, proc, "gunicorn")
+        fleet.send("host_g", 90)
+        assert fleet.wait_stored({"host_g": 90}) == {"host_g": (90, 90)}
+        pids = fleet.sql("SELECT count(DISTINCT pid) FROM requests WHERE host = 'host_g'")
+        assert pids[0][0] >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    # What the workers wrote at exit reaches the server too, once.
+    time.sleep(3)
+    assert fleet.stored() == {"host_g": (90, 90)}
