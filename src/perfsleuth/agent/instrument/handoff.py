@@ -18,9 +18,10 @@ callers part ways) see the caller's code.
 Cost, per hand-off while a request is recorded (the helper's call, not its statements): the
 frames above the hand-off compared with the stack last captured at the same line (captured
 again only when they differ), a partial, one Python frame in the worker and a look at the
-request's new sites when the function returns. A framework handing over the application's
-own function (FastAPI's sync endpoints) is left as it was: the worker's stack starts at the
-application's code already. Nothing is done outside a request.
+request's new sites when the function returns. A hand-off from a framework's own dispatch
+(three library frames above it: FastAPI running a sync endpoint or serialising its
+response) is left as it was: the endpoint's stack in the worker starts at the application's
+code already. Nothing is done outside a request.
 """
 
 from __future__ import annotations
@@ -174,15 +175,14 @@ _PER_LINE = 4
 _DISPATCH_DEPTH = 3
 
 
-def _dispatch(frame: FrameType, func: Callable[..., Any]) -> bool:
-    """Whether a framework hands the application's own function over (FastAPI running a sync
-    endpoint or dependency): the function is application code and the frames just above the
-    hand-off are the framework's. Its stack in the worker already starts at the
-    application's code; the framework's dispatch above adds nothing to name, and walking it
-    (a frame object made for every frame of every request) is the hand-off's main cost."""
-    code = _code_of(func)
-    if code is None or not _classify(code):
-        return False
+def _dispatch(frame: FrameType) -> bool:
+    """Whether a framework hands the work over from its own dispatch: the frames just above
+    the hand-off are all library code (FastAPI running a sync endpoint, a dependency or the
+    response's serialisation). The application's code is then in the worker's stack (the
+    endpoint) or nowhere near, and walking the framework's frames up to the request's entry
+    (a frame object made for each, every request, and more garbage collections) is what
+    the hand-off would cost most. A hand-off from the application's code, or one library
+    call below it, is stitched."""
     f: FrameType | None = frame
     for _ in range(_DISPATCH_DEPTH):
         if f is None:
@@ -242,7 +242,7 @@ def wrap(run_sync: Callable[..., Any]) -> Callable[..., Any]:
         if req is not None:
             try:
                 frame = _getframe(1)
-                if not _dispatch(frame, func):
+                if not _dispatch(frame):
                     origin = _origin(frame)
                     if origin:
                         func = _partial(_run_stitched, req, origin, func)
