@@ -198,3 +198,21 @@ def test_the_guarded_functions_still_make_ordinary_values() -> None:
     ):
         with pytest.raises(console.ConsoleError, match="memory limit"):
             console.run(con.cursor(), big)
+
+
+def test_a_result_left_unread_is_stopped_within_the_time_limit() -> None:
+    """A statement whose rows go on forever (a recursive CTE without an end) stops at the row
+    cap; closing its cursor must stop the rest, not run it to an end that never comes (with
+    the console's memory limit set, close() ran it on for some 20 s past a 3 s time limit)."""
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    console.sandbox(con)
+    forever = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT n FROM r"
+    for _ in range(3):
+        t0 = time.monotonic()
+        res = console.run(con.cursor(), forever, limit=5, time_limit=3.0)
+        elapsed = time.monotonic() - t0
+        assert res.encoded == ["[1]", "[2]", "[3]", "[4]", "[5]"]
+        assert res.truncated_by == "rows"
+        assert elapsed < 3.0 * 3, f"{elapsed:.1f} s for a 3 s time limit"

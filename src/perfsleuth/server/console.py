@@ -411,6 +411,8 @@ def run(
             raise ConsoleError(_first_line(e)) from e
     finally:
         watch.done()
+        # a result not read to its end (rows or bytes cap) is stopped, not finished by close()
+        cur.interrupt()
         cur.close()
     out.elapsed_ms = (time.perf_counter() - t0) * 1000
     return out
