@@ -487,3 +487,32 @@ def test_prefork_workers_ship_once(fleet: Fleet) -> None:
     # What the workers wrote at exit reaches the server too, once.
     time.sleep(3)
     assert fleet.stored() == {"host_g": (90, 90)}
+
+
+def test_a_short_server_token_names_the_servers_variable(tmp_path: Path) -> None:
+    """``perfsleuth server --token`` reads PERFSLEUTH_SERVER_TOKEN (PERFSLEUTH_TOKEN is the
+    agent's): the refusal of a short one names that variable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERFSLEUTH_")}
+    env["PERFSLEUTH_SERVER_TOKEN"] = "short"
+    out = subprocess.run(
+        [PY, "-m", "perfsleuth", "server", "--data", str(tmp_path / "d"), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode != 0
+    assert "PERFSLEUTH_SERVER_TOKEN" in out.stderr, out.stderr
+    assert "PERFSLEUTH_TOKEN:" not in out.stderr
+
+
+def test_server_prints_where_agents_send(fleet: Fleet) -> None:
+    """The server announces the port it listens on and the collector URL agents use."""
+    fleet.start_server()
+    log = fleet.tmp / "server.log"
+    end = time.monotonic() + 30
+    while "PERFSLEUTH_COLLECTOR" not in log.read_text() and time.monotonic() < end:
+        time.sleep(0.1)
+    text = log.read_text()
+    assert f"perfsleuth server: http://127.0.0.1:{fleet.port}/" in text, text
+    assert f"agents: PERFSLEUTH_COLLECTOR=http://127.0.0.1:{fleet.port}" in text, text

@@ -67,15 +67,13 @@ def start_server(
     tokens: dict[str, tuple[str, str]],
     allowed_hosts: list[str],
 ) -> None:
-    import uvicorn
-
-    from perfsleuth.server import LOOPBACK, check_token, url_for
-    from perfsleuth.server.app import create_app
+    """Check the settings, print the URL once listening, serve until Ctrl-C."""
+    from perfsleuth.server import LOOPBACK, check_token, serve, url_for
 
     try:
         check_token(token)
     except ValueError as e:
-        raise CLIError(f"--token / PERFSLEUTH_TOKEN: {e}") from e
+        raise CLIError(f"--token / PERFSLEUTH_SERVER_TOKEN: {e}") from e
     if host not in LOOPBACK and not token and not tokens:
         raise CLIError(
             f"binding to {host} makes the collector reachable from other machines: give "
@@ -83,28 +81,24 @@ def start_server(
         )
     if not port_free(host, port):
         raise CLIError(f"port {port} on {host} is in use; choose another with --port", EXIT_STATE)
-    own = [host] if host not in ("0.0.0.0", "::", "") else []
-    application = create_app(
-        data, token=token, tokens=tokens, ingest_every=1.0, allowed_hosts=[*allowed_hosts, *own]
-    )
-    config = uvicorn.Config(application, host=host, port=port, log_level="warning")
-    config.access_log = False
-    server = uvicorn.Server(config)
-    orig = server.startup
 
-    async def startup(sockets: object = None) -> None:
-        await orig(sockets=sockets)  # type: ignore[arg-type]
-        if server.started:
-            socks = [sk for srv in getattr(server, "servers", []) for sk in srv.sockets]
-            p = int(socks[0].getsockname()[1]) if socks else port
-            shown = url_for(host, p, None)
-            typer.echo(f"perfsleuth server: {shown}  (data: {os.path.abspath(data)})")
-            typer.echo(f"agents: PERFSLEUTH_COLLECTOR={shown.rstrip('/')}", err=False)
-            typer.echo("Ctrl-C stops it.")
+    def ready(p: int) -> None:
+        shown = url_for(host, p, None)
+        typer.echo(f"perfsleuth server: {shown}  (data: {os.path.abspath(data)})")
+        typer.echo(f"agents: PERFSLEUTH_COLLECTOR={shown.rstrip('/')}")
+        typer.echo("Ctrl-C stops it.")
 
-    server.startup = startup  # type: ignore[method-assign]
     try:
-        server.run()
+        serve(
+            data,
+            host=host,
+            port=port,
+            token=token,
+            tokens=tokens,
+            ingest_every=1.0,
+            on_ready=ready,
+            allowed_hosts=allowed_hosts,
+        )
     except KeyboardInterrupt:
         pass
 

@@ -40,20 +40,26 @@ def serve(
     on_ready: object = None,
     ingest: bool = True,
     allowed_hosts: tuple[str, ...] | list[str] = (),
+    tokens: dict[str, tuple[str, str]] | None = None,
+    ingest_every: float | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C). ``on_ready(port)`` is called once listening. Without
-    ``ingest`` the store is opened read-only. A token shorter than MIN_TOKEN_CHARS is refused
-    (ValueError); ``allowed_hosts``: Host names answered besides loopback and ``host``."""
+    ``ingest`` the store is opened read-only; ``ingest_every``: seconds between spool ingests
+    (3 by default). ``tokens``: token -> (name, kind) of ``perfsleuth server --tokens``. A
+    token shorter than MIN_TOKEN_CHARS is refused (ValueError); ``allowed_hosts``: Host names
+    answered besides loopback and ``host``."""
     import uvicorn
 
     from perfsleuth.server.app import check_token, create_app
 
     check_token(token)
     own = [host] if host not in ("0.0.0.0", "::", "") else []
+    every = (3.0 if ingest_every is None else ingest_every) if ingest else 0
     app = create_app(
         data_dir,
         token=token,
-        ingest_every=3.0 if ingest else 0,
+        tokens=tokens or {},
+        ingest_every=every,
         allowed_hosts=[*allowed_hosts, *own],
     )
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
