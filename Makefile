@@ -17,7 +17,7 @@ test: setup
 # machine (4 busy loops per core), the demo on the oversubscribed one; about 6 minutes on two
 # cores, so `make test` leaves it out.
 test-busy: setup
-	BUSY_ACCEPTANCE=1 $(BIN)/pytest -q tests/test_busy_acceptance.py
+	BUSY_ACCEPTANCE=1 $(BIN)/pytest -q tests/test_busy_acceptance.py tests/test_starved_short_requests.py
 
 # The wheel a user installs: built, installed with no extras into a new venv, demo + findings + UI.
 check-wheel: setup

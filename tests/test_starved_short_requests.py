@@ -5,19 +5,28 @@ thread serving a request, not only those of sampled requests.
 
 App: tests/apps/short_requests_app.py (a few milliseconds of CPU a request, on a sync and an
 async endpoint), under uvicorn, with the default sampling threshold; the busy loops are
-test_sampler_classes.oversubscribed's.
+test_sampler_classes.oversubscribed's. What it asserts depends on the machine's load (the run
+queue share, the runnable time, how few requests get sampled), so `make test` leaves it out:
+``make test-busy`` runs it (BUSY_ACCEPTANCE=1), as tests/test_busy_acceptance.py.
 """
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 from perfsleuth.analysis.config import Config
 from perfsleuth.analysis.findings import find
 from perfsleuth.store.duckdb_store import DuckDBStore
 from test_run_servers import launched, uvicorn
 from test_sampler_classes import oversubscribed
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("BUSY_ACCEPTANCE") != "1", reason="load-dependent: `make test-busy` runs it"
+)
 
 REQUESTS = 600  # half to each endpoint
 CLIENTS = 4  # concurrent: the server has a request in flight nearly all the time
