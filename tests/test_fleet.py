@@ -516,3 +516,16 @@ def test_server_prints_where_agents_send(fleet: Fleet) -> None:
     text = log.read_text()
     assert f"perfsleuth server: http://127.0.0.1:{fleet.port}/" in text, text
     assert f"agents: PERFSLEUTH_COLLECTOR=http://127.0.0.1:{fleet.port}" in text, text
+
+
+def test_a_segments_lock_stays_the_same_while_many_others_come_and_go() -> None:
+    """Two chunks of one segment (a retry beside the first writer) must share one lock however
+    many other segments were received meanwhile: otherwise both append and bytes repeat."""
+    from perfsleuth.server.routes.ingest import _lock
+
+    held = _lock("agent~live-1-2-3")
+    with held:
+        for i in range(10_000):
+            _lock(f"agent~other-{i}-2-3")
+        assert _lock("agent~live-1-2-3") is held
+        assert _lock("agent~live-1-2-3").locked()

@@ -50,19 +50,14 @@ SEP = "~"
 DONE_KEEP_S = 30 * 86400  # a done marker answers an agent that missed the last reply this long
 _pruned_at = 0.0
 
-_locks: dict[str, threading.Lock] = {}
-_locks_lock = threading.Lock()
+# One segment's chunks are written under one lock: a fixed array keyed by a hash of the name,
+# so a name's lock never changes however many segments come and go (two segments may share one).
+_LOCKS = tuple(threading.Lock() for _ in range(256))
 _pending_lock = threading.Lock()
 
 
 def _lock(name: str) -> threading.Lock:
-    with _locks_lock:
-        lk = _locks.get(name)
-        if lk is None:
-            if len(_locks) > 4096:
-                _locks.clear()  # locks of finished segments; a live one is made again
-            lk = _locks[name] = threading.Lock()
-        return lk
+    return _LOCKS[zlib.crc32(name.encode()) % len(_LOCKS)]
 
 
 class Place:
