@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from perfsleuth.store.otlp.batch import insert, to_batch
+from perfsleuth.store.otlp.batch import insert, rollback, to_batch
 from perfsleuth.store.otlp.payload import MAX_BODY, OtlpError, decode, response
 from perfsleuth.store.otlp.spans import Keys, Pending
 
@@ -80,13 +80,18 @@ async def traces(request: Request) -> Response:
                 pending = state.otlp_pending = Pending()
             mapped = to_batch(msg, keys, pending)
         if mapped.tables is not None:
-            with backend.use() as store:
-                if not hasattr(store, "insert_tables") or getattr(store, "read_only", False):
-                    raise OtlpError(
-                        503, "this server does not write its store (started without ingest)"
-                    )
+            try:
+                with backend.use() as store:
+                    if not hasattr(store, "insert_tables") or getattr(store, "read_only", False):
+                        raise OtlpError(
+                            503, "this server does not write its store (started without ingest)"
+                        )
+                    with _pending_lock:
+                        insert(store, mapped, pending)
+            except BaseException:  # not stored: the exporter's retry maps the payload again
                 with _pending_lock:
-                    insert(store, mapped, pending)
+                    rollback(mapped, pending)
+                raise
         data, out_type = response(ctype)
         return Response(data, media_type=out_type)
 

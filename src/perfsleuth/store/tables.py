@@ -133,16 +133,16 @@ def _table(t: schema.Table, **cols: Any) -> pa.Table:
 
 
 def drop_known_traces(tables: Tables, known: pa.Array) -> None:
-    """Leave out of ``tables`` the requests (with their calls and attributes) whose trace id
-    the store holds already: ingest adds each trace once."""
+    """Leave out of ``tables`` the requests (with their calls, attributes and loop blocks)
+    whose trace id the store holds already: ingest adds each trace once."""
     if not len(known):
         return
     for parts in tables.days.values():
-        for name in ("requests", "calls", "attributes"):
+        for name in ("requests", "calls", "attributes", "blockers"):
             t = parts.get(name)
             if t is None or not t.num_rows:
                 continue
-            new = pc.invert(pc.is_in(t["trace_id"], value_set=known))
+            new = pc.invert(pc.fill_null(pc.is_in(t["trace_id"], value_set=known), False))
             kept = t.filter(new)
             if name == "requests":
                 tables.requests -= t.num_rows - kept.num_rows

@@ -1,9 +1,10 @@
 """OTLP traces into the store: OpenTelemetry spans of any language become requests and calls.
 
 An ``ExportTraceServiceRequest`` (OTLP/HTTP protobuf or JSON, maybe gzip) is decoded with the
-official ``opentelemetry-proto`` messages and mapped onto the records the agent writes, which
-go through the spool ingest's own conversion (:class:`perfsleuth.store.records.Batch`) and the
-store's insert path, one transaction per payload:
+official ``opentelemetry-proto`` messages and mapped, column by column, straight onto the
+store's Arrow tables (requests, calls, link attributes, dictionaries; loop blocks as the
+agent's BLOCKER records), which ``StoreWriter.insert_tables`` commits in one transaction per
+payload:
 
 - a SERVER span is a request: ``http.route`` (else the templated ``url.path``) and the method
   are its endpoint (a CONSUMER span is a background task, named by the span); status,
@@ -22,10 +23,13 @@ store's insert path, one transaction per payload:
 Children end before their parent, so an exporter may send a request's calls in an earlier
 payload than its SERVER span: client spans whose SERVER ancestor has not arrived wait in a
 bounded pool (:class:`~perfsleuth.store.otlp.spans.Pending`) for a later payload of the same
-trace.
+trace; a client span inside another call waits too (the service it called names it as its
+parent). A payload whose commit fails gives back what it took from the pool, for the
+exporter's retry.
 
 Duplicates: a request's id is its trace id followed by its span id (48 hex digits), and the
-store keeps one request per id, so a payload sent twice is stored once.
+store keeps one request per id (with its calls, links and loop blocks), so a payload sent twice
+is stored once.
 
 The modules, in the order a payload goes through them (each imports only those before it):
 :mod:`~perfsleuth.store.otlp.payload` decodes an OTLP/HTTP body and answers it;

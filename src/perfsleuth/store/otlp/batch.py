@@ -50,6 +50,12 @@ class Mapped:
     blockers: int = 0
     waiting: int = 0  # client spans held for a SERVER span still to come
     new: list[tuple[bytes, int]] = field(default_factory=list)  # dictionary rows it adds
+    # What the mapping changed in Pending, undone (rollback) when the commit fails: the
+    # spans it took by trace (with when they began waiting), those it parked, the requests
+    # it recorded as served.
+    taken: dict[str, tuple[float, list[Span]]] = field(default_factory=dict)
+    parked: list[Span] = field(default_factory=list)
+    served: list[tuple[str, Served]] = field(default_factory=list)
 
 
 def insert(store: Any, mapped: Mapped, pending: Pending) -> None:
@@ -58,23 +64,47 @@ def insert(store: Any, mapped: Mapped, pending: Pending) -> None:
     sources, which have no spool offsets to keep."""
     if mapped.tables is None:
         return
-    store.insert_tables(records.Batch(), mapped.tables)
+    try:
+        store.insert_tables(records.Batch(), mapped.tables)
+    except BaseException:
+        rollback(mapped, pending)
+        raise
     if len(pending.stored) > MAX_CACHED * 5:
         pending.stored.clear()
     pending.stored.update(mapped.new)
+
+
+def rollback(mapped: Mapped, pending: Pending) -> None:
+    """Undo a mapping's changes to ``pending`` when its tables were not committed: the client
+    spans it took wait again for the exporter's retry, those it parked leave (the retry parks
+    them again), and its requests are not taken as stored."""
+    pending.undo(mapped.taken, mapped.parked, mapped.served)
+    mapped.taken, mapped.parked, mapped.served = {}, [], []
 
 
 def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> Mapped:
     """The rows of an ExportTraceServiceRequest: one request per SERVER (or CONSUMER) span
     with its calls, fingerprints, locations, stacks, links and loop blocks, as the store's
     Arrow tables (``Mapped.tables``), built column by column; ``Mapped.batch`` holds the
-    segments standing for the payload's sources."""
-    now = time.monotonic()
+    segments standing for the payload's sources. Its changes to ``pending`` stand once the
+    tables are committed (:func:`insert`); :func:`rollback` undoes them otherwise."""
     pending = pending if pending is not None else Pending()
     spans = read(msg, keys)
     out = Mapped(records.Batch(), spans=len(spans))
+    try:
+        return _map(spans, keys, pending, out)
+    except BaseException:
+        rollback(out, pending)
+        raise
+
+
+def _map(spans: list[Span], keys: Keys, pending: Pending, out: Mapped) -> Mapped:
+    now = time.monotonic()
     for trace in {s.trace for s in spans if s.kind in REQUEST_KINDS}:
-        spans.extend(pending.take(trace))
+        hit = pending.traces.get(trace)
+        if hit is not None:
+            out.taken[trace] = hit
+            spans.extend(pending.take(trace))
     if not spans:
         return out
     n = len(spans)
@@ -92,10 +122,11 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
     row_of[servers] = np.arange(len(servers))
     # A call or block whose ancestry stops at a span not seen yet waits, with the spans
     # between (a framework's INTERNAL spans), for a later payload of its trace; a block of a
-    # request stored before goes to it.
+    # request stored before goes to it. A client span inside another call (a transport's in
+    # a library's) waits too: the service it called names it as its parent (links).
     early: list[tuple[Span, Served | None]] = []
     waiting: dict[int, Span] = {}
-    lone = ((callish & ~nested) | is_block) & (state == MISSING)
+    lone = (callish | is_block) & (state == MISSING)
     for i in np.nonzero(lone | (is_block & (state == ROOT)))[0].tolist():
         s = spans[i]
         if is_block[i]:
@@ -107,7 +138,8 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
         while j >= 0 and j not in waiting:
             waiting[j] = spans[j]
             j = int(par[j])
-    pending.add(list(waiting.values()), now)
+    out.parked = list(waiting.values())
+    pending.add(out.parked, now)
     out.waiting = len(waiting)
 
     start, end = nanos(spans, 5), nanos(spans, 6)
@@ -126,6 +158,7 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
     seq = np.arange(len(calls)) - np.searchsorted(crow, crow)
     for trace, served in zip(reqs["trace"], reqs["served"], strict=True):
         pending.served(trace, served)
+        out.served.append((trace, served))
     blocks = np.nonzero(is_block & (state == FOUND))[0].tolist()
     for i in blocks:
         row = int(row_of[owner[i]])

@@ -154,6 +154,41 @@ class Pending:
         self.size -= len(hit[1])
         return hit[1]
 
+    def undo(
+        self,
+        taken: dict[str, tuple[float, list[Span]]],
+        parked: list[Span],
+        served: list[tuple[str, Served]],
+    ) -> None:
+        """Back to before a mapping whose tables were not committed: the spans it ``parked``
+        leave, those it ``took`` (by trace, with when they began waiting) wait again, and the
+        requests it recorded as ``served`` are forgotten."""
+        gone = {id(s) for s in parked}
+        for trace in {s.trace for s in parked}:
+            hit = self.traces.get(trace)
+            if hit is None:
+                continue
+            keep = [s for s in hit[1] if id(s) not in gone]
+            self.size -= len(hit[1]) - len(keep)
+            if keep:
+                self.traces[trace] = (hit[0], keep)
+            else:
+                del self.traces[trace]
+        for trace, (born, spans) in taken.items():
+            hit = self.traces.get(trace)
+            if hit is None:
+                self.traces[trace] = (born, list(spans))
+                self.traces.move_to_end(trace, last=False)  # among the oldest: expires first
+            else:
+                self.traces[trace] = (min(born, hit[0]), hit[1] + spans)
+            self.size += len(spans)
+        for trace, req in served:
+            reqs = self.servers.get(trace)
+            if reqs is not None and req in reqs:
+                reqs.remove(req)
+                if not reqs:
+                    del self.servers[trace]
+
     def expire(self, now: float) -> None:
         while self.traces:
             trace, (born, spans) = next(iter(self.traces.items()))
