@@ -13,6 +13,7 @@ ThreadPoolExecutor.submit), and a generic executor handed a statement returning 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +192,103 @@ def test_findings_name_each_callers_line(recorded: tuple[Path, Path]) -> None:
     assert big.callsite is not None and big.callsite["function"] == "run_query"
     path = [(p["function"], p["line"]) for p in big.evidence["app_path"]]
     assert path == [("export", line_of("EXPORT")), ("run_query", big.callsite["line"])]
+
+
+# In process (issue 22 item 1): executor work submitted in a request keeps the worker's own
+# context; only the agent's request variable is set for the work, and an ended request is not
+# recorded into.
+
+
+@pytest.fixture
+def patched_pool(agent_data_dir: str) -> Any:
+    import concurrent.futures.thread
+
+    from perfsleuth.agent.instrument import handoff
+
+    handoff.patch_futures(concurrent.futures.thread)  # idempotent: the registry's patch
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor
+
+
+def test_executor_work_sees_the_workers_context_variables(
+    in_request: Callable[..., Any], patched_pool: Any
+) -> None:
+    import contextvars
+
+    from perfsleuth.agent import recorder
+
+    conn: contextvars.ContextVar[str] = contextvars.ContextVar("conn")
+    seen: list[Any] = []
+
+    def task() -> None:
+        seen.append((conn.get("MISSING"), recorder.current()))
+        conn.set("changed by a task")
+
+    with patched_pool(1, initializer=lambda: conn.set("per-thread connection")) as pool:
+        with in_request("GET /ctx") as req:
+            pool.submit(task).result()
+            pool.submit(task).result()
+            # asyncio's run_in_executor submits there too
+            import asyncio
+
+            async def via_loop() -> None:
+                await asyncio.get_running_loop().run_in_executor(pool, task)
+
+            asyncio.run(via_loop())
+        pool.submit(task).result()  # outside a request: nothing set
+    assert seen == [
+        ("per-thread connection", req),
+        ("changed by a task", req),
+        ("changed by a task", req),  # the loop's task has a copy of the request's context
+        ("changed by a task", None),
+    ]
+
+
+def test_work_outliving_its_request_records_nothing_after_the_end(
+    in_request: Callable[..., Any], patched_pool: Any
+) -> None:
+    from perfsleuth.agent import recorder
+
+    started, ended = threading.Event(), threading.Event()
+
+    def query(sql: str) -> None:
+        call = recorder.start_call("db", "sqlite", sql)
+        if call is not None:
+            call.finish()
+
+    def job() -> None:
+        query("SELECT 1")
+        started.set()
+        ended.wait(10)
+        query("SELECT 2")  # after the request ended
+        query("SELECT 2")
+
+    with patched_pool(1) as pool:
+        with in_request("GET /long") as req:
+            fut = pool.submit(job)
+            assert started.wait(10)
+        n = len(req.calls or b"")
+        ended.set()
+        fut.result()
+        late = pool.submit(job)  # submitted after the end: nothing set in the worker
+        ended.set()
+        late.result()
+    assert n == recorder.ROW  # SELECT 1
+    assert len(req.calls or b"") == n
+    assert [e[2] for e in req.site_list or []] == ["SELECT 1"]
+
+
+def test_a_failing_parameter_note_keeps_one_row(in_request: Callable[..., Any]) -> None:
+    """The C site path appended the row, then failed to note the parameters (a dict): it
+    returns that row; Python's path must not append a second (issue 22 item 3)."""
+    from perfsleuth.agent import recorder
+
+    if recorder._c_record_call is None:
+        pytest.skip("the C accelerator is not built")
+    with in_request("GET /note") as req:
+        req.more = []  # not a dict: noting the parameters fails
+        call = recorder.start_call("db", "sqlite", "SELECT :a", {"a": 1})
+        assert call is not None
+        req.more = None
+    assert len(req.calls or b"") == recorder.ROW

@@ -723,11 +723,12 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
     PyFrameObject *f = NULL;
     if (site_list == NULL)
         goto done;
-    if (sites == no_sites && calls != Py_None) { /* a call after the request ended */
-        Py_SETREF(sites, PyDict_New());
-        if (sites == NULL)
-            goto done;
-        set_field(req, layout, F_SITES, Py_NewRef(sites));
+    PyObject *ended = get_field(req, layout, F_END);
+    if (ended == NULL || !PyLong_CheckExact(ended))
+        goto done;
+    if (PyObject_IsTrue(ended)) { /* a call after the request ended: not its (recorder) */
+        result = -2;
+        goto done;
     }
     if (calls == Py_None || site_list == Py_None) { /* the request's first call */
         Py_SETREF(calls, PyByteArray_FromStringAndSize(NULL, 0));
@@ -797,13 +798,20 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
             goto done;
         entry = PyDict_GetItemWithError(site_cache, key); /* borrowed */
         Py_XINCREF(entry);
+        if (entry == NULL && PyErr_Occurred())
+            goto done;
         int reuse = 0;
-        if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 5 &&
-            PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 0), kind, Py_EQ) == 1 &&
-            PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 1), system, Py_EQ) == 1) {
-            reuse = same_stack(frame, PyTuple_GET_ITEM(entry, 3));
-            if (reuse < 0)
+        if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 5) {
+            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 0), kind, Py_EQ);
+            if (same == 1)
+                same = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 1), system, Py_EQ);
+            if (same < 0)
                 goto done;
+            if (same == 1) {
+                reuse = same_stack(frame, PyTuple_GET_ITEM(entry, 3));
+                if (reuse < 0)
+                    goto done;
+            }
         }
         if (!reuse) {
             PyObject *flat = stack_at(frame, key);
@@ -831,8 +839,10 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
     Py_ssize_t i = append_row(calls, slot, ph);
     if (i < 0)
         goto done;
+    /* the row is the call's from here: a failure to note its parameters is counted, and the
+     * row returned (the caller must not take Python's path, which would append another) */
     if (params != NULL && !PyTuple_CheckExact(params) && note_params(req, layout, i, params) < 0)
-        goto done;
+        failed();
     result = i;
 done:
     Py_XDECREF(f);

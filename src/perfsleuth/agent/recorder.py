@@ -314,6 +314,8 @@ class ActiveRequest:
         """:meth:`record_call`, all cases: finds the call site, captures the site's stack
         the first time, hashes what can be hashed here, notes per-call targets."""
         try:
+            if self.end:  # a call after the request ended (work it left running): not its
+                return -1
             calls = self.calls
             site_list = self.site_list
             if calls is None or site_list is None:
@@ -322,8 +324,6 @@ class ActiveRequest:
                 self.sites = {}
             elif len(calls) >= _max_rows:
                 return self._dropped()
-            elif self.sites is _NO_SITES:  # a call after the request ended (a leaked thread)
-                self.sites = {}
             # The call site: the first application frame above the wrapper (else the first
             # frame that is not the agent's).
             frame = _getframe(up)

@@ -75,7 +75,8 @@ def execute_wrapper(execute: Any, sql: Any, params: Any, many: bool, context: An
             # application line record_call's fast path keys by (up=1: this function's caller)
             i = _c_record_call(req, "db", system, text, params, 1)
             if i < 0:
-                i = req.record_call("db", system, text, params, 2) if i == -1 else -1
+                # -1: the C path could not: Python's (not record_call, which would try C again)
+                i = req._record_call("db", system, text, params, 2) if i == -1 else -1
         else:
             i = req.record_call("db", system, text, params, 2)
     except Exception:

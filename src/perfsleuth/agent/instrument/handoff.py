@@ -20,8 +20,13 @@ frames above the hand-off compared with the stack last captured at the same line
 again only when they differ), a partial, one Python frame in the worker and a look at the
 request's new sites when the function returns. A hand-off from a framework's own dispatch
 (three library frames above it: FastAPI running a sync endpoint or serialising its
-response) is left as it was: the endpoint's stack in the worker starts at the application's
+response) is not stitched: the endpoint's stack in the worker starts at the application's
 code already. Nothing is done outside a request.
+
+Executor work (``submit``) runs in the worker's own context: only the agent's request
+variable is set to the request while the work runs, then reset, so the worker's context
+variables (an initializer's per-thread connection) stay visible to it. Work started after its
+request ended is not recorded, and the recorder refuses calls into an ended request.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable
-from contextvars import Context, copy_context
+from contextvars import Context
 from types import CodeType, FrameType, FunctionType, ModuleType
 from typing import Any
 
@@ -38,6 +43,8 @@ from perfsleuth.agent import recorder, stacks
 
 _getframe = sys._getframe
 _current_get = recorder.current_get
+_set_current = recorder._current.set
+_reset_current = recorder._current.reset
 _capture = stacks.capture
 _kinds = stacks._kind
 _classify = stacks.classify
@@ -121,12 +128,39 @@ def _run_stitched(
     finally:
         try:
             site_list = req.site_list
-            if site_list is not None and len(site_list) > first:
+            # an ended request is the writer's: its sites are left as they are
+            if not req.end and site_list is not None and len(site_list) > first:
                 code = _code_of(func)
                 if code is not None:
                     _stitch(req, first, code, origin)
         except Exception:
             recorder.internal_error()
+
+
+def _run_in_request(
+    req: recorder.ActiveRequest,
+    origin: tuple[Any, ...] | None,
+    func: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Run executor work in the worker's own context with only the agent's request variable
+    set to ``req`` meanwhile (reset after): the worker's other context variables (set by the
+    executor's initializer or by earlier work) stay as the application left them. Work that
+    starts after the request ended runs unrecorded (the recorder also refuses calls into a
+    request that has ended while the work runs)."""
+    if req.end:
+        return func(*args, **kwargs)
+    token = _set_current(req)
+    try:
+        if origin is None:
+            return func(*args, **kwargs)
+        return _run_stitched(req, origin, func, *args, **kwargs)
+    finally:
+        try:
+            _reset_current(token)
+        except ValueError:  # reset elsewhere (cannot happen in a worker): clear ours
+            _set_current(None)
 
 
 def _carries_context(fn: Any) -> bool:
@@ -137,9 +171,11 @@ def _carries_context(fn: Any) -> bool:
 
 def patch_futures(module: ModuleType) -> None:
     """``concurrent.futures.ThreadPoolExecutor.submit`` (``loop.run_in_executor`` submits
-    there): work submitted while a request is recorded runs in a copy of the submitter's
-    context, so the request's calls made there are recorded (the executor does not copy
-    contexts), with the submitter's stack stitched on. Process pools are left alone."""
+    there): work submitted while a request is recorded runs with the agent's request variable
+    set to that request for its duration (the executor copies no context), so the request's
+    calls made there are recorded, with the submitter's stack stitched on (unless the
+    submission comes from a framework's dispatch, see :func:`_dispatch`). The worker's own
+    context is kept: no other variable changes. Process pools are left alone."""
     cls = getattr(module, "ThreadPoolExecutor", None)
     submit = getattr(cls, "submit", None)
     if submit is None or getattr(submit, "__perfsleuth__", False):
@@ -151,8 +187,9 @@ def patch_futures(module: ModuleType) -> None:
         if req is not None:
             try:
                 if not _carries_context(fn):
-                    origin = _origin(_getframe(1))
-                    fn = _partial(copy_context().run, _run_stitched, req, origin, fn)
+                    frame = _getframe(1)
+                    origin = None if _dispatch(frame) else (_origin(frame) or None)
+                    fn = _partial(_run_in_request, req, origin, fn)
             except Exception:
                 recorder.internal_error()
         return submit(self, fn, *args, **kwargs)
