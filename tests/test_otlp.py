@@ -316,9 +316,10 @@ def test_node_express_pg_n_plus_one_on_the_right_endpoint(server: Server) -> Non
 
 
 def test_node_event_loop_blocker_names_the_endpoint_whose_code_blocked(server: Server) -> None:
-    """perfsleuth-node preloaded next to the SDK: POST /import JSON.parses a large body on the
-    loop, POST /notes a small one. Each block reaches the server as a span under the handler's,
-    becomes a blocker of its request, and event_loop_blocker names POST /import only."""
+    """perfsleuth-node preloaded next to the SDK: POST /import JSON.parses its body on the
+    loop until twice the block threshold has passed (a block on any machine), POST /notes a
+    small one once. Each block reaches the server as a span under the handler's, becomes a
+    blocker of its request, and event_loop_blocker names POST /import only."""
     cwd = _node_modules()
     env = dict(
         os.environ,
@@ -327,6 +328,7 @@ def test_node_event_loop_blocker_names_the_endpoint_whose_code_blocked(server: S
         OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
         OTEL_BSP_SCHEDULE_DELAY="200",
         PERFSLEUTH_LOOP_BLOCK_MS="150",
+        BLOCKER_HOLD_MS="300",  # blocker.js holds the loop this long in each POST /import
     )
     proc = subprocess.Popen(
         ["node", "--require", "./tracing.js", "--require", "perfsleuth-node", "blocker.js"],
@@ -336,27 +338,28 @@ def test_node_event_loop_blocker_names_the_endpoint_whose_code_blocked(server: S
         text=True,
     )
     rows = [
-        {"id": i, "sku": f"sku-{i}", "tags": ["a", "b"], "price": i * 1.5} for i in range(400_000)
+        {"id": i, "sku": f"sku-{i}", "tags": ["a", "b"], "price": i * 1.5} for i in range(20_000)
     ]
-    big = json.dumps(rows).encode()  # ~27 MB: JSON.parse holds the loop for well over 150 ms
+    big = json.dumps(rows).encode()  # parsed again and again for BLOCKER_HOLD_MS
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line.startswith("listening "), line
         base = f"http://127.0.0.1:{int(line.split()[1])}"
 
-        def post(path: str, body: bytes) -> int:
+        def post(path: str, body: bytes) -> Any:
             req = urllib.request.Request(
                 base + path, body, {"Content-Type": "application/json"}, method="POST"
             )
             with urllib.request.urlopen(req, timeout=120) as r:
-                r.read()
-                return r.status
+                assert r.status == 200
+                return json.loads(r.read())
 
         for _ in range(3):
-            assert post("/import", big) == 200
+            imported = post("/import", big)
+            assert imported["imported"] == len(rows) and imported["parses"] >= 1, imported
             for i in range(3):
-                assert post("/notes", json.dumps({"text": f"note {i}"}).encode()) == 200
+                assert post("/notes", json.dumps({"text": f"note {i}"}).encode()) == {"saved": 1}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
@@ -377,6 +380,7 @@ def test_node_event_loop_blocker_names_the_endpoint_whose_code_blocked(server: S
     # its own on a machine busy enough to stall a process that long: no finding needs one).
     assert len({b["trace_id"] for b in blocks}) == 3, blocks
     assert all(b["request"] == b["endpoint"] == "POST /import" for b in blocks), blocks
+    # perfsleuth-node reports only blocks of PERFSLEUTH_LOOP_BLOCK_MS or more
     assert all(b["duration_ms"] >= 150 and b["service"] == "node-import" for b in blocks)
     elb = [f for f in found if f.kind == "event_loop_blocker"]
     assert [f.endpoint for f in elb] == ["POST /import"], [f.title for f in found]

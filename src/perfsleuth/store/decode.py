@@ -293,7 +293,7 @@ def _with_agent_calls(
 ) -> pa.Table:
     """``wire`` with its ``calls`` column built from the agent rows of REQUESTS records
     (wire.batch), in a few vectorised steps per batch, keeping the JSON calls of the other
-    rows (store.otlp's, the slow path's) in place."""
+    rows (the slow path's: odd or hand-written records, those read past damage) in place."""
     n = wire.num_rows
     has = np.fromiter((b is not None for b in blobs), dtype=bool, count=n)
     size = wbatch.AGENT_ROW.size

@@ -63,18 +63,7 @@ def _shape(c: Span) -> Shape:
     except TypeError:  # a list or map value: not cached
         key, hit = (), None
     if hit is None:
-        entries: Dictionary = {}
-        got = _call(c, 0, entries)
-        hit = (
-            got["kind"],
-            got["system"],
-            got["fp"],
-            got.get("ph"),
-            got.get("host"),
-            got.get("site"),
-            got.get("stack"),
-            entries,
-        )
+        hit = _call(c)
         if key:
             if len(_shapes) >= MAX_CACHED:
                 _shapes.clear()
@@ -111,10 +100,12 @@ def call_columns(calls: list[Span], dictionary: Dictionary) -> dict[str, Any]:
     return cols
 
 
-def _call(c: Span, t0: int, dictionary: Dictionary) -> dict[str, Any]:
+def _call(c: Span) -> Shape:
+    """The shape of a client span's call: kind, system, fingerprint id, parameters hash, host
+    (HTTP), location and stack ids (its site), and the dictionary rows they name."""
     a = c.attrs
     system = values.as_str(first(a, "db.system.name", "db.system"))
-    out: dict[str, Any] = {"off": c.start - t0, "dur": max(c.end - c.start, 0), "error": c.error}
+    ph = host = None
     if system is not None:
         system = system.lower()
         statement = values.as_str(first(a, "db.query.text", "db.statement"))
@@ -132,8 +123,7 @@ def _call(c: Span, t0: int, dictionary: Dictionary) -> dict[str, Any]:
             else:
                 text = (operation or c.name).upper()
                 op = text.split()[0] if text.split() else "OTHER"
-        out["rows"] = values.as_int(first(a, "db.response.returned_rows"))
-        out["ph"] = _params_hash(statement or "", text, a)
+        ph = _params_hash(statement or "", text, a)
     else:
         kind, system = "http", "http"
         method = http_method(a) or "GET"
@@ -147,28 +137,17 @@ def _call(c: Span, t0: int, dictionary: Dictionary) -> dict[str, Any]:
             host = f"{host}:{port}"
         host = host or c.name
         text, op = f"{method} {host}{fpr.url_template('/' + url_path)}", method
-        out["host"] = host
-        out["status"] = values.as_int(first(a, "http.response.status_code", "http.status_code"))
     fid = _stable_id(kind, text)
-    if (FINGERPRINT, fid) not in dictionary:
-        dictionary[FINGERPRINT, fid] = {"id": fid, "kind": kind, "text": text, "op": op}
-    out.update(kind=kind, system=system, fp=fid)
+    entries: Dictionary = {(FINGERPRINT, fid): {"id": fid, "kind": kind, "text": text, "op": op}}
     site = _site(a)
-    if site is not None:
-        lid = _stable_id(*site)
-        sid = _stable_id(lid)
-        file, line, func = site
-        if (STACK, sid) not in dictionary:
-            dictionary[LOCATION, lid] = {
-                "id": lid,
-                "file": file,
-                "line": line,
-                "func": func,
-                "app": True,
-            }
-            dictionary[STACK, sid] = {"id": sid, "frames": [lid]}
-        out.update(site=lid, stack=sid)
-    return out
+    if site is None:
+        return kind, system, fid, ph, host, None, None, entries
+    lid = _stable_id(*site)
+    sid = _stable_id(lid)
+    file, line, func = site
+    entries[LOCATION, lid] = {"id": lid, "file": file, "line": line, "func": func, "app": True}
+    entries[STACK, sid] = {"id": sid, "frames": [lid]}
+    return kind, system, fid, ph, host, lid, sid, entries
 
 
 _PLACEHOLDER = re.compile(r"\$\d+|%s|%\(\w+\)s|\?|(?<![:\w]):[A-Za-z_]\w*")
