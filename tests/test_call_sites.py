@@ -37,6 +37,13 @@ def distinct(k: int) -> str:
     return f"SELECT {k} AS k, '{'x' * k}' AS pad FROM t WHERE id IN ({', '.join(['1'] * (k + 1))})"
 
 
+@pytest.fixture(autouse=True)
+def fresh_caches() -> None:
+    """Each case captures its own stacks: the recorder's site and stack caches are global, and
+    a stack the C run cached would otherwise be taken by the Python run as it was."""
+    recorder.forget_sites()
+
+
 @pytest.fixture(params=["c", "python"])
 def site_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The C site path (when the accelerator is built) or Python's alone."""

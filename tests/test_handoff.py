@@ -292,3 +292,41 @@ def test_a_failing_parameter_note_keeps_one_row(in_request: Callable[..., Any]) 
         assert call is not None
         req.more = None
     assert len(req.calls or b"") == recorder.ROW
+
+
+def test_distinct_statements_in_workers_stay_within_the_cache_budget(
+    in_request: Callable[..., Any], patched_pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Statements with their literals in the text, made in a worker from a request: the
+    hand-off's stitched entries and the recorder's stacks are forgotten with the site cache
+    when the queue's share of the budget for them is used up (issue 22 item 2)."""
+    from perfsleuth.agent import recorder
+    from perfsleuth.agent.instrument import handoff
+    from perfsleuth.agent.spool import queue
+
+    limit = 64 << 10
+    monkeypatch.setattr(queue, "cache_limit", limit)
+    recorder.forget_sites()
+    queue.forget_sites()
+
+    def run(k: int) -> None:
+        call = recorder.start_call("db", "sqlite", f"SELECT {k}, '{'x' * 1000}' FROM t")
+        if call is not None:
+            call.finish()
+
+    def held() -> int:
+        return sum(len(v[2][2]) for v in handoff._stitched.values())
+
+    resets = first = queue.stats["cache_resets"]
+    peak = 0
+    with patched_pool(1) as pool:
+        for k in range(400):
+            with in_request("GET /distinct") as req:
+                pool.submit(run, k).result()  # from the application's code: stitched
+            assert req.site_list is not None and len(req.site_list[0][3]) > 2
+            peak = max(peak, held())
+            if queue.stats["cache_resets"] != resets:  # forgotten together
+                resets = queue.stats["cache_resets"]
+                assert not handoff._stitched and not recorder._stack_cache
+    assert resets > first and peak <= 2 * limit
+    assert held() <= 2 * limit

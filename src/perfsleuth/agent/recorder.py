@@ -119,6 +119,24 @@ _site_cache: dict[Any, tuple[Any, ...]] = {}
 # again. Holds no statement text.
 _stack_cache: dict[Any, tuple[Any, ...]] = {}
 
+# Emptied with the site cache (forget_sites): other caches of site entries or stacks (the
+# thread-pool hand-off's), which would otherwise keep statements and stacks the site cache let go.
+forget_hooks: list[Callable[[], None]] = []
+
+
+def forget_sites() -> None:
+    """Empty the caches of site entries and stacks together (the queue's share of the memory
+    budget for them is used up, or the writer's caches were cleared). In place: the C
+    accelerator holds the same dicts."""
+    _site_cache.clear()
+    _stack_cache.clear()
+    for hook in forget_hooks:
+        try:
+            hook()
+        except Exception:
+            internal_error()
+
+
 # Set by the shipper when the agent starts; None means "agent not started": record nothing.
 _sink: Callable[[ActiveRequest], None] | None = None
 _max_rows = 20000 * ROW

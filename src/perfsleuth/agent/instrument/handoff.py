@@ -77,8 +77,10 @@ def _code_of(func: Any) -> CodeType | None:
 
 # (id(site entry), id(origin)) -> (site entry, origin, the entry with the origin appended):
 # both kept in the value so that their ids cannot be reused while the key exists
+# (a stitched stack is up to 2 * MAX_DEPTH items, ~2 KB: the bound keeps them a few MB, and
+# they are forgotten with the recorder's site cache, whose entries they hold)
 _stitched: dict[tuple[int, int], tuple[Any, Any, tuple[Any, ...]]] = {}
-_MAX_STITCHED = 20_000
+_MAX_STITCHED = 2_000
 
 
 def _stitch(
@@ -205,8 +207,16 @@ def patch_futures(module: ModuleType) -> None:
 # differs a frame or two up), as the recorder reuses a site's stack. A stack holds the
 # code objects it is compared by, so a reused id cannot match a stale entry.
 _origins: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
-_MAX_ORIGINS = 2_000
+_MAX_ORIGINS = 500
 _PER_LINE = 4
+
+
+def _forget() -> None:
+    _stitched.clear()
+    _origins.clear()
+
+
+recorder.forget_hooks.append(_forget)
 
 
 _DISPATCH_DEPTH = 3

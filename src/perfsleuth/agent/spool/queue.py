@@ -94,7 +94,7 @@ def enqueue(req: recorder.ActiveRequest) -> None:
             size += grew
             _site_cache_bytes += grew
             if _site_cache_bytes > cache_limit:
-                _site_cache.clear()  # loses reuse only: requests hold their own entries
+                recorder.forget_sites()  # loses reuse only: requests hold their own entries
                 _site_cache_bytes = 0
                 stats["cache_resets"] += 1
             _sites_seen = len(_site_cache)
@@ -168,7 +168,7 @@ def forget_sites() -> None:
     """Empty the recorder's site cache (the writer's caches were cleared: its keys hold the
     same statements)."""
     global _site_cache_bytes
-    _site_cache.clear()
+    recorder.forget_sites()
     _site_cache_bytes = 0
 
 
