@@ -282,6 +282,12 @@ def test_three_agents_exactly_once_across_outage_and_kill(fleet: Fleet) -> None:
     # The origin of the rows: the token's name per segment received.
     tokens = fleet.sql("SELECT DISTINCT token, host FROM segments_received ORDER BY host")
     assert tokens == [["team_a", h] for h in hosts]
+    # README's origin query: every request once, with the token that sent it.
+    origin = fleet.sql(
+        f"SELECT count(*), count(DISTINCT trace_id), min(token), max(token) "
+        f"FROM ({readme_origin_query()})"
+    )
+    assert origin == [[370, 370, "team_a", "team_a"]]
     # Agents delete what the collector holds completely.
     for h in hosts:
         fleet.wait_status(h, lambda s: s.get("forward_segments_sent", 0) > 0, "nothing sent")
@@ -529,3 +535,90 @@ def test_a_segments_lock_stays_the_same_while_many_others_come_and_go() -> None:
             _lock(f"agent~other-{i}-2-3")
         assert _lock("agent~live-1-2-3") is held
         assert _lock("agent~live-1-2-3").locked()
+
+
+def readme_origin_query() -> str:
+    """The origin query README "Fleet" documents (its `SELECT ... ASOF JOIN ...` span)."""
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    start = text.index("`SELECT r.trace_id, r.endpoint, s.token")
+    end = text.index("`", start + 1)
+    return " ".join(text[start + 1 : end].split())
+
+
+def test_the_documented_origin_query_gives_each_request_once_and_its_own_process(
+    tmp_path: Path,
+) -> None:
+    """Two processes of one host with the same pid (a reused pid), sent with different tokens,
+    each with several segments: the README's query gives every request one row, the token of
+    the process that ran it; its first request comes before its first segment opened."""
+    from perfsleuth.store.duckdb_store import DuckDBStore
+
+    t0 = 1_790_000_000 * 10**9
+    s = 10**9
+    rows = []
+    for token, base in (("team_old", t0), ("team_new", t0 + 600 * s)):
+        for k in range(3):  # segments opened 0 s, 100 s, 200 s after the process's first write
+            rows.append(
+                {
+                    "segment": f"a~h1-77-{base + k * 100 * s}-{k + 1:06d}",
+                    "token": token,
+                    "agent": "a",
+                    "host": "h1",
+                    "service": "svc",
+                    "pid": 77,
+                    "received_ns": base + k * 100 * s + s,
+                    "started_ns": base + k * 100 * s,
+                }
+            )
+    with DuckDBStore(str(tmp_path / "d")) as store:
+        store.record_received(rows)
+        store.record_received(rows[:1])  # a segment recorded twice keeps one row
+        con = store._con
+        con.execute(
+            "CREATE TEMP TABLE requests (trace_id VARCHAR, endpoint VARCHAR, host VARCHAR,"
+            " pid INTEGER, ts TIMESTAMP)"
+        )
+        want = {}
+        for token, base in (("team_old", t0), ("team_new", t0 + 600 * s)):
+            for k, off in enumerate((-2, 5, 150, 290)):  # -2: before the first segment opened
+                tid = f"{token}-{k}"
+                want[tid] = token
+                con.execute(
+                    "INSERT INTO temp.requests VALUES (?, '/x', 'h1', 77, make_timestamp(?))",
+                    [tid, (base + off * s) // 1000],
+                )
+        query = readme_origin_query().replace("FROM requests", "FROM temp.requests")
+        got = con.execute(query).fetchall()
+        assert sorted(r[0] for r in got) == sorted(want), "each request exactly once"
+        assert {r[0]: r[2] for r in got} == want
+        # The join the README gave before, USING (host, pid), repeats and mixes them.
+        old = con.execute(
+            "SELECT r.trace_id, s.token FROM temp.requests r JOIN segments_received s "
+            "USING (host, pid)"
+        ).fetchall()
+        assert len(old) == 6 * len(want)
+
+
+def test_a_store_with_the_collectors_old_table_gains_the_started_column(tmp_path: Path) -> None:
+    """segments_received as the collector used to create it (no ``started``) is migrated."""
+    from perfsleuth.store.duckdb_store import DuckDBStore
+
+    data = tmp_path / "d"
+    with DuckDBStore(str(data)) as store:
+        store._con.execute("DROP TABLE segments_received")
+        store._con.execute(
+            "CREATE TABLE segments_received (segment VARCHAR PRIMARY KEY, token VARCHAR, "
+            "agent VARCHAR, host VARCHAR, service VARCHAR, pid INTEGER, received TIMESTAMP)"
+        )
+        store._con.execute(
+            "INSERT INTO segments_received VALUES ('a~s', 't', 'a', 'h', 'svc', 1, now())"
+        )
+    with DuckDBStore(str(data)) as store:
+        store.record_received(
+            [{"segment": "a~s2", "token": "t", "pid": 2, "received_ns": 1, "started_ns": 5000}]
+        )
+        rows = store._con.execute(
+            "SELECT segment, started FROM segments_received ORDER BY segment"
+        ).fetchall()
+    assert [r[0] for r in rows] == ["a~s", "a~s2"]
+    assert rows[0][1] is None and rows[1][1] is not None

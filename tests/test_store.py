@@ -371,7 +371,9 @@ def test_retention_drops_whole_days_and_views_keep_working(
     _, ages = store.sql("SELECT num FROM attributes ORDER BY num")
     assert ages == [(0.0,), (3.0,)]
     assert store.sql("SELECT count(*) FROM calls")[1] == [(2,)]
-    _, tables = store.sql("SELECT table_name FROM duckdb_tables() WHERE table_name LIKE '%_d%'")
+    _, tables = store.sql(
+        "SELECT table_name FROM duckdb_tables() WHERE table_name LIKE '%\\_d%' ESCAPE '\\'"
+    )
     assert len(tables) == 2 * len(schema.EVENT_TABLES)  # two days left
     assert store.top()[0]["count"] == 2
     assert store.apply_retention(7) == []

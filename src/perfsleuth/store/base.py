@@ -98,6 +98,12 @@ class StoreWriter(Protocol):
         """Drop whole days older than ``days``; returns the dropped day names."""
         ...
 
+    def record_received(self, rows: list[dict[str, Any]]) -> None:
+        """Record segments a collector received (``segments_received``): dicts with segment,
+        token, agent, host, service, pid, received_ns, started_ns; a segment already recorded
+        keeps its first row."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import date, datetime, timedelta
+from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -146,6 +147,30 @@ class DuckDBWriter(DuckDBFile):
             )
         finally:
             self._con.unregister("_ps_batch")
+
+    def record_received(self, rows: list[dict[str, Any]]) -> None:
+        self._writable("recording received segments")
+        if not rows:
+            return
+        self._con.executemany(
+            "INSERT OR IGNORE INTO segments_received "
+            "(segment, token, agent, host, service, pid, received, started) VALUES "
+            "(?, ?, ?, ?, ?, ?, make_timestamp(?::BIGINT // 1000), "
+            "make_timestamp(?::BIGINT // 1000))",
+            [
+                [
+                    r["segment"],
+                    r.get("token"),
+                    r.get("agent"),
+                    r.get("host"),
+                    r.get("service"),
+                    r.get("pid"),
+                    r.get("received_ns"),
+                    r.get("started_ns"),
+                ]
+                for r in rows
+            ],
+        )
 
     def apply_retention(self, days: int) -> list[str]:
         """Drop whole days that ended more than ``days`` days ago; returns them (YYYY-MM-DD)."""

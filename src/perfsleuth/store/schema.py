@@ -191,8 +191,28 @@ INGEST_OFFSETS = Table(
     key=("segment",),
 )
 
+# Segments a collector (``perfsleuth server``) received, with the name of the token that sent
+# each (segment is ``agent~name``); ``started`` is the segment's own start (its header's).
+SEGMENTS_RECEIVED = Table(
+    "segments_received",
+    _c(
+        "segment string!, token string~, agent string~, host string~, service string~,"
+        " pid int32, received timestamp, started timestamp"
+    ),
+    order_by=("segment",),
+    key=("segment",),
+)
+
 EVENT_TABLES = (REQUESTS, CALLS, ATTRIBUTES, SAMPLES, BLOCKERS, GC_PAUSES)
-GLOBAL_TABLES = (FINGERPRINTS, LOCATIONS, STACKS, AGENT_STATS, INGEST_OFFSETS, CAPTURES)
+GLOBAL_TABLES = (
+    FINGERPRINTS,
+    LOCATIONS,
+    STACKS,
+    AGENT_STATS,
+    INGEST_OFFSETS,
+    CAPTURES,
+    SEGMENTS_RECEIVED,
+)
 TABLES = {t.name: t for t in EVENT_TABLES + GLOBAL_TABLES}
 
 _DAY_SUFFIX = re.compile(r"^(?P<table>[a-z_]+)_d(?P<day>\d{8})$")

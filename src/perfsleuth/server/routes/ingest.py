@@ -16,8 +16,10 @@ segment, offset held):
 
 The token's name (``--tokens`` of ``perfsleuth server``) is recorded per segment in the
 store's ``segments_received`` table (segment, token, agent, host, service, pid, first
-received), and in ``DATA/incoming/received.jsonl``: a request row's origin is the segment of
-its host and pid.
+received, the segment's start from its header), and in ``DATA/incoming/received.jsonl``. A
+request's origin is the segment of its host and pid started last before it (an ASOF JOIN: see
+README "Fleet"): one row per request, and a reused pid names the later process only from
+its first segment on.
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ def _record_origin(request: Request, place: Place, agent: str, token: str, data:
         "service": str(head.get("service") or ""),
         "pid": head.get("pid") if isinstance(head.get("pid"), int) else None,
         "received_ns": time.time_ns(),
+        "started_ns": head.get("started_ns") if isinstance(head.get("started_ns"), int) else None,
     }
     state = request.app.state
     data_dir = state.backend.data_dir
@@ -183,30 +186,9 @@ def flush_origins(request: Request) -> None:
         if not pending or not be.lock.acquire(blocking=False):
             return
         try:
-            con = getattr(be.store, "_con", None)
-            if con is None or getattr(be.store, "read_only", False):
+            if getattr(be.store, "read_only", False):
                 return
-            con.execute(
-                "CREATE TABLE IF NOT EXISTS segments_received (segment VARCHAR PRIMARY KEY, "
-                "token VARCHAR, agent VARCHAR, host VARCHAR, service VARCHAR, pid INTEGER, "
-                "received TIMESTAMP)"
-            )
-            con.executemany(
-                "INSERT OR IGNORE INTO segments_received VALUES "
-                "(?, ?, ?, ?, ?, ?, make_timestamp(?::BIGINT // 1000))",
-                [
-                    [
-                        r["segment"],
-                        r["token"],
-                        r["agent"],
-                        r["host"],
-                        r["service"],
-                        r["pid"],
-                        r["received_ns"],
-                    ]
-                    for r in pending
-                ],
-            )
+            be.store.record_received(pending)
             pending.clear()
         except Exception as e:  # the ledger file has them; try again with the next chunk
             log.warning("could not record received segments: %s", e)
