@@ -71,7 +71,7 @@ def record_wsgi(
         req = None
     if req is None:
         return app(environ, start_response)
-    # _Body's fields set here: its __init__ would be one more Python call a request
+    # every field of _Body (it has no __init__: one Python call less a request)
     body = _new(_Body)
     body._req = req
     body._environ = environ  # for a possible capture (agent.capture)
@@ -109,18 +109,17 @@ class _Body:
         "_tid",
     )
 
-    def __init__(
-        self, req: recorder.ActiveRequest, start_response: Callable[..., Any], environ: Any
-    ) -> None:
-        self._req: recorder.ActiveRequest | None = req
-        self._environ = environ  # for a possible capture (agent.capture)
-        self._tap: capture.BodyTap | None = None
-        self._start_response = start_response
-        self._tid = _get_ident()
-        self._sent = 0
-        self._headers: Any = None
-        self._iterable: Any = None
-        self._it: Iterator[bytes] | None = None
+    # Made by record_wsgi without an __init__ (one Python call less a request), which sets
+    # every field: _tid is the request's thread (req.thread, the thread that began it).
+    _req: recorder.ActiveRequest | None
+    _environ: Any  # for a possible capture (agent.capture)
+    _tap: capture.BodyTap | None
+    _start_response: Callable[..., Any]
+    _tid: int
+    _sent: int
+    _headers: Any
+    _iterable: Any
+    _it: Iterator[bytes] | None
 
     # -- start_response ----------------------------------------------------------------------
 
