@@ -139,20 +139,34 @@ def command_env(
     return env
 
 
+def _runnable(path: str) -> bool:
+    return os.path.exists(path) and os.access(path, os.X_OK) and not os.path.isdir(path)
+
+
 def resolve(program: str, env: dict[str, str]) -> str:
-    """The executable ``program`` names; FileNotFoundError if there is none."""
-    if os.sep in program or (os.altsep and os.altsep in program):
-        if os.path.isfile(program) and os.access(program, os.X_OK):
+    """The executable ``program`` names, looked up in ``env``'s PATH as ``shutil.which`` does
+    (not imported: launching stays light); FileNotFoundError if there is none. A PATH set but
+    empty finds nothing (not the current directory); no PATH at all means the system's
+    default (``confstr("CS_PATH")``, else ``os.defpath``)."""
+    if os.path.dirname(program):
+        if _runnable(program):
             return program
         raise FileNotFoundError(2, f"command not found: {program}", program)
+    path = env.get("PATH")
+    if path is None:
+        try:
+            path = os.confstr("CS_PATH")
+        except (AttributeError, ValueError):
+            path = os.defpath
     seen = set()
-    for d in env.get("PATH", os.defpath).split(os.pathsep):  # as shutil.which looks
-        if d in seen:
+    for d in path.split(os.pathsep) if path else ():
+        norm = os.path.normcase(d)
+        if norm in seen:
             continue
-        seen.add(d)
-        path = os.path.join(d, program)
-        if os.path.isfile(path) and os.access(path, os.X_OK):
-            return path
+        seen.add(norm)
+        candidate = os.path.join(d, program)
+        if _runnable(candidate):
+            return candidate
     raise FileNotFoundError(2, f"command not found: {program}", program)
 
 
