@@ -622,3 +622,15 @@ def test_a_store_with_the_collectors_old_table_gains_the_started_column(tmp_path
         ).fetchall()
     assert [r[0] for r in rows] == ["a~s", "a~s2"]
     assert rows[0][1] is None and rows[1][1] is not None
+
+
+def test_the_forwarders_counters_are_in_the_one_list_agent_and_store_read() -> None:
+    """wire.counters lists every counter the agent keeps about its data, forward's included,
+    so that top reports them (0 when no process counted one)."""
+    from perfsleuth.agent.recorder import stats
+    from perfsleuth.agent.spool import forward  # noqa: F401 - sets its counters
+    from perfsleuth.wire.counters import AGENT
+
+    kept = {k for k in stats if k.startswith(("forward_", "dropped_"))}
+    assert {"forward_errors", "dropped_spool_cap"} <= kept
+    assert kept <= set(AGENT)

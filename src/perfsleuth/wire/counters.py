@@ -30,4 +30,17 @@ WRITER = (
     "cache_resets",
 )
 
-AGENT = RECORDER + WRITER
+# Counted by the forwarder (agent.spool.forward, with PERFSLEUTH_COLLECTOR): what it sent, its
+# errors, and what it dropped (``dropped_*``: requests; ``forward_*_segments``: segments).
+FORWARD = (
+    "forward_bytes_sent",
+    "forward_segments_sent",
+    "forward_errors",
+    "forward_auth_errors",
+    "forward_dropped_segments",
+    "forward_rejected_segments",
+    "dropped_spool_cap",
+    "dropped_forward_rejected",
+)
+
+AGENT = RECORDER + WRITER + FORWARD

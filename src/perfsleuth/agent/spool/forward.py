@@ -30,6 +30,7 @@ from perfsleuth.agent.config import Config
 from perfsleuth.agent.recorder import stats
 from perfsleuth.agent.spool import status
 from perfsleuth.wire import CLOSED_SUFFIX, OPEN_SUFFIX, REQUESTS, STATS
+from perfsleuth.wire.counters import FORWARD
 
 CHUNK_BYTES = 4 << 20  # raw bytes per request (the collector takes up to 16 MB)
 ROUND_SECONDS = 1.0
@@ -37,22 +38,8 @@ BACKOFF_MAX = 60.0
 DEAD_IDLE_SECONDS = 10.0  # an .open segment of a dead writer, this idle, is complete
 CAP_SHARE = 0.9  # trim the spool to this share of its cap
 
-COUNTERS = (
-    "forward_bytes_sent",
-    "forward_segments_sent",
-    "forward_errors",
-    "forward_auth_errors",
-    "forward_dropped_segments",
-    "forward_rejected_segments",
-    "dropped_spool_cap",
-    "dropped_forward_rejected",
-)
-for _name in COUNTERS:
+for _name in FORWARD:
     stats.setdefault(_name, 0)
-
-_HEAD = "<2scII"  # wire.segment's record head: magic, type, length, crc
-_HEAD_SIZE = 11
-_FILE_MAGIC_LEN = 8
 
 _thread: threading.Thread | None = None
 _fw: Forwarder | None = None
@@ -354,17 +341,18 @@ def _read(path: str, base: str, spool: str, offset: int, n: int) -> bytes | None
 def _requests_from(path: str, offset: int) -> int:
     """Requests in the REQUESTS records starting at or after ``offset`` (best effort)."""
     import json
-    import struct
+
+    from perfsleuth.wire.segment import _HEAD, FILE_MAGIC, HEAD_SIZE
 
     try:
         with open(path, "rb") as fh:
             data = fh.read()
     except OSError:
         return 0
-    pos, n, count = _FILE_MAGIC_LEN, len(data), 0
-    while n - pos >= _HEAD_SIZE:
-        _magic, rtype, length, _crc = struct.unpack_from(_HEAD, data, pos)
-        start = pos + _HEAD_SIZE
+    pos, n, count = len(FILE_MAGIC), len(data), 0
+    while n - pos >= HEAD_SIZE:
+        _magic, rtype, length, _crc = _HEAD.unpack_from(data, pos)
+        start = pos + HEAD_SIZE
         if start + length > n:
             break
         if rtype == REQUESTS and pos >= offset:
@@ -403,9 +391,10 @@ def _run(cfg: Config) -> None:
             import http.client  # noqa: F401
             import json  # noqa: F401
             import re  # noqa: F401
-            import struct  # noqa: F401
             import urllib.parse  # noqa: F401
             import zlib  # noqa: F401
+
+            import perfsleuth.wire.segment  # noqa: F401
         fw = _fw = Forwarder(cfg)
         fw.run()
     except BaseException as e:  # dies quietly; the spool keeps buffering
