@@ -26,7 +26,8 @@ scheduled):
 
 Without schedstat (not Linux) the thread's CPU clock alone decides ``cpu`` or ``wait``.
 Schedstat is read for each thread serving a request in flight: every tick for the threads of
-sampled requests, every ``LOOK_EVERY_NS`` for the others (one ``pread`` a thread). Those
+sampled requests, every ``LOOK_EVERY_NS`` for the others (one ``pread`` a thread); a thread's
+file is open only while it serves a request in flight. Those
 threads' run and run-queue times, and the cgroup's CPU throttling (``cpu.stat``), are shipped
 as STATS counters about once a second while they change (analysis.detectors.cpu_starved reads
 them).
@@ -64,7 +65,9 @@ FIGURES_EVERY_NS = 1_000_000_000  # process figures (STATS) at most this often
 # Threads serving requests that are not being sampled: their scheduler counters this often (a
 # pread each; sampled threads are read every tick).
 LOOK_EVERY_NS = 50_000_000
-MAX_BASELINES = 512  # threads whose scheduler counters are kept open between looks
+# Threads whose scheduler counters (a small tuple each) are kept between their requests; a
+# schedstat file is kept open only while its thread serves a request in flight.
+MAX_BASELINES = 128
 # A loop's tasks are listed (to find the tasks each awaiting request started) at most every
 # LIST_EVERY_NS, or LIST_NS_PER_TASK per task when there are many (a listing costs about 1 us a
 # task: at most 1 % of a core), and not at all past MAX_TASKS_LISTED (one listing holds the GIL).
@@ -300,11 +303,13 @@ class Sampler:
         self.after_ns = int(cfg.sample_after_ms * 1e6)
         self.limit = max(1, cfg.samples_per_request)
         self.tracked: dict[int, _Tracked] = {}
-        # thread ident -> (wall ns, CPU ns, run-queue ns, slices or None, process CPU ns, tick)
-        # at the previous look
-        self.seen: dict[int, tuple[int, int, int, int | None, int, int]] = {}
+        # thread ident -> (wall ns, CPU ns, run-queue ns, slices or None, process CPU ns, tick,
+        # kernel thread id or None) at the previous look
+        self.seen: dict[int, tuple[int, int, int, int | None, int, int, int | None]] = {}
         self.ticks = 0
-        self.fds: dict[int, int] = {}  # thread ident -> open schedstat file (-1: none)
+        # thread ident -> open schedstat file (-1: none), while the thread serves a request
+        self.fds: dict[int, int] = {}
+        self.natives: dict[int, int | None] = {}  # thread ident -> kernel thread id at open
         self.states: dict[int, str | None] = {}  # this tick's state per thread
         # id(loop) -> (when listed, when to list again, id(request) -> tasks started in its
         # context)
@@ -335,13 +340,15 @@ class Sampler:
         # The scheduler figures (cpu_starved) cover every thread serving a request, not only
         # those of slow requests (a service of short requests starves all the same): looked at
         # every LOOK_EVERY_NS, their baselines kept while the thread lives (between two
-        # requests a thread is not runnable, so the figures take in its requests' time only).
+        # requests a thread is not runnable, so the figures take in its requests' time only;
+        # its schedstat file is closed while it is idle and opened again at its next request).
         if self.schedstat and inflight and now - self.looked_at >= LOOK_EVERY_NS:
             self.looked_at = now
             for ident in {r.thread if r.worker is None else r.worker for r in inflight}:
                 self._state(ident, now, proc_cpu)
         if not due:
-            self._forget(self._alive())
+            serving = self._serving(inflight)
+            self._forget(self._alive(serving), serving)
             self.loop_tasks.clear()
             return
         if frames is None:
@@ -354,25 +361,45 @@ class Sampler:
                     continue
                 t = self.tracked[id(req)] = _Tracked(req, now)
             self._sample(t, frames, now, proc_cpu)
-        self._forget(self._alive())
+        serving = self._serving(inflight)
+        self._forget(self._alive(serving), serving)
 
-    def _alive(self) -> set[int]:
-        """The threads with a baseline that still run (at most MAX_BASELINES of them)."""
+    def _serving(self, inflight: list[recorder.ActiveRequest]) -> set[int]:
+        """The threads serving a request in flight (or sampled this tick): their schedstat
+        files stay open; an idle thread's is closed (its baseline stays: reopened, the
+        file has the same counters)."""
+        serving = {r.thread if r.worker is None else r.worker for r in inflight}
+        serving.update(self.states)
+        return serving
+
+    def _alive(self, serving: set[int]) -> set[int]:
+        """The threads with a baseline that still run (past MAX_BASELINES of them, only those
+        serving a request now)."""
         active = threading._active  # type: ignore[attr-defined]
         alive = {i for i in self.seen if i in active}
         if len(alive) > MAX_BASELINES:
-            alive = set(self.states)
+            alive &= serving
         return alive
 
-    def _forget(self, keep: set[int]) -> None:
-        """Drop the baselines (and close the schedstat files) of threads not in ``keep``."""
+    def _forget(self, keep: set[int], keep_open: set[int] | None = None) -> None:
+        """Drop the baselines of threads not in ``keep`` and close the schedstat files of
+        threads not in ``keep_open`` (default: ``keep``)."""
         for ident in [i for i in self.seen if i not in keep]:
             del self.seen[ident]
-        for ident in [i for i in self.fds if i not in keep]:
-            self._close(ident)
+        if keep_open is None:
+            keep_open = keep
+        for ident in [i for i in self.fds if i not in keep_open or i not in keep]:
+            fd = self.fds.pop(ident, -1)
+            self.natives.pop(ident, None)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def _close(self, ident: int) -> None:
         self.seen.pop(ident, None)
+        self.natives.pop(ident, None)
         fd = self.fds.pop(ident, -1)
         if fd >= 0:
             try:
@@ -391,6 +418,7 @@ class Sampler:
             except OSError:
                 fd = -1
         self.fds[ident] = fd
+        self.natives[ident] = native
         return fd
 
     def _sched(self, ident: int) -> tuple[int, int, int] | None:
@@ -423,8 +451,11 @@ class Sampler:
                 self.states[ident] = CPU  # no per-thread clock: a running thread is the guess
                 return CPU
             queue, slices = 0, None
+        native = self.natives.get(ident)
         prev = self.seen.get(ident)
-        self.seen[ident] = (now, cpu, queue, slices, proc_cpu, self.ticks)
+        if prev is not None and prev[6] != native:
+            prev = None  # the ident is another thread's now (its file was reopened)
+        self.seen[ident] = (now, cpu, queue, slices, proc_cpu, self.ticks, native)
         if prev is not None and now > prev[0]:
             wall, d_cpu, d_queue = now - prev[0], cpu - prev[1], queue - prev[2]
             if prev[5] == self.ticks - 1:  # a state is about the last tick's interval only
