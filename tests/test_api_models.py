@@ -5,6 +5,7 @@ scripts/openapi_ts.py makes of that schema."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -32,8 +33,9 @@ def client(demo_data: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def valid(model: Any, body: Any) -> Any:
-    """``body`` validated strictly as JSON against ``model`` (ValidationError otherwise)."""
-    return TypeAdapter(model).validate_python(body, strict=False)
+    """``body`` validated strictly as JSON against ``model`` (ValidationError otherwise): JSON
+    mode, where a string is a valid datetime but never a valid number, and no type coerces."""
+    return TypeAdapter(model).validate_json(json.dumps(body), strict=True)
 
 
 def get(client: TestClient, path: str, **params: Any) -> Any:

@@ -1,8 +1,6 @@
 // DOM helpers shared by the pages; the number formats are in format.ts.
 import { fmtMs, fmtPct } from "./format";
 
-export { fmtInt, fmtMs, fmtPct } from "./format";
-
 type Child = Node | string | number | null | undefined | false;
 
 export function h<K extends keyof HTMLElementTagNameMap>(tag: K, attrs: Record<string, unknown> = {}, ...children: (Child | Child[])[]): HTMLElementTagNameMap[K] {

@@ -19,7 +19,7 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from perfsleuth.server import console
-from perfsleuth.server.backend import CONSOLE_SLOTS, FINDINGS_TTL_S, Backend
+from perfsleuth.server.backend import Backend
 from perfsleuth.server.deps import (
     ERROR_REPLIES,
     LOOPBACK,
@@ -33,8 +33,6 @@ from perfsleuth.server.deps import (
 )
 
 __all__ = [
-    "CONSOLE_SLOTS",
-    "FINDINGS_TTL_S",
     "LOOPBACK",
     "MIN_TOKEN_CHARS",
     "STATIC_DIR",
@@ -45,7 +43,6 @@ __all__ = [
 ]
 
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
-SQL_MAX_ROWS = console.MAX_ROWS
 SQL_MAX_BYTES = console.MAX_BYTES
 SQL_TIME_LIMIT_S = console.TIME_LIMIT_S
 

@@ -3,7 +3,8 @@
 // distributions of the chosen endpoint overlaid.
 import { get, type CompareRow, type FindingBrief, type Histogram, type SideStats } from "../api";
 import type { Ctx } from "../main";
-import { h, fmtInt, fmtMs, section, table, type Col } from "../util";
+import { fmtInt, fmtMs } from "../format";
+import { h, section, table, type Col } from "../util";
 
 type Row = CompareRow;
 type Brief = FindingBrief;

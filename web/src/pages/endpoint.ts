@@ -3,7 +3,8 @@ import { timeChart, histogram } from "../charts";
 import { treemapView, flameGraph } from "../hier";
 import type { Ctx } from "../main";
 import { findingList } from "./findings";
-import { h, fmtInt, fmtMs, fmtMsShort, fmtNum, fmtPct, fmtTime, table, link, section, errorBox, type Col } from "../util";
+import { fmtInt, fmtMs, fmtPct } from "../format";
+import { h, fmtMsShort, fmtNum, fmtTime, table, link, section, errorBox, type Col } from "../util";
 
 export function tracesTable(ctx: Ctx, rows: TraceRow[]): HTMLElement {
   const cols: Col<TraceRow>[] = [

@@ -1,6 +1,7 @@
 import { get, type Finding } from "../api";
 import type { Ctx } from "../main";
-import { h, fmtInt, fmtMs, fmtNum, site, link, section } from "../util";
+import { fmtInt, fmtMs } from "../format";
+import { h, fmtNum, site, link, section } from "../util";
 
 // How sure a finding is (high / medium / low) and the evidence counts it rests on.
 function confidenceNote(f: Finding): string {

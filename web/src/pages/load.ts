@@ -2,7 +2,8 @@
 // per-endpoint table (counts, p50/p95 of each side, change, q-value, verdict).
 import { api, get } from "../api";
 import type { Ctx } from "../main";
-import { h, fmtInt, fmtMs, section, table, type Col } from "../util";
+import { fmtInt, fmtMs } from "../format";
+import { h, section, table, type Col } from "../util";
 
 interface Side {
   count: number;

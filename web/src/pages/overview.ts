@@ -1,7 +1,8 @@
 import { get, type TopRow } from "../api";
 import { timeChart, PALETTE } from "../charts";
 import type { Ctx } from "../main";
-import { h, fmtInt, fmtMs, fmtNum, fmtPct, bar, table, link, type Col } from "../util";
+import { fmtInt, fmtMs, fmtPct } from "../format";
+import { h, fmtNum, bar, table, link, type Col } from "../util";
 
 export async function overviewPage(root: HTMLElement, ctx: Ctx): Promise<void> {
   const data = await get("/api/overview", { since: ctx.since });

@@ -1,6 +1,7 @@
 import { api, type SqlResult } from "../api";
 import type { Ctx } from "../main";
-import { h, fmtInt, section } from "../util";
+import { fmtInt } from "../format";
+import { h, section } from "../util";
 
 const EXAMPLE = "SELECT endpoint, count(*) AS requests, round(quantile_cont(duration_ms, 0.95), 1) AS p95_ms\nFROM requests GROUP BY 1 ORDER BY 2 DESC LIMIT 20";
 

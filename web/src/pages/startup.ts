@@ -3,7 +3,8 @@
 // against the steady state, the notes, and the change per phase against another run.
 import { api, get } from "../api";
 import type { Ctx } from "../main";
-import { h, fmtMs, bar, section, table, type Col } from "../util";
+import { fmtMs } from "../format";
+import { h, bar, section, table, type Col } from "../util";
 
 interface Phase {
   phase: string;

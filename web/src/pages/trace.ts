@@ -1,7 +1,8 @@
 import { apiText, get, type Call, type Frame } from "../api";
 import { flameGraph } from "../hier";
 import type { Ctx } from "../main";
-import { h, fmtInt, fmtMs, fmtBytes, fmtTime, site, link, section } from "../util";
+import { fmtInt, fmtMs } from "../format";
+import { h, fmtBytes, fmtTime, site, link, section } from "../util";
 
 const KIND_COLOR: Record<string, string> = { db: "#1f77b4", http: "#ff7f0e", cache: "#2ca02c" };
 
