@@ -271,3 +271,35 @@ def test_server_backends_each_statement_once(
     assert [c["rows"] for c in app] == [1, 1, 1]
     assert {c["system"] for c in app} == {conn.vendor}
     assert len(calls) > len(app)  # the connection's set-up, recorded
+
+
+def test_a_statement_the_c_path_declines_walks_it_once(
+    django_conn: Any, in_request: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C site path declines a statement (-1: here, several stacks per site are asked for,
+    which only Python's path keeps): the hook goes to Python's path directly, not through
+    record_call, which would walk the C path a second time (issue 22 item 4)."""
+    from perfsleuth.agent import recorder
+    from perfsleuth.agent.instrument import django_db
+
+    real = django_db._c_record_call
+    if real is None:
+        pytest.skip("the C accelerator is not built here")
+    answers: list[int] = []
+
+    def counted(*args: Any) -> int:
+        i = real(*args)
+        answers.append(i)
+        return int(i)
+
+    monkeypatch.setattr(django_db, "_c_record_call", counted)
+    monkeypatch.setattr(recorder, "_c_record_call", counted)
+    recorder.speedups.configure(stacks_per_site=2)
+    try:
+        with in_request("GET /django-declined") as req, django_conn.cursor() as cur:
+            cur.execute("SELECT name FROM djdb_item WHERE id = %s", [3])
+    finally:
+        recorder.speedups.configure(stacks_per_site=recorder._stacks_per_site)
+    assert answers == [-1]  # asked once
+    sqls = [e[2] for e in req.site_list or []]
+    assert sqls.count("SELECT name FROM djdb_item WHERE id = %s") == 1
