@@ -22,6 +22,7 @@ from perfsleuth.analysis.findings import find
 from perfsleuth.demo import ENDPOINTS
 from perfsleuth.server import create_app
 from perfsleuth.store.duckdb_store import DuckDBStore
+from service_wide import gc_pressure_data
 
 N1 = "GET /customers/{customer_id}/orders"
 SINCE = "24h"
@@ -383,17 +384,7 @@ def test_findings_of_the_service(synth: Any) -> None:
     """A service-wide finding (here gc_pressure's: every endpoint pays about the same share of
     its time to collections of one big heap) names "<service>", not an endpoint: the API lists
     it for endpoint=<service> instead of answering 404 'unknown endpoint'."""
-    shares = {"GET /a": 0.2, "GET /b": 0.25, "POST /c": 0.3, "GET /d": 0.22}
-
-    def fill(w: Any) -> None:
-        for endpoint, share in shares.items():
-            for _ in range(10):
-                w.request(endpoint, dur_ms=100, gc_ns=int(share * 100e6), gc_count=3)
-        w.stats({"gc_heap_objects": 2_400_000, "gc_collections": 120})
-
-    store = synth(fill)
-    data = store.data_dir
-    store.close()
+    data = gc_pressure_data(synth)
     with TestClient(create_app(data, ingest_every=0)) as c:
         everything = get(c, "/api/findings", since="all")
         service = [f["id"] for f in everything if f["endpoint"] == "<service>"]

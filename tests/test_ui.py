@@ -22,6 +22,7 @@ from perfsleuth.cli.ui import free_port
 from perfsleuth.demo import ENDPOINTS
 from perfsleuth.server import create_app
 from perfsleuth.server.app import STATIC_DIR
+from service_wide import gc_pressure_data
 
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parent.parent / "test-results" / "ui"
@@ -321,17 +322,7 @@ def test_a_service_wide_finding_names_the_service(browser: Any, synth: Callable[
     """A finding of the whole service (gc_pressure's: every endpoint pays about the same share
     to collections of one big heap) says so instead of linking to an endpoint page that has no
     "<service>" endpoint."""
-    shares = {"GET /a": 0.2, "GET /b": 0.25, "POST /c": 0.3, "GET /d": 0.22}
-
-    def fill(w: Any) -> None:
-        for endpoint, share in shares.items():
-            for _ in range(10):
-                w.request(endpoint, dur_ms=100, gc_ns=int(share * 100e6), gc_count=3)
-        w.stats({"gc_heap_objects": 2_400_000, "gc_collections": 120})
-
-    store = synth(fill)
-    data = store.data_dir
-    store.close()
+    data = gc_pressure_data(synth)
     with serving(data) as base:
         found = api(base, "findings", since="all")
         service = next(f for f in found if f["endpoint"] == "<service>")
