@@ -17,21 +17,18 @@ THREADS = 40
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="schedstat is Linux's")
 
 
-def schedstat_fds() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").endswith("/schedstat"):
-                n += 1
-        except OSError:
-            pass
-    return n
+def schedstat_of(fd: int) -> str | None:
+    """The schedstat file an open descriptor reads, else None."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return target if target.endswith("/schedstat") else None
 
 
 def test_idle_server_threads_hold_no_schedstat_files(agent_data_dir: str) -> None:
     s = sampler.Sampler(Config())
     s.after_ns = 1 << 62  # nothing is sampled: only the scheduler figures are looked at
-    base = schedstat_fds()
     serving, release, done = threading.Barrier(THREADS + 1), threading.Event(), threading.Event()
 
     def worker() -> None:  # a server thread: one request, then idle in its pool
@@ -50,15 +47,18 @@ def test_idle_server_threads_hold_no_schedstat_files(agent_data_dir: str) -> Non
         for _ in range(2):
             s.looked_at = 0  # a look is due
             s.tick()
-        assert schedstat_fds() - base >= THREADS  # each serving thread's counters are read
+        # each serving thread's counters are read from a file of its own
+        opened = {fd: schedstat_of(fd) for fd in s.fds.values() if fd >= 0}
+        assert len(opened) >= THREADS and None not in opened.values()
         assert len(s.seen) >= THREADS
         release.set()
         while any(r.path == "/slow" for r in list(recorder.inflight.values())):
             threading.Event().wait(0.01)
         s.tick()  # the threads live on, idle
         assert all(t.is_alive() for t in threads)
-        assert schedstat_fds() == base
         assert not s.fds
+        # closed (a number reused since is another file: the agent's own sampler runs too)
+        assert all(schedstat_of(fd) != target for fd, target in opened.items())
         # their baselines stay (the next request's figures start from them), bounded
         assert THREADS <= len(s.seen) <= sampler.MAX_BASELINES
     finally:
