@@ -141,3 +141,18 @@ def test_a_failed_commit_keeps_the_waiting_client_spans_for_the_retry(tmp_path: 
         rows = store.query("SELECT db_calls FROM requests WHERE trace_id = ?", [TRACE + A])
     assert [r["db_calls"] for r in rows] == [1]
     assert pending.size == 0
+
+
+def test_a_block_sent_twice_after_its_request_is_stored_once(tmp_path: Path) -> None:
+    """A loop block in a later payload than its request (filed under the stored request), and
+    one under no request, each sent twice: one blocker each."""
+    blocked = {"perfsleuth.block.ms": 30.0}
+    late = _span(E, A, 1, 50, 30, blocked)
+    alone = {**_span(B, "", 1, 500, 40, blocked), "traceId": "8" * 32}
+    pending = Pending()
+    with _store(tmp_path) as store:
+        _post(store, pending, _msg("node-api", SERVER_A))
+        for _ in range(2):
+            _post(store, pending, _msg("node-api", late, alone))
+        rows = store.query("SELECT trace_id FROM blockers ORDER BY trace_id NULLS LAST")
+    assert [r["trace_id"] for r in rows] == [TRACE + A, None]

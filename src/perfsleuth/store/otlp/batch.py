@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from perfsleuth.store import records, values
 from perfsleuth.store.otlp.blocks import blocker, served_request
@@ -65,6 +66,7 @@ def insert(store: Any, mapped: Mapped, pending: Pending) -> None:
     if mapped.tables is None:
         return
     try:
+        _drop_stored_blocks(store, mapped.tables)
         store.insert_tables(records.Batch(), mapped.tables)
     except BaseException:
         rollback(mapped, pending)
@@ -72,6 +74,24 @@ def insert(store: Any, mapped: Mapped, pending: Pending) -> None:
     if len(pending.stored) > MAX_CACHED * 5:
         pending.stored.clear()
     pending.stored.update(mapped.new)
+
+
+def _drop_stored_blocks(store: Any, tables: Tables) -> None:
+    """Leave out the loop blocks the store holds already (a payload sent again): same time,
+    service and request. ``insert_tables`` leaves out those of the requests it holds that the
+    payload brings again; this is for a block of a request an earlier payload brought, or of
+    none."""
+    for parts in tables.days.values():
+        t = parts.get("blockers")
+        if t is None or not t.num_rows:
+            continue
+        ts = t["ts"].to_pylist()
+        marks = ", ".join("?" * len(ts))
+        sql = f"SELECT ts, service, trace_id FROM blockers WHERE ts IN ({marks})"
+        held = {(r["ts"], r["service"], r["trace_id"]) for r in store.query(sql, ts)}
+        if held:
+            rows = zip(ts, t["service"].to_pylist(), t["trace_id"].to_pylist(), strict=True)
+            parts["blockers"] = t.filter(pa.array([r not in held for r in rows], pa.bool_()))
 
 
 def rollback(mapped: Mapped, pending: Pending) -> None:
