@@ -148,21 +148,28 @@ def _run_in_request(
 ) -> Any:
     """Run executor work in the worker's own context with only the agent's request variable
     set to ``req`` meanwhile (reset after): the worker's other context variables (set by the
-    executor's initializer or by earlier work) stay as the application left them. Work that
-    starts after the request ended runs unrecorded (the recorder also refuses calls into a
-    request that has ended while the work runs)."""
+    executor's initializer or by earlier work) stay as the application left them. Then, as
+    :func:`_run_stitched` (inlined: one Python frame a hand-off), stitch ``origin`` to the
+    sites the work made. Work that starts after the request ended runs unrecorded (the
+    recorder also refuses calls into a request that has ended while the work runs)."""
     if req.end:
         return func(*args, **kwargs)
+    site_list = req.site_list
+    first = len(site_list) if site_list is not None else 0
     token = _set_current(req)
     try:
-        if origin is None:
-            return func(*args, **kwargs)
-        return _run_stitched(req, origin, func, *args, **kwargs)
+        return func(*args, **kwargs)
     finally:
-        try:
-            _reset_current(token)
-        except ValueError:  # reset elsewhere (cannot happen in a worker): clear ours
-            _set_current(None)
+        _reset_current(token)  # set above in this thread's context: cannot fail
+        if origin is not None:
+            try:
+                site_list = req.site_list
+                if not req.end and site_list is not None and len(site_list) > first:
+                    code = _code_of(func)
+                    if code is not None:
+                        _stitch(req, first, code, origin)
+            except Exception:
+                recorder.internal_error()
 
 
 def _carries_context(fn: Any) -> bool:
