@@ -216,3 +216,70 @@ def test_a_result_left_unread_is_stopped_within_the_time_limit() -> None:
         assert res.encoded == ["[1]", "[2]", "[3]", "[4]", "[5]"]
         assert res.truncated_by == "rows"
         assert elapsed < 3.0 * 3, f"{elapsed:.1f} s for a 3 s time limit"
+
+
+def _console() -> Any:
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    console.sandbox(con)
+    return con
+
+
+# Each makes one value of 5000 characters or items from a number; under max_memory=2 MB the
+# limit is 1024 characters (64 items). Named fully, a guarded function would reach DuckDB's
+# own, not the console's macro.
+BYPASSES = (
+    "SELECT length(system.main.repeat('x', 5000)) AS n",
+    "SELECT length(main.repeat('x', 5000)) AS n",
+    'SELECT length("system"."main"."lpad"(\'x\', 5000, \'-\')) AS n',
+    "SELECT length(list_transform([1], lambda x: system.main.rpad('x', 5000, '-'))[1]) AS n",
+    "SELECT len(system.main.range(5000)) AS n",
+    "SELECT length(printf('%5000s', 'x')) AS n",
+    "SELECT length(printf('%*s', 5000, 'x')) AS n",
+    "SELECT length(printf(f, 'x')) AS n FROM (SELECT '%5000s' AS f)",
+    "SELECT length(format('{:>5000}', 'x')) AS n",
+    "SELECT length(format('{:>{}}', 'x', 5000)) AS n",
+    "SELECT len(list_resize([1], 5000)) AS n",
+    "SELECT len(array_resize([1], 5000, 0)) AS n",
+    "SELECT length(bar(1, 0, 1, 5000)) AS n",
+    "SELECT length(bitstring('1', 5000)::VARCHAR) AS n",
+    "SELECT length(to_base(5, 2, 5000)) AS n",
+    "SELECT len(equi_width_bins(0, 10, 5000, false)) AS n",
+    "SELECT * FROM query('SELECT length(system.main.repeat(''x'', 5000)) AS n')",
+    "EXPLAIN SELECT length(system.main.repeat('x', 5000)) AS n",
+)
+
+
+@pytest.mark.parametrize("query", BYPASSES)
+def test_the_memory_guard_holds_against_qualified_names_and_other_builders(query: str) -> None:
+    """Every function that builds one big value from a number is refused over the limit,
+    however it is named or reached (issue 17 review item 1)."""
+    with pytest.raises(console.ConsoleError, match=r"memory limit|not available"):
+        console.run(_console().cursor(), query, max_memory=2 * MB)
+
+
+def test_the_newly_guarded_functions_still_make_ordinary_values() -> None:
+    """Below the limit printf, format, list_resize, array_resize, bar, bitstring, to_base and
+    equi_width_bins give what DuckDB gives."""
+    q = (
+        "SELECT printf('%5s|%-3d|%.2f', 'x', 7, 1.5), format('{:>4}{}', 'a', 1), "
+        "format('{{}}'), list_resize([1], 3), list_resize([1], 2, 9), array_resize([1, 2], 1), "
+        "length(bar(5, 0, 10)), length(bar(5, 0, 10, 20)), bitstring('101', 8)::VARCHAR, "
+        "to_base(5, 2), to_base(5, 2, 8), len(equi_width_bins(0, 10, 5, false))"
+    )
+    row = json.loads(console.run(_console().cursor(), q, max_memory=2 * MB).encoded[0])
+    assert row == [
+        "    x|7  |1.50",
+        "   a1",
+        "{}",
+        [1, None, None],
+        [1, 9],
+        [1],
+        80,
+        20,
+        "00000101",
+        "101",
+        "00000101",
+        5,
+    ]

@@ -16,9 +16,14 @@ they spill to the store's temporary directory, itself capped), and a watcher sto
 statement (an interrupt) once the process has grown by ``max_memory`` since it began (the
 store's tables cached meanwhile aside): the values DuckDB builds (``list``, ``string_agg``) are
 outside its memory limits. An interrupt is seen between vectors only, so the functions that
-make one value of any size from a number (``repeat``, ``lpad``, ``rpad``, ``range``) are
-guarded by macros (:func:`guard_functions`); a value larger than the reply may hold is refused
-before it is encoded. The global ``memory_limit`` is left to ingest: it bounds none of these.
+make one value of any size from a number (``repeat``, ``lpad``, ``rpad``, ``range``,
+``list_resize``, ``bar``, ...) are guarded by macros of the same name (:func:`guard_functions`).
+The statement is parsed by DuckDB (``json_serialize_sql``) and every call in it checked
+(:func:`check_calls`): a guarded function named with its schema (which would reach DuckDB's own,
+not the macro), ``printf``/``format`` with a format that is not constant or pads too far, and
+the functions running SQL given as a value (``query``) are refused. A value larger than the
+reply may hold is refused before it is encoded. The global ``memory_limit`` is left to ingest:
+it bounds none of these.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import date, datetime
 from decimal import Decimal
@@ -60,7 +65,16 @@ _SANDBOX = (
 )
 _EXPLAIN = re.compile(r"^\s*explain\s+(?:analyze\s+|analyse\s+)?(?:\([^)]*\)\s*)?", re.I)
 _READ_ONLY = {duckdb.StatementType.SELECT}
-_GUARDED = re.compile(r"(?i)(?:repeat|lpad|rpad|range|generate_series)")
+# Functions that make one value of any size from a number: guarded by macros of the same name
+# (guard_functions), which a statement must call by their name alone.
+GUARDED = frozenset(
+    {"repeat", "lpad", "rpad", "range", "generate_series", "list_resize", "array_resize", "bar"}
+    | {"bitstring", "to_base", "equi_width_bins"}
+)
+# Their width is in the format text: a constant one is checked (_check_format), no other runs.
+FORMATS = frozenset({"printf", "format"})
+# Functions that run SQL given as a value, which no check of the statement's text would see.
+RUNS_SQL = frozenset({"query", "query_table", "json_execute_serialized_sql"})
 
 
 class ConsoleError(Exception):
@@ -263,7 +277,7 @@ def guard_functions(max_memory: int) -> list[str]:
     16 bytes) is an error, so that a whole vector of them stays within ``max_memory``. Such a
     value is allocated in one go, before anything else could stop it. Table functions
     (``FROM range(...)``) are not affected."""
-    cap = max(max_memory // VECTOR, 1024)
+    cap = _cap(max_memory)
     items = max(cap // 16, 64)
 
     def too_big(what: str, limit: int) -> str:
@@ -301,7 +315,111 @@ def guard_functions(max_memory: int) -> list[str]:
             f"(a, b, s) AS CASE WHEN {over('a', 'b', 's')} THEN {too_big(f, items)} "
             f"ELSE system.main.{f}(a, CASE WHEN {over('a', 'b', 's')} THEN a ELSE b END, s) END"
         )
+    for f in ("list_resize", "array_resize"):
+        out.append(
+            f"CREATE OR REPLACE TEMP MACRO {f}(l, n) AS CASE WHEN n > {items} THEN "
+            f"{too_big(f, items)} ELSE system.main.{f}(l, least(n, {items})) END, "
+            f"(l, n, v) AS CASE WHEN n > {items} THEN {too_big(f, items)} "
+            f"ELSE system.main.{f}(l, least(n, {items}), v) END"
+        )
+    # bar's characters are 3 bytes each in UTF-8
+    out.append(
+        "CREATE OR REPLACE TEMP MACRO bar(x, lo, hi) AS system.main.bar(x, lo, hi), "
+        f"(x, lo, hi, w) AS CASE WHEN w > {cap // 3} THEN {too_big('bar', cap)} "
+        f"ELSE system.main.bar(x, lo, hi, least(w, {cap // 3})) END"
+    )
+    out.append(
+        f"CREATE OR REPLACE TEMP MACRO bitstring(s, n) AS CASE WHEN n > {cap} THEN "
+        f"{too_big('bitstring', cap)} ELSE system.main.bitstring(s, least(n, {cap})) END"
+    )
+    out.append(
+        "CREATE OR REPLACE TEMP MACRO to_base(n, r) AS system.main.to_base(n, r), "
+        f"(n, r, m) AS CASE WHEN m > {cap} THEN {too_big('to_base', cap)} "
+        f"ELSE system.main.to_base(n, r, least(m, {cap})) END"
+    )
+    out.append(
+        f"CREATE OR REPLACE TEMP MACRO equi_width_bins(a, b, n, nice) AS CASE WHEN n > {items} "
+        f"THEN {too_big('equi_width_bins', items)} "
+        f"ELSE system.main.equi_width_bins(a, b, least(n, {items}), nice) END"
+    )
     return out
+
+
+def _calls(tree: Any) -> Iterator[dict[str, Any]]:
+    """Every function call of a statement's parse tree (``json_serialize_sql``), at any depth:
+    select lists, FROM, subqueries, lambdas, window and filter clauses alike."""
+    stack = [tree]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            if v.get("class") == "FUNCTION" and isinstance(v.get("function_name"), str):
+                yield v
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+def _fmt_widths_ok(text: str, cap: int, name: str) -> bool:
+    """True when the format text ``text`` of printf/format pads to at most ``cap`` characters:
+    every width or precision in it is a number of at most ``cap`` (none given by an argument)."""
+    if any(int(d) > cap for d in re.findall(r"\d+", text)):
+        return False
+    if name == "printf":
+        return "*" not in text
+    # fmt: a width taken from an argument is a field inside a field ({:>{}})
+    fields = text.replace("{{", "").replace("}}", "")
+    return re.search(r"\{[^}]*\{", fields) is None
+
+
+def check_calls(con: duckdb.DuckDBPyConnection, stmt: str, max_memory: int) -> set[str]:
+    """The names of the functions ``stmt`` calls (lowercase), after refusing (ConsoleError)
+    what would get around the console's memory guard: a guarded function named with its
+    catalog or schema (which reaches the function itself, not its macro), printf/format with a
+    format that is not constant text or pads beyond the cap, and the functions that run SQL
+    given as a value. The statement is parsed by DuckDB itself, so quoting, comments and
+    spacing in the text change nothing; a statement it cannot parse so is refused."""
+    inner = _EXPLAIN.sub("", stmt, count=1)
+    try:
+        row = con.execute("SELECT json_serialize_sql(?)", [inner]).fetchone()
+    except duckdb.Error as e:
+        raise ConsoleError(_first_line(e)) from e
+    tree = json.loads(row[0]) if row and row[0] else {"error": True}
+    if tree.get("error"):
+        raise ConsoleError(
+            "the console could not check this statement for its memory limit: "
+            + str(tree.get("error_message") or "it could not be parsed")
+        )
+    cap = _cap(max_memory)
+    names: set[str] = set()
+    for call in _calls(tree.get("statements")):
+        name = str(call["function_name"]).lower()
+        names.add(name)
+        if name in RUNS_SQL:
+            raise ConsoleError(f"{name}() is not available in the console")
+        if name in GUARDED | FORMATS and (call.get("catalog") or call.get("schema")):
+            raise ConsoleError(
+                f"call {name}() by its name alone (the console memory limit guards it so)"
+            )
+        if name in FORMATS:
+            args = call.get("arguments") or []
+            first = args[0].get("expression", args[0]) if args else {}
+            lit = first.get("literal") if isinstance(first, dict) else None
+            if (
+                first.get("class") != "CONSTANT"
+                or not isinstance(lit, dict)
+                or lit.get("kind") != "STRING"
+                or not _fmt_widths_ok(str(lit.get("text", "")), cap, name)
+            ):
+                raise ConsoleError(
+                    f"{name}() takes a constant format here, with widths of at most {cap:,} "
+                    "characters (the console memory limit)"
+                )
+    return names
+
+
+def _cap(max_memory: int) -> int:
+    """The characters one guarded value may have: a whole vector of them within max_memory."""
+    return max(max_memory // VECTOR, 1024)
 
 
 def _mb(n: int | None) -> str:
@@ -353,15 +471,15 @@ def run(
         cur.close()
         raise ConsoleError(_first_line(e)) from e
     try:
-        if max_memory:
-            # sorts, hash tables, aggregates: of this connection only (ingest keeps its own)
-            cur.execute(f"SET operator_memory_limit = '{max(max_memory // 2, 1 << 20)}B'")
-            if _GUARDED.search(query):  # a statement can call them only by name
-                for stmt in guard_functions(max_memory):
-                    cur.execute(stmt)
         if prepare is not None:
             prepare(cur)
         stmt = read_only_statement(cur, query)
+        if max_memory:
+            # sorts, hash tables, aggregates: of this connection only (ingest keeps its own)
+            cur.execute(f"SET operator_memory_limit = '{max(max_memory // 2, 1 << 20)}B'")
+            if check_calls(cur, stmt, max_memory) & GUARDED:
+                for guard in guard_functions(max_memory):
+                    cur.execute(guard)
         try:
             res = cur.execute(stmt)
             out = Result([d[0] for d in res.description or ()])
