@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -600,7 +601,8 @@ def test_the_documented_origin_query_gives_each_request_once_and_its_own_process
 
 
 def test_a_store_with_the_collectors_old_table_gains_the_started_column(tmp_path: Path) -> None:
-    """segments_received as the collector used to create it (no ``started``) is migrated."""
+    """segments_received as the collector used to create it (no ``started``) is migrated: the
+    column added, the start of the segments held read from their names."""
     from perfsleuth.store.duckdb_store import DuckDBStore
 
     data = tmp_path / "d"
@@ -611,7 +613,8 @@ def test_a_store_with_the_collectors_old_table_gains_the_started_column(tmp_path
             "agent VARCHAR, host VARCHAR, service VARCHAR, pid INTEGER, received TIMESTAMP)"
         )
         store._con.execute(
-            "INSERT INTO segments_received VALUES ('a~s', 't', 'a', 'h', 'svc', 1, now())"
+            "INSERT INTO segments_received VALUES ('a~h-1-1790000000123456789-000001', 't',"
+            " 'a', 'h', 'svc', 1, now()), ('a~odd', 't', 'a', 'h', 'svc', 1, now())"
         )
     with DuckDBStore(str(data)) as store:
         store.record_received(
@@ -620,8 +623,10 @@ def test_a_store_with_the_collectors_old_table_gains_the_started_column(tmp_path
         rows = store._con.execute(
             "SELECT segment, started FROM segments_received ORDER BY segment"
         ).fetchall()
-    assert [r[0] for r in rows] == ["a~s", "a~s2"]
-    assert rows[0][1] is None and rows[1][1] is not None
+    assert [r[0] for r in rows] == ["a~h-1-1790000000123456789-000001", "a~odd", "a~s2"]
+    # The old rows' start is the one in the segment's name (a name without one: NULL).
+    assert rows[0][1] == datetime.fromtimestamp(1790000000.123456, UTC).replace(tzinfo=None)
+    assert rows[1][1] is None and rows[2][1] is not None
 
 
 def test_the_forwarders_counters_are_in_the_one_list_agent_and_store_read() -> None:

@@ -165,6 +165,14 @@ class DuckDBFile:
                         f"ALTER TABLE {quote(name)} ADD COLUMN {quote(c.name)} "
                         f"{schema.duckdb_type(c)}"
                     )
+        if "started" not in have.get(schema.SEGMENTS_RECEIVED.name, {"started"}):
+            # Segments the collector recorded before ``started``: its name has it (the time
+            # the agent opened it, ``<host>-<pid>-<ns>-<seq>``).
+            self._con.execute(
+                "UPDATE segments_received SET started = make_timestamp("
+                "CAST(regexp_extract(segment, '-([0-9]{1,20})-[0-9]+$', 1) AS BIGINT) // 1000) "
+                "WHERE started IS NULL AND regexp_matches(segment, '-[0-9]{1,20}-[0-9]+$')"
+            )
 
     def close(self) -> None:
         con = getattr(self, "_con", None)
