@@ -445,6 +445,11 @@ class Sampler:
         if sched is not None:
             cpu, queue, slices = sched
         else:
+            if ident not in threading._active:  # type: ignore[attr-defined]
+                # A thread that ended with a request still in flight: its pthread id is
+                # stale (pthread_getcpuclockid on it can crash the process). It has no state.
+                self.states[ident] = None
+                return None
             try:
                 cpu = time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
             except (OSError, AttributeError, OverflowError):
