@@ -156,3 +156,37 @@ def test_a_block_sent_twice_after_its_request_is_stored_once(tmp_path: Path) -> 
             _post(store, pending, _msg("node-api", late, alone))
         rows = store.query("SELECT trace_id FROM blockers ORDER BY trace_id NULLS LAST")
     assert [r["trace_id"] for r in rows] == [TRACE + A, None]
+
+
+def test_a_server_that_cannot_store_keeps_the_waiting_client_spans(tmp_path: Path) -> None:
+    """Through the server: a store opened read-only answers the payload with the SERVER span
+    503 (the exporter retries it) and its client spans keep waiting for that retry."""
+    from fastapi.testclient import TestClient
+
+    from perfsleuth.server.app import create_app
+
+    data = str(tmp_path / "data")
+    DuckDBStore(data).close()
+    app = create_app(data, ingest_every=0)  # no ingest: the store is opened read-only
+    query = _span(C, A, 3, 5, 10, SQL)
+
+    def body(*spans: dict[str, Any]) -> bytes:
+        return json.dumps(
+            {
+                "resourceSpans": [
+                    {
+                        "resource": {"attributes": [_kv("service.name", "shop")]},
+                        "scopeSpans": [{"spans": list(spans)}],
+                    }
+                ]
+            }
+        ).encode()
+
+    with TestClient(app) as client:
+        ctype = {"Content-Type": "application/json"}
+        assert client.post("/v1/traces", content=body(query), headers=ctype).status_code == 200
+        assert app.state.otlp_pending.size == 1
+        got = client.post("/v1/traces", content=body(SERVER_A), headers=ctype)
+        assert got.status_code == 503, got.text
+    pending = app.state.otlp_pending
+    assert (pending.size, len(pending.servers)) == (1, 0)
