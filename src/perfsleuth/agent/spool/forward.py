@@ -70,6 +70,9 @@ class Forwarder:
         self.lock_fd: int | None = None
         self.backoff = 0.0
         self.said_refused = ""
+        # The drop counters as last sent in a STATS record after a round that reached the
+        # collector: a record written while it was down can be trimmed away with its segment.
+        self.reported = _drop_counters()
         self.timeout = 30.0
         self.deadline: float | None = None  # at exit: stop shipping past it
 
@@ -283,6 +286,10 @@ class Forwarder:
             self.said_refused = ""
             if status.last_error.startswith("collector"):
                 status.error("")
+        drops = _drop_counters()
+        if drops != self.reported:  # the collector is up: this record is shipped next round
+            self.reported = drops
+            _emit_counters()
 
     def run(self) -> None:
         while not _stop.is_set():
@@ -366,13 +373,19 @@ def _requests_from(path: str, offset: int) -> int:
     return count
 
 
+_DROPS = ("forward_dropped_segments", "dropped_spool_cap", "dropped_forward_rejected")
+
+
+def _drop_counters() -> tuple[int, ...]:
+    return tuple(stats.get(k, 0) for k in _DROPS)
+
+
 def _emit_counters() -> None:
     """The drop counters as a STATS record, so that the collector's store (top) has them."""
     try:
         from perfsleuth.agent.spool.queue import emit
 
-        names = ("forward_dropped_segments", "dropped_spool_cap", "dropped_forward_rejected")
-        body = {k: stats[k] for k in names}
+        body = {k: stats[k] for k in _DROPS}
         ts, pid = time.time_ns(), os.getpid()
         emit(STATS, lambda _intern: {"ts": ts, "pid": pid, "counters": dict(body)})
     except Exception:
