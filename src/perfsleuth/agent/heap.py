@@ -175,34 +175,39 @@ def snapshot(top: int = TOP) -> dict[str, Any]:
     from ``__sizeof__`` where it is built in; one written in Python is not run (it could do
     anything), the object's base size stands instead."""
     gc.collect()
-    counts: dict[type, int] = {}
-    sizes: dict[type, int] = {}
-    native: dict[type, bool] = {}
-    getsizeof = sys.getsizeof
-    base_sizeof = object.__sizeof__
     is_tracked = gc.is_tracked
     referents = gc.get_referents
-    seen: set[int] = set()
-    # the objects stay alive (and their ids unique) while the walk holds them
-    held: list[Any] = []
-    stack = _roots()
+    # Which objects were seen: a bit per 16 bytes of address (a tracked object and the
+    # collector's header before it take more than that, so no two live ones share a bit), a
+    # bytearray per MiB of address space used. A set of ids costs some 75 bytes per object.
+    seen: dict[int, bytearray] = {}
+    # the objects found, by type: they stay alive (and their addresses theirs) while the walk
+    # holds them, and each type's count and bytes are then taken in C (len, sum of map)
+    found: dict[type, list[Any]] = {}
+    # Only tracked objects are pushed (untracked ones, ints and strings mostly, are most of the
+    # edges and are not counted): filter() drops them in C, without a turn of this loop each.
+    stack = list(filter(is_tracked, _roots()))
     while stack:
         o = stack.pop()
-        if not is_tracked(o) or id(o) in seen:
+        i = id(o)
+        bits = seen.get(i >> 20)
+        if bits is None:
+            bits = seen[i >> 20] = bytearray(8192)
+        byte = (i >> 7) & 8191
+        bit = 1 << ((i >> 4) & 7)
+        if bits[byte] & bit:
             continue
-        seen.add(id(o))
-        held.append(o)
-        stack.extend(referents(o))
+        bits[byte] |= bit
         t = type(o)
-        counts[t] = counts.get(t, 0) + 1
-        ok = native.get(t)
-        if ok is None:
-            ok = native[t] = not isinstance(getattr(t, "__sizeof__", None), types.FunctionType)
-        try:
-            sizes[t] = sizes.get(t, 0) + (getsizeof(o) if ok else base_sizeof(o))
-        except Exception:
-            sizes.setdefault(t, 0)
-    del held, stack, seen
+        objs = found.get(t)
+        if objs is None:
+            objs = found[t] = []
+        objs.append(o)
+        stack.extend(filter(is_tracked, referents(o)))
+    del stack, seen
+    counts = {t: len(objs) for t, objs in found.items()}
+    sizes = {t: _bytes(t, objs) for t, objs in found.items()}
+    del found
     rows = [(_name(t), n, sizes.get(t, 0)) for t, n in counts.items()]
     by_bytes = sorted(rows, key=lambda r: (-r[2], -r[1], r[0]))[:top]
     by_count = sorted(rows, key=lambda r: (-r[1], r[0]))[:top]
@@ -217,6 +222,21 @@ def snapshot(top: int = TOP) -> dict[str, Any]:
         "types": sorted(kept.values(), key=lambda r: (-int(r["bytes"]), -int(r["count"]))),
         "note": "objects tracked by the garbage collector; shallow sizes (sys.getsizeof)",
     }
+
+
+def _bytes(t: type, objs: list[Any]) -> int:
+    """The shallow bytes of ``objs``, all of type ``t``: ``sys.getsizeof`` where ``__sizeof__``
+    is built in, else the base size (a ``__sizeof__`` written in Python is not run)."""
+    native = not isinstance(getattr(t, "__sizeof__", None), types.FunctionType)
+    size = sys.getsizeof if native else object.__sizeof__
+    try:
+        return sum(map(size, objs))
+    except Exception:
+        total = 0
+        for o in objs:
+            with contextlib.suppress(Exception):
+                total += size(o)
+        return total
 
 
 def _name(t: type) -> str:
