@@ -18,6 +18,9 @@
  * that, and anything else (odd arguments), goes through record_call in Python. Nothing here
  * raises into the application: an internal failure is counted (recorder.internal_error) and
  * the statement runs unrecorded, and the driver's own exceptions pass through untouched.
+ *
+ * One file: a CPython extension module is one compilation unit whose types and module state are
+ * shared by every part above; each part is a section headed by what it does.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

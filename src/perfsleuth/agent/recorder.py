@@ -3,7 +3,10 @@
 Everything here runs inside application requests, so it only stores integers and references
 (timestamps, code objects, the statement string) and never raises: any internal error is
 counted (``stats["internal_errors"]``) and swallowed. Encoding happens on the writer thread
-(:mod:`perfsleuth.agent.shipper`).
+(:mod:`perfsleuth.agent.spool.encode`). One module of ~700 lines because the request, its call
+rows and its site path are one data structure and the operations on it, and the C accelerator
+mirrors it function for function (``_speedups.c``); split, each call would pay a module
+attribute look-up on the hot path.
 
 **Calls as rows.** A request's outbound calls (DB statements, HTTP requests, cache commands)
 are not objects: each is a row of five int64s (``ROW`` bytes, native byte order) appended to

@@ -1,5 +1,8 @@
 """Cheap stack capture for the request path.
 
+One module of ~500 lines: capture, the application/library classification it needs per frame
+and the template frames it splices in are one walk, kept together so the hot path stays flat.
+
 The hot path collects (code object, line) pairs only; turning them into file/line/function
 records happens on the writer thread. Frames of perfsleuth's agent itself are skipped.
 

@@ -1,5 +1,8 @@
 """ASGI: ``PerfsleuthASGI(app)`` records every HTTP request of an ASGI application.
 
+One module of ~650 lines: the recorder, the route-template resolution and the CPU meter all
+work on one request's scope and task, and the C accelerator replaces parts of them by name.
+
 Only ``http`` scopes are recorded (lifespan and websocket pass straight through). Per request:
 method and path (references into the scope), the status from ``http.response.start``, the bytes
 of request and response bodies as they pass through ``receive``/``send``, and the two configured
