@@ -451,6 +451,14 @@ def same(frame: FrameType | None, flat: tuple[Any, ...]) -> bool:
     f = frame
     while f is not None and classify(f.f_code) is None:
         f = f.f_back
+    return same_from(f, flat)
+
+
+def same_from(f: FrameType | None, flat: tuple[Any, ...]) -> bool:
+    """Whether the frames from ``f`` up (no agent frames skipped first) are ``flat``: the same
+    code objects at the same instructions, ending where :func:`capture` stops (the root,
+    MAX_DEPTH or an agent frame). Template frames are not read: a stack that has them never
+    matches. (:func:`same` after its skip, and the thread-pool hand-off's origin cache.)"""
     n = len(flat)
     i = 0
     while f is not None and i < n:
@@ -460,8 +468,11 @@ def same(frame: FrameType | None, flat: tuple[Any, ...]) -> bool:
         i += 2
     if i != n:
         return False
-    # it must also end where capture would stop: the root, MAX_DEPTH or an agent frame
-    return f is None or n >= 2 * MAX_DEPTH or classify(f.f_code) is None
+    if f is None or n >= 2 * MAX_DEPTH:
+        return True
+    code = f.f_code
+    hit = _kind.get(id(code))
+    return (hit[1] if hit is not None else classify(code)) is None
 
 
 def _same_templates(frame: FrameType | None, flat: tuple[Any, ...]) -> bool:

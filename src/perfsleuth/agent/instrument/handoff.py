@@ -46,7 +46,7 @@ _current_get = recorder.current_get
 _set_current = recorder._current.set
 _reset_current = recorder._current.reset
 _capture = stacks.capture
-_kinds = stacks._kind
+_same_from = stacks.same_from
 _classify = stacks.classify
 _partial = functools.partial
 _MAX_FLAT = 2 * stacks.MAX_DEPTH
@@ -247,33 +247,13 @@ def _dispatch(frame: FrameType) -> bool:
     return True
 
 
-def _matches(frame: FrameType, flat: tuple[Any, ...]) -> bool:
-    """Whether the frames from ``frame`` up are ``flat``, as capture made it: the same code
-    objects at the same instructions, then the request's entry (an agent's frame) or the
-    root. (A stack with template frames never matches: captured again, which is correct.)"""
-    f: FrameType | None = frame
-    n = len(flat)
-    i = 0
-    while f is not None and i < n:
-        if f.f_code is not flat[i] or ~f.f_lasti != flat[i + 1]:
-            return False
-        f = f.f_back
-        i += 2
-    if i != n:
-        return False
-    if f is None or n >= _MAX_FLAT:
-        return True
-    hit = _kinds.get(id(f.f_code))
-    return hit is not None and hit[1] is None
-
-
 def _origin(frame: FrameType) -> tuple[Any, ...]:
     """The stack above a hand-off (:func:`perfsleuth.agent.stacks.capture` of ``frame``)."""
     key = (id(frame.f_code), frame.f_lasti)
     known = _origins.get(key)
     if known is not None:
         for flat in known:
-            if _matches(frame, flat):
+            if _same_from(frame, flat):
                 return flat
     else:
         if len(_origins) >= _MAX_ORIGINS:
