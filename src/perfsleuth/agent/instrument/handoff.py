@@ -128,15 +128,23 @@ def _run_stitched(
     try:
         return func(*args, **kwargs)
     finally:
-        try:
-            site_list = req.site_list
-            # an ended request is the writer's: its sites are left as they are
-            if not req.end and site_list is not None and len(site_list) > first:
-                code = _code_of(func)
-                if code is not None:
-                    _stitch(req, first, code, origin)
-        except Exception:
-            recorder.internal_error()
+        _stitch_new(req, first, func, origin)
+
+
+def _stitch_new(
+    req: recorder.ActiveRequest, first: int, func: Callable[..., Any], origin: tuple[Any, ...]
+) -> None:
+    """After ``func`` ran in the worker: stitch ``origin`` to the sites it made from index
+    ``first`` on (called once the work returned, so it is no frame of the worker's stacks)."""
+    try:
+        site_list = req.site_list
+        # an ended request is the writer's: its sites are left as they are
+        if not req.end and site_list is not None and len(site_list) > first:
+            code = _code_of(func)
+            if code is not None:
+                _stitch(req, first, code, origin)
+    except Exception:
+        recorder.internal_error()
 
 
 def _run_in_request(
@@ -149,7 +157,7 @@ def _run_in_request(
     """Run executor work in the worker's own context with only the agent's request variable
     set to ``req`` meanwhile (reset after): the worker's other context variables (set by the
     executor's initializer or by earlier work) stay as the application left them. Then, as
-    :func:`_run_stitched` (inlined: one Python frame a hand-off), stitch ``origin`` to the
+    :func:`_run_stitched` (not called: one Python frame a hand-off), stitch ``origin`` to the
     sites the work made. Work that starts after the request ended runs unrecorded (the
     recorder also refuses calls into a request that has ended while the work runs)."""
     if req.end:
@@ -162,14 +170,7 @@ def _run_in_request(
     finally:
         _reset_current(token)  # set above in this thread's context: cannot fail
         if origin is not None:
-            try:
-                site_list = req.site_list
-                if not req.end and site_list is not None and len(site_list) > first:
-                    code = _code_of(func)
-                    if code is not None:
-                        _stitch(req, first, code, origin)
-            except Exception:
-                recorder.internal_error()
+            _stitch_new(req, first, func, origin)
 
 
 def _carries_context(fn: Any) -> bool:
