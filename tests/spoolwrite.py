@@ -25,6 +25,7 @@ from perfsleuth.agent import recorder, stacks
 from perfsleuth.agent.spool.encode import Encoder, Interned, encode_requests
 from perfsleuth.store.spool import local_host
 from perfsleuth.wire import HEADER, STATS
+from perfsleuth.wire.batch import INT_COLUMNS, SPARSE, STRING_COLUMNS
 from perfsleuth.wire.segment import FILE_MAGIC, encode_record
 
 MS = 1_000_000  # ns
@@ -32,21 +33,19 @@ NULL = recorder.NULL
 T0 = 10**12  # the perf_counter ns a request starts at (a process clock: only differences count)
 # what a call spec may set beside timings and rows: the values of the call's ``more`` entry
 _MORE = ("status", "bytes", "wait", "hit", "error", "extra")
-_REQUEST_FIELDS = (
-    "method",
-    "path",
-    "user",
-    "tenant",
-    "error",
-    "cpu_ns",
-    "req_bytes",
-    "resp_bytes",
-    "calls_dropped",
-    "gc_ns",
-    "gc_count",
-    "attrs",
-    "tags",
-)
+# the request's values the agent records (``finished(**fields)``): the wire's columns less
+# those finished() takes as parameters or works out itself
+_REQUEST_FIELDS = frozenset((*STRING_COLUMNS, *INT_COLUMNS, *SPARSE)) - {
+    "kind",
+    "endpoint",
+    "id",
+    "ts",
+    "dur",
+    "status",
+    "t0",
+    "ncalls",
+    "cx",
+}
 
 
 def call(
@@ -232,7 +231,7 @@ class SegmentWriter:
         """A finished request as the recorder hands it to the writer, and its values.
         ``fields``: values the agent records for a request (user, tenant, attrs, tags,
         cpu_ns, req_bytes, resp_bytes, gc_ns with gc_count, error...)."""
-        unknown = set(fields) - set(_REQUEST_FIELDS)
+        unknown = set(fields) - _REQUEST_FIELDS
         if unknown:
             raise TypeError(f"the agent records no {sorted(unknown)} for a request")
         method, _, path = endpoint.partition(" ")
