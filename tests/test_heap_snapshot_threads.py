@@ -47,3 +47,27 @@ def test_a_snapshot_never_breaks_a_tuple_being_built_in_another_thread() -> None
             t.join(timeout=30)
     assert not errors, f"after {snaps} snapshots: {errors[0]!r}"
     assert built[0] > 0
+
+
+class _Shared(list):  # type: ignore[type-arg]
+    pass
+
+
+class _Leaf:
+    def __init__(self, shared: _Shared) -> None:
+        self.shared = shared
+        self.own = [shared, shared]
+
+
+def test_each_object_is_counted_once_however_many_refer_to_it() -> None:
+    """The walk marks what it has seen by address: an object referred to from many places is
+    counted once, and every distinct one is counted."""
+    shared = _Shared([1, 2, 3])
+    leaves = [_Leaf(shared) for _ in range(3000)]
+    again = [leaves, leaves, tuple(leaves)]
+    types = {t["type"]: t for t in heap.snapshot(top=100_000)["types"]}
+    mod = __name__
+    assert types[f"{mod}._Shared"]["count"] == 1
+    assert types[f"{mod}._Leaf"]["count"] == len(leaves)
+    assert types["list"]["count"] >= len(leaves) + 2
+    del again

@@ -152,13 +152,19 @@ def _stop_reader(fd: int) -> None:
 
 
 def _roots() -> list[Any]:
-    """Where the walk starts: every module, and every thread's frames."""
-    roots: list[Any] = [sys.modules, *list(sys.modules.values())]
+    """Where the walk starts: every module, and every thread's frames with their locals (a
+    running frame's object does not show its locals to ``gc.get_referents``)."""
+    roots: list[Any] = []
     for frame in sys._current_frames().values():
         f: Any = frame
         while f is not None:
             roots.append(f)
+            with contextlib.suppress(Exception):
+                roots.extend(f.f_locals.values())
             f = f.f_back
+    # the modules last: walked first (the walk pops), the locals then add what only they hold
+    roots.append(sys.modules)
+    roots.extend(list(sys.modules.values()))
     return roots
 
 
