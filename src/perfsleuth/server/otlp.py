@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from perfsleuth.server.body import TooLarge, read_body
 from perfsleuth.store.otlp.batch import insert, rollback, to_batch
 from perfsleuth.store.otlp.payload import MAX_BODY, OtlpError, decode, response
 from perfsleuth.store.otlp.spans import Keys, Pending
@@ -46,28 +47,14 @@ def _refuse(status: int, reason: str) -> JSONResponse:
     return JSONResponse({"error": reason, "status": status}, status)
 
 
-async def _read_body(request: Request) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY:
-        raise OtlpError(413, f"the payload is {length} bytes; at most {MAX_BODY}")
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise OtlpError(413, f"the payload is over {MAX_BODY} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
-
-
 @router.post("/v1/traces", summary="OTLP/HTTP trace ingest (protobuf or JSON, gzip)")
 async def traces(request: Request) -> Response:
     backend = request.app.state.backend
     state = request.app.state
     try:
-        body = await _read_body(request)
-    except OtlpError as e:
-        return _refuse(e.status, e.reason)
+        body = await read_body(request, MAX_BODY, "the payload")
+    except TooLarge as e:
+        return _refuse(413, str(e))
     ctype = request.headers.get("content-type")
     encoding = request.headers.get("content-encoding")
 

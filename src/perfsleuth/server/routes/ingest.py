@@ -38,6 +38,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from perfsleuth.server.body import TooLarge, read_body
 from perfsleuth.server.deps import ApiError, ok
 from perfsleuth.wire import CLOSED_SUFFIX, HEADER, OPEN_SUFFIX
 from perfsleuth.wire.segment import FILE_MAGIC, read_segment
@@ -244,17 +245,10 @@ async def segment(
     be = request.app.state.backend
     if getattr(be.store, "read_only", False) or be.ingest_every <= 0:
         raise ApiError(503, "this server does not ingest (started with --no-ingest)")
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY:
-        raise ApiError(413, f"the chunk is {length} bytes; at most {MAX_BODY}")
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise ApiError(413, f"the chunk is over {MAX_BODY} bytes")
-        parts.append(chunk)
-    body = b"".join(parts)
+    try:
+        body = await read_body(request, MAX_BODY, "the chunk")
+    except TooLarge as e:
+        raise ApiError(413, str(e)) from None
     token = str(getattr(request.state, "token_name", "") or "")
     place = Place(be.data_dir, agent, segment)
 
