@@ -64,6 +64,19 @@ def in_flight_during(srv: Any, path: str, during: Any) -> None:
     assert answered == [200]
 
 
+def drive(srv: Any, rounds: int) -> None:
+    """async_evidence_app's traffic: /block and POST /ingest while /wait is in flight, the
+    sync and async CPU and sleep endpoints ``rounds`` times each, then /health."""
+    for _ in range(3):
+        in_flight_during(srv, "/wait", lambda: srv.get("/block"))
+    for _ in range(4):
+        in_flight_during(srv, "/wait", lambda: srv.request("POST", "/ingest"))
+    for path in ("/cpu-sync", "/sleep-sync", "/cpu-async", "/sleep-async") * rounds:
+        assert srv.get(path)[0] == 200
+    for _ in range(5):
+        assert srv.get("/health")[0] == 200
+
+
 @pytest.fixture(scope="module")
 def async_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("async-evidence")
@@ -72,14 +85,7 @@ def async_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp, data, uvicorn("async_evidence_app:app", "--loop", "asyncio"), service="aev",
         ready="/health",
     ) as srv:  # fmt: skip
-        for _ in range(3):
-            in_flight_during(srv, "/wait", lambda: srv.get("/block"))
-        for _ in range(4):
-            in_flight_during(srv, "/wait", lambda: srv.request("POST", "/ingest"))
-        for path in ("/cpu-sync", "/sleep-sync", "/cpu-async", "/sleep-async") * 2:
-            assert srv.get(path)[0] == 200
-        for _ in range(5):
-            assert srv.get("/health")[0] == 200
+        drive(srv, 2)
         assert srv.stop() in (0, -15)
     with DuckDBStore(str(data)) as store:
         store.ingest()

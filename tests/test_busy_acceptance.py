@@ -39,7 +39,7 @@ from perfsleuth.analysis.config import Config
 from perfsleuth.analysis.finding import LEVELS
 from perfsleuth.analysis.findings import find
 from perfsleuth.store.duckdb_store import DuckDBStore
-from test_async_evidence import in_flight_during
+from test_async_evidence import drive
 from test_run_servers import APPS, launched, uvicorn
 from test_sampler_classes import oversubscribed
 from zoo import harness
@@ -148,14 +148,7 @@ def evidence(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         tmp, data, uvicorn("async_evidence_app:app", "--loop", "asyncio"), service="aev",
         ready="/health", PERFSLEUTH_SAMPLE_AFTER_MS="100",
     ) as srv, machine(mode):  # fmt: skip
-        for _ in range(3):
-            in_flight_during(srv, "/wait", lambda: srv.get("/block"))
-        for _ in range(4):
-            in_flight_during(srv, "/wait", lambda: srv.request("POST", "/ingest"))
-        for path in ("/cpu-sync", "/sleep-sync", "/cpu-async", "/sleep-async") * 3:
-            assert srv.get(path)[0] == 200
-        for _ in range(5):
-            assert srv.get("/health")[0] == 200
+        drive(srv, 3)
         assert srv.stop() in (0, -15)
     with DuckDBStore(str(data)) as store:
         store.ingest()
