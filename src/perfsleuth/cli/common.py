@@ -46,6 +46,13 @@ SinceOpt = Annotated[
     typer.Option("--since", metavar="AGE", help="Only requests newer than this: 15m, 1h, 24h, 7d."),
 ]
 
+PortOpt = Annotated[int, typer.Option("--port", help="Port to listen on.")]
+
+
+def split_hosts(allow_host: list[str] | None) -> list[str]:
+    """The host names of repeated ``--allow-host`` values, each maybe comma-separated."""
+    return [h.strip() for v in allow_host or () for h in v.split(",") if h.strip()]
+
 
 class CLIError(Exception):
     """A problem the user can act on: one sentence on stderr and a non-zero exit code."""

@@ -16,7 +16,15 @@ from typing import Annotated
 import typer
 
 from perfsleuth.cli.app import app
-from perfsleuth.cli.common import DEFAULT_DATA, EXIT_STATE, CLIError, DataOpt, handle_errors
+from perfsleuth.cli.common import (
+    DEFAULT_DATA,
+    EXIT_STATE,
+    CLIError,
+    DataOpt,
+    PortOpt,
+    handle_errors,
+    split_hosts,
+)
 from perfsleuth.cli.ui import DEFAULT_PORT, port_free
 
 KINDS = ("ingest", "read")
@@ -110,7 +118,7 @@ def server(
     host: Annotated[
         str, typer.Option("--host", help="Address to bind (other than loopback needs tokens).")
     ] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = DEFAULT_PORT,
+    port: PortOpt = DEFAULT_PORT,
     tokens: Annotated[
         str | None,
         typer.Option(
@@ -144,6 +152,6 @@ def server(
     ] = None,
 ) -> None:
     """Run the collector: remote agents and OTLP exporters send here; API and UI included."""
-    hosts = [h.strip() for v in allow_host or () for h in v.split(",") if h.strip()]
+    hosts = split_hosts(allow_host)
     table = read_tokens(tokens) if tokens else {}
     start_server(data, host, port, token, table, hosts)

@@ -11,7 +11,15 @@ from typing import Annotated
 import typer
 
 from perfsleuth.cli.app import app
-from perfsleuth.cli.common import DEFAULT_DATA, EXIT_STATE, CLIError, DataOpt, handle_errors
+from perfsleuth.cli.common import (
+    DEFAULT_DATA,
+    EXIT_STATE,
+    CLIError,
+    DataOpt,
+    PortOpt,
+    handle_errors,
+    split_hosts,
+)
 
 DEFAULT_PORT = 8321
 
@@ -85,7 +93,7 @@ def ui(
     host: Annotated[
         str, typer.Option("--host", help="Address to bind (other than loopback needs a token).")
     ] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = DEFAULT_PORT,
+    port: PortOpt = DEFAULT_PORT,
     token: Annotated[
         str | None,
         typer.Option(
@@ -118,5 +126,5 @@ def ui(
     ] = False,
 ) -> None:
     """Serve the web UI and its JSON API (/api/), ingesting the spool as it grows."""
-    hosts = [h.strip() for v in allow_host or () for h in v.split(",") if h.strip()]
+    hosts = split_hosts(allow_host)
     start_ui(data, host, port, token, ingest=not no_ingest, allowed_hosts=hosts)
