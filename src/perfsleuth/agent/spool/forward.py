@@ -45,6 +45,7 @@ _thread: threading.Thread | None = None
 _fw: Forwarder | None = None
 _cfg: Config | None = None
 _stop = threading.Event()
+_lock_fd: int | None = None  # the lock file's descriptor once opened (closed in a forked child)
 
 
 class Refused(Exception):
@@ -107,10 +108,14 @@ class Forwarder:
             import fcntl
 
             os.makedirs(self.spool, exist_ok=True)
-            fd = os.open(os.path.join(self.spool, "forward.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            global _lock_fd
+            fd = _lock_fd = os.open(
+                os.path.join(self.spool, "forward.lock"), os.O_RDWR | os.O_CREAT, 0o644
+            )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
+                _lock_fd = None
                 os.close(fd)
                 return False
             self.lock_fd = fd
@@ -174,12 +179,20 @@ class Forwarder:
 
     # ---------------------------------------------------------------- shipping
 
+    def left(self) -> float | None:
+        """Seconds left before the exit deadline (None: no deadline)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def socket_timeout(self) -> float:
+        left = self.left()
+        return self.timeout if left is None else max(0.01, min(self.timeout, left))
+
     def connection(self) -> Any:
         if self.conn is None:
             import http.client
 
             cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-            self.conn = cls(self.netloc, self.port, timeout=self.timeout)
+            self.conn = cls(self.netloc, self.port, timeout=self.socket_timeout())
         return self.conn
 
     def drop_connection(self) -> None:
@@ -206,7 +219,13 @@ class Forwarder:
         }
         conn = self.connection()
         try:
+            # At exit no socket wait goes past the deadline (connect, send, the reply).
+            conn.timeout = self.socket_timeout()
+            if conn.sock is not None:
+                conn.sock.settimeout(conn.timeout)
             conn.request("POST", path, body=body, headers=headers)
+            if conn.sock is not None:
+                conn.sock.settimeout(self.socket_timeout())
             resp = conn.getresponse()
             raw = resp.read(65536)
         except Exception:
@@ -226,6 +245,8 @@ class Forwarder:
         if offset >= size and not complete:
             return
         for _ in range(1000):  # a 409 may move the offset; bounded all the same
+            if self.past_deadline():
+                return
             end = min(size, offset + CHUNK_BYTES)
             data = _read(path, base, self.spool, offset, end - offset)
             if data is None:
@@ -279,7 +300,7 @@ class Forwarder:
         for seg in segs:
             if self.deadline is None and _stop.is_set():
                 return
-            if self.deadline is not None and time.monotonic() > self.deadline:
+            if self.past_deadline():
                 return
             self.ship(*seg)
         if self.said_refused:
@@ -290,6 +311,10 @@ class Forwarder:
         if drops != self.reported:  # the collector is up: this record is shipped next round
             self.reported = drops
             _emit_counters()
+
+    def past_deadline(self) -> bool:
+        left = self.left()
+        return left is not None and left <= 0
 
     def run(self) -> None:
         while not _stop.is_set():
@@ -317,13 +342,17 @@ class Forwarder:
 
 
 def _writer_dead(base: str) -> bool:
-    """Whether the writer named by ``<host>-<pid>-<ns>-<seq>`` (this host) is gone."""
+    """Whether the writer named by ``<host>-<pid>-<ns>-<seq>`` (this host) is gone: a process
+    that no longer exists, or an earlier process with this process's pid (a restart with a
+    stable hostname and pid, pid 1 in a container): its segment was opened before this
+    process started."""
     parts = base.rsplit("-", 3)
     if len(parts) != 4 or parts[0] != status.HOST or not parts[1].isdigit():
         return False
     pid = int(parts[1])
     if pid == os.getpid():
-        return False
+        born = _started_ns()
+        return born is not None and parts[2].isdigit() and int(parts[2]) < born
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -331,6 +360,30 @@ def _writer_dead(base: str) -> bool:
     except OSError:
         return False
     return False
+
+
+_born: tuple[int, int | None] | None = None  # (pid, its start as wall-clock ns)
+
+
+def _started_ns() -> int | None:
+    """When this process started (wall clock, ns; rounded down to the clock tick), from
+    /proc/self/stat; None where that is not known (then no own-pid segment counts as dead)."""
+    global _born
+    pid = os.getpid()
+    if _born is not None and _born[0] == pid:
+        return _born[1]
+    born: int | None = None
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            stat = fh.read()
+        ticks = int(stat[stat.rindex(b")") + 2 :].split()[19])  # field 22: starttime
+        hz = os.sysconf("SC_CLK_TCK")
+        since_start = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - ticks * 1_000_000_000 // hz
+        born = time.time_ns() - since_start
+    except (OSError, ValueError, IndexError, AttributeError):
+        born = None
+    _born = (pid, born)
+    return born
 
 
 def _read(path: str, base: str, spool: str, offset: int, n: int) -> bytes | None:
@@ -443,13 +496,15 @@ def at_exit(timeout: float = 3.0) -> None:
         return
     _stop.set()
     try:
+        # One deadline for all of it: waiting for the thread, then the last round (checked
+        # before each chunk; no socket wait goes past it).
+        deadline = time.monotonic() + timeout
         if t is not None:
             t.join(timeout)
             if t.is_alive():  # in the middle of a request: it stays where it is
                 return
         fw.drop_connection()
-        fw.timeout = max(0.5, timeout / 2)
-        fw.deadline = time.monotonic() + timeout
+        fw.deadline = deadline
         fw.round()
         status.write(fw.cfg)
     except Exception:
@@ -457,9 +512,15 @@ def at_exit(timeout: float = 3.0) -> None:
 
 
 def _after_fork_in_child() -> None:
-    # The parent's thread is not the child's; the child competes for the lock anew (the
-    # inherited descriptor still belongs to the parent's lock and is left alone).
-    global _thread, _fw
+    # The parent's thread is not the child's; the child competes for the lock anew. The
+    # inherited lock descriptor is closed: the flock stays with the parent (it has its own
+    # descriptor), and a child outliving the parent does not keep every process from being
+    # elected.
+    global _thread, _fw, _lock_fd
+    fd, _lock_fd = _lock_fd, None
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
     _thread = _fw = None
     if _cfg is not None:
         start(_cfg)
