@@ -283,3 +283,42 @@ def test_the_newly_guarded_functions_still_make_ordinary_values() -> None:
         "00000101",
         5,
     ]
+
+
+def test_two_statements_share_one_budget_and_the_one_that_grows_is_stopped() -> None:
+    """Two console statements at once (CONSOLE_SLOTS) grow one process: a quiet one running
+    when another grows past the budget is left alone, the growing one is stopped and told
+    that the console's statements together went over (issue 17 review item 2)."""
+    import threading
+
+    con = _console()
+    quiet_out: list[Any] = []
+    started = threading.Event()
+
+    def quiet() -> None:
+        started.set()
+        try:
+            res = console.run(
+                con.cursor(),
+                "SELECT count(*) FROM range(3000000000) t(i) WHERE i % 7 = 3",
+                time_limit=6,
+                max_memory=64 * MB,
+            )
+            quiet_out.append(res.encoded)
+        except console.ConsoleError as e:
+            quiet_out.append(e)
+
+    t = threading.Thread(target=quiet)
+    t.start()
+    started.wait()
+    time.sleep(0.5)
+    with pytest.raises(console.ConsoleError, match="together used more than 64 MB") as grew:
+        console.run(
+            con.cursor(),
+            "SELECT list(i) AS l FROM range(100000000) t(i)",
+            time_limit=30,
+            max_memory=64 * MB,
+        )
+    t.join(timeout=60)
+    assert "this one the most" in str(grew.value)
+    assert quiet_out and "memory" not in str(quiet_out[0]), quiet_out

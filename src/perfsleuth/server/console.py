@@ -12,12 +12,13 @@ Rows are fetched a few at a time and encoded as they come, so the reply never ho
 DuckDB's own memory is bounded for the console's statements only, so that ingest on the same
 database keeps the engine's whole memory: sorts, hash tables and aggregates of the console's
 connection get ``max_memory / 2`` (DuckDB's per-connection ``operator_memory_limit``; past it
-they spill to the store's temporary directory, itself capped), and a watcher stops the
-statement (an interrupt) once the process has grown by ``max_memory`` since it began (the
-store's tables cached meanwhile aside): the values DuckDB builds (``list``, ``string_agg``) are
-outside its memory limits. An interrupt is seen between vectors only, so the functions that
-make one value of any size from a number (``repeat``, ``lpad``, ``rpad``, ``range``,
-``list_resize``, ``bar``, ...) are guarded by macros of the same name (:func:`guard_functions`).
+they spill to the store's temporary directory, itself capped), and a watcher stops a
+statement (an interrupt) once the console's statements running together have grown the process
+by ``max_memory`` (one budget, :class:`_Budget`; the store's tables cached meanwhile aside): the
+values DuckDB builds (``list``, ``string_agg``) are outside its memory limits. An interrupt
+is seen between vectors only, so the functions that make one value of any size from a number
+(``repeat``, ``lpad``, ``rpad``, ``range``, ``list_resize``, ``bar``, ...) are guarded by
+macros of the same name (:func:`guard_functions`).
 The statement is parsed by DuckDB (``json_serialize_sql``) and every call in it checked
 (:func:`check_calls`): a guarded function named with its schema (which would reach DuckDB's own,
 not the macro), ``printf``/``format`` with a format that is not constant or pads too far, and
@@ -176,7 +177,39 @@ def rss() -> int | None:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_settling: tuple[float, int] = (0.0, 0)  # (until, resident bytes) after a stop at the cap
+
+
+class _Budget:
+    """The console's one memory budget, shared by its statements running at once (they all
+    grow the same process, whose resident memory is all that can be measured): counted from
+    the process's size when the console went from idle to busy, less the store's tables
+    cached since. Growth is shared out among the statements running while it happened (equal
+    parts: nothing tells which one allocated); past the budget, the most recent statement
+    with at least half the largest part is stopped (the one that took the console over, where
+    the others had grown little), and the others count afresh from there. When an older
+    statement starts growing after a quiet one joined, the quiet one is stopped first: the
+    older one is stopped in turn if it goes on."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.shares: dict[_Watch, int] = {}  # running statements: growth ascribed to each
+        self.base = 0  # resident bytes when the first of them started
+        self.last = 0  # resident bytes at the last look
+        self.cached0 = 0  # the store's cached table bytes at that start
+        # statements stopped at the budget: (until, resident bytes to come back to)
+        self.settling: list[tuple[float, int]] = []
+
+    def settle_target(self, now: float) -> tuple[float, int] | None:
+        """The latest time and the lowest size the stopped statements' memory is awaited
+        until (None when none is)."""
+        with self.lock:
+            self.settling = [s for s in self.settling if s[0] > now]
+            if not self.settling:
+                return None
+            return max(s[0] for s in self.settling), min(s[1] for s in self.settling)
+
+
+_budget = _Budget()
 
 
 def cached_table_bytes(con: duckdb.DuckDBPyConnection) -> int:
@@ -190,9 +223,9 @@ def cached_table_bytes(con: duckdb.DuckDBPyConnection) -> int:
 
 
 class _Watch:
-    """Interrupts ``cur``'s statement past ``deadline`` or once the process's resident memory,
-    less the store's tables cached meanwhile, exceeds what it was at the start by
-    ``max_memory``; ``stopped`` says which."""
+    """Interrupts ``cur``'s statement past ``deadline``, or when the console's statements
+    together grew the process by more than ``max_memory`` (:class:`_Budget`) and this one has
+    the largest part of it; ``stopped`` says which."""
 
     def __init__(
         self, cur: duckdb.DuckDBPyConnection, time_limit: float | None, max_memory: int | None
@@ -202,57 +235,92 @@ class _Watch:
         self.max_memory = max_memory
         self.deadline = time.perf_counter() + time_limit if time_limit else math.inf
         self.stopped: str | None = None  # "time" or "memory"
+        self.together = False  # stopped at the budget while other statements ran
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._mon: duckdb.DuckDBPyConnection | None = None
-        base = rss() if max_memory else None
-        if base is not None and max_memory and _settling[0] > time.perf_counter():
-            # what the stopped statement had is still the process's: wait until it is not
-            until = min(_settling[0], self.deadline)
-            while base > _settling[1] + max_memory // 4 and time.perf_counter() < until:
+        now = rss() if max_memory else None
+        settle = _budget.settle_target(time.perf_counter()) if now is not None else None
+        if now is not None and max_memory and settle is not None:
+            # what a stopped statement had is still the process's: wait until it is not
+            until = min(settle[0], self.deadline)
+            while now > settle[1] + max_memory // 4 and time.perf_counter() < until:
                 time.sleep(WATCH_S)
-                base = rss() or base
-        self.base = base
-        self.rss_limit = base + max_memory if base is not None and max_memory else None
-        if self.rss_limit is not None:
+                now = rss() or now
+        self.watched = now is not None and bool(max_memory)
+        if self.watched:
             self._mon = cur.cursor()  # the watcher's own connection, for duckdb_memory()
-            self._cached0 = cached_table_bytes(self._mon)
-        if time_limit or self.rss_limit is not None:
+            cached = cached_table_bytes(self._mon)
+            with _budget.lock:
+                if not _budget.shares:
+                    _budget.base = _budget.last = now or 0
+                    _budget.cached0 = cached
+                _budget.shares[self] = 0
+        if time_limit or self.watched:
             t = threading.Thread(target=self._watch, name="perfsleuth-sql-watch", daemon=True)
             t.start()
 
     def _watch(self) -> None:
         while not self._done.wait(WATCH_S):
+            victim = None
             with self._lock:  # done() waits: the statement's thread closes the cursors
-                if self._done.is_set():
+                if self._done.is_set() or self.stopped:
                     return
                 if time.perf_counter() > self.deadline:
                     self.stopped = "time"
-                elif self.rss_limit is not None and self._over():
-                    self.stopped = "memory"
-                if self.stopped:
                     self.cur.interrupt()
                     return
+                if self.watched:
+                    victim = self._over()
+            if victim is not None:
+                victim.interrupt()
 
-    def _over(self) -> bool:
-        over = (rss() or 0) - (self.rss_limit or 0)
-        if over <= 0 or self._mon is None:
-            return False
-        try:
-            return over > cached_table_bytes(self._mon) - self._cached0
-        except duckdb.Error:
-            return True
+    def interrupt(self) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self.cur.interrupt()
+
+    def _over(self) -> _Watch | None:
+        """The statement to stop for memory (marked so), if the console is over its budget."""
+        now = rss() or 0
+        cached = 0
+        if now > _budget.base + (self.max_memory or 0) and self._mon is not None:
+            # over on its face: less the store's tables cached meanwhile (evictable)?
+            try:
+                cached = cached_table_bytes(self._mon) - _budget.cached0
+            except duckdb.Error:
+                cached = 0
+        with _budget.lock:
+            running = [w for w in _budget.shares if not w.stopped]
+            if running:
+                part = (now - _budget.last) // len(running)
+                for w in running:
+                    _budget.shares[w] = max(0, _budget.shares[w] + part)
+            _budget.last = now
+            if now - cached <= _budget.base + (self.max_memory or 0) or not running:
+                return None
+            # the latest started (dicts keep insertion order) of those with at least half the
+            # largest part: growth that began when it did is most likely its own
+            top = max(_budget.shares[w] for w in running)
+            victim = next(w for w in reversed(running) if 2 * _budget.shares[w] >= top)
+            victim.stopped = "memory"
+            victim.together = len(_budget.shares) > 1
+            # its memory comes back to the system within seconds: statements starting meanwhile
+            # wait for it, and the others running count afresh from now (none of what it made
+            # is theirs to answer for)
+            _budget.settling.append((time.perf_counter() + SETTLE_S, now - _budget.shares[victim]))
+            _budget.base = now
+            for w in running:
+                _budget.shares[w] = 0
+            return victim
 
     def done(self) -> None:
-        global _settling
         with self._lock:
             self._done.set()
-            if self.stopped == "memory" and self.base is not None:
-                _settling = (time.perf_counter() + SETTLE_S, self.base)
-            else:
-                _settling = (0.0, 0)
             if self._mon is not None:
                 self._mon.close()
+        with _budget.lock:
+            _budget.shares.pop(self, None)
 
     def check(self) -> None:
         """ConsoleError if the statement was stopped, or its time is up."""
@@ -263,6 +331,12 @@ class _Watch:
 
     def error(self) -> ConsoleError:
         if self.stopped == "memory":
+            if self.together:
+                return ConsoleError(
+                    "the query was stopped: the console's statements together used more than "
+                    f"{_mb(self.max_memory)} of memory, this one the most (make its values or "
+                    "results smaller)"
+                )
             return ConsoleError(
                 "the query was stopped: it used more than "
                 f"{_mb(self.max_memory)} of memory (make its values or results smaller)"
