@@ -192,3 +192,51 @@ def test_a_forked_child_does_not_keep_the_election_lock(tmp_path: Path) -> None:
             os.close(fd)
     finally:
         os.kill(child, 9)
+
+
+EXIT_APP = """
+import sys
+import perfsleuth.agent as ps
+ps.start()
+
+def plain(environ, start_response):
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"ok"]
+
+app = ps.wsgi(plain)
+for i in range(50):
+    list(app({"REQUEST_METHOD": "GET", "PATH_INFO": f"/r/{i}", "SERVER_NAME": "x",
+              "SERVER_PORT": "1"}, lambda *a: None))
+print("exiting", flush=True)
+"""
+
+
+def test_app_exit_is_bounded_with_a_silent_collector(elected: tuple[Path, list[Collector]]) -> None:
+    """An app whose collector accepts the connection and never answers exits within the
+    README's bound (3 s for the forwarder) plus slack: asserted with a generous factor, a
+    behaviour bound, not a speed target."""
+    tmp, made = elected
+    collector = Collector(None)
+    made.append(collector)
+    env = dict(os.environ)
+    env.update(
+        PERFSLEUTH_COLLECTOR=f"http://127.0.0.1:{collector.port}",
+        PERFSLEUTH_TOKEN="ingest-token-aaaaaaaaaaaaaaaa",
+        PERFSLEUTH_DATA=str(tmp / "data"),
+        PERFSLEUTH_CAPTURE="0",
+        PERFSLEUTH_EVIDENCE="0",
+    )
+    proc = subprocess.Popen([PY, "-c", EXIT_APP], env=env, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"exiting\n"
+        t0 = time.monotonic()
+        proc.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert collector.quiet  # the forwarder did connect to it
+    assert took <= 3.0 * 2, took
