@@ -159,8 +159,10 @@ def _roots() -> list[Any]:
         f: Any = frame
         while f is not None:
             roots.append(f)
-            with contextlib.suppress(Exception):
-                roots.extend(f.f_locals.values())
+            # not the walk's own locals: it would count what it found twice over
+            if f.f_code not in _OWN_CODE:
+                with contextlib.suppress(Exception):
+                    roots.extend(f.f_locals.values())
             f = f.f_back
     # the modules last: walked first (the walk pops), the locals then add what only they hold
     roots.append(sys.modules)
@@ -243,6 +245,9 @@ def _bytes(t: type, objs: list[Any]) -> int:
             with contextlib.suppress(Exception):
                 total += size(o)
         return total
+
+
+_OWN_CODE = frozenset({_roots.__code__, snapshot.__code__})
 
 
 def _name(t: type) -> str:
