@@ -89,6 +89,10 @@ def start_servers(
         PERFSLEUTH_DEMO_UPSTREAM=servers.upstream_url,
         PYTHONUNBUFFERED="1",
     )
+    # The demo's slow requests take 100-300 ms on a quiet machine (a form parse, a search): the
+    # agent's default 300 ms would profile only the slowest of them, so the demo samples from
+    # 100 ms unless the user chose otherwise.
+    env.setdefault("PERFSLEUTH_SAMPLE_AFTER_MS", "100")
     py = sys.executable
     commands = {
         "upstream": [py, "-m", "perfsleuth.demo.upstream", "--port", str(ports["upstream"])],
