@@ -25,6 +25,7 @@ from perfsleuth.wire.segment import (
     MAX_RECORD,
     REC_MAGIC,
     Damage,
+    parse_segment_name,
     read_segment,
 )
 
@@ -48,13 +49,6 @@ class SpoolFile:
     pid: int | None
 
 
-def parse_name(base: str) -> tuple[str | None, int | None]:
-    parts = base.rsplit("-", 3)
-    if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
-        return parts[0], int(parts[1])
-    return None, None
-
-
 def list_spool(spool_dir: str) -> list[SpoolFile]:
     """Segments (``*.seg``, ``*.open``) in the spool, oldest name first (names start with
     host, pid and start time)."""
@@ -64,12 +58,8 @@ def list_spool(spool_dir: str) -> list[SpoolFile]:
     except (FileNotFoundError, NotADirectoryError):  # no spool yet, or no agent could make one
         return []
     for e in entries:
-        name = e.name
-        if name.endswith(CLOSED_SUFFIX):
-            base, closed = name[: -len(CLOSED_SUFFIX)], True
-        elif name.endswith(OPEN_SUFFIX):
-            base, closed = name[: -len(OPEN_SUFFIX)], False
-        else:
+        parsed = parse_segment_name(e.name)
+        if parsed is None:
             continue
         try:
             if not e.is_file(follow_symlinks=False):
@@ -77,8 +67,18 @@ def list_spool(spool_dir: str) -> list[SpoolFile]:
             st = e.stat(follow_symlinks=False)
         except OSError:
             continue
-        host, pid = parse_name(base)
-        out.append(SpoolFile(base, name, e.path, closed, st.st_size, st.st_mtime, host, pid))
+        out.append(
+            SpoolFile(
+                parsed.base,
+                e.name,
+                e.path,
+                parsed.closed,
+                st.st_size,
+                st.st_mtime,
+                parsed.host,
+                parsed.pid,
+            )
+        )
     # A segment renamed from .open to .seg between two scandir entries shows up twice.
     by_base: dict[str, SpoolFile] = {}
     for f in out:

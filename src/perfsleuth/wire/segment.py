@@ -20,9 +20,16 @@ import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from perfsleuth.wire import FORMAT_VERSION, RECORD_TYPES, REQUESTS, batch
+from perfsleuth.wire import (
+    CLOSED_SUFFIX,
+    FORMAT_VERSION,
+    OPEN_SUFFIX,
+    RECORD_TYPES,
+    REQUESTS,
+    batch,
+)
 
 FILE_MAGIC = b"PSLSEG" + bytes([0, FORMAT_VERSION])
 REC_MAGIC = b"\xa5\x5a"
@@ -62,6 +69,43 @@ def encode_payload(rtype: bytes, payload: bytes) -> bytes:
     """One record from an already encoded payload."""
     crc = zlib.crc32(payload, zlib.crc32(rtype))
     return _HEAD.pack(REC_MAGIC, rtype, len(payload), crc) + payload
+
+
+class SegmentName(NamedTuple):
+    """A spool file's name read: ``<host>-<pid>-<started_ns>-<seq>`` (the *base*) followed by
+    OPEN_SUFFIX while its writer appends, CLOSED_SUFFIX once complete. ``host`` to ``seq`` are
+    None when the base does not follow that pattern (a file named by someone else, or a
+    collector's ``<agent>~<base>``-style name whose host part holds more than a host)."""
+
+    base: str
+    closed: bool
+    host: str | None
+    pid: int | None
+    started_ns: int | None
+    seq: int | None
+
+
+def segment_base(host: str, pid: int, started_ns: int, seq: int) -> str:
+    """The base name a writer gives its segment (``host`` has no "-": see parse_segment_name)."""
+    return f"{host}-{pid}-{started_ns}-{seq:06d}"
+
+
+def parse_segment_name(name: str) -> SegmentName | None:
+    """The parts of a spool file name; None when it is no segment (neither suffix).
+
+    The base splits at its last three "-": the writer's host (anything non-empty: the agent
+    replaces "-" in it), then its pid, start time (ns) and sequence number, each ASCII digits
+    (``str.isdigit`` alone also takes "²", which ``int`` refuses)."""
+    if name.endswith(CLOSED_SUFFIX):
+        base, closed = name[: -len(CLOSED_SUFFIX)], True
+    elif name.endswith(OPEN_SUFFIX):
+        base, closed = name[: -len(OPEN_SUFFIX)], False
+    else:
+        return None
+    parts = base.rsplit("-", 3)
+    if len(parts) == 4 and parts[0] and all(p.isascii() and p.isdigit() for p in parts[1:]):
+        return SegmentName(base, closed, parts[0], int(parts[1]), int(parts[2]), int(parts[3]))
+    return SegmentName(base, closed, None, None, None, None)
 
 
 @dataclass

@@ -23,14 +23,17 @@ import contextlib
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from perfsleuth.agent import recorder
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.recorder import stats
 from perfsleuth.agent.spool import status
-from perfsleuth.wire import CLOSED_SUFFIX, OPEN_SUFFIX, REQUESTS, STATS
+from perfsleuth.wire import CLOSED_SUFFIX, REQUESTS, STATS
 from perfsleuth.wire.counters import FORWARD
+
+if TYPE_CHECKING:
+    from perfsleuth.wire.segment import SegmentName
 
 CHUNK_BYTES = 4 << 20  # raw bytes per request (the collector takes up to 16 MB)
 ROUND_SECONDS = 1.0
@@ -128,6 +131,8 @@ class Forwarder:
 
     def segments(self) -> list[tuple[str, str, bool, int]]:
         """(base, path, complete, size) of the spool's segments, oldest name first."""
+        from perfsleuth.wire.segment import parse_segment_name  # imported on this thread
+
         out: dict[str, tuple[str, str, bool, int]] = {}
         try:
             entries = list(os.scandir(self.spool))
@@ -135,21 +140,18 @@ class Forwarder:
             return []
         now = time.time()
         for e in entries:
-            name = e.name
-            if name.endswith(CLOSED_SUFFIX):
-                base, closed = name[: -len(CLOSED_SUFFIX)], True
-            elif name.endswith(OPEN_SUFFIX):
-                base, closed = name[: -len(OPEN_SUFFIX)], False
-            else:
+            name = parse_segment_name(e.name)
+            if name is None:
                 continue
             try:
                 st = e.stat()
             except OSError:
                 continue
+            closed = name.closed
             if not closed:
-                closed = _writer_dead(base) and now - st.st_mtime >= DEAD_IDLE_SECONDS
-            if base not in out or name.endswith(CLOSED_SUFFIX):
-                out[base] = (base, e.path, closed, st.st_size)
+                closed = _writer_dead(name) and now - st.st_mtime >= DEAD_IDLE_SECONDS
+            if name.base not in out or name.closed:
+                out[name.base] = (name.base, e.path, closed, st.st_size)
         return [out[k] for k in sorted(out)]
 
     def trim(self, segs: list[tuple[str, str, bool, int]]) -> list[tuple[str, str, bool, int]]:
@@ -341,18 +343,16 @@ class Forwarder:
         return self.backoff
 
 
-def _writer_dead(base: str) -> bool:
-    """Whether the writer named by ``<host>-<pid>-<ns>-<seq>`` (this host) is gone: a process
-    that no longer exists, or an earlier process with this process's pid (a restart with a
-    stable hostname and pid, pid 1 in a container): its segment was opened before this
-    process started."""
-    parts = base.rsplit("-", 3)
-    if len(parts) != 4 or parts[0] != status.HOST or not parts[1].isdigit():
+def _writer_dead(name: SegmentName) -> bool:
+    """Whether the writer a segment's name names (this host) is gone: a process that no longer
+    exists, or an earlier process with this process's pid (a restart with a stable hostname
+    and pid, pid 1 in a container): its segment was opened before this process started."""
+    if name.host != status.HOST or name.pid is None or name.started_ns is None:
         return False
-    pid = int(parts[1])
+    pid = name.pid
     if pid == os.getpid():
         born = _started_ns()
-        return born is not None and parts[2].isdigit() and int(parts[2]) < born
+        return born is not None and name.started_ns < born
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -18,7 +18,7 @@ from perfsleuth.agent.recorder import stats
 from perfsleuth.agent.spool.encode import Interned
 from perfsleuth.agent.spool.status import HOST, unlink
 from perfsleuth.wire import CLOSED_SUFFIX, FORMAT_VERSION, HEADER, OPEN_SUFFIX
-from perfsleuth.wire.segment import FILE_MAGIC, encode_record
+from perfsleuth.wire.segment import FILE_MAGIC, encode_record, segment_base
 
 AGENT_VERSION = "0.1.0"
 
@@ -29,7 +29,8 @@ class Segment(Interned):
     def __init__(self, cfg: Config, seq: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.base = os.path.join(cfg.spool_dir, f"{HOST}-{os.getpid()}-{time.time_ns()}-{seq:06d}")
+        name = segment_base(HOST, os.getpid(), time.time_ns(), seq)
+        self.base = os.path.join(cfg.spool_dir, name)
         self.path = self.base + OPEN_SUFFIX
         self.opened = time.monotonic()
         self.size = 0
