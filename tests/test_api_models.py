@@ -58,6 +58,7 @@ def test_every_reply_matches_its_model(client: TestClient) -> None:
         return body
 
     check("/api/status")
+    check("/api/fleet", since="all")
     ov = check("/api/overview", since="all")
     assert ov["endpoints"], "the demo's data has requests"
     check("/api/endpoints", since="all")

@@ -27,6 +27,7 @@ PY = sys.executable
 INGEST_TOKEN = "ingest-token-aaaaaaaaaaaaaaaa"
 READ_TOKEN = "read-token-rrrrrrrrrrrrrrrrrrrr"
 WRONG_TOKEN = "wrong-token-wwwwwwwwwwwwwwwwww"
+OTLP_TOKEN = "otlp-token-oooooooooooooooooooo"
 DEADLINE = 120.0
 
 APP = """
@@ -79,6 +80,7 @@ class Fleet:
         self.tokens = tmp / "tokens"
         self.tokens.write_text(
             f"# name kind token\nteam_a ingest {INGEST_TOKEN}\nui read {READ_TOKEN}\n"
+            f"team_otlp ingest {OTLP_TOKEN}\n"
         )
         (tmp / "app.py").write_text(APP)
         self.server: subprocess.Popen[bytes] | None = None
@@ -671,3 +673,145 @@ def test_the_forwarders_counters_are_in_the_one_list_agent_and_store_read() -> N
     kept = {k for k in stats if k.startswith(("forward_", "dropped_"))}
     assert {"forward_errors", "dropped_spool_cap"} <= kept
     assert kept <= set(AGENT)
+
+
+def _otlp_payload(n: int) -> bytes:
+    """OTLP JSON: ``n`` SERVER spans of service node-api on host n1, process 321, now."""
+    t0 = time.time_ns() - 60 * 10**9
+
+    def kv(key: str, value: Any) -> dict[str, Any]:
+        if isinstance(value, int):
+            return {"key": key, "value": {"intValue": str(value)}}
+        return {"key": key, "value": {"stringValue": value}}
+
+    spans = [
+        {
+            "traceId": f"{i + 1:032x}",
+            "spanId": f"{i + 1:016x}",
+            "name": "GET /users/:id",
+            "kind": 2,
+            "startTimeUnixNano": str(t0 + i * 10**6),
+            "endTimeUnixNano": str(t0 + i * 10**6 + 5 * 10**6),
+            "attributes": [
+                kv("http.request.method", "GET"),
+                kv("http.route", "/users/:id"),
+                kv("url.path", f"/users/{i}"),
+                kv("http.response.status_code", 200),
+            ],
+        }
+        for i in range(n)
+    ]
+    resource = [kv("service.name", "node-api"), kv("host.name", "n1"), kv("process.pid", 321)]
+    body = {
+        "resourceSpans": [{"resource": {"attributes": resource}, "scopeSpans": [{"spans": spans}]}]
+    }
+    return json.dumps(body).encode()
+
+
+def test_the_store_records_which_token_sent_agent_segments_and_otlp_spans(fleet: Fleet) -> None:
+    """An agent ships with one ingest token, an OTLP exporter posts with another: the store
+    records both (segments_received), /api/fleet and `perfsleuth fleet` name each host's token
+    and route, and the README's origin query gives the OTLP request its token too."""
+    fleet.start_server()
+    fleet.start_agent("h1")
+    fleet.send("h1", 5)
+    status, body = fleet.call("POST", "/v1/traces", OTLP_TOKEN, _otlp_payload(3))
+    assert status == 200, body
+    # The same payload again stores nothing twice and records no second origin.
+    status, body = fleet.call("POST", "/v1/traces", OTLP_TOKEN, _otlp_payload(3))
+    assert status == 200, body
+    fleet.wait_stored({"h1": 5})
+
+    def sources(got: dict[str, Any]) -> dict[tuple[str, str], tuple[int, list[str], list[str]]]:
+        return {
+            (r["host"], r["service"]): (r["requests"], r["tokens"], r["via"])
+            for r in got["sources"]
+        }
+
+    want = {
+        ("h1", "svc_h1"): (5, ["team_a"], ["agent"]),
+        ("n1", "node-api"): (3, ["team_otlp"], ["otlp"]),
+    }
+    status, body = fleet.call("GET", "/api/fleet?since=all", READ_TOKEN)
+    assert status == 200, body
+    got = json.loads(body)
+    assert sources(got) == want
+    assert got["hosts"] == ["h1", "n1"] and got["services"] == ["node-api", "svc_h1"]
+    by_token = {(r["token"], r["via"]): r for r in got["tokens"]}
+    assert set(by_token) == {("team_a", "agent"), ("team_otlp", "otlp")}
+    assert by_token["team_otlp", "otlp"]["segments"] == 1  # one source, one day
+    assert by_token["team_otlp", "otlp"]["hosts"] == ["n1"]
+    # An ingest token may not read it.
+    assert fleet.call("GET", "/api/fleet", INGEST_TOKEN)[0] == 403
+    origin = fleet.sql(readme_origin_query().replace("s.token", "s.token, r.host"))
+    assert {(r[3], r[2]) for r in origin} == {("h1", "team_a"), ("n1", "team_otlp")}
+    assert len(origin) == 8
+
+    fleet.kill_server(signal.SIGTERM)
+    out = subprocess.run(
+        [PY, "-m", "perfsleuth", "fleet", "--data", str(fleet.data), "--json", "--no-ingest"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert sources(json.loads(out.stdout)) == want
+    text = subprocess.run(
+        [PY, "-m", "perfsleuth", "fleet", "--data", str(fleet.data), "--no-ingest"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert text.returncode == 0, text.stderr
+    assert "team_otlp" in text.stdout and "node-api" in text.stdout, text.stdout
+
+
+def test_retention_keeps_only_the_received_segments_a_kept_request_may_come_from(
+    tmp_path: Path,
+) -> None:
+    """segments_received is in the store's retention: a row goes when it was received before
+    the cutoff and no request kept can be of it (a later segment of its process started
+    before the first day kept, or no request kept is of its host and pid); the last segment
+    of a process whose requests are kept stays, as do recent rows and old segments received
+    recently (a backlog)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from perfsleuth.store.duckdb_store import DuckDBStore
+    from spoolwrite import SegmentWriter, call
+
+    now = time.time_ns()
+    day = 86_400 * 10**9
+
+    def row(name: str, host: str, pid: int, started_days: float, received_days: float) -> Any:
+        return {
+            "segment": f"a~{name}",
+            "token": "t",
+            "agent": "a",
+            "host": host,
+            "service": "shop",
+            "pid": pid,
+            "received_ns": now - int(received_days * day),
+            "started_ns": now - int(started_days * day),
+        }
+
+    data = str(tmp_path / "d")
+    w = SegmentWriter(data, pid=2)  # requests of host testbox, pid 2, today
+    w.request("GET /a", calls=[call()])
+    w.close()
+    with DuckDBStore(data) as store:
+        store.ingest()
+        store.record_received(
+            [
+                row("superseded", "h1", 1, 20, 20),  # a later segment of h1/1 started at 15
+                row("orphan", "h1", 1, 15, 15),  # no request of h1/1 is kept
+                row("origin", "testbox", 2, 10, 10),  # today's requests of testbox/2 are its
+                row("recent", "h3", 3, 1, 1),
+                row("backlog", "h4", 4, 20, 0.01),  # an old segment the collector got just now
+                row("otlp-old", "", None, 12, 12),  # type: ignore[arg-type]
+            ]
+        )
+        store.apply_retention(7)
+        kept = sorted(
+            r[0] for r in store._con.execute("SELECT segment FROM segments_received").fetchall()
+        )
+    assert kept == ["a~backlog", "a~origin", "a~recent"]

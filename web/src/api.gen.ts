@@ -197,6 +197,46 @@ export interface FingerprintRow {
   calls_per_request: number | null;
 }
 
+export interface Fleet {
+  window: Record<string, string>;
+  sources: FleetSource[];
+  tokens: FleetToken[];
+  /** The hosts of ``sources``: the UI's host filter. */
+  hosts: string[];
+  /** The services of ``sources``: the service filter. */
+  services: string[];
+}
+
+/** A host and service with requests in the window, and who sent them. */
+export interface FleetSource {
+  /** '' when the requests carry no host. */
+  host: string;
+  service: string;
+  requests: number;
+  /** Distinct process ids. */
+  processes: number;
+  first: string | null;
+  last: string | null;
+  /** Names of the tokens that sent from it (--tokens). */
+  tokens: string[];
+  /** 'agent' (spool segments) and/or 'otlp'. */
+  via: string[];
+}
+
+/** What one token sent, by route. */
+export interface FleetToken {
+  /** The token's name ('' without tokens). */
+  token: string;
+  /** 'agent' or 'otlp'. */
+  via: string;
+  /** Agent segments, or OTLP sources (service/host/pid) a day. */
+  segments: number;
+  hosts: string[];
+  services: string[];
+  first_received: string | null;
+  last_received: string | null;
+}
+
 export interface Frame {
   file: string | null;
   line: number | null;
@@ -499,6 +539,7 @@ export interface GetReplies {
   "/api/endpoints": TopRow[];
   "/api/findings": Finding[];
   "/api/findings/{finding_id}": FindingDetail;
+  "/api/fleet": Fleet;
   "/api/load": LoadRunBrief[];
   "/api/load/{name}": Record<string, unknown>;
   "/api/overview": Overview;

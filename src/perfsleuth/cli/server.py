@@ -15,15 +15,21 @@ from typing import Annotated
 
 import typer
 
-from perfsleuth.cli.app import app
+from perfsleuth.cli.app import NoIngestOpt, app
 from perfsleuth.cli.common import (
     DEFAULT_DATA,
     EXIT_STATE,
     CLIError,
     DataOpt,
+    JsonOpt,
     PortOpt,
+    SinceOpt,
     handle_errors,
+    out_console,
+    parse_since,
+    print_json,
     split_hosts,
+    store_for_reading,
 )
 from perfsleuth.cli.ui import DEFAULT_PORT, port_free
 
@@ -155,3 +161,54 @@ def server(
     hosts = split_hosts(allow_host)
     table = read_tokens(tokens) if tokens else {}
     start_server(data, host, port, token, table, hosts)
+
+
+@app.command()
+@handle_errors
+def fleet(
+    data: DataOpt = DEFAULT_DATA,
+    since: SinceOpt = None,
+    no_ingest: NoIngestOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Hosts and services that sent requests, and which token sent what (agents and OTLP)."""
+    from rich.table import Table
+
+    from perfsleuth.server.fleet import fleet as fleet_of
+    from perfsleuth.server.window import window
+
+    parse_since(since)  # the CLI's own message for a bad --since
+    with store_for_reading(data, ingest=not no_ingest) as store:
+        got = fleet_of(store, window(since))
+    if json:
+        print_json(got)
+        return
+    out = out_console()
+    hosts = Table(title=f"{len(got['sources'])} host/service pairs", title_justify="left")
+    for col in ("host", "service", "requests", "processes", "last request", "tokens", "via"):
+        hosts.add_column(col, justify="right" if col in ("requests", "processes") else "left")
+    for r in got["sources"]:
+        hosts.add_row(
+            r["host"] or "-",
+            r["service"] or "-",
+            f"{r['requests']:,}",
+            str(r["processes"]),
+            str(r["last"])[:19],
+            ", ".join(r["tokens"]) or "-",
+            ", ".join(r["via"]) or "local spool",
+        )
+    out.print(hosts)
+    if got["tokens"]:
+        toks = Table(title="received, by token", title_justify="left")
+        for col in ("token", "via", "segments", "hosts", "services", "last received"):
+            toks.add_column(col, justify="right" if col == "segments" else "left")
+        for r in got["tokens"]:
+            toks.add_row(
+                r["token"] or "(no token)",
+                r["via"],
+                f"{r['segments']:,}",
+                ", ".join(r["hosts"]),
+                ", ".join(r["services"]),
+                str(r["last_received"])[:19],
+            )
+        out.print(toks)

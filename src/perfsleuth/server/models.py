@@ -113,6 +113,39 @@ class Status(Model):
     )
 
 
+class FleetSource(Model):
+    """A host and service with requests in the window, and who sent them."""
+
+    host: str = Field(description="'' when the requests carry no host.")
+    service: str
+    requests: int
+    processes: int = Field(description="Distinct process ids.")
+    first: str | None
+    last: str | None
+    tokens: list[str] = Field(description="Names of the tokens that sent from it (--tokens).")
+    via: list[str] = Field(description="'agent' (spool segments) and/or 'otlp'.")
+
+
+class FleetToken(Model):
+    """What one token sent, by route."""
+
+    token: str = Field(description="The token's name ('' without tokens).")
+    via: str = Field(description="'agent' or 'otlp'.")
+    segments: int = Field(description="Agent segments, or OTLP sources (service/host/pid) a day.")
+    hosts: list[str]
+    services: list[str]
+    first_received: str | None
+    last_received: str | None
+
+
+class Fleet(Model):
+    window: dict[str, str]
+    sources: list[FleetSource]
+    tokens: list[FleetToken]
+    hosts: list[str] = Field(description="The hosts of ``sources``: the UI's host filter.")
+    services: list[str] = Field(description="The services of ``sources``: the service filter.")
+
+
 # ---------------------------------------------------------------------------------- overview
 
 

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from perfsleuth.server.body import TooLarge, read_body
+from perfsleuth.server.fleet import OtlpOrigins
 from perfsleuth.store.otlp.batch import insert, rollback, to_batch
 from perfsleuth.store.otlp.payload import MAX_BODY, OtlpError, decode, response
 from perfsleuth.store.otlp.spans import Keys, Pending
@@ -57,6 +58,7 @@ async def traces(request: Request) -> Response:
         return _refuse(413, str(e))
     ctype = request.headers.get("content-type")
     encoding = request.headers.get("content-encoding")
+    token = str(getattr(request.state, "token_name", "") or "")
 
     def work() -> Response:
         msg = decode(body, ctype, encoding)
@@ -75,6 +77,10 @@ async def traces(request: Request) -> Response:
                         )
                     with _pending_lock:
                         insert(store, mapped, pending)
+                    origins = getattr(state, "otlp_origins", None)
+                    if origins is None:
+                        origins = state.otlp_origins = OtlpOrigins()
+                    origins.record(store, mapped.tables, token)  # which token sent what
             except BaseException:  # not stored: the exporter's retry maps the payload again
                 with _pending_lock:
                     rollback(mapped, pending)

@@ -18,6 +18,21 @@ from perfsleuth.store.records import Batch
 from perfsleuth.store.schema import quote
 from perfsleuth.store.tables import Tables, drop_known_traces, trace_ids
 
+# A received segment's row goes once the days it could name a request's origin for are gone:
+# received before the cutoff, started before the first day kept, and either another segment of
+# its host and pid started after it, still before that day (the README's ASOF JOIN picks that
+# one for every request kept), or no request kept is of its host and pid.
+_SEGMENTS_RECEIVED_RETENTION = """
+DELETE FROM segments_received s
+WHERE s.received < ? AND (s.started IS NULL OR s.started < ?)
+  AND (EXISTS (SELECT 1 FROM segments_received n
+               WHERE n.host IS NOT DISTINCT FROM s.host AND n.pid IS NOT DISTINCT FROM s.pid
+                 AND n.started > s.started AND n.started <= ?)
+       OR NOT EXISTS (SELECT 1 FROM requests r
+                      WHERE coalesce(r.host, '') = coalesce(s.host, '')
+                        AND r.pid IS NOT DISTINCT FROM s.pid))
+"""
+
 
 class DuckDBWriter(DuckDBFile):
     # Requests per ingest transaction (ClickHouse-sized batches: 10k-100k rows per insert).
@@ -178,6 +193,7 @@ class DuckDBWriter(DuckDBFile):
         if days < 1:
             raise StoreError(f"retention must be at least 1 day (got {days})")
         cutoff = utcnow() - timedelta(days=days)
+        keep_from = datetime.combine(cutoff.date(), datetime.min.time())  # the first day kept
         existing = self._days()
         old = [
             d
@@ -200,6 +216,7 @@ class DuckDBWriter(DuckDBFile):
                 "AND NOT list_contains(?::VARCHAR[], segment)",
                 [cutoff, present],
             )
+            con.execute(_SEGMENTS_RECEIVED_RETENTION, [cutoff, keep_from, keep_from])
             con.commit()
         except BaseException:
             con.rollback()

@@ -10,6 +10,7 @@ from perfsleuth.server.routes import (
     compare,
     evidence,
     findings,
+    fleet,
     overview,
     runs,
     sql,
@@ -19,6 +20,7 @@ from perfsleuth.server.routes import (
 
 ROUTERS: tuple[APIRouter, ...] = (
     status.router,
+    fleet.router,
     overview.router,
     evidence.router,
     traces.router,

@@ -1,0 +1,130 @@
+"""The fleet a store holds: which hosts and services sent requests, and which token sent what
+(``GET /api/fleet``, ``perfsleuth fleet``, the UI's host and service filters).
+
+Who sent what is the ``segments_received`` table: a row per agent segment (``perfsleuth
+server``'s segment ingest) and a row per OTLP source (service, host, process id) a token sent
+spans from on a day, named ``otlp~TOKEN~SERVICE/HOST/PID~YYYYMMDD``. :func:`otlp_rows` makes the
+latter from a payload's stored tables; :class:`OtlpOrigins` records each once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import datetime
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from perfsleuth.server.window import Window
+from perfsleuth.store.base import Store
+
+log = logging.getLogger("perfsleuth.server")
+OTLP_AGENT = "otlp"  # segments_received.agent of OTLP sources
+_SEEN_MAX = 100_000  # origin keys remembered as recorded before the memory starts afresh
+
+
+def otlp_rows(tables: Any, token: str, now_ns: int | None = None) -> list[dict[str, Any]]:
+    """``segments_received`` rows for the requests of one mapped OTLP payload (its
+    :class:`perfsleuth.store.tables.Tables`): one per (service, host, pid, day), started at
+    the first request of that source in the payload."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    parts = [t["requests"] for t in tables.days.values() if "requests" in t]
+    parts = [p.select(["service", "host", "pid", "ts"]) for p in parts if p.num_rows]
+    if not parts:
+        return []
+    req = pa.concat_tables(parts)
+    req = req.append_column("day", pc.strftime(req["ts"], format="%Y%m%d"))
+    first = req.group_by(["service", "host", "pid", "day"]).aggregate([("ts", "min")])
+    rows = []
+    for r in first.to_pylist():
+        service, host, pid = r["service"] or "", r["host"] or "", r["pid"]
+        start: datetime = r["ts_min"]
+        rows.append(
+            {
+                "segment": f"{OTLP_AGENT}~{token}~{service}/{host}/{'' if pid is None else pid}"
+                f"~{r['day']}",
+                "token": token,
+                "agent": OTLP_AGENT,
+                "host": host,
+                "service": service,
+                "pid": pid,
+                "received_ns": now_ns,
+                "started_ns": _ns(start),
+            }
+        )
+    return rows
+
+
+def _ns(ts: datetime) -> int:
+    return int((ts - datetime(1970, 1, 1)).total_seconds()) * 10**9 + ts.microsecond * 1000
+
+
+class OtlpOrigins:
+    """Records the origin rows of OTLP payloads, each key once per process (a payload's rows
+    are written only when one of its keys is new: most payloads write nothing)."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def record(self, store: Any, tables: Any, token: str) -> None:
+        """Under the store's lock, after the payload's tables were stored. Never raises: the
+        payload is stored, and a failure here is logged (the next payload of the source that
+        is new again tries again)."""
+        try:
+            rows = otlp_rows(tables, token)
+            with self._lock:
+                new = [r for r in rows if r["segment"] not in self._seen]
+            if not new:
+                return
+            store.record_received(new)
+        except Exception as e:
+            log.warning("could not record which token sent an OTLP payload: %s", e)
+            return
+        with self._lock:
+            if len(self._seen) > _SEEN_MAX:
+                self._seen.clear()
+            self._seen.update(r["segment"] for r in new)
+
+
+def fleet(store: Store, w: Window) -> dict[str, Any]:
+    """Hosts and services with requests in the window (with the tokens and routes that sent
+    from each), and every token's share of what was received."""
+    cond, params = ("ts >= ?", [w.start]) if w.start is not None else ("true", [])
+    sources = store.query(
+        f"""WITH req AS (
+                SELECT coalesce(host, '') AS host, coalesce(service, '') AS service,
+                    count(*) AS requests, count(DISTINCT pid) AS processes,
+                    min(ts) AS first, max(ts) AS last
+                FROM requests WHERE {cond} GROUP BY ALL),
+            rec AS (
+                SELECT coalesce(host, '') AS host, coalesce(service, '') AS service,
+                    list(DISTINCT token ORDER BY token) FILTER (WHERE token IS NOT NULL)
+                        AS tokens,
+                    list(DISTINCT CASE WHEN agent = '{OTLP_AGENT}' THEN 'otlp' ELSE 'agent' END
+                         ORDER BY 1) AS via
+                FROM segments_received GROUP BY ALL)
+            SELECT req.*, coalesce(rec.tokens, []) AS tokens, coalesce(rec.via, []) AS via
+            FROM req LEFT JOIN rec USING (host, service)
+            ORDER BY requests DESC, host, service""",
+        params,
+    )
+    tokens = store.query(
+        f"""SELECT coalesce(token, '') AS token,
+                CASE WHEN agent = '{OTLP_AGENT}' THEN 'otlp' ELSE 'agent' END AS via,
+                count(*) AS segments,
+                list(DISTINCT coalesce(host, '') ORDER BY 1) AS hosts,
+                list(DISTINCT coalesce(service, '') ORDER BY 1) AS services,
+                min(received) AS first_received, max(received) AS last_received
+            FROM segments_received GROUP BY ALL ORDER BY token, via"""
+    )
+    return {
+        "window": {"since": w.label},
+        "sources": sources,
+        "tokens": tokens,
+        "hosts": sorted({r["host"] for r in sources}),
+        "services": sorted({r["service"] for r in sources}),
+    }
