@@ -374,8 +374,12 @@ def test_retention_drops_whole_days_and_views_keep_working(
     _, tables = store.sql(
         "SELECT table_name FROM duckdb_tables() WHERE table_name LIKE '%\\_d%' ESCAPE '\\'"
     )
-    assert len(tables) == 2 * len(schema.EVENT_TABLES)  # two days left
-    assert store.top()[0]["count"] == 2
+    # two days of raw rows left; rollups keep all four (90 days)
+    assert len(tables) == 2 * len(schema.EVENT_TABLES) + 4 * len(schema.ROLLUP_TABLES)
+    assert store.top(since=timedelta(days=7))[0]["count"] == 2
+    # all data: the rollups still hold the two days whose raw rows went
+    rows, answered = store.top_answered()
+    assert rows[0]["count"] == 4 and answered["source"] == "rollups"
     assert store.apply_retention(7) == []
     with pytest.raises(StoreError, match="at least 1 day"):
         store.apply_retention(0)
@@ -389,7 +393,7 @@ def test_views_stay_valid_when_every_day_is_dropped(data_dir: str, store: DuckDB
     assert len(store.apply_retention(7)) == 1
     for table in ("requests", "calls", "attributes"):
         assert store.sql(f"SELECT count(*) FROM {table}")[1] == [(0,)]
-    assert store.top() == [] and store.endpoints() == []
+    assert store.top(since=timedelta(days=7)) == [] and store.endpoints() == []
     cols, _ = store.sql("SELECT * FROM calls")
     assert cols == schema.CALLS.column_names
 

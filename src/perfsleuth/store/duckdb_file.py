@@ -190,7 +190,9 @@ class DuckDBFile:
             "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' "
             "AND database_name = current_database()"
         ).fetchall()
-        out: dict[str, set[date]] = {t.name: set() for t in schema.EVENT_TABLES}
+        out: dict[str, set[date]] = {
+            t.name: set() for t in schema.EVENT_TABLES + schema.ROLLUP_TABLES
+        }
         for (name,) in rows:
             parsed = schema.parse_day_table(name)
             if parsed is not None:
@@ -209,6 +211,9 @@ class DuckDBFile:
             self._con.execute(
                 schema.duckdb_view(t, [d for d in days if d in have[t.name]], temp=temp)
             )
+        # Rollups are kept longer than raw rows: their views cover every day they exist.
+        for t in schema.ROLLUP_TABLES:
+            self._con.execute(schema.duckdb_view(t, sorted(have[t.name]), temp=temp))
 
     def _table_names(self) -> set[str]:
         return {

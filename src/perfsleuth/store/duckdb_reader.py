@@ -15,7 +15,8 @@ import duckdb
 
 from perfsleuth.store import schema
 from perfsleuth.store.base import StoreError
-from perfsleuth.store.duckdb_file import DuckDBFile, iso, utcnow
+from perfsleuth.store.duckdb_file import iso, utcnow
+from perfsleuth.store.duckdb_rollups import DuckDBRollups
 from perfsleuth.store.schema import quote
 from perfsleuth.store.values import as_int
 from perfsleuth.suggest import close_names
@@ -33,7 +34,7 @@ _EXPLAIN = re.compile(r"^\s*explain\s+(?:analyze\s+|analyse\s+)?(?:\([^)]*\)\s*)
 _READ_ONLY_TYPES = {duckdb.StatementType.SELECT}
 
 
-class DuckDBReader(DuckDBFile):
+class DuckDBReader(DuckDBRollups):
     def _source(self, since: timedelta | None) -> tuple[str, datetime | None]:
         """FROM-able SQL over the requests of the window (only the days it touches)."""
         if since is None:
@@ -59,12 +60,38 @@ class DuckDBReader(DuckDBFile):
         """See :meth:`Store.top`. Groups are ordered by total time (busiest first), then count.
         ``rate_per_min`` divides by the ``since`` window, or by the time the selected
         requests span (at least one minute)."""
+        return self.top_answered(since, by, kind)[0]
+
+    def top_answered(
+        self,
+        since: timedelta | None = None,
+        by: tuple[str, ...] = ("endpoint",),
+        kind: str | None = None,
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """:meth:`top`, and what answered: {source: "raw" | "rollups", resolution_s (None for
+        raw rows), start (ISO 8601, None for all)}. Rollups answer long windows (see
+        :meth:`rollup_top`)."""
         by = tuple(dict.fromkeys(by))
         if not by or any(b not in GROUP_COLUMNS for b in by):
             raise StoreError(
                 f"cannot group by {', '.join(by) or 'nothing'}; use any of: "
                 + ", ".join(GROUP_COLUMNS)
             )
+        self._where(None, kind)  # an unknown kind is refused whichever source answers
+        cutoff = None if since is None else utcnow() - since
+        minutes = None if since is None else since.total_seconds() / 60
+        got = self.rollup_top(cutoff, by, kind, minutes)
+        if got is not None:
+            return got
+        return self._raw_top(since, by, kind), {
+            "source": "raw",
+            "resolution_s": None,
+            "start": iso(cutoff),
+        }
+
+    def _raw_top(
+        self, since: timedelta | None, by: tuple[str, ...], kind: str | None
+    ) -> list[dict[str, Any]]:
         src, cutoff = self._source(since)
         where, params = self._where(cutoff, kind)
         g = ", ".join(quote(b) for b in by)

@@ -10,9 +10,10 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from perfsleuth.store import schema, spool
+from perfsleuth.store import rollups, schema, spool
 from perfsleuth.store.base import IngestReport, Progress, StoreError, disk_full
-from perfsleuth.store.duckdb_file import DuckDBFile, utcnow
+from perfsleuth.store.duckdb_file import utcnow
+from perfsleuth.store.duckdb_rollups import DuckDBRollups
 from perfsleuth.store.ingest import Limits, Offset, ingest_spool
 from perfsleuth.store.records import Batch
 from perfsleuth.store.schema import quote
@@ -34,7 +35,7 @@ WHERE s.received < ? AND (s.started IS NULL OR s.started < ?)
 """
 
 
-class DuckDBWriter(DuckDBFile):
+class DuckDBWriter(DuckDBRollups):
     # Requests per ingest transaction (ClickHouse-sized batches: 10k-100k rows per insert).
     batch_requests = 50_000
     # ... and payload bytes, which bounds memory when requests are large.
@@ -91,6 +92,7 @@ class DuckDBWriter(DuckDBFile):
                 for t in schema.EVENT_TABLES:
                     if t.name in parts:
                         self._insert(schema.day_table(t, d), parts[t.name])
+            self._insert_rollups(tables)
             for name, tbl in (
                 ("fingerprints", tables.fingerprints),
                 ("locations", tables.locations),
@@ -132,6 +134,7 @@ class DuckDBWriter(DuckDBFile):
                 raise full from e
             raise
         days.update(new_days)
+        self.compact_rollups()
 
     def _drop_known_traces(self, tables: Tables) -> None:
         """Requests already in the store (a record repeated, a segment copied under another
@@ -187,11 +190,12 @@ class DuckDBWriter(DuckDBFile):
             ],
         )
 
-    def apply_retention(self, days: int) -> list[str]:
-        """Drop whole days that ended more than ``days`` days ago; returns them (YYYY-MM-DD)."""
+    def apply_retention(self, days: int, rollup_days: int = rollups.ROLLUP_DAYS) -> list[str]:
+        """Drop whole days of raw rows that ended more than ``days`` days ago, and of rollups
+        more than ``rollup_days`` ago; returns the raw days dropped (YYYY-MM-DD)."""
         self._writable("retention")
-        if days < 1:
-            raise StoreError(f"retention must be at least 1 day (got {days})")
+        if days < 1 or rollup_days < 1:
+            raise StoreError(f"retention must be at least 1 day (got {min(days, rollup_days)})")
         cutoff = utcnow() - timedelta(days=days)
         keep_from = datetime.combine(cutoff.date(), datetime.min.time())  # the first day kept
         existing = self._days()
@@ -207,6 +211,7 @@ class DuckDBWriter(DuckDBFile):
             for d in old:
                 for t in schema.EVENT_TABLES:
                     con.execute(f"DROP TABLE IF EXISTS {quote(schema.day_table(t, d))}")
+            self._drop_rollup_days(rollup_days)
             con.execute("DELETE FROM agent_stats WHERE ts < ?", [cutoff])
             con.execute("DELETE FROM captures WHERE ts < ?", [cutoff])
             # Offsets of finished segments no longer in the spool can never matter again.

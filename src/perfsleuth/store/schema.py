@@ -203,6 +203,39 @@ SEGMENTS_RECEIVED = Table(
     key=("segment",),
 )
 
+# Rollups of requests (store.rollups): per period of ``res`` seconds (60, 3600, 86400) from
+# ``ts`` and per service, host, kind and endpoint, the request counts and sums (rollup_stats)
+# and the latency histogram in fixed log buckets (rollup_hist: one row per bucket with
+# requests). Rows with the same key add up (merging = summing). Partitioned by day like the
+# event tables, and kept longer than raw rows (ROLLUP_DAYS).
+_ROLLUP_KEY = "ts timestamp!, res int32!, service string!~, host string~, kind string!~,"
+_ROLLUP_KEY += " endpoint string!~"
+ROLLUP_STATS = Table(
+    "rollup_stats",
+    _c(
+        _ROLLUP_KEY + ", requests int64!, errors int64!, duration_ms float64, max_ms float64,"
+        " cpu_ms float64, db_calls int64, db_ms float64, http_calls int64, http_ms float64,"
+        " cache_calls int64, cache_ms float64, gc_ms float64, over_1000 int64, over_2000 int64,"
+        " over_5000 int64"
+    ),
+    by_day=True,
+    order_by=("res", "service", "endpoint", "ts"),
+)
+ROLLUP_HIST = Table(
+    "rollup_hist",
+    _c(_ROLLUP_KEY + ", bucket int32!, requests int64!"),
+    by_day=True,
+    order_by=("res", "service", "endpoint", "ts", "bucket"),
+)
+ROLLUP_TABLES = (ROLLUP_STATS, ROLLUP_HIST)
+# Days of rollups made compact (rows of equal key summed into one), with their row count then.
+ROLLUP_COMPACTED = Table(
+    "rollup_compacted",
+    _c("day timestamp!, stats_rows int64!, hist_rows int64!"),
+    order_by=("day",),
+    key=("day",),
+)
+
 EVENT_TABLES = (REQUESTS, CALLS, ATTRIBUTES, SAMPLES, BLOCKERS, GC_PAUSES)
 GLOBAL_TABLES = (
     FINGERPRINTS,
@@ -212,8 +245,9 @@ GLOBAL_TABLES = (
     INGEST_OFFSETS,
     CAPTURES,
     SEGMENTS_RECEIVED,
+    ROLLUP_COMPACTED,
 )
-TABLES = {t.name: t for t in EVENT_TABLES + GLOBAL_TABLES}
+TABLES = {t.name: t for t in EVENT_TABLES + ROLLUP_TABLES + GLOBAL_TABLES}
 
 _DAY_SUFFIX = re.compile(r"^(?P<table>[a-z_]+)_d(?P<day>\d{8})$")
 

@@ -1,0 +1,236 @@
+"""Rollups in the DuckDB store (see :mod:`perfsleuth.store.rollups`): one table per day and
+rollup table (``rollup_stats_d20261123``, ``rollup_hist_d…``) behind views named like the
+logical tables, written in each ingest transaction, compacted, dropped by whole days, and read
+by ``top`` for windows where raw rows would be slow or are gone.
+
+Compaction: every batch adds its own rows for its minutes, hours and day, so a day ingested in
+many small batches holds many rows per key. A day's rollup tables are rebuilt with the rows of
+equal key summed (CREATE TABLE AS ... GROUP BY, then the old table dropped and the new one
+renamed, in one transaction; no row is deleted) once they hold twice the rows they held after
+their last compaction, and once more when the day is over: the cost stays linear in what is
+ingested, and a finished day is read as one row per key and bucket.
+"""
+
+from __future__ import annotations
+
+from datetime import date, datetime, timedelta
+from typing import Any
+
+import pyarrow as pa
+
+from perfsleuth.store import rollups, schema
+from perfsleuth.store.duckdb_file import DuckDBFile, iso, utcnow
+from perfsleuth.store.schema import quote
+from perfsleuth.store.tables import Tables
+
+# Compact a day's rollups once they grew past twice their compacted size, and this many rows.
+COMPACT_MIN_ROWS = 20_000
+# top() reads rollups when the window holds more requests than this (raw quantiles over this
+# many rows take ~0.3 s here; see benchmarks/scale.py), or starts before the raw rows kept.
+RAW_MAX_REQUESTS = 5_000_000
+ROLLUP_GROUPS = ("endpoint", "service", "host", "kind")
+
+
+class DuckDBRollups(DuckDBFile):
+    # ------------------------------------------------------------------------------ writing
+
+    def _insert_rollups(self, tables: Tables) -> None:
+        """Insert the rollups of ``tables`` (inside the caller's transaction)."""
+        rows = rollups.rollups_of(tables.days)
+        if not rows:
+            return
+        have = self._day_tables()
+        created = False
+        for d, parts in rows.items():
+            for t in schema.ROLLUP_TABLES:
+                name = schema.day_table(t, d)
+                if d not in have[t.name]:
+                    self._con.execute(schema.duckdb_create(t, name))
+                    created = True
+                self._insert_arrow(name, parts[t.name])
+        if created:
+            self._create_rollup_views()
+        self._rollup_touched = getattr(self, "_rollup_touched", set()) | set(rows)
+
+    def _insert_arrow(self, table: str, data: pa.Table) -> None:
+        if not data.num_rows:
+            return
+        self._con.register("_ps_rollup", data)
+        try:
+            self._con.execute(f"INSERT INTO {quote(table)} BY NAME SELECT * FROM _ps_rollup")
+        finally:
+            self._con.unregister("_ps_rollup")
+
+    def _create_rollup_views(self) -> None:
+        have = self._day_tables()
+        for t in schema.ROLLUP_TABLES:
+            self._con.execute(schema.duckdb_view(t, sorted(have[t.name])))
+
+    def compact_rollups(self, force: bool = False) -> list[date]:
+        """Compact the rollups of the days touched since the last call that are due (see the
+        module's docstring; ``force``: every day not compact); returns them."""
+        touched: set[date] = getattr(self, "_rollup_touched", set())
+        self._rollup_touched = set()
+        have = self._day_tables()
+        days = sorted(have["rollup_hist"] & have["rollup_stats"])
+        if not force:
+            days = [d for d in days if d in touched or d < utcnow().date()]
+        done: dict[date, tuple[int, int]] = {
+            r[0].date(): (r[1], r[2])
+            for r in self._con.execute(
+                "SELECT day, stats_rows, hist_rows FROM rollup_compacted"
+            ).fetchall()
+        }
+        today = utcnow().date()
+        out = []
+        sizes = self._table_rows()
+        for d in days:
+            n_stats, n_hist = (sizes.get(schema.day_table(t, d), 0) for t in schema.ROLLUP_TABLES)
+            last = done.get(d)
+            if last == (n_stats, n_hist):
+                continue  # compact since
+            due = force or d < today or (last is None and n_hist >= COMPACT_MIN_ROWS)
+            if last is not None and not due:
+                due = n_hist >= max(COMPACT_MIN_ROWS, 2 * last[1])
+            if due:
+                self._compact_day(d)
+                out.append(d)
+        return out
+
+    def _table_rows(self) -> dict[str, int]:
+        """Rows of each table (DuckDB's count, exact for tables no row was deleted from)."""
+        return {
+            r[0]: int(r[1])
+            for r in self._con.execute(
+                "SELECT table_name, estimated_size FROM duckdb_tables() "
+                "WHERE schema_name = 'main' AND database_name = current_database()"
+            ).fetchall()
+        }
+
+    def _compact_day(self, d: date) -> None:
+        con = self._con
+        con.begin()
+        try:
+            counts = []
+            for t in schema.ROLLUP_TABLES:
+                name = schema.day_table(t, d)
+                keys = [c.name for c in t.columns if c.name in (*rollups.KEY, "bucket")]
+                aggs = ", ".join(
+                    f"{'max' if c.name == 'max_ms' else 'sum'}({quote(c.name)}) AS {quote(c.name)}"
+                    for c in t.columns
+                    if c.name not in keys
+                )
+                k = ", ".join(quote(c) for c in keys)
+                order = ", ".join(quote(c) for c in t.order_by)
+                tmp = name + "_compact"
+                con.execute(f"DROP TABLE IF EXISTS {quote(tmp)}")
+                con.execute(schema.duckdb_create(t, tmp))
+                con.execute(
+                    f"INSERT INTO {quote(tmp)} BY NAME SELECT {k}, {aggs} FROM {quote(name)} "
+                    f"GROUP BY {k} ORDER BY {order}"
+                )
+                # the views name the day table: drop them first, make them again after
+                con.execute(f"DROP VIEW IF EXISTS {quote(t.name)}")
+                con.execute(f"DROP TABLE {quote(name)}")
+                con.execute(f"ALTER TABLE {quote(tmp)} RENAME TO {quote(name)}")
+                n = con.execute(f"SELECT count(*) FROM {quote(name)}").fetchone()
+                counts.append(int(n[0]) if n else 0)
+            con.execute(
+                "INSERT OR REPLACE INTO rollup_compacted VALUES (?, ?, ?)",
+                [datetime.combine(d, datetime.min.time()), *counts],
+            )
+            self._create_rollup_views()
+            con.commit()
+        except BaseException:
+            con.rollback()
+            raise
+
+    def _drop_rollup_days(self, keep_days: int) -> list[str]:
+        """Drop the rollup days that ended more than ``keep_days`` days ago (inside the caller's
+        transaction); returns them (YYYY-MM-DD)."""
+        cutoff = utcnow() - timedelta(days=keep_days)
+        have = self._day_tables()
+        old = sorted(
+            d
+            for d in have["rollup_stats"] | have["rollup_hist"]
+            if datetime.combine(d + timedelta(days=1), datetime.min.time()) <= cutoff
+        )
+        for t in schema.ROLLUP_TABLES:
+            self._con.execute(f"DROP VIEW IF EXISTS {quote(t.name)}")
+        for d in old:
+            for t in schema.ROLLUP_TABLES:
+                self._con.execute(f"DROP TABLE IF EXISTS {quote(schema.day_table(t, d))}")
+        self._con.execute(
+            "DELETE FROM rollup_compacted WHERE day < ?",
+            [datetime.combine(cutoff.date(), datetime.min.time())],
+        )
+        self._create_rollup_views()
+        return [d.isoformat() for d in old]
+
+    # ------------------------------------------------------------------------------ reading
+
+    def rollup_top(
+        self,
+        start: datetime | None,
+        by: tuple[str, ...],
+        kind: str | None,
+        minutes: float | None,
+        *,
+        force: bool = False,
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        """``top`` from rollups over [start, now) (start None: all), with what answered; None
+        when raw rows should answer: a grouping rollups lack (user, tenant, ...), or a window
+        whose raw rows are all kept and few (RAW_MAX_REQUESTS), unless ``force``."""
+        if any(b not in ROLLUP_GROUPS for b in by):
+            return None
+        have = self._day_tables()
+        days = sorted(have["rollup_stats"] & have["rollup_hist"])
+        if not days:
+            return None
+        end = utcnow() + timedelta(minutes=1)
+        first = datetime.combine(days[0], datetime.min.time())
+        lo = max(start, first) if start is not None else first
+        spans = rollups.plan(lo, end)
+        where, params = rollups.span_where(spans)
+        if kind is not None:
+            where += " AND kind = ?"
+            params.append(kind)
+        first_day = lo.date()
+        stats_src = self._rollup_source(schema.ROLLUP_STATS, [d for d in days if d >= first_day])
+        hist_src = self._rollup_source(schema.ROLLUP_HIST, [d for d in days if d >= first_day])
+        # Raw rows are complete for the window unless retention dropped days rollups still hold.
+        raw_days = self._days()
+        in_window = [d for d in days if d >= first_day]
+        raw_complete = not in_window or (bool(raw_days) and raw_days[0] <= in_window[0])
+        if not force and raw_complete:
+            n = self._con.execute(
+                f"SELECT coalesce(sum(requests), 0) FROM {stats_src} WHERE {where}", params
+            ).fetchone()
+            if n is None or int(n[0]) <= RAW_MAX_REQUESTS:
+                return None
+        stats_sql, hist_sql = rollups.top_sql(stats_src, hist_src, by, where)
+        stats = self._rows(stats_sql, params)
+        hist = self._rows(hist_sql, params)
+        if not stats:
+            return [], self._rollup_answer(spans)
+        if minutes is None:
+            span = max(r["last_ts"] for r in stats) - min(r["first_ts"] for r in stats)
+            minutes = span.total_seconds() / 60 + 1
+        return rollups.top_rows(stats, hist, by, max(minutes, 1.0)), self._rollup_answer(spans)
+
+    @staticmethod
+    def _rollup_answer(spans: list[rollups.Span]) -> dict[str, Any]:
+        return {
+            "source": "rollups",
+            "resolution_s": min((s.res for s in spans), default=rollups.MINUTE),
+            "start": iso(min(s.lo for s in spans)) if spans else None,
+        }
+
+    @staticmethod
+    def _rollup_source(t: schema.Table, days: list[date]) -> str:
+        return f"({schema.duckdb_union(t, days)})"
+
+    def _rows(self, sql: str, params: Any = ()) -> list[dict[str, Any]]:
+        cur = self._con.execute(sql, list(params))
+        cols = [d[0] for d in cur.description or ()]
+        return [dict(zip(cols, row, strict=True)) for row in cur.fetchall()]

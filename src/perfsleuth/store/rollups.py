@@ -1,0 +1,316 @@
+"""Rollups of requests: per minute, hour and day, per service, host, kind and endpoint, the
+request counts and sums ``top`` shows, and the latency histogram in fixed log buckets.
+
+Histogram: DDSketch-style buckets of the duration in microseconds, bucket
+``k = ceil(ln(us) / ln(GAMMA))`` holding (GAMMA**(k-1), GAMMA**k] (bucket 0: up to 1 us),
+counted as plain integers. The boundaries are fixed, so histograms of any minutes, hours,
+hosts or batches merge by summing their counts, in any order, on any engine; no engine's own
+sketch state is ever the truth (see the store design notes). A bucket is read as
+``2 * GAMMA**k / (GAMMA + 1)``, within (GAMMA - 1) / (GAMMA + 1) = 0.99 % of any duration in it,
+and a percentile is interpolated between the two ranks around ``q * (n - 1)`` as
+``quantile_cont`` does on raw rows: within 1 % of the exact figure.
+
+:func:`rollups_of` is pure: the Arrow tables of one ingest batch (after the requests the store
+holds already were left out) -> the rollup rows of that batch, per day, at every resolution.
+The writer inserts them in the transaction that inserts the raw rows, so a request is rolled up
+exactly when it is stored. Rows of the same key from different batches are summed by readers;
+an engine may compact them (``duckdb_rollups``), which changes no sum.
+
+:func:`plan` cuts a time range into whole days, whole hours and minutes, each read from its
+resolution, so a 30-day range reads ~30 day rows, up to 46 hour rows and 118 minute rows per
+key instead of 43,200 minute rows. :func:`top_sql` and :func:`top_rows` are the portable SQL and
+the arithmetic behind ``top`` from rollups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from perfsleuth.store import schema
+from perfsleuth.store.values import EPOCH
+
+GAMMA = 1.02
+_LN_GAMMA = math.log(GAMMA)
+MINUTE, HOUR, DAY = 60, 3600, 86400
+RESOLUTIONS = (MINUTE, HOUR, DAY)
+SLOW_MS = (1000, 2000, 5000)  # requests over these are counted exactly (over_1000, ...)
+ROLLUP_DAYS = 90  # rollups are kept this long; raw rows for the store's retention (7 days)
+KEY = ("ts", "res", "service", "host", "kind", "endpoint")
+_SUMS = ("duration_ms", "cpu_ms", "db_ms", "http_ms", "cache_ms", "gc_ms")
+_COUNTS = ("errors", "db_calls", "http_calls", "cache_calls", *(f"over_{t}" for t in SLOW_MS))
+
+
+def bucket_of(duration_ms: np.ndarray) -> np.ndarray:
+    """Histogram bucket of each duration (ms): ceil(ln(us) / ln(GAMMA)), 0 up to 1 us."""
+    us = np.asarray(duration_ms, dtype=np.float64) * 1000.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.ceil(np.log(np.maximum(us, 1.0)) / _LN_GAMMA)
+    # ln(GAMMA**k) / ln(GAMMA) can land a hair above k: a duration on a boundary stays in k.
+    k = np.where(np.power(GAMMA, k - 1) >= us, k - 1, k)
+    return np.maximum(k, 0).astype(np.int32)
+
+
+def value_of(bucket: float | np.ndarray) -> Any:
+    """The duration (ms) a bucket stands for: within 0.99 % of every duration in it."""
+    return 2.0 * np.power(GAMMA, bucket) / (GAMMA + 1.0) / 1000.0
+
+
+# ------------------------------------------------------------------------------- writing
+
+
+def rollups_of(days: dict[date, dict[str, pa.Table]]) -> dict[date, dict[str, pa.Table]]:
+    """The rollup rows (``rollup_stats``, ``rollup_hist``) of a batch's ``requests`` tables,
+    per day (``Tables.days``), at each of RESOLUTIONS."""
+    out: dict[date, dict[str, pa.Table]] = {}
+    for d, parts in days.items():
+        req = parts.get("requests")
+        if req is None or not req.num_rows:
+            continue
+        stats, hist = _minute_rollups(req)
+        stats_all, hist_all = [stats], [hist]
+        for res in RESOLUTIONS[1:]:
+            stats_all.append(_coarser(stats, res, _stats_aggs()))
+            hist_all.append(_coarser(hist, res, [("requests", "sum")]))
+        out[d] = {
+            t.name: _as(t, pa.concat_tables(parts))
+            for t, parts in ((schema.ROLLUP_STATS, stats_all), (schema.ROLLUP_HIST, hist_all))
+        }
+    return out
+
+
+def _as(t: schema.Table, data: pa.Table) -> pa.Table:
+    return data.select(t.column_names).cast(t.arrow_schema())
+
+
+def _stats_aggs() -> list[tuple[str, str]]:
+    return [
+        ("requests", "sum"),
+        *((c, "sum") for c in _COUNTS),
+        *((c, "sum") for c in _SUMS),
+        ("max_ms", "max"),
+    ]
+
+
+def _renamed(grouped: pa.Table, aggs: list[tuple[str, str]], keys: list[str]) -> pa.Table:
+    """group_by's output (aggregates named ``col_fn``, keys last) with the plain names, keys
+    first."""
+    cols = {k: grouped[k] for k in keys}
+    for c, fn in aggs:
+        cols[c] = grouped[f"{c}_{fn}"]
+    return pa.table(cols)
+
+
+def _minute_rollups(req: pa.Table) -> tuple[pa.Table, pa.Table]:
+    ts_us = pc.cast(req["ts"], pa.int64()).to_numpy(zero_copy_only=False)
+    minute = pa.array(ts_us // (MINUTE * 1_000_000) * (MINUTE * 1_000_000), pa.int64())
+    dur = pc.cast(req["duration_ms"], pa.float64())
+    status = pc.fill_null(req["status"], 0)
+    error = pc.or_(pc.greater_equal(status, 500), pc.is_valid(req["error"]))
+    base = {
+        "ts": minute,
+        "res": pa.array(np.full(req.num_rows, MINUTE, np.int32)),
+        "service": req["service"],
+        "host": req["host"],
+        "kind": req["kind"],
+        "endpoint": req["endpoint"],
+    }
+    one = pa.array(np.ones(req.num_rows, np.int64))
+    cols = dict(base)
+    cols["requests"] = one
+    cols["errors"] = pc.cast(error, pa.int64())
+    for c in ("db_calls", "http_calls", "cache_calls"):
+        cols[c] = pc.cast(req[c], pa.int64())
+    dur_filled = pc.fill_null(dur, 0.0)
+    for t in SLOW_MS:
+        cols[f"over_{t}"] = pc.cast(pc.greater(dur_filled, float(t)), pa.int64())
+    for c in _SUMS:
+        cols[c] = pc.cast(req[c], pa.float64())
+    cols["max_ms"] = dur
+    keys = list(KEY)
+    aggs = _stats_aggs()
+    stats = _renamed(pa.table(cols).group_by(keys).aggregate(aggs), aggs, keys)
+
+    timed = pc.is_valid(dur).to_numpy(zero_copy_only=False)
+    h = {k: (v.filter(pa.array(timed)) if not timed.all() else v) for k, v in base.items()}
+    durations = dur.filter(pa.array(timed)) if not timed.all() else dur
+    h["bucket"] = pa.array(bucket_of(durations.to_numpy(zero_copy_only=False)))
+    h["requests"] = pa.array(np.ones(len(durations), np.int64))
+    hkeys = [*keys, "bucket"]
+    haggs = [("requests", "sum")]
+    hist = _renamed(pa.table(h).group_by(hkeys).aggregate(haggs), haggs, hkeys)
+    return stats, hist
+
+
+def _coarser(minutes: pa.Table, res: int, aggs: list[tuple[str, str]]) -> pa.Table:
+    """Minute rows summed into periods of ``res`` seconds."""
+    step = res * 1_000_000
+    ts = minutes["ts"].to_numpy() // step * step
+    t = minutes.set_column(0, "ts", pa.array(ts, pa.int64()))
+    t = t.set_column(1, "res", pa.array(np.full(t.num_rows, res, np.int32)))
+    keys = [c for c in t.column_names if c not in {a for a, _ in aggs}]
+    return _renamed(t.group_by(keys).aggregate(aggs), aggs, keys)
+
+
+# ------------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class Span:
+    """Rows of resolution ``res`` with lo <= ts < hi."""
+
+    res: int
+    lo: datetime
+    hi: datetime
+
+
+def _floor(t: datetime, res: int) -> datetime:
+    s = (t - EPOCH_DT).total_seconds()
+    return EPOCH_DT + timedelta(seconds=int(s // res * res))
+
+
+def _ceil(t: datetime, res: int) -> datetime:
+    f = _floor(t, res)
+    return f if f == t else f + timedelta(seconds=res)
+
+
+EPOCH_DT = datetime(EPOCH.year, EPOCH.month, EPOCH.day)
+
+
+def plan(start: datetime, end: datetime) -> list[Span]:
+    """[start, end) as whole days, whole hours and minutes (start rounded down to its minute:
+    rollups know no finer time), coarsest first; each span is read from its resolution."""
+    lo = _floor(start, MINUTE)
+    spans: list[Span] = []
+
+    def cut(a: datetime, b: datetime, levels: tuple[int, ...]) -> None:
+        if a >= b:
+            return
+        res, finer = levels[0], levels[1:]
+        if not finer:
+            spans.append(Span(res, a, b))
+            return
+        ca, fb = _ceil(a, res), _floor(b, res)
+        if ca < fb:
+            spans.append(Span(res, ca, fb))
+            cut(a, ca, finer)
+            cut(fb, b, finer)
+        else:
+            cut(a, b, finer)
+
+    # the last minute may be partial: its row holds what is stored so far
+    cut(lo, _ceil(end, MINUTE), (DAY, HOUR, MINUTE))
+    return spans
+
+
+def span_where(spans: list[Span]) -> tuple[str, list[Any]]:
+    """SQL condition (and its parameters) selecting the rows of ``spans``."""
+    if not spans:
+        return "false", []
+    conds, params = [], []
+    for s in spans:
+        conds.append("(res = ? AND ts >= ? AND ts < ?)")
+        params += [s.res, s.lo, s.hi]
+    return "(" + " OR ".join(conds) + ")", params
+
+
+PERCENTILES = (0.5, 0.95, 0.99)
+
+
+def top_sql(stats: str, hist: str, by: tuple[str, ...], where: str) -> tuple[str, str]:
+    """Two portable statements over the rollup tables (or SELECTs of them) ``stats`` and
+    ``hist``, both filtered by ``where``, grouped by ``by``: the sums of each group, and, per
+    group and percentile, the buckets holding the ranks either side of ``q * (n - 1)``."""
+    g = ", ".join(schema.quote(b) for b in by)
+    sums = ", ".join(f"sum({c}) AS {c}" for c in ("requests", *_COUNTS, *_SUMS))
+    stats_sql = (
+        f"SELECT {g}, {sums}, max(max_ms) AS max_ms, min(ts) AS first_ts, max(ts) AS last_ts "
+        f"FROM {stats} WHERE {where} GROUP BY {g}"
+    )
+    picks = []
+    for q in PERCENTILES:
+        name = f"p{round(q * 100)}"
+        picks.append(f"min(bucket) FILTER (WHERE cum > floor({q} * (n - 1))) AS {name}_lo")
+        picks.append(f"min(bucket) FILTER (WHERE cum > ceil({q} * (n - 1))) AS {name}_hi")
+    hist_sql = f"""
+        WITH h AS (
+            SELECT {g}, bucket, sum(requests) AS c FROM {hist} WHERE {where}
+            GROUP BY {g}, bucket
+        ), r AS (
+            SELECT {g}, bucket,
+                sum(c) OVER (PARTITION BY {g} ORDER BY bucket
+                    ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum,
+                sum(c) OVER (PARTITION BY {g}) AS n
+            FROM h
+        )
+        SELECT {g}, max(n) AS n, {", ".join(picks)} FROM r GROUP BY {g}"""
+    return stats_sql, hist_sql
+
+
+def percentile(n: int, q: float, lo: int | None, hi: int | None, max_ms: float | None) -> Any:
+    """The q-quantile of a group of n timed requests from the buckets of the ranks around
+    q * (n - 1), interpolated like quantile_cont, never above the group's max."""
+    if not n or lo is None or hi is None:
+        return None
+    pos = q * (n - 1)
+    frac = pos - math.floor(pos)
+    v = float(value_of(lo) + frac * (value_of(hi) - value_of(lo)))
+    return min(v, max_ms) if max_ms is not None else v
+
+
+def top_rows(
+    stats: list[dict[str, Any]], hist: list[dict[str, Any]], by: tuple[str, ...], minutes: float
+) -> list[dict[str, Any]]:
+    """``top``'s rows (see StoreReader.top) from the results of :func:`top_sql`, busiest
+    first."""
+    pct = {tuple(r[b] for b in by): r for r in hist}
+    out = []
+    for r in stats:
+        n = int(r["requests"] or 0)
+        if not n:
+            continue
+        total = float(r["duration_ms"] or 0.0)
+        h = pct.get(tuple(r[b] for b in by), {})
+        timed = int(h.get("n") or 0)
+        row = {b: r[b] for b in by}
+        row.update(
+            count=n,
+            rate_per_min=n / minutes,
+            **{
+                f"p{round(q * 100)}_ms": percentile(
+                    timed,
+                    q,
+                    h.get(f"p{round(q * 100)}_lo"),
+                    h.get(f"p{round(q * 100)}_hi"),
+                    r["max_ms"],
+                )
+                for q in PERCENTILES
+            },
+            max_ms=r["max_ms"],
+            error_rate=int(r["errors"] or 0) / n,
+            db_calls_per_request=int(r["db_calls"] or 0) / n,
+            http_calls_per_request=int(r["http_calls"] or 0) / n,
+            cache_calls_per_request=int(r["cache_calls"] or 0) / n,
+            db_share=_share(r["db_ms"], total),
+            http_share=_share(r["http_ms"], total),
+            cache_share=_share(r["cache_ms"], total),
+            gc_share=_share(r["gc_ms"], total),
+            total_ms=total,
+        )
+        out.append(row)
+    out.sort(key=lambda x: (-x["total_ms"], -x["count"], *(str(x[b]) for b in by)))
+    return out
+
+
+def _share(part: float | None, total: float) -> float:
+    return min(1.0, float(part or 0.0) / total) if total > 0 else 0.0
+
+
+def day_of(ts_us: int) -> date:
+    return EPOCH + timedelta(days=ts_us // (DAY * 1_000_000))
