@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,21 +71,37 @@ def in_request(agent_data_dir: str) -> Callable[..., Any]:
     return block
 
 
+@dataclass(frozen=True)
+class DemoRun:
+    """What one run of the real demo left: its data directory and what it printed."""
+
+    data: str
+    stdout: str  # the text report: `top`, then "What to look at next" with its commands
+    stderr: str
+
+
 @pytest.fixture(scope="session")
-def demo_data(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A data directory filled by the real demo (its apps under the agent, ~6 s of traffic),
-    for the UI's API and browser tests."""
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """The real demo (seeding, its apps under the agent, 8 s of traffic, ingest, the report),
+    run once per test session for every test that needs it: the detectors, the CLI's smoke
+    test, the API and UI tests. A test that writes to the data directory works on a copy."""
     import subprocess
 
-    data = str(tmp_path_factory.mktemp("ui-demo") / "data")
+    data = str(tmp_path_factory.mktemp("demo") / "data")
     r = subprocess.run(
-        [sys.executable, "-m", "perfsleuth", "demo", "--seconds", "6", "--data", data, "--no-ui"],
+        [sys.executable, "-m", "perfsleuth", "demo", "--seconds", "8", "--data", data, "--no-ui"],
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert r.returncode == 0, r.stdout + r.stderr
-    return data
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    return DemoRun(data, r.stdout, r.stderr)
+
+
+@pytest.fixture(scope="session")
+def demo_data(demo_run: DemoRun) -> str:
+    """The data directory the demo filled (read it only, or copy it first)."""
+    return demo_run.data
 
 
 @pytest.fixture

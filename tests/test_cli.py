@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from conftest import DemoRun
 from perfsleuth.agent.shipper import BATCH_MAX
 from perfsleuth.cli.main import app
 
@@ -579,13 +581,14 @@ def test_run_without_a_command(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------- demo
 
 
-def test_demo_smoke(tmp_path: Path) -> None:
-    """The whole demo, shortened: every demo endpoint shows up in `top` afterwards."""
+def test_demo_smoke(demo_run: DemoRun, tmp_path: Path) -> None:
+    """The whole demo, shortened (the session's run, conftest.demo_run): its report's commands
+    work, and every demo endpoint shows up in `top` afterwards."""
     from perfsleuth.demo import ENDPOINTS  # the endpoints the demo services serve
 
     data = str(tmp_path / "demo")
-    r = py_m("demo", "--seconds", "5", "--data", data, "--no-ui", timeout=240)
-    assert r.returncode == 0, r.stdout + r.stderr
+    shutil.copytree(demo_run.data, data)  # `top` ingests: the session's copy stays as it was
+    r = demo_run
     assert "Traceback" not in r.stderr
     assert "What to look at next" in r.stdout
     assert "perfsleuth traces --endpoint" in r.stdout and "perfsleuth trace " in r.stdout

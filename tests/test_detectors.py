@@ -72,16 +72,9 @@ def assert_one_line_error(stderr: str, contains: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> str:
-    data = str(tmp_path_factory.mktemp("demo") / "data")
-    out = subprocess.run(
-        [sys.executable, "-m", "perfsleuth", "demo", "--seconds", "8", "--data", data, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return data
+def demo(demo_data: str) -> str:
+    """The session's demo run (conftest.demo_run); these tests only read it."""
+    return demo_data
 
 
 @pytest.fixture(scope="module")
