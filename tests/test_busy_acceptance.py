@@ -229,9 +229,11 @@ def test_cpu_bound_code_is_classed_cpu_and_waits_waiting(evidence: EvidenceRun) 
     # PERFSLEUTH_SAMPLE_AFTER_MS (100): ~5 samples a request at the 20 ms tick on a quiet
     # machine (more when starved); 2 each, allowing for tick jitter, meet the hotspot's floor.
     assert cpu.requests == CPU_REQUESTS and cpu.samples >= 2 * CPU_REQUESTS, cpu.states
-    # Most samples CPU (a sample's state covers one tick: those at a request's edges can read
-    # 'wait' on a quiet machine, ~1 run in 4 had 8 of 33); the finding's class is checked below.
-    assert sum(cpu.states.get(s, 0) for s in CPU_CLASSES) / cpu.samples >= 2 / 3, cpu.states
+    # CPU (or starved), however busy the machine: a sample's state is its thread's over the
+    # interval between two reads of its counters, and a request gets none at a tick when its
+    # code moved to or from the worker since the last (tests/test_sampler_ticks.py).
+    on_cpu = sum(cpu.states.get(s, 0) for s in CPU_CLASSES) / cpu.samples
+    assert on_cpu >= 0.9, (evidence.mode, cpu.states)
     for ep, p in waits.items():
         assert p.samples >= 10, (ep, p.states)
         assert p.states.get("wait", 0) / p.samples >= 0.8, (ep, evidence.mode, p.states)

@@ -13,7 +13,8 @@ its code is:
 
 Each sample has a state, from the sampled thread's scheduler counters since the previous tick
 (``/proc/self/task/<tid>/schedstat``: time on the CPU, time runnable in the run queue, times
-scheduled):
+scheduled), over the time between the two reads (a tick can stall before it reads: the
+evidence thread waiting for a CPU or for the interpreter lock):
 
 - ``cpu``: runnable at least half the time, more of it on the CPU than in the run queue;
 - ``starved``: runnable at least half the time, more of it waiting for a CPU (a machine with
@@ -23,6 +24,13 @@ scheduled):
   CPU: waiting for the interpreter lock another thread holds;
 - ``wait``: blocked (I/O, a lock, a sleep), and every sample of an awaiting task;
 - ``call``: inside a recorded DB / HTTP / cache call (the call's own timing explains it).
+
+A state is about the interval since the previous tick, a stack about this moment: a request
+that changed places in between (its sync code went to a thread-pool worker, or came back from
+one to await the response's sending) gets no sample at that tick, as the interval was spent
+partly elsewhere (the evidence thread often takes the interpreter lock the moment a worker
+lets it go, before the loop resumes the request: about one request in three of a sync
+endpoint would otherwise end on a 'wait' sample).
 
 Without schedstat (not Linux) the thread's CPU clock alone decides ``cpu`` or ``wait``.
 Schedstat is read for each thread serving a request in flight: every tick for the threads of
@@ -270,7 +278,7 @@ def cpus_available(cg_dir: str) -> float:
 
 
 class _Tracked:
-    __slots__ = ("req", "samples", "sent", "since", "taken")
+    __slots__ = ("place", "placed_at", "req", "samples", "sent", "since", "taken")
 
     def __init__(self, req: recorder.ActiveRequest, since: int) -> None:
         self.req = req
@@ -278,6 +286,10 @@ class _Tracked:
         self.samples: list[tuple[int, str, tuple[Any, ...]]] = []  # (offset ns, state, flat)
         self.taken = 0
         self.sent = 0
+        # Where its code was at its last sampling tick (the thread running it; an async
+        # request's loop thread whether it ran or awaited), and that tick's number.
+        self.place = 0
+        self.placed_at = -1
 
 
 _samplers: weakref.WeakSet[Sampler] = weakref.WeakSet()
@@ -303,8 +315,8 @@ class Sampler:
         self.after_ns = int(cfg.sample_after_ms * 1e6)
         self.limit = max(1, cfg.samples_per_request)
         self.tracked: dict[int, _Tracked] = {}
-        # thread ident -> (wall ns, CPU ns, run-queue ns, slices or None, process CPU ns, tick,
-        # kernel thread id or None) at the previous look
+        # thread ident -> (when read ns, CPU ns, run-queue ns, slices or None, process CPU ns,
+        # tick, kernel thread id or None) at the previous look
         self.seen: dict[int, tuple[int, int, int, int | None, int, int, int | None]] = {}
         self.ticks = 0
         # thread ident -> open schedstat file (-1: none), while the thread serves a request
@@ -345,7 +357,7 @@ class Sampler:
         if self.schedstat and inflight and now - self.looked_at >= LOOK_EVERY_NS:
             self.looked_at = now
             for ident in {r.thread if r.worker is None else r.worker for r in inflight}:
-                self._state(ident, now, proc_cpu)
+                self._state(ident, proc_cpu)
         if not due:
             serving = self._serving(inflight)
             self._forget(self._alive(serving), serving)
@@ -421,21 +433,24 @@ class Sampler:
         self.natives[ident] = native
         return fd
 
-    def _sched(self, ident: int) -> tuple[int, int, int] | None:
+    def _sched(self, ident: int) -> tuple[int, int, int, int] | None:
+        """(CPU ns, run-queue ns, slices, when read: perf_counter_ns) of a thread."""
         fd = self.fds.get(ident)
         if fd is None:
             fd = self._open(ident)
         if fd < 0:
             return None
+        at = _perf()
         got = read_schedstat(fd)
         if got is None:
             # The thread ended, and its ident may be another thread's now: start over.
             self._close(ident)
             fd = self._open(ident)
+            at = _perf()
             got = read_schedstat(fd) if fd >= 0 else None
-        return got
+        return None if got is None else (*got, at)
 
-    def _state(self, ident: int, now: int, proc_cpu: int) -> str | None:
+    def _state(self, ident: int, proc_cpu: int) -> str | None:
         """The thread's state since the last look (None at the first look: a baseline)."""
         if ident in self.states:
             return self.states[ident]
@@ -443,13 +458,14 @@ class Sampler:
         sched = self._sched(ident)
         slices: int | None
         if sched is not None:
-            cpu, queue, slices = sched
+            cpu, queue, slices, at = sched
         else:
             if ident not in threading._active:  # type: ignore[attr-defined]
                 # A thread that ended with a request still in flight: its pthread id is
                 # stale (pthread_getcpuclockid on it can crash the process). It has no state.
                 self.states[ident] = None
                 return None
+            at = _perf()
             try:
                 cpu = time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
             except (OSError, AttributeError, OverflowError):
@@ -460,9 +476,9 @@ class Sampler:
         prev = self.seen.get(ident)
         if prev is not None and prev[6] != native:
             prev = None  # the ident is another thread's now (its file was reopened)
-        self.seen[ident] = (now, cpu, queue, slices, proc_cpu, self.ticks, native)
-        if prev is not None and now > prev[0]:
-            wall, d_cpu, d_queue = now - prev[0], cpu - prev[1], queue - prev[2]
+        self.seen[ident] = (at, cpu, queue, slices, proc_cpu, self.ticks, native)
+        if prev is not None and at > prev[0]:
+            wall, d_cpu, d_queue = at - prev[0], cpu - prev[1], queue - prev[2]
             if prev[5] == self.ticks - 1:  # a state is about the last tick's interval only
                 d_slices = None if slices is None or prev[3] is None else slices - prev[3]
                 others = max(0, proc_cpu - prev[4] - d_cpu)
@@ -530,8 +546,10 @@ class Sampler:
         worker = req.worker
         flat: tuple[Any, ...] = ()
         state: str | None
+        place = req.thread
         if worker is not None and worker in frames:
-            state = self._state(worker, now, proc)
+            place = worker
+            state = self._state(worker, proc)
             flat = frames_flat(frames[worker])
         elif req.task is not None:
             loop_frame = frames.get(req.thread)
@@ -548,18 +566,22 @@ class Sampler:
                 if current is not None and current is not req.task:
                     running = _request_of(current) is req  # a task the request started
             if running:
-                state = self._state(req.thread, now, proc)
+                state = self._state(req.thread, proc)
                 flat = frames_flat(loop_frame)
             else:
                 state = WAIT
                 flat = self._parked_flat(t, now)
         elif req.thread in frames:
-            state = self._state(req.thread, now, proc)
+            state = self._state(req.thread, proc)
             flat = frames_flat(frames[req.thread])
         else:
             return
-        if state is None or not flat:
-            return  # the first look at a thread only sets its baseline
+        moved = t.placed_at == self.ticks - 1 and t.place != place
+        t.place, t.placed_at = place, self.ticks
+        if state is None or not flat or moved:
+            # The first look at a thread only sets its baseline; a request that moved to or
+            # from a worker since the last tick spent the interval partly elsewhere.
+            return
         if req.open_call():
             state = CALL  # inside a recorded DB / HTTP / cache call: the call explains it
         t.taken += 1
