@@ -21,8 +21,10 @@
   batch; never leaves it to the OS
 - PERFSLEUTH_SPOOL_MAX_BYTES (1000000000): spool size cap; past it new requests are dropped
   (forwarding to a collector: past 90 % of it the oldest segments are dropped and counted)
-- PERFSLEUTH_COLLECTOR (""): a ``perfsleuth server`` URL (http://host:port) to forward the
-  spool to (agent.spool.forward); PERFSLEUTH_TOKEN: its ingest token
+- PERFSLEUTH_COLLECTOR (""): a ``perfsleuth server`` URL (http://host:port or https://) to
+  forward the spool to (agent.spool.forward); PERFSLEUTH_TOKEN: its ingest token;
+  PERFSLEUTH_CA_FILE: the CA bundle (PEM) an https collector's certificate must chain to,
+  instead of the system's CAs
 - PERFSLEUTH_HOST (the machine's name): the host stored with every request
 - PERFSLEUTH_STACKS_PER_SITE (1): full stacks captured per (statement, call site) and
   request; later repeats reuse the last one captured (an N+1 loop has one stack)
@@ -82,6 +84,7 @@ class Config:
     spool_max_bytes: int = 1_000_000_000
     collector: str = ""
     token: str = ""
+    ca_file: str = ""
     host: str = ""
     stacks_per_site: int = 1
     evidence: bool = True

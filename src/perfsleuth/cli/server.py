@@ -80,6 +80,8 @@ def start_server(
     token: str | None,
     tokens: dict[str, tuple[str, str]],
     allowed_hosts: list[str],
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> None:
     """Check the settings, print the URL once listening, serve until Ctrl-C."""
     from perfsleuth.server import LOOPBACK, check_token, serve, url_for
@@ -93,11 +95,16 @@ def start_server(
             f"binding to {host} makes the collector reachable from other machines: give "
             "tokens with --tokens FILE (or one token with --token)"
         )
+    if bool(tls_cert) != bool(tls_key):
+        raise CLIError("give both --tls-cert and --tls-key (PEM files), or neither")
+    for flag, path in (("--tls-cert", tls_cert), ("--tls-key", tls_key)):
+        if path and not os.path.isfile(path):
+            raise CLIError(f"{flag}: no such file {path}")
     if not port_free(host, port):
         raise CLIError(f"port {port} on {host} is in use; choose another with --port", EXIT_STATE)
 
     def ready(p: int) -> None:
-        shown = url_for(host, p, None)
+        shown = url_for(host, p, None, tls=bool(tls_cert))
         typer.echo(f"perfsleuth server: {shown}  (data: {os.path.abspath(data)})")
         typer.echo(f"agents: PERFSLEUTH_COLLECTOR={shown.rstrip('/')}")
         typer.echo("Ctrl-C stops it.")
@@ -112,6 +119,8 @@ def start_server(
             ingest_every=1.0,
             on_ready=ready,
             allowed_hosts=allowed_hosts,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
         )
     except KeyboardInterrupt:
         pass
@@ -156,11 +165,31 @@ def server(
             "browsers reach the server by this name.",
         ),
     ] = None,
+    tls_cert: Annotated[
+        str | None,
+        typer.Option(
+            "--tls-cert",
+            metavar="FILE",
+            envvar="PERFSLEUTH_TLS_CERT",
+            show_envvar=True,
+            help="Serve HTTPS with this certificate (PEM, with its chain); needs --tls-key.",
+        ),
+    ] = None,
+    tls_key: Annotated[
+        str | None,
+        typer.Option(
+            "--tls-key",
+            metavar="FILE",
+            envvar="PERFSLEUTH_TLS_KEY",
+            show_envvar=True,
+            help="The certificate's private key (PEM).",
+        ),
+    ] = None,
 ) -> None:
     """Run the collector: remote agents and OTLP exporters send here; API and UI included."""
     hosts = split_hosts(allow_host)
     table = read_tokens(tokens) if tokens else {}
-    start_server(data, host, port, token, table, hosts)
+    start_server(data, host, port, token, table, hosts, tls_cert, tls_key)
 
 
 @app.command()

@@ -25,11 +25,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def url_for(host: str, port: int, token: str | None = None) -> str:
+def url_for(host: str, port: int, token: str | None = None, tls: bool = False) -> str:
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
     if ":" in shown:
         shown = f"[{shown}]"
-    return f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
+    scheme = "https" if tls else "http"
+    return f"{scheme}://{shown}:{port}/" + (f"?token={token}" if token else "")
 
 
 def serve(
@@ -42,12 +43,15 @@ def serve(
     allowed_hosts: tuple[str, ...] | list[str] = (),
     tokens: dict[str, tuple[str, str]] | None = None,
     ingest_every: float | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C). ``on_ready(port)`` is called once listening. Without
     ``ingest`` the store is opened read-only; ``ingest_every``: seconds between spool ingests
     (3 by default). ``tokens``: token -> (name, kind) of ``perfsleuth server --tokens``. A
     token shorter than MIN_TOKEN_CHARS is refused (ValueError); ``allowed_hosts``: Host names
-    answered besides loopback and ``host``."""
+    answered besides loopback and ``host``. ``tls_cert`` / ``tls_key``: PEM files; with them
+    the port speaks HTTPS only."""
     import uvicorn
 
     from perfsleuth.server.app import check_token, create_app
@@ -62,7 +66,15 @@ def serve(
         ingest_every=every,
         allowed_hosts=[*allowed_hosts, *own],
     )
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        ssl_certfile=tls_cert,
+        ssl_keyfile=tls_key,
+    )
     server = uvicorn.Server(config)
     if callable(on_ready):
         orig = server.startup

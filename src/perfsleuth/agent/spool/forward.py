@@ -8,8 +8,10 @@ collector's reply is the offset it holds, remembered per segment in ``SPOOL/forw
 restart resumes where the collector is; a 409 names the offset to resend from. A segment that
 is closed (``.seg``, or ``.open`` of a dead writer) and fully acknowledged is deleted.
 
-Failures back off exponentially (1 s to 60 s). A refused token (401/403) is said once in the
-status file's ``last_error`` and the spool keeps buffering. While the collector is away the
+Failures back off exponentially (1 s to 60 s). A refused token (401/403), and an ``https://``
+collector whose certificate fails verification (``PERFSLEUTH_CA_FILE``: the CA bundle to trust
+for the collector, instead of the system's), are said once in the status file's ``last_error``
+and the spool keeps buffering. While the collector is away the
 spool is kept under ``PERFSLEUTH_SPOOL_MAX_BYTES``: past 90 % of it the oldest segments are
 deleted; their unsent requests are counted (``dropped_spool_cap``), as are the segments
 (``forward_dropped_segments``), in the status file and, as a STATS record, in the store.
@@ -55,6 +57,27 @@ class Refused(Exception):
     """The collector refused the token (401/403)."""
 
 
+def tls_problem(e: BaseException, cfg: Config) -> str:
+    """The status sentence for a failure to trust an https collector, else ''."""
+    import ssl
+
+    if isinstance(e, ssl.SSLCertVerificationError):
+        why = e.verify_message or str(e)
+        fix = (
+            f"PERFSLEUTH_CA_FILE {cfg.ca_file} did not sign it"
+            if cfg.ca_file
+            else "set PERFSLEUTH_CA_FILE to the CA that signed it"
+        )
+        return f"collector {cfg.collector}: its certificate is not trusted ({why}); {fix}"
+    if isinstance(e, CaFileError):
+        return f"PERFSLEUTH_CA_FILE {cfg.ca_file}: cannot load it ({e}); buffering"
+    return ""
+
+
+class CaFileError(Exception):
+    """PERFSLEUTH_CA_FILE cannot be read as a CA bundle."""
+
+
 class Forwarder:
     def __init__(self, cfg: Config) -> None:
         import re
@@ -73,7 +96,7 @@ class Forwarder:
         self.conn: Any = None
         self.lock_fd: int | None = None
         self.backoff = 0.0
-        self.said_refused = ""
+        self.said = ""  # the refusal or TLS failure said in the status (once, not every retry)
         # The drop counters as last sent in a STATS record after a round that reached the
         # collector: a record written while it was down can be trimmed away with its segment.
         self.reported = _drop_counters()
@@ -193,9 +216,26 @@ class Forwarder:
         if self.conn is None:
             import http.client
 
-            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-            self.conn = cls(self.netloc, self.port, timeout=self.socket_timeout())
+            if self.https:
+                self.conn = http.client.HTTPSConnection(
+                    self.netloc, self.port, timeout=self.socket_timeout(), context=self.tls()
+                )
+            else:
+                self.conn = http.client.HTTPConnection(
+                    self.netloc, self.port, timeout=self.socket_timeout()
+                )
         return self.conn
+
+    def tls(self) -> Any:
+        """The TLS context: certificates verified against PERFSLEUTH_CA_FILE when set (a
+        private CA, without changing what the application itself trusts), else the system's
+        CAs (SSL_CERT_FILE / SSL_CERT_DIR move those for the whole process)."""
+        import ssl
+
+        try:
+            return ssl.create_default_context(cafile=self.cfg.ca_file or None)
+        except (OSError, ssl.SSLError) as e:
+            raise CaFileError(str(e)) from None
 
     def drop_connection(self) -> None:
         conn, self.conn = self.conn, None
@@ -305,10 +345,10 @@ class Forwarder:
             if self.past_deadline():
                 return
             self.ship(*seg)
-        if self.said_refused:
-            self.said_refused = ""
-            if status.last_error.startswith("collector"):
+        if self.said:
+            if status.last_error == self.said:
                 status.error("")
+            self.said = ""
         drops = _drop_counters()
         if drops != self.reported:  # the collector is up: this record is shipped next round
             self.reported = drops
@@ -326,17 +366,22 @@ class Forwarder:
                 wait = ROUND_SECONDS
             except Refused as e:
                 stats["forward_auth_errors"] += 1
-                msg = f"collector {self.cfg.collector} refused the token ({e}); buffering"
-                if self.said_refused != msg:  # said once, not every retry
-                    self.said_refused = msg
-                    status.error(msg)
+                self.say(f"collector {self.cfg.collector} refused the token ({e}); buffering")
                 wait = self._next_backoff()
-            except Exception:
+            except Exception as e:
                 stats["forward_errors"] += 1
                 self.drop_connection()
+                problem = tls_problem(e, self.cfg)
+                if problem:
+                    self.say(problem)
                 wait = self._next_backoff()
             if _stop.wait(wait):
                 return
+
+    def say(self, msg: str) -> None:
+        if self.said != msg:  # said once, not every retry
+            self.said = msg
+            status.error(msg)
 
     def _next_backoff(self) -> float:
         self.backoff = min(BACKOFF_MAX, max(1.0, self.backoff * 2))
@@ -492,7 +537,7 @@ def at_exit(timeout: float = 3.0) -> None:
     is left in one last round, bounded by ``timeout`` seconds; what is not sent stays in the
     spool for the next start."""
     fw, t = _fw, _thread
-    if fw is None or fw.lock_fd is None or fw.said_refused:
+    if fw is None or fw.lock_fd is None or fw.said:
         return
     _stop.set()
     try:
