@@ -36,6 +36,7 @@ format: setup
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/shipping.py
 
 bench-ingest: setup
 	$(BIN)/python benchmarks/ingest.py
