@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import store_engines
 from perfsleuth.store.duckdb_store import DuckDBStore
 from spoolread import read_spool
 from spoolwrite import SegmentWriter
@@ -104,9 +105,19 @@ def demo_data(demo_run: DemoRun) -> str:
     return demo_run.data
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # Store tests run on each engine (tests/store_engines.py)
+    if "store_engine" in metafunc.fixturenames:
+        module = metafunc.module.__name__.rpartition(".")[2]
+        metafunc.parametrize("store_engine", store_engines.engines_for(module))
+
+
 @pytest.fixture
-def synth(tmp_path: Path) -> Iterator[Callable[[Callable[[SegmentWriter], None]], DuckDBStore]]:
-    """Write requests with ``fill(writer)``, ingest them, and return the store."""
+def synth(
+    tmp_path: Path, store_engine: str
+) -> Iterator[Callable[[Callable[[SegmentWriter], None]], DuckDBStore]]:
+    """Write requests with ``fill(writer)``, ingest them, and return the store (on each
+    engine: ``store_engine``)."""
     stores: list[DuckDBStore] = []
 
     def make(fill: Callable[[SegmentWriter], None]) -> DuckDBStore:
@@ -114,7 +125,7 @@ def synth(tmp_path: Path) -> Iterator[Callable[[Callable[[SegmentWriter], None]]
         w = SegmentWriter(data)
         fill(w)
         w.close()
-        s = DuckDBStore(data)
+        s = store_engines.open_engine(store_engine, data)
         s.ingest()
         stores.append(s)
         return s
@@ -122,3 +133,4 @@ def synth(tmp_path: Path) -> Iterator[Callable[[Callable[[SegmentWriter], None]]
     yield make
     for s in stores:
         s.close()
+    store_engines.reset()

@@ -4,6 +4,7 @@ command modules, so importing it gives the whole command line."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -38,5 +39,18 @@ def _root(
         bool,
         typer.Option("--version", callback=_version, is_eager=True, help="Show the version."),
     ] = False,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            "--store",
+            envvar="PERFSLEUTH_STORE",
+            metavar="URL",
+            show_envvar=True,
+            help="Where requests are stored: duckdb (default: a file in the data directory), "
+            "clickhouse://host:8123/db, or chdb:///dir (needs perfsleuth[clickhouse]).",
+        ),
+    ] = None,
 ) -> None:
     """perfsleuth: a self-hosted performance detective."""
+    if store:  # every command opens its store through perfsleuth.store.open_store
+        os.environ["PERFSLEUTH_STORE"] = store

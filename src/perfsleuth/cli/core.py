@@ -368,6 +368,15 @@ def sql(
         with store_for_reading(data, ingest=True):
             pass
     with opened(data, read_only=True) as store:
+        if getattr(store, "engine", "duckdb") != "duckdb":  # ClickHouse: its own read-only SQL
+            try:
+                res = console.run_on_store(
+                    store, query, limit, None if unsafe else console.MAX_BYTES, encode=False
+                )
+            except console.ConsoleError as e:
+                raise CLIError(str(e), EXIT_USAGE) from e
+            _print_sql(res, json, limit)
+            return
         con = store._con  # type: ignore[attr-defined]
         if not unsafe:
             console.sandbox(con)
@@ -383,6 +392,12 @@ def sql(
             )
         except console.ConsoleError as e:
             raise CLIError(str(e), EXIT_USAGE) from e
+    _print_sql(res, json, limit)
+
+
+def _print_sql(res: Any, json: bool, limit: int) -> None:
+    from perfsleuth.server import console
+
     columns, rows = res.columns, res.raw
     if json:
         print_json([dict(zip(columns, r, strict=False)) for r in rows])

@@ -46,7 +46,9 @@ class Backend:
         self.store: Store = open_store(self.data_dir, read_only=ingest_every <= 0)
         # The SQL console must not read or write files of the machine (read_csv, COPY, ...):
         # nothing else of the server needs external access, and it cannot be switched back on.
-        con = getattr(self.store, "_con", None)
+        # (a ClickHouse store runs console statements itself: console.run_on_store)
+        duckdb_engine = getattr(self.store, "engine", "duckdb") == "duckdb"
+        con = getattr(self.store, "_con", None) if duckdb_engine else None
         self._console_con = None
         self._temp_views: list[str] = []
         if con is not None:
@@ -133,6 +135,9 @@ class Backend:
         if not self.console_slots.acquire(blocking=False):
             raise Busy(f"{CONSOLE_SLOTS} SQL console queries are running: try again when one ends")
         try:
+            if getattr(self.store, "engine", "duckdb") != "duckdb":
+                with self.lock:
+                    return console.run_on_store(self.store, query, limit, max_bytes)
             with self._console_lock:
                 if self._console_con is None:
                     raise console.ConsoleError("the server is shutting down")

@@ -617,3 +617,35 @@ def _too_long(limit: float | None) -> ConsoleError:
 def _first_line(e: BaseException) -> str:
     msg = str(e).strip()
     return msg.splitlines()[0] if msg else type(e).__name__
+
+
+def run_on_store(
+    store: Any, query: str, limit: int, max_bytes: int | None, encode: bool = True
+) -> Result:
+    """A console statement on a store whose engine is not DuckDB (ClickHouse): the engine's
+    own read-only statement (``store.sql``, which its server runs read-only), capped like
+    :func:`run` by rows and bytes."""
+    from perfsleuth.store.base import StoreError
+
+    started = time.monotonic()
+    try:
+        columns, rows = store.sql(query, limit + 1)
+    except StoreError as e:
+        raise ConsoleError(str(e)) from e
+    out = Result(list(columns))
+    for row in rows[:limit]:
+        text = json.dumps(json_value(list(row)), ensure_ascii=False)
+        size = len(text.encode()) + 1
+        if max_bytes is not None and out.bytes + size > max_bytes:
+            out.truncated_by = "bytes"
+            break
+        out.bytes += size
+        if encode:
+            out.encoded.append(text)
+        else:
+            out.raw.append(tuple(row))
+    else:
+        if len(rows) > limit:
+            out.truncated_by = "rows"
+    out.elapsed_ms = (time.monotonic() - started) * 1000
+    return out

@@ -1,16 +1,35 @@
-"""Where requests and calls live: DuckDB (embedded, default) behind the small interface in
-:mod:`perfsleuth.store.base` (a writer half and a reader half); a ClickHouse engine can follow
-with the same logical schema (:mod:`perfsleuth.store.schema`)."""
+"""Where requests and calls live, behind the small interface in :mod:`perfsleuth.store.base`
+(a writer half and a reader half): DuckDB in the data directory (embedded, the default), or
+ClickHouse (a server, or chDB in-process) with the same logical schema
+(:mod:`perfsleuth.store.schema`), chosen by a store URL (``--store`` / ``PERFSLEUTH_STORE``)."""
 
 from __future__ import annotations
 
+import os
+
 from perfsleuth.store.base import IngestReport, Store, StoreError, StoreLocked
 
-__all__ = ["IngestReport", "StoreError", "StoreLocked", "open_store"]
+__all__ = ["STORE_ENV", "IngestReport", "StoreError", "StoreLocked", "open_store"]
+
+STORE_ENV = "PERFSLEUTH_STORE"
 
 
-def open_store(data_dir: str, *, read_only: bool = False) -> Store:
-    """Open the default (DuckDB) store in ``data_dir`` (created if needed)."""
+def open_store(data_dir: str, *, read_only: bool = False, url: str | None = None) -> Store:
+    """Open the store of ``data_dir`` (its spool, agents' status; created if needed): DuckDB in
+    that directory, unless ``url`` (default: ``$PERFSLEUTH_STORE``) names a ClickHouse one,
+    ``clickhouse://host:8123/db`` or ``chdb:///dir`` (see :mod:`.clickhouse_client`)."""
+    url = url if url is not None else os.environ.get(STORE_ENV, "")
+    if url and url != "duckdb":
+        from perfsleuth.store.clickhouse_client import is_clickhouse_url
+
+        if not is_clickhouse_url(url):
+            raise StoreError(
+                f"unknown store {url!r}: use duckdb (the default), clickhouse://host:8123/db "
+                "or chdb:///path/to/dir"
+            )
+        from perfsleuth.store.clickhouse_store import ClickHouseStore
+
+        return ClickHouseStore(data_dir, url, read_only=read_only)
     from perfsleuth.store.duckdb_store import DuckDBStore
 
     return DuckDBStore(data_dir, read_only=read_only)

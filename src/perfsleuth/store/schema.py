@@ -313,6 +313,23 @@ def duckdb_view(table: Table, days: list[date], *, temp: bool = False) -> str:
 
 # ------------------------------------------------------------------------------ ClickHouse
 
+# ``ingest_offsets`` and the other keyed tables keep the row with the latest version
+_CH_VERSION = {"ingest_offsets": "updated"}
+# Replicated engines' Keeper path and replica name, from the server's macros
+REPLICA_PATH = "/clickhouse/tables/{shard}/{database}/{table}"
+REPLICA_NAME = "{replica}"
+# Inserts whose deduplication token was seen among the last N of a table are dropped
+DEDUP_WINDOW = 10_000
+
+
+def clickhouse_type(c: Column) -> str:
+    t = _TYPES[c.type][1]
+    if c.nullable and c.type != "id_list":
+        t = f"Nullable({t})"
+    if c.low_cardinality and c.type == "string":
+        t = f"LowCardinality({t})"
+    return t
+
 
 def clickhouse_create(
     table: Table,
@@ -321,33 +338,83 @@ def clickhouse_create(
     cluster: str | None = None,
     replicated: bool = False,
     ttl_days: int | None = None,
+    name: str | None = None,
 ) -> str:
     """MergeTree DDL for ClickHouse (and chDB): event tables partitioned by day, sorted by
-    (service, endpoint, ts), with a TTL that drops whole parts; dictionary tables as
-    ReplacingMergeTree on their id."""
-
-    def col_type(c: Column) -> str:
-        t = _TYPES[c.type][1]
-        if c.nullable and c.type != "id_list":
-            t = f"Nullable({t})"
-        if c.low_cardinality and c.type == "string":
-            t = f"LowCardinality({t})"
-        return t
-
+    (service, endpoint, ts), with a bloom-filter index on ``trace_id`` (trace look-ups and the
+    ingest's already-stored check) and an optional TTL that drops whole parts; keyed tables as
+    ReplacingMergeTree on their key. Inserts carry deduplication tokens (exactly-once ingest),
+    so non-replicated tables keep a deduplication window too. ``name``: the physical name (a
+    cluster's local table)."""
     on_cluster = f" ON CLUSTER {quote(cluster)}" if cluster else ""
     engine = "ReplacingMergeTree" if table.key else "MergeTree"
+    args = [quote(_CH_VERSION[table.name])] if table.name in _CH_VERSION else []
     if replicated:
         engine = "Replicated" + engine
-    cols = ",\n  ".join(f"{quote(c.name)} {col_type(c)}" for c in table.columns)
-    name = f"{quote(database)}.{quote(table.name)}"
+        args = [f"'{REPLICA_PATH}'", f"'{REPLICA_NAME}'", *args]
+    cols = [f"{quote(c.name)} {clickhouse_type(c)}" for c in table.columns]
+    if table.by_day and "trace_id" in table.column_names:
+        cols.append("INDEX trace_idx trace_id TYPE bloom_filter(0.01) GRANULARITY 4")
+    full = f"{quote(database)}.{quote(name or table.name)}"
     parts = [
-        f"CREATE TABLE IF NOT EXISTS {name}{on_cluster} (\n  {cols}\n)",
-        f"ENGINE = {engine}()",
+        f"CREATE TABLE IF NOT EXISTS {full}{on_cluster} (\n  " + ",\n  ".join(cols) + "\n)",
+        f"ENGINE = {engine}({', '.join(args)})",
     ]
     if table.by_day:
         parts.append("PARTITION BY toDate(ts)")
     parts.append(f"ORDER BY ({', '.join(quote(k) for k in table.order_by)})")
+    settings = [] if replicated else [f"non_replicated_deduplication_window = {DEDUP_WINDOW}"]
     if table.by_day and ttl_days:
         parts.append(f"TTL toDateTime(ts) + INTERVAL {int(ttl_days)} DAY")
-        parts.append("SETTINGS ttl_only_drop_parts = 1")
+        settings.append("ttl_only_drop_parts = 1")
+    if settings:
+        parts.append("SETTINGS " + ", ".join(settings))
     return "\n".join(parts)
+
+
+def clickhouse_distributed(table: Table, *, database: str, cluster: str, local: str) -> str:
+    """The Distributed table named like the logical table, in front of each shard's ``local``
+    table; a request's rows (requests, calls, attributes) go to one shard (by trace id), so a
+    trace's joins stay local to a shard; a keyed table's rows by their key."""
+    cols = ("trace_id",) if "trace_id" in table.column_names else table.key
+    key = f"cityHash64({', '.join(quote(c) for c in cols)})" if cols else "rand()"
+    return (
+        f"CREATE TABLE IF NOT EXISTS {quote(database)}.{quote(table.name)} "
+        f"ON CLUSTER {quote(cluster)} AS {quote(database)}.{quote(local)}\n"
+        f"ENGINE = Distributed({quote(cluster)}, {quote(database)}, {quote(local)}, {key})"
+    )
+
+
+def clickhouse_ddl(
+    *,
+    database: str = "perfsleuth",
+    cluster: str | None = None,
+    replicated: bool = False,
+    ttl_days: int | None = None,
+    tables: tuple[Table, ...] | None = None,
+) -> list[str]:
+    """Every statement that makes the store in ClickHouse, in order: the database, then each
+    table (default: all of :data:`TABLES`). With ``cluster``, each table is made ``ON CLUSTER``
+    as ``<name>_local`` (Replicated when ``replicated``) with a Distributed table of the logical
+    name in front."""
+    on_cluster = f" ON CLUSTER {quote(cluster)}" if cluster else ""
+    out = [f"CREATE DATABASE IF NOT EXISTS {quote(database)}{on_cluster}"]
+    for t in tables if tables is not None else tuple(TABLES.values()):
+        if cluster is None:
+            out.append(
+                clickhouse_create(t, database=database, replicated=replicated, ttl_days=ttl_days)
+            )
+            continue
+        local = f"{t.name}_local"
+        out.append(
+            clickhouse_create(
+                t,
+                database=database,
+                cluster=cluster,
+                replicated=replicated,
+                ttl_days=ttl_days,
+                name=local,
+            )
+        )
+        out.append(clickhouse_distributed(t, database=database, cluster=cluster, local=local))
+    return out

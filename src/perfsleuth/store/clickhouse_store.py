@@ -1,0 +1,398 @@
+"""The ClickHouse store: the same logical schema (:mod:`perfsleuth.store.schema`) in MergeTree
+tables of a ClickHouse server (``clickhouse://host:8123/db``) or of chDB in this process
+(``chdb:///dir``), behind the store interface (:class:`perfsleuth.store.base.Store`).
+
+Reading: the reader's queries are the DuckDB engine's own (:class:`DuckDBReader`), written once
+in DuckDB's dialect; they reach ClickHouse through :class:`_Connection`, which transpiles each
+(:mod:`perfsleuth.store.clickhouse_dialect`). What differs in layout is overridden here: one
+table per logical table (no day tables), and a console that speaks ClickHouse's SQL.
+
+Writing, exactly once (:class:`perfsleuth.store.ingest.IngestTarget`): ClickHouse has no
+transaction over several inserts, so a batch is committed as
+
+1. requests, calls and attributes of traces already stored in that same table are left out
+   (a semi-join on ``trace_id`` per table, over the batch's days, helped by a bloom index):
+   a re-run after a crash between two inserts adds only what is missing, even when the
+   segment has grown since;
+2. every insert carries a deduplication token made of the table, the day and the segment
+   ranges of the batch: a re-run of the same ranges (the usual case) is dropped by the
+   server for the tables without trace ids (samples, gc pauses, agent counters);
+3. the dictionary tables (fingerprints, locations, stacks, captures) get only ids not yet
+   stored (ReplacingMergeTree merges any left-over duplicates);
+4. requests go last but one, and the segments' offsets last: offsets are read back
+   (``FINAL``) before the next batch, so a batch whose offsets were not written is read again
+   and steps 1-2 keep it from doubling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterable, Sequence
+from datetime import date, datetime, timedelta
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from perfsleuth.store import schema, spool
+from perfsleuth.store.base import IngestReport, Progress, StoreError
+from perfsleuth.store.clickhouse_client import Client, connect
+from perfsleuth.store.clickhouse_dialect import literal, read_only_clickhouse, to_clickhouse
+from perfsleuth.store.duckdb_file import utcnow
+from perfsleuth.store.duckdb_reader import DuckDBReader
+from perfsleuth.store.ingest import Limits, Offset, ingest_spool
+from perfsleuth.store.records import Batch
+from perfsleuth.store.schema import quote
+from perfsleuth.store.tables import Tables
+
+__all__ = ["ClickHouseStore"]
+
+_QUALIFIED = re.compile(r"[A-Za-z_][A-Za-z_0-9]*\.[A-Za-z_][A-Za-z_0-9]*")
+
+# Tables whose rows all come with their request: a trace already in one is not added again.
+_PER_TRACE = ("requests", "calls", "attributes")
+
+
+class _Cursor:
+    """The part of a DuckDB cursor the reader uses, over rows already fetched."""
+
+    def __init__(self, table: pa.Table) -> None:
+        # ClickHouse names a join's USING column under ``t.*`` "t.endpoint"; DuckDB "endpoint"
+        names = table.column_names
+        self.description = [
+            (
+                n.rpartition(".")[2]
+                if _QUALIFIED.fullmatch(n) and n.rpartition(".")[2] not in names
+                else n,
+            )
+            for n in names
+        ]
+        cols = [c.to_pylist() for c in table.columns]
+        self._rows = list(zip(*cols, strict=True)) if cols else []
+        self._at = 0
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        rows, self._at = self._rows[self._at :], len(self._rows)
+        return rows
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        if self._at >= len(self._rows):
+            return None
+        self._at += 1
+        return self._rows[self._at - 1]
+
+    def fetchmany(self, n: int) -> list[tuple[Any, ...]]:
+        rows = self._rows[self._at : self._at + n]
+        self._at += len(rows)
+        return rows
+
+
+class _Connection:
+    """``execute(sql, params)`` in DuckDB's dialect, run on ClickHouse: the tables of the
+    logical schema are found in the store's database."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> _Cursor:
+        text = to_clickhouse(sql, params, self.client.database)
+        return _Cursor(self.client.query_arrow(text))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class ClickHouseStore(DuckDBReader):
+    """The store on ClickHouse or chDB (see the module docstring); the spool stays in
+    ``data_dir``."""
+
+    engine = "clickhouse"
+    # Requests per insert: ClickHouse advises 10k-100k rows per insert, ~one per second.
+    batch_requests = 50_000
+    batch_bytes = 256 * 1024 * 1024
+    open_idle_seconds = 60.0
+
+    def __init__(self, data_dir: str, url: str, read_only: bool = False) -> None:
+        self.data_dir = os.path.abspath(data_dir)
+        self.spool_dir = os.path.join(self.data_dir, "spool")
+        self.corrupt_dir = os.path.join(self.spool_dir, "corrupt")
+        self.agents_dir = os.path.join(self.data_dir, "agents")
+        self.read_only = read_only
+        self.url = url
+        q = parse_qs(urlparse(url).query)
+        self.cluster = q.get("cluster", [None])[0]
+        self.replicated = q.get("replicated", ["0"])[0] in ("1", "true", "yes")
+        ttl = q.get("ttl_days", [None])[0]
+        self.ttl_days = int(ttl) if ttl else None
+        os.makedirs(self.data_dir, exist_ok=True)
+        self._client = connect(url)
+        self.path = self._client.where
+        self.database = self._client.database
+        # The scratch table of the ingest's already-stored check (one per process).
+        self._ids_table = f"_ps_ids_{os.getpid()}"
+        self._con = _Connection(self._client)  # type: ignore[assignment]
+        try:
+            self._create_schema()
+        except BaseException:
+            self._client.close()
+            raise
+
+    # ------------------------------------------------------------------ schema and layout
+
+    def _create_schema(self) -> None:
+        for stmt in schema.clickhouse_ddl(
+            database=self.database,
+            cluster=self.cluster,
+            replicated=self.replicated,
+            ttl_days=self.ttl_days,
+        ):
+            self._client.command(stmt)
+
+    def _t(self, name: str) -> str:
+        """A table of the store's database, quoted."""
+        return f"{quote(self.database)}.{quote(name)}"
+
+    def _q(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Rows of ClickHouse SQL (already in its dialect) with ``?`` parameters."""
+        parts = sql.split("?")
+        if len(parts) - 1 != len(params):
+            raise ValueError("parameter count mismatch")
+        text = parts[0] + "".join(
+            literal(p).sql(dialect="clickhouse") + rest
+            for p, rest in zip(params, parts[1:], strict=True)
+        )
+        return _Cursor(self._client.query_arrow(text)).fetchall()
+
+    def _days(self) -> list[date]:
+        return []  # no day tables: the reader reads the logical tables
+
+    def _table_names(self) -> set[str]:
+        return set(schema.TABLES)
+
+    def _create_views(self, days: list[date], *, temp: bool = False) -> None:
+        pass
+
+    def _source(self, since: timedelta | None) -> tuple[str, datetime | None]:
+        return "requests", None if since is None else utcnow() - since
+
+    def _count(self, table: str, day: date, trace_id: str) -> int:
+        rows = self._q(f"SELECT count() FROM {self._t(table)} WHERE trace_id = ?", [trace_id])
+        return int(rows[0][0]) if rows else 0
+
+    def sql(self, query: str, limit: int = 10_000) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """One SELECT in ClickHouse's SQL (run with ``readonly = 2``: the server refuses any
+        write); at most ``limit`` rows."""
+        try:
+            text = read_only_clickhouse(query, self.database)
+        except ValueError as e:
+            raise StoreError(str(e)) from e
+        table = self._client.query_arrow(f"{text}\nSETTINGS readonly = 2")
+        cur = _Cursor(table)
+        return [d[0] for d in cur.description], cur.fetchmany(max(0, int(limit)))
+
+    def close(self) -> None:
+        client = getattr(self, "_client", None)
+        if client is not None:
+            if not self.read_only:
+                try:
+                    self._client.command(f"DROP TABLE IF EXISTS {self._t(self._ids_table)}")
+                except StoreError:
+                    pass
+            client.close()
+            self._client = None  # type: ignore[assignment]
+
+    def __enter__(self) -> ClickHouseStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise StoreError(f"the store was opened read-only; {what} needs a writable store")
+
+    # ------------------------------------------------------------------------ writing
+
+    def ingest(self, progress: Progress | None = None) -> IngestReport:
+        """Ingest everything new in the spool (see :mod:`perfsleuth.store.ingest`)."""
+        self._writable("ingest")
+        limits = Limits(self.batch_requests, self.batch_bytes, self.open_idle_seconds)
+        return ingest_spool(self, self.spool_dir, limits, progress)
+
+    def insert_tables(self, batch: Batch, tables: Tables) -> None:
+        self._writable("ingest")
+        self.commit(batch, tables)
+
+    def committed_offsets(self) -> dict[str, Offset]:
+        rows = self._q(
+            'SELECT segment, "offset", closed, damaged, service, host, pid, version'
+            f" FROM {self._t('ingest_offsets')} FINAL"
+        )
+        return {r[0]: Offset(*r[1:]) for r in rows}
+
+    def internal_fingerprint_ids(self) -> Iterable[int]:
+        return [
+            r[0]
+            for r in self._q(f"SELECT id FROM {self._t('fingerprints')} WHERE kind = 'db.internal'")
+        ]
+
+    def commit(self, batch: Batch, tables: Tables) -> None:
+        """See the module docstring: one batch, exactly once, without a transaction."""
+        # The batch's segments and where it ends in each: the same batch read again after a
+        # crash has the same token, so the server drops its inserts that had landed.
+        ranges = ";".join(f"{s.base}:{s.offset}:{s.final}" for s in batch.segments)
+        token = hashlib.sha256(ranges.encode()).hexdigest()[:32]
+
+        def insert(name: str, data: pa.Table | None, part: str = "") -> None:
+            if data is None or data.num_rows == 0:
+                return
+            settings = {
+                "insert_deduplicate": 1,
+                "insert_deduplication_token": f"{token}-{name}{part}",
+            }
+            self._client.insert_arrow(name, data, settings)
+
+        for d, parts in sorted(tables.days.items()):
+            self._drop_stored_traces(d, parts)
+        for name, tbl in (
+            ("fingerprints", tables.fingerprints),
+            ("locations", tables.locations),
+            ("stacks", tables.stacks),
+            ("captures", tables.captures),
+        ):
+            insert(name, self._new_keys(name, tbl))
+        insert("agent_stats", tables.agent_stats)
+        for last in (False, True):  # requests after everything else of their batch
+            for d, parts in sorted(tables.days.items()):
+                for t in schema.EVENT_TABLES:
+                    if (t.name == "requests") == last:
+                        insert(t.name, parts.get(t.name), f"-{d:%Y%m%d}")
+        now = utcnow()
+        offs = pa.Table.from_pylist(
+            [
+                {
+                    "segment": s.base,
+                    "offset": s.offset,
+                    "closed": s.final,
+                    "damaged": s.damaged,
+                    "service": s.service or None,
+                    "host": s.host or None,
+                    "pid": s.pid,
+                    "updated": now,
+                    "version": s.version or None,
+                }
+                for s in batch.segments
+            ],
+            schema=schema.INGEST_OFFSETS.arrow_schema(),
+        )
+        insert("ingest_offsets", offs)
+
+    def _drop_stored_traces(self, day: date, parts: dict[str, pa.Table]) -> None:
+        """Leave out of one day's tables the rows of traces that table already holds."""
+        ids = parts.get("requests")
+        if ids is None or not ids.num_rows:
+            return
+        scratch = self._t(self._ids_table)
+        self._client.command(
+            f"CREATE TABLE IF NOT EXISTS {scratch} (trace_id String) ENGINE = Memory"
+        )
+        self._client.command(f"TRUNCATE TABLE {scratch}")
+        self._client.insert_arrow(self._ids_table, pa.table({"trace_id": ids["trace_id"]}), {})
+        for name in _PER_TRACE:
+            t = parts.get(name)
+            if t is None or not t.num_rows:
+                continue
+            known = self._q(
+                f"SELECT DISTINCT trace_id FROM {self._t(name)} WHERE toDate(ts) = ? "
+                f"AND trace_id IN (SELECT trace_id FROM {scratch})",
+                [day],
+            )
+            if known:
+                stored = pa.array([r[0] for r in known], pa.string())
+                parts[name] = t.filter(pc.invert(pc.is_in(t["trace_id"], value_set=stored)))
+
+    def _new_keys(self, name: str, data: pa.Table | None) -> pa.Table | None:
+        """The rows of a keyed table whose key is not stored yet (each key once)."""
+        if data is None or data.num_rows == 0:
+            return data
+        key = schema.TABLES[name].key[0]
+        seen: set[Any] = set()
+        keep = []  # the first row of each key within the batch
+        for v in data[key].to_pylist():
+            keep.append(v not in seen)
+            seen.add(v)
+        data = data.filter(pa.array(keep))
+        stored = self._q(
+            f"SELECT {quote(key)} FROM {self._t(name)} WHERE {quote(key)} IN ?",
+            [data[key].to_pylist()],
+        )
+        if not stored:
+            return data
+        have = pa.array([r[0] for r in stored], data.schema.field(key).type)
+        return data.filter(pc.invert(pc.is_in(data[key], value_set=have)))
+
+    def record_received(self, rows: list[dict[str, Any]]) -> None:
+        self._writable("recording received segments")
+        if not rows:
+            return
+
+        def ts(ns: Any) -> datetime | None:
+            return None if ns is None else datetime.utcfromtimestamp(int(ns) / 1e9)
+
+        data = pa.Table.from_pylist(
+            [
+                {
+                    "segment": r["segment"],
+                    "token": r.get("token"),
+                    "agent": r.get("agent"),
+                    "host": r.get("host"),
+                    "service": r.get("service"),
+                    "pid": r.get("pid"),
+                    "received": ts(r.get("received_ns")),
+                    "started": ts(r.get("started_ns")),
+                }
+                for r in rows
+            ],
+            schema=schema.SEGMENTS_RECEIVED.arrow_schema(),
+        )
+        new = self._new_keys("segments_received", data)
+        if new is not None and new.num_rows:
+            self._client.insert_arrow("segments_received", new, {})
+
+    def apply_retention(self, days: int) -> list[str]:
+        """Drop whole days (partitions) that ended more than ``days`` days ago."""
+        self._writable("retention")
+        if days < 1:
+            raise StoreError(f"retention must be at least 1 day (got {days})")
+        cutoff = utcnow() - timedelta(days=days)
+        last_day = (cutoff - timedelta(days=1)).date()
+        names = [t.name for t in schema.EVENT_TABLES]
+        local = {n: f"{n}_local" if self.cluster else n for n in names}
+        parts = self._q(
+            "SELECT DISTINCT table, partition FROM system.parts WHERE database = ? AND active "
+            "AND has(?, table)",
+            [self.database, list(local.values())],
+        )
+        old = sorted({p for _, p in parts if date.fromisoformat(p) <= last_day})
+        on_cluster = f" ON CLUSTER {quote(self.cluster)}" if self.cluster else ""
+        for table, p in parts:
+            if date.fromisoformat(p) <= last_day:
+                self._client.command(
+                    f"ALTER TABLE {self._t(table)}{on_cluster} "
+                    f"DROP PARTITION {literal(p).sql(dialect='clickhouse')}"
+                )
+        for name in ("agent_stats", "captures"):
+            self._client.command(
+                f"DELETE FROM {self._t(name)}{on_cluster} WHERE ts < "
+                + literal(cutoff).sql(dialect="clickhouse")
+            )
+        present = [f.base for f in spool.list_spool(self.spool_dir)]
+        self._client.command(
+            f"DELETE FROM {self._t('ingest_offsets')}{on_cluster} WHERE closed "
+            f"AND updated < {literal(cutoff).sql(dialect='clickhouse')} "
+            f"AND NOT has({literal(present).sql(dialect='clickhouse')}, segment)"
+        )
+        return old
