@@ -438,7 +438,7 @@ def test_a_conversion_failing_on_unforeseen_values_is_damage_not_a_stall(
     w.event(GC, {"pauses": [{"ts": req["ts"], "gen": 2, "dur": MS}]})
     w.close()
     with monkeypatch.context() as m:
-        m.setattr(tables, "_event_tables", fail)
+        m.setattr(tables, "event_tables", fail)
         rep = store.ingest()
     assert [d.reason for d in rep.damaged] == [
         "requests the store could not convert (OverflowError: an unforeseen value)"

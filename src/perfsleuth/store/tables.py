@@ -57,7 +57,7 @@ def build_tables(batch: Batch, now_ns: int) -> Tables:
         wire, src, attr_objs = parse_requests(batch)
         wire, src, attr_objs = once_per_trace(wire, src, attr_objs)
         if wire.num_rows:
-            _event_tables(out, wire, src, attr_objs, batch, now_ns)
+            event_tables(out, wire, src, attr_objs, batch, now_ns)
     except MemoryError:
         raise
     except Exception as e:
@@ -160,7 +160,7 @@ def trace_ids(tables: Tables) -> pa.Array:
     return all_ids.filter(pc.not_equal(all_ids, ""))
 
 
-def _event_tables(
+def event_tables(
     out: Tables,
     wire: pa.Table,
     src: np.ndarray,
@@ -168,6 +168,10 @@ def _event_tables(
     batch: Batch,
     now_ns: int,
 ) -> None:
+    """Add to ``out`` the requests, calls and attributes tables, by day, of the requests in
+    ``wire`` (shaped as decode.REQUEST_WIRE; ``src``: each row's segment in ``batch``;
+    ``attr_objs``: (row, object) of the rows with attributes or tags). The one builder of
+    these tables: the spool ingest's and OTLP's (store.otlp.tables) requests go through it."""
     n = wire.num_rows
     segs = batch.segments
     service = pc.take(pa.array([s.service or "unknown" for s in segs], pa.string()), src)

@@ -132,9 +132,9 @@ def _map(spans: list[Span], keys: Keys, pending: Pending, out: Mapped) -> Mapped
     is_req = (kind == SPAN_SERVER) | (kind == SPAN_CONSUMER)
     is_block = np.array([BLOCK_MS in s.attrs for s in spans], dtype=bool) & ~is_req
     callish = np.array([is_call(s) for s in spans], dtype=bool) & ~is_req & ~is_block
-    par, owner, state, nested = ancestry(spans, is_req, callish)
-    # One request per id (trace + span): the last of a span sent twice.
+    # Each span by id (trace + span), the last of a span sent twice: one request per id.
     last = {s.trace + s.span: i for i, s in enumerate(spans)}
+    par, owner, state, nested = ancestry(spans, last, is_req, callish)
     servers = [
         i for i in np.nonzero(is_req)[0].tolist() if last[spans[i].trace + spans[i].span] == i
     ]

@@ -74,20 +74,16 @@ def _shape(c: Span) -> Shape:
 def call_columns(calls: list[Span], dictionary: Dictionary) -> dict[str, Any]:
     """The call columns (but times) of the client spans, in order."""
     names = ("kind", "system", "fp", "ph", "host", "site", "stack")
-    cols: dict[str, list[Any]] = {k: [] for k in (*names, "rows", "status", "error")}
-    kind, system, fp, ph, host, site, stack = (cols[k] for k in names)
-    rows, status, error = cols["rows"], cols["status"], cols["error"]
-    for c in calls:
-        k, sy, f, p, h, si, st, entries = _shape(c)
-        dictionary.update(entries)
-        kind.append(k)
-        system.append(sy)
-        fp.append(f)
-        ph.append(p)
-        host.append(h)
-        site.append(si)
-        stack.append(st)
-        error.append(c.error)
+    if not calls:
+        return {k: [] for k in (*names, "rows", "status", "error")}
+    shapes = [_shape(c) for c in calls]
+    *parts, entries = zip(*shapes, strict=True)
+    cols: dict[str, Any] = dict(zip(names, parts, strict=True))
+    for e in {id(e): e for e in entries}.values():  # one dict per shape, shared by its calls
+        dictionary.update(e)
+    rows: list[int | None] = []
+    status: list[int | None] = []
+    for k, c in zip(cols["kind"], calls, strict=True):
         a = c.attrs
         if k == "http":
             rows.append(None)
@@ -95,8 +91,10 @@ def call_columns(calls: list[Span], dictionary: Dictionary) -> dict[str, Any]:
                 values.as_int32(first(a, "http.response.status_code", "http.status_code"))
             )
         else:
-            rows.append(values.as_int(a.get(_ROWS)) if _ROWS in a else None)
+            rows.append(values.as_int(a[_ROWS]) if _ROWS in a else None)
             status.append(None)
+    cols["rows"], cols["status"] = rows, status
+    cols["error"] = [c.error for c in calls]
     return cols
 
 

@@ -218,17 +218,23 @@ def read(msg: Any, keys: Keys) -> list[Span]:
         for ss in rs.scope_spans:
             for sp in ss.spans:
                 attrs: dict[str, Any] = {}
-                for kv in sp.attributes:
+                kvs = sp.attributes
+                # Indexing a repeated field costs less than iterating it (upb), and most keys
+                # are not wanted: the cheapest test first.
+                for i in range(len(kvs)):
+                    kv = kvs[i]
                     k = kv.key
                     if k in wanted:
                         v = kv.value
-                        text = v.string_value  # most are strings: one call
+                        text = v.string_value  # most are strings, then ints: one call
                         if text:
                             attrs[k] = text
+                        elif num := v.int_value:  # (one of the value's fields is set)
+                            attrs[k] = num
                         else:
                             which = v.WhichOneof("value")
                             attrs[k] = getattr(v, which) if which in scalar else _value(v)
-                    elif k.startswith(param):
+                    elif param in k and k.startswith(param):
                         attrs[k] = _value(kv.value)
                         attrs[param] = True  # the span has parameters
                 error = None
@@ -266,12 +272,12 @@ FOUND, ROOT, MISSING = 1, 2, 3
 
 
 def ancestry(
-    spans: list[Span], is_req: np.ndarray, callish: np.ndarray
+    spans: list[Span], index: dict[str, int], is_req: np.ndarray, callish: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """For every span at once: (its parent's index: -1 not seen, -2 none; its nearest request
-    ancestor, -1 none; where the walk ended: FOUND, ROOT (at a root, no request above) or
-    MISSING (at a span not seen yet); whether a call lies between)."""
-    index = {s.trace + s.span: i for i, s in enumerate(spans)}
+    """For every span at once (``index``: each span's position by trace + span id): (its
+    parent's index: -1 not seen, -2 none; its nearest request ancestor, -1 none; where the
+    walk ended: FOUND, ROOT (at a root, no request above) or MISSING (at a span not seen
+    yet); whether a call lies between)."""
     par = np.array(
         [index.get(s.trace + s.parent, -1) if s.parent else -2 for s in spans], dtype=np.int64
     )

@@ -1,5 +1,8 @@
-"""The store's Arrow tables for a mapped payload: requests (with their calls' counts and time by
-kind), calls, link attributes, loop blocks and the dictionary rows, split by day."""
+"""The store's Arrow tables for a mapped payload: the request columns and their calls, shaped as
+the store's wire table (:data:`perfsleuth.store.decode.REQUEST_WIRE`), go through the builder
+the spool ingest uses (:func:`perfsleuth.store.tables.event_tables`: requests with their calls'
+counts and time by kind, calls, split by day); the link attributes, loop blocks and
+dictionary rows are added here."""
 
 from __future__ import annotations
 
@@ -12,11 +15,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from perfsleuth.store import records, schema, values
+from perfsleuth.store.decode import CALL_WIRE, REQUEST_WIRE
 from perfsleuth.store.evidence import tables as evidence_tables
 from perfsleuth.store.otlp.calls import MAX_CACHED, Dictionary
 from perfsleuth.store.otlp.links import LINK
-from perfsleuth.store.tables import Tables
+from perfsleuth.store.tables import Tables, event_tables
 from perfsleuth.wire import FINGERPRINT, LOCATION, STACK, internal_sql
+
+# The wire's request fields the mapping fills as they are (the others but ts, dur and calls are
+# null: no CPU time, GC or agent row data in OTLP).
+_REQUEST_FIELDS = (
+    "kind", "method", "endpoint", "path", "status", "error", "user", "tenant", "req_bytes",
+    "resp_bytes",
+)  # fmt: skip
 
 
 def to_tables(
@@ -30,126 +41,103 @@ def to_tables(
     dictionary: Dictionary,
     new: list[tuple[bytes, int]],
 ) -> Tables:
-    """The store's tables for the mapped rows: requests (with their calls' counts and time by
-    kind), calls, the link attributes, dictionaries and loop blocks, split by day."""
+    """The store's tables for the mapped rows (``crow``: each call's request row, ascending):
+    requests (with their calls' counts and time by kind), calls, the link attributes,
+    dictionaries and loop blocks, split by day."""
     now_ns = time.time_ns()
     out = Tables()
     n, m = len(reqs["id"]), len(crow)
-    segs = batch.segments
-    seg = np.asarray(reqs["seg"], dtype=np.int64)
-    ts_ns, end_ns = times
-    dur = np.maximum(end_ns - ts_ns, 0).astype(np.float64) / 1e6
-    bad = (ts_ns <= 0) | (ts_ns >= values.TS_MAX)
-    ts_ns = np.where(bad, now_ns, ts_ns)
-    day = ts_ns // values.NS_PER_DAY
-    ts = pa.array(ts_ns // 1000, pa.timestamp("us"))
-    service = pa.array([(segs[i].service or "unknown") for i in seg.tolist()], pa.string())
-    endpoint = pa.array(reqs["endpoint"], pa.string())
-    trace_id = pa.array(reqs["id"], pa.string())
-
     internal = {
         fid
         for (rtype, fid), obj in dictionary.items()
         if rtype == FINGERPRINT and obj["kind"] == "db" and _internal(obj["text"])
     }
-    ckind = [
-        internal_sql.INTERNAL_KIND if k == "db" and fp in internal else k
-        for k, fp in zip(cols["kind"], cols["fp"], strict=True)
-    ]
-    cdur = np.asarray(cols["dur"], dtype=np.float64) / 1e6
-    agg: dict[str, pa.Array] = {}
-    kinds = np.array(ckind, dtype=object)
-    for k in ("db", "http", "cache"):
-        mask = kinds == k if m else np.zeros(0, dtype=bool)
-        agg[f"{k}_calls"] = pa.array(np.bincount(crow[mask], minlength=n).astype(np.int32))
-        agg[f"{k}_ms"] = pa.array(np.bincount(crow[mask], weights=cdur[mask], minlength=n))
-    req = pa.table(
-        {
-            "ts": ts,
-            "trace_id": trace_id,
-            "service": service,
-            "host": pa.array([segs[i].host or None for i in seg.tolist()], pa.string()),
-            "pid": pa.array([segs[i].pid for i in seg.tolist()], pa.int32()),
-            "kind": pa.array(reqs["kind"], pa.string()),
-            "method": pa.array(reqs["method"], pa.string()),
-            "endpoint": endpoint,
-            "path": pa.array(reqs["path"], pa.string()),
-            "status": pa.array(reqs["status"], pa.int32()),
-            "error": pa.array(reqs["error"], pa.string()),
-            "duration_ms": pa.array(dur),
-            "cpu_ms": pa.nulls(n, pa.float64()),
-            "req_bytes": pa.array(reqs["req_bytes"], pa.int64()),
-            "resp_bytes": pa.array(reqs["resp_bytes"], pa.int64()),
-            "user": pa.array(reqs["user"], pa.string()),
-            "tenant": pa.array(reqs["tenant"], pa.string()),
-            **agg,
-            "calls_dropped": pa.array(np.zeros(n, dtype=np.int32)),
-            "gc_ms": pa.nulls(n, pa.float64()),
-            "gc_count": pa.nulls(n, pa.int32()),
-            "version": pa.array([segs[i].version or None for i in seg.tolist()], pa.string()),
-        },
-        schema=schema.REQUESTS.arrow_schema(),
-    )
-    crow_pa = pa.array(crow, pa.int64())
-    call = pa.table(
-        {
-            "ts": pc.take(ts, crow_pa),
-            "trace_id": pc.take(pc.dictionary_encode(trace_id), crow_pa),
-            "service": pc.take(pc.dictionary_encode(service), crow_pa),
-            "endpoint": pc.take(pc.dictionary_encode(endpoint), crow_pa),
-            "seq": pa.array(seq.astype(np.int32)),
-            "kind": pa.array(ckind, pa.string()),
-            "system": pa.array(cols["system"], pa.string()),
-            "fingerprint_id": pa.array(cols["fp"], pa.int64()),
-            "offset_ms": pa.array(np.asarray(cols["off"], dtype=np.float64) / 1e6),
-            "duration_ms": pa.array(cdur),
-            "rows": pa.array(cols["rows"], pa.int64()),
-            "bytes": pa.nulls(m, pa.int64()),
-            "params_hash": pa.array(cols["ph"], pa.int64()),
-            "stack_id": pa.array(cols["stack"], pa.int64()),
-            "site_id": pa.array(cols["site"], pa.int64()),
-            "host": pa.array(cols["host"], pa.string()),
-            "status": pa.array(cols["status"], pa.int32()),
-            "hit": pa.nulls(m, pa.bool_()),
-            "wait_ms": pa.nulls(m, pa.float64()),
-            "error": pa.array(cols["error"], pa.string()),
-            "unfinished": pa.nulls(m, pa.bool_()),
+    if n:
+        ts_ns, end_ns = times
+        calls = _calls(cols, internal, m)
+        counts = np.bincount(crow, minlength=n)
+        offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
+        given = {
+            "id": pa.array(reqs["id"], pa.string()),
+            "ts": pa.array(ts_ns, pa.int64()),
+            "dur": pa.array(np.maximum(end_ns - ts_ns, 0), pa.int64()),
+            "calls": pa.ListArray.from_arrays(pa.array(offsets), calls),
+            **{k: pa.array(reqs[k], REQUEST_WIRE.field(k).type) for k in _REQUEST_FIELDS},
         }
-    )
-    lrow = pa.array([r for r, *_ in links], pa.int64())
-    attrs = pa.table(
-        {
-            "ts": pc.take(ts, lrow),
-            "trace_id": pc.take(trace_id, lrow),
-            "service": pc.take(service, lrow),
-            "endpoint": pc.take(endpoint, lrow),
-            "kind": pa.array([LINK] * len(links), pa.string()),
-            "key": pa.array([k for _, k, _, _ in links], pa.string()),
-            "value": pa.array([v for _, _, v, _ in links], pa.string()),
-            "num": pa.array([s for *_, s in links], pa.float64()),
-        },
-        schema=schema.ATTRIBUTES.arrow_schema(),
-    )
-    out.requests, out.calls = n, m
-    days = np.unique(day)
-    for d in days.tolist():
-        key = values.EPOCH + timedelta(days=d)
-        if len(days) == 1:
-            out.days[key] = {"requests": req, "calls": call, "attributes": attrs}
-            continue
-        in_day = day == d
-        out.days[key] = {
-            "requests": req.filter(pa.array(in_day)),
-            "calls": call.filter(pa.array(in_day[crow])),
-            "attributes": attrs.filter(
-                pa.array(in_day[np.asarray([r for r, *_ in links], np.int64)])
-            ),
-        }
+        wire = pa.table(
+            {f.name: given.get(f.name, pa.nulls(n, f.type)) for f in REQUEST_WIRE},
+            schema=REQUEST_WIRE,
+        )
+        event_tables(out, wire, np.asarray(reqs["seg"], np.int64), [], batch, now_ns)
+        if links:
+            _link_tables(out, links, ts_ns, now_ns)
     if batch.events:
         for d, parts in evidence_tables(batch, now_ns).items():
             out.days.setdefault(d, {}).update(parts)
     _dictionary_tables(out, {k: dictionary[k] for k in new}, internal)
     return out
+
+
+def _calls(cols: dict[str, Any], internal: set[int], m: int) -> pa.StructArray:
+    """The calls as the wire's call struct (``db.internal`` for framework statements)."""
+    kind = [
+        internal_sql.INTERNAL_KIND if k == "db" and fp in internal else k
+        for k, fp in zip(cols["kind"], cols["fp"], strict=True)
+    ]
+    given = {
+        "kind": kind,
+        "system": cols["system"],
+        "fp": cols["fp"],
+        "off": cols["off"],
+        "dur": cols["dur"],
+        "stack": cols["stack"],
+        "site": cols["site"],
+        "ph": cols["ph"],
+        "rows": cols["rows"],
+        "status": cols["status"],
+        "error": cols["error"],
+        "host": cols["host"],
+    }
+    arrays = [
+        pa.array(given[f.name], f.type) if f.name in given else pa.nulls(m, f.type)
+        for f in CALL_WIRE
+    ]
+    return pa.StructArray.from_arrays(arrays, fields=list(CALL_WIRE))
+
+
+def _link_tables(
+    out: Tables, links: list[tuple[int, str, str, int | None]], ts_ns: np.ndarray, now_ns: int
+) -> None:
+    """The link attributes (kind LINK) with their request's ts, trace id, service and endpoint
+    (from the requests table just built), added to each day's attributes."""
+    lrow = np.fromiter((r for r, *_ in links), np.int64, len(links))
+    bad = (ts_ns <= 0) | (ts_ns >= values.TS_MAX)
+    day = np.where(bad, now_ns, ts_ns) // values.NS_PER_DAY
+    key = pa.array([k for _, k, _, _ in links], pa.string())
+    value = pa.array([v for _, _, v, _ in links], pa.string())
+    num = pa.array([s for *_, s in links], pa.float64())
+    for d in np.unique(day[lrow]).tolist():
+        parts = out.days[values.EPOCH + timedelta(days=d)]
+        req = parts["requests"]
+        # The day's requests are the batch's of that day, in order: a link's row among them.
+        in_day = np.nonzero(day == d)[0]
+        mine = day[lrow] == d
+        at = pa.array(np.searchsorted(in_day, lrow[mine]), pa.int64())
+        pick = pa.array(mine)
+        link = pa.table(
+            {
+                "ts": pc.take(req["ts"], at),
+                "trace_id": pc.take(req["trace_id"], at),
+                "service": pc.take(req["service"], at),
+                "endpoint": pc.take(req["endpoint"], at),
+                "kind": pa.array([LINK] * len(at), pa.string()),
+                "key": key.filter(pick),
+                "value": value.filter(pick),
+                "num": num.filter(pick),
+            },
+            schema=schema.ATTRIBUTES.arrow_schema(),
+        )
+        parts["attributes"] = pa.concat_tables([parts["attributes"], link])
 
 
 def _dictionary_tables(out: Tables, dictionary: Dictionary, internal: set[int]) -> None:
