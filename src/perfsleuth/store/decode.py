@@ -1,17 +1,23 @@
 """Request records -> one Arrow table shaped like :data:`REQUEST_WIRE`, a row per request.
 
-The agent's REQUESTS records (:mod:`perfsleuth.wire.batch`) are read vectorised: integer
-columns straight from their bytes, calls from the agent rows with their sites looked up in a
-few numpy steps per batch. A record Arrow cannot read with the expected types (an odd agent, a
-hand-written record), and the requests read past damage (decoded by wire.segment), go through
-a slow path that coerces each value (calls as JSON-shaped dicts) or drops it to NULL: one odd
-record never fails a batch.
+The agent's REQUESTS records (:mod:`perfsleuth.wire.batch`) are read in bulk: the records of a
+batch are joined and read in a few numpy steps per batch, not per request or call: integer
+columns straight from their bytes, call rows with their sites looked up by index, and the
+sparse per-call values (``cx``: HTTP statuses and hosts, cache hits, per-call fingerprints)
+gathered key by key into columns. A record Arrow cannot read with the expected types (an odd
+agent, a hand-written record), and the requests read past damage (decoded by wire.segment), go
+through a slow path that coerces each value (calls as JSON-shaped dicts) or drops it to NULL:
+one odd record never fails a batch.
 
 Duplicates: a batch keeps the first request of each trace id (:func:`once_per_trace`).
+
+One module (a little over 500 lines): the bulk read and the slow path must agree value by
+value, and each is read against the other.
 """
 
 from __future__ import annotations
 
+from itertools import chain, compress, repeat
 from typing import Any
 
 import numpy as np
@@ -77,10 +83,6 @@ REQUEST_WIRE = pa.schema(
 _ID_FIELDS = frozenset({"fp", "stack", "site", "ph"})
 
 
-_CALL_DTYPE = np.dtype([(name, "<" + code) for name, code in wcalls.FIELDS])
-assert _CALL_DTYPE.itemsize == wcalls.CALL.size
-
-
 _AGENT_DTYPE = np.dtype([(name, "<i8") for name in wbatch.AGENT_FIELDS])
 assert _AGENT_DTYPE.itemsize == wbatch.AGENT_ROW.size
 
@@ -110,50 +112,65 @@ def _coerce_request(obj: Any) -> dict[str, Any] | None:
     return out
 
 
+# A REQUESTS record of the batch: (segment index, its parts, record start, record end)
+_Record = tuple[int, wbatch.Batch, int, int]
+
+# What a record whose values are not of the types the bulk read expects raises there
+_ODD_VALUES = (
+    pa.ArrowException,
+    TypeError,
+    ValueError,
+    OverflowError,
+    RecursionError,
+    IndexError,
+    KeyError,
+)
+
+_INT_AT = {name: j for j, name in enumerate(wbatch.INT_COLUMNS)}
+_KIND_NAMES = pa.array([*wcalls.KINDS, None], pa.string())
+_SYSTEM_NAMES = pa.array([*wcalls.SYSTEMS, None], pa.string())
+
+
 def parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int, Any]]]:
     """(requests as REQUEST_WIRE, segment index per row, [(row, decoded object)] of the rows
     that carry attributes or tags)."""
     parts: list[pa.Table] = []
-    src: list[int] = []
-    blobs: list[memoryview | None] = []  # agent rows (wire.batch) per row (None: JSON calls)
-    where: list[tuple[int, int, int] | None] = []  # (segment, start, end) of the row's record
-    ext_rows: list[tuple[int, Any]] = []  # (row, object) of rows with per-call extras
+    src: list[np.ndarray] = []
     attr_objs: list[tuple[int, Any]] = []
     slow: list[tuple[int, Any, int, int]] = []  # (segment index, object, start, end)
     rows = 0
-    for seg, columns, start, end in batch.columns:
-        obj, n = columns.obj, columns.n
-        try:
-            t, ncalls = _columns_table(columns)
-        except (pa.ArrowException, TypeError, ValueError, OverflowError, RecursionError):
-            try:  # odd values: request by request, coerced like a hand-written record
-                slow.extend((seg, req, start, end) for req in wbatch.decode_columns(columns))
-            except (ValueError, RecursionError, TypeError):
-                batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
-            continue
-        parts.append(t)
-        at = 0
-        for c in ncalls.tolist():
-            blobs.append(columns.rows[at : at + c * wbatch.AGENT_ROW.size])
-            at += c * wbatch.AGENT_ROW.size
-        src.extend([seg] * n)
-        where.extend([(seg, start, end)] * n)
-        for name in ("attrs", "tags"):
-            for key, value in (obj.get(name) or {}).items():
-                k = as_int(key)
-                if k is not None and 0 <= k < n:
-                    attr_objs.append((rows + k, {name: value}))
-        for key, cx in (obj.get("cx") or {}).items():
-            k = as_int(key)
-            if k is not None and 0 <= k < n:
-                ext_rows.append((rows + k, {"cx": cx}))
-        rows += n
+
+    def take(records: list[_Record]) -> None:
+        nonlocal rows
+        table, bad = _agent_table(records)
+        attrs = [(rows + row, obj) for row, obj in _sparse_attrs(records)]
+        for seg, start, end in bad:
+            batch.add_damage(batch.segments[seg], start, end - start, "call rows without sites")
+        parts.append(table)
+        src.extend(np.full(columns.n, seg, dtype=np.int64) for seg, columns, _, _ in records)
+        attr_objs.extend(attrs)
+        rows += table.num_rows
+
+    try:  # every record of the batch at once
+        if batch.columns:
+            take(batch.columns)
+    except _ODD_VALUES:  # record by record: those that fail again go the slow way
+        for record in batch.columns:
+            try:
+                take([record])
+            except _ODD_VALUES:
+                seg, columns, start, end = record
+                try:  # odd values: request by request, coerced like a hand-written record
+                    slow.extend((seg, req, start, end) for req in wbatch.decode_columns(columns))
+                except (ValueError, RecursionError, TypeError):
+                    batch.add_damage(batch.segments[seg], start, end - start, "undecodable payload")
     # Records read past damage come decoded, without their offsets (-1: the segment is
     # quarantined anyway).
     slow.extend(
         (i, obj, -1, -1) for i, obj in zip(batch.dict_src, batch.dict_requests, strict=True)
     )
     objs: list[dict[str, Any]] = []
+    slow_src: list[int] = []
     for seg_i, obj, start, end in slow:
         req = _coerce_request(obj)
         if req is None:
@@ -163,22 +180,12 @@ def parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int, 
         if "attrs" in obj or "tags" in obj:
             attr_objs.append((rows + len(objs), obj))
         objs.append(req)
-        src.append(seg_i)
-        blobs.append(None)
-        where.append(None)
+        slow_src.append(seg_i)
     if objs:
         parts.append(pa.Table.from_pylist(objs, schema=REQUEST_WIRE))
+        src.append(np.asarray(slow_src, dtype=np.int64))
     wire = pa.concat_tables(parts) if parts else REQUEST_WIRE.empty_table()
-    if any(b is not None for b in blobs):
-        rows_ok = _check_agent_rows(wire, blobs)
-        for bad in np.flatnonzero(~rows_ok).tolist():
-            rec = where[bad]
-            if rec is not None:
-                seg, start, end = rec
-                batch.add_damage(batch.segments[seg], start, end - start, "call rows without sites")
-            blobs[bad] = memoryview(b"")
-        wire = _with_agent_calls(wire, blobs, ext_rows)
-    return wire, np.asarray(src, dtype=np.int64), attr_objs
+    return wire, (np.concatenate(src) if src else np.empty(0, dtype=np.int64)), attr_objs
 
 
 def once_per_trace(
@@ -205,192 +212,305 @@ def once_per_trace(
     return wire.filter(pa.array(keep)), src[keep], attrs
 
 
-def _columns_table(columns: wbatch.Batch) -> tuple[pa.Table, np.ndarray]:
-    """A REQUESTS record (wire.batch) as REQUEST_WIRE rows (calls still empty), and the
-    number of call rows of each request."""
-    obj, n = columns.obj, columns.n
-    nulls = [None] * n
-    ints = np.frombuffer(columns.ints, dtype=np.int64).reshape(n, len(wbatch.INT_COLUMNS))
-    cols = {}
+def _sparse_attrs(records: list[_Record]) -> list[tuple[int, Any]]:
+    """(row among the records' requests, {"attrs" or "tags": values}) of each request that has
+    attributes or tags."""
+    out: list[tuple[int, Any]] = []
+    base = 0
+    for _, columns, _, _ in records:
+        obj, n = columns.obj, columns.n
+        for name in ("attrs", "tags"):
+            for key, value in (obj.get(name) or {}).items():
+                k = as_int(key)
+                if k is not None and 0 <= k < n:
+                    out.append((base + k, {name: value}))
+        base += n
+    return out
+
+
+def _agent_table(records: list[_Record]) -> tuple[pa.Table, list[tuple[int, int, int]]]:
+    """REQUESTS records (wire.batch) as REQUEST_WIRE rows with their calls, read together;
+    and (segment, start, end) of the record of each request whose call rows cannot be read
+    (no ``t0``, ``dur`` or ``sites``): it is kept without calls. Raises one of _ODD_VALUES
+    on values of other types than the wire's."""
+    batches = [r[1] for r in records]
+    ns = np.fromiter((b.n for b in batches), np.int64, len(batches))
+    n = int(ns.sum())
+    ints = np.concatenate([np.frombuffer(b.ints, dtype=np.int64) for b in batches])
+    ints = ints.reshape(n, len(wbatch.INT_COLUMNS))
+    cols: dict[str, pa.Array] = {}
     for j, name in enumerate(wbatch.INT_COLUMNS):
-        col = ints[:, j]
+        col = np.ascontiguousarray(ints[:, j])
         if name == "id":
             cols[name] = pa.array([f"{v:016x}" for v in col.view(np.uint64).tolist()], pa.string())
         elif name in REQUEST_WIRE.names:
             cols[name] = pa.array(col, pa.int64(), mask=col == wcalls.NULL)
     for name in wbatch.STRING_COLUMNS:
-        cols[name] = pa.array(obj.get(name) or nulls, REQUEST_WIRE.field(name).type)
-    cols["sites"] = pa.array(wbatch.request_sites(obj), REQUEST_WIRE.field("sites").type)
-    cols["calls"] = pa.nulls(n, REQUEST_WIRE.field("calls").type)
+        cols[name] = pa.array(
+            list(chain.from_iterable(b.obj.get(name) or [None] * b.n for b in batches)),
+            pa.string(),
+        )
+    calls, bad_rows = _agent_calls(batches, ns, ints)
+    cols["calls"] = calls
+    cols["sites"] = pa.nulls(n, REQUEST_WIRE.field("sites").type)
     table = pa.table({f.name: cols[f.name] for f in REQUEST_WIRE}, schema=REQUEST_WIRE)
-    return table, ints[:, wbatch.INT_COLUMNS.index("ncalls")]
+    rec_of = np.repeat(np.arange(len(records)), ns)
+    bad = [records[i] for i in rec_of[bad_rows].tolist()]
+    return table, [(seg, start, end) for seg, _, start, end in bad]
 
 
-def _check_agent_rows(wire: pa.Table, blobs: list[memoryview | None]) -> np.ndarray:
-    """Per row: False for a batched request with call rows but no ``t0``/``sites`` (or sites
-    that are not five ids each): its rows cannot be read."""
-    n = wire.num_rows
-    ok = np.ones(n, dtype=bool)
-    has = np.fromiter((bool(b) for b in blobs), bool, count=n)
-    if not has.any():
-        return ok
-    sites = wire["sites"].combine_chunks()
-    inner_ok = pc.equal(pc.list_value_length(pc.list_flatten(sites)), len(wbatch.SITE_FIELDS))
-    parents = to_numpy(pc.list_parent_indices(sites), 0).astype(np.int64)
-    bad_site = np.zeros(n, dtype=bool)
-    bad_site[parents[~to_numpy(inner_ok, False).astype(bool)]] = True
-    missing = to_numpy(pc.is_null(wire["t0"]), True) | to_numpy(pc.is_null(sites), True)
-    missing |= to_numpy(pc.is_null(wire["dur"]), True)
-    ok[has & (missing | bad_site)] = False
-    return ok
+def _agent_calls(
+    batches: list[wbatch.Batch], ns: np.ndarray, ints: np.ndarray
+) -> tuple[pa.ListArray, np.ndarray]:
+    """The calls of the requests of ``batches`` (their integer columns ``ints``) as a list
+    of CALL_WIRE per request, from their agent rows: offsets from t0, durations (unfinished
+    ones up to the request's end), the fingerprint, stack, site, kind and system of their
+    slot's site, and the values of ``cx``. Also the requests whose rows cannot be read."""
+    n = len(ints)
+    ncalls = ints[:, _INT_AT["ncalls"]]
+    t0_all, dur_all = ints[:, _INT_AT["t0"]], ints[:, _INT_AT["dur"]]
+    agent = np.frombuffer(b"".join(b.rows for b in batches), dtype=_AGENT_DTYPE)
 
+    # Each record's site_table, stacked; each request's sites, as indexes into its record's.
+    tables = [b.obj.get("site_table") or [] for b in batches]
+    site_n = np.fromiter((len(t) for t in tables), np.int64, len(tables))
+    flat = pa.array(list(chain.from_iterable(chain.from_iterable(tables))), pa.int64())
+    table = to_numpy(flat, wcalls.NULL).astype(np.int64).reshape(-1, len(wbatch.SITE_FIELDS))
+    sites = list(chain.from_iterable(b.obj.get("sites") or [None] * b.n for b in batches))
+    has_sites = np.fromiter((s is not None for s in sites), bool, n)
+    n_sites = np.fromiter((len(s) if s is not None else 0 for s in sites), np.int64, n)
+    site_idx = np.fromiter(
+        chain.from_iterable(s for s in sites if s is not None), np.int64, int(n_sites.sum())
+    )
+    site_base = np.repeat(np.cumsum(site_n) - site_n, ns)
 
-def _agent_calls(wire: pa.Table, blobs: list[memoryview], rows_of: np.ndarray) -> np.ndarray:
-    """The agent rows (wire.batch) of the requests at wire rows ``rows_of`` (``blobs``, in that
-    order) as ``CALL`` rows: offsets from t0, durations (unfinished ones up to the request's
-    end), and the fingerprint, stack, site, kind and system of their slot's site."""
-    size = wbatch.AGENT_ROW.size
-    counts = np.fromiter((len(b) // size for b in blobs), np.int64, len(blobs))
-    agent = np.frombuffer(b"".join(blobs), dtype=_AGENT_DTYPE)
-    parent = np.repeat(np.arange(len(blobs), dtype=np.int64), counts)
-    take = pa.array(rows_of)
-    t0 = to_numpy(pc.take(wire["t0"], take), 0).astype(np.int64)[parent]
-    req_end = t0 + to_numpy(pc.take(wire["dur"], take), 0).astype(np.int64)[parent]
-    sites = pc.take(wire["sites"], take).combine_chunks()
-    n_sites = to_numpy(pc.list_value_length(sites), 0).astype(np.int64)
-    table = to_numpy(pc.list_flatten(pc.list_flatten(sites)), wcalls.NULL).astype(np.int64)
-    table = table.reshape(-1, len(wbatch.SITE_FIELDS))
+    # A request with rows but without what they point at keeps none of them.
+    bad = (ncalls > 0) & (~has_sites | (t0_all == wcalls.NULL) | (dur_all == wcalls.NULL))
+    counts = np.where(bad, 0, ncalls)
+    parent = np.repeat(np.arange(n, dtype=np.int64), ncalls)
+    if bad.any():
+        keep = ~bad[parent]
+        agent, parent = agent[keep], parent[keep]
+    m = len(agent)
+    t0 = t0_all[parent]
+    req_end = t0 + dur_all[parent]
     slot = agent["slot"]
     valid = (slot >= 0) & (slot < n_sites[parent])
     at = np.where(valid, (np.cumsum(n_sites) - n_sites)[parent] + slot, 0)
+    row = np.where(valid, site_idx[at] + site_base[parent], 0) if m and len(site_idx) else at
 
     def site_field(k: int, null: int) -> np.ndarray:
         if not len(table):
-            return np.full(len(agent), null, dtype=np.int64)
-        return np.where(valid, table[at, k], null)
+            return np.full(m, null, dtype=np.int64)
+        return np.where(valid, table[row, k], null)
 
-    out = np.zeros(len(agent), dtype=_CALL_DTYPE)
     start, end = agent["start"], agent["end"]
-    out["off"] = start - t0
-    out["dur"] = np.maximum(np.where(end != 0, end, req_end) - start, 0)
-    out["fp"] = site_field(0, wcalls.NULL)
-    out["stack"] = site_field(1, wcalls.NULL)
-    out["site"] = site_field(2, wcalls.NULL)
     ph = agent["ph"]
-    out["ph"] = np.where(ph == wcalls.NULL, wcalls.NULL, ph & ID_MASK)
-    out["rows"] = agent["rows"]
-    out["bytes"] = out["wait"] = wcalls.NULL
-    out["status"] = wcalls.NULL_32
-    out["kind"] = np.clip(site_field(3, wcalls.OTHER), 0, 255)
-    out["system"] = np.clip(site_field(4, wcalls.OTHER), 0, 255)
-    out["hit"] = -1
-    out["flags"] = np.where(end == 0, wcalls.FLAG_UNFINISHED, 0)
-    return out
+    c = {
+        "off": start - t0,
+        "dur": np.maximum(np.where(end != 0, end, req_end) - start, 0),
+        "fp": site_field(0, wcalls.NULL),
+        "stack": site_field(1, wcalls.NULL),
+        "site": site_field(2, wcalls.NULL),
+        "ph": np.where(ph == wcalls.NULL, wcalls.NULL, ph & ID_MASK),
+        "rows": np.array(agent["rows"]),
+        "bytes": np.full(m, wcalls.NULL, dtype=np.int64),
+        "wait": np.full(m, wcalls.NULL, dtype=np.int64),
+        "status": np.full(m, wcalls.NULL_32, dtype=np.int64),
+        "hit": np.full(m, -1, dtype=np.int64),
+    }
+    kind_code = np.minimum(np.clip(site_field(3, wcalls.OTHER), 0, 255), len(wcalls.KINDS))
+    system_code = np.minimum(np.clip(site_field(4, wcalls.OTHER), 0, 255), len(wcalls.SYSTEMS))
+    call_start = np.cumsum(counts) - counts
+    strs = _apply_cx(c, batches, ns, call_start, counts)
+    kind = _names(_KIND_NAMES, kind_code, strs.get("kind"))
+    system = _names(_SYSTEM_NAMES, system_code, strs.get("system"))
+    unfinished = end == 0
 
+    def ints_of(name: str, null: int) -> pa.Array:
+        col = c[name]
+        return pa.array(col, pa.int64(), mask=col == null)
 
-def _with_agent_calls(
-    wire: pa.Table, blobs: list[memoryview | None], ext_rows: list[tuple[int, Any]]
-) -> pa.Table:
-    """``wire`` with its ``calls`` column built from the agent rows of REQUESTS records
-    (wire.batch), in a few vectorised steps per batch, keeping the JSON calls of the other
-    rows (the slow path's: odd or hand-written records, those read past damage) in place."""
-    n = wire.num_rows
-    has = np.fromiter((b is not None for b in blobs), dtype=bool, count=n)
-    size = wbatch.AGENT_ROW.size
-    bin_counts = np.fromiter((len(b) if b is not None else 0 for b in blobs), np.int64, n) // size
-    which = np.flatnonzero(has & (bin_counts > 0))
-    arr = (
-        _agent_calls(wire, [blobs[i] or memoryview(b"") for i in which], which)
-        if len(which)
-        else np.empty(0, dtype=_CALL_DTYPE)
-    )
-    bin_starts = np.cumsum(bin_counts) - bin_counts
-    bin_flat = _binary_struct(arr, bin_starts, ext_rows)
-
-    json_calls = wire["calls"].combine_chunks()
-    json_counts = to_numpy(pc.list_value_length(json_calls), 0).astype(np.int64)
-    json_counts[has] = 0  # a binary row's calls are its binary rows, whatever its JSON says
-    json_flat = pc.list_flatten(json_calls)
-    if len(json_flat):
-        parents = to_numpy(pc.list_parent_indices(json_calls), 0).astype(np.int64)
-        json_flat = json_flat.filter(pa.array(~has[parents]))
-    json_starts = np.cumsum(json_counts) - json_counts
-
-    counts = np.where(has, bin_counts, json_counts)
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    src_start = np.where(has, len(json_flat) + bin_starts, json_starts)
-    total = int(offsets[-1])
-    idx = np.repeat(src_start - offsets[:-1], counts) + np.arange(total, dtype=np.int64)
-    both = pa.concat_arrays([json_flat.cast(CALL_WIRE), bin_flat])
-    merged = pa.ListArray.from_arrays(pa.array(offsets), both.take(pa.array(idx)))
-    return wire.set_column(wire.schema.get_field_index("calls"), "calls", merged)
-
-
-# cx keys that replace an integer of the call's binary row (REQUESTS records carry them
-# there; "hit", a bool, is read apart)
-_ROW_EXT_INTS = tuple(k for k in wcalls.ROW_EXT_KEYS if k != "hit")
-
-
-def _binary_struct(
-    arr: np.ndarray, row_starts: np.ndarray, ext_rows: list[tuple[int, Any]]
-) -> pa.StructArray:
-    """Binary call rows as the CALL_WIRE struct (sentinels to NULL, codes to names)."""
-    kinds = np.array([*wcalls.KINDS, None], dtype=object)
-    systems = np.array([*wcalls.SYSTEMS, None], dtype=object)
-    kind = kinds[np.minimum(arr["kind"], len(wcalls.KINDS))]
-    system = systems[np.minimum(arr["system"], len(wcalls.SYSTEMS))]
-    error = np.full(len(arr), None, dtype=object)
-    host = np.full(len(arr), None, dtype=object)
-    if not arr.flags.writeable:
-        arr = arr.copy()
-    for row, obj in ext_rows:  # rare: errors, HTTP hosts and statuses, cache hits, ...
-        cx = obj.get("cx") if isinstance(obj, dict) else None
-        if not isinstance(cx, dict) or row >= len(row_starts):
-            continue
-        base = int(row_starts[row])
-        for key, x in cx.items():
-            i = as_int(key)
-            if i is None or not isinstance(x, dict) or not 0 <= base + i < len(arr):
-                continue
-            j = base + i
-            error[j] = as_str(x.get("error"))
-            host[j] = as_str(x.get("host"))
-            if "kind" in x:
-                kind[j] = as_str(x.get("kind"))
-            if "system" in x:
-                system[j] = as_str(x.get("system"))
-            for name in _ROW_EXT_INTS:
-                v = as_int(x.get(name))
-                if v is not None:
-                    arr[name][j] = v if name != "status" or -(2**31) < v < 2**31 else 0
-            if isinstance(x.get("hit"), bool):
-                arr["hit"][j] = 1 if x["hit"] else 0
-
-    def ints(name: str, null: int) -> pa.Array:
-        col = arr[name]
-        return pa.array(col.astype(np.int64), mask=col == null)
-
-    hit = arr["hit"]
-    unfinished = (arr["flags"] & wcalls.FLAG_UNFINISHED) != 0
-    cols = {
-        "kind": pa.array(kind, pa.string()),
-        "system": pa.array(system, pa.string()),
-        "fp": ints("fp", wcalls.NULL),
-        "off": ints("off", wcalls.NULL),
-        "dur": ints("dur", wcalls.NULL),
-        "stack": ints("stack", wcalls.NULL),
-        "site": ints("site", wcalls.NULL),
-        "ph": ints("ph", wcalls.NULL),
-        "rows": ints("rows", wcalls.NULL),
-        "bytes": ints("bytes", wcalls.NULL),
-        "status": ints("status", wcalls.NULL_32),
-        "hit": pa.array(hit == 1, mask=hit < 0),
-        "wait": ints("wait", wcalls.NULL),
-        "error": pa.array(error, pa.string()),
-        "host": pa.array(host, pa.string()),
+    fields = {
+        "kind": kind,
+        "system": system,
+        "fp": ints_of("fp", wcalls.NULL),
+        "off": ints_of("off", wcalls.NULL),
+        "dur": ints_of("dur", wcalls.NULL),
+        "stack": ints_of("stack", wcalls.NULL),
+        "site": ints_of("site", wcalls.NULL),
+        "ph": ints_of("ph", wcalls.NULL),
+        "rows": ints_of("rows", wcalls.NULL),
+        "bytes": ints_of("bytes", wcalls.NULL),
+        "status": ints_of("status", wcalls.NULL_32),
+        "hit": pa.array(c["hit"] == 1, mask=c["hit"] < 0),
+        "wait": ints_of("wait", wcalls.NULL),
+        "error": _names(pa.nulls(1, pa.string()), np.zeros(m, np.int64), strs.get("error")),
+        "host": _names(pa.nulls(1, pa.string()), np.zeros(m, np.int64), strs.get("host")),
         "unfinished": pa.array(unfinished, mask=~unfinished),
     }
-    return pa.StructArray.from_arrays([cols[f.name] for f in CALL_WIRE], fields=list(CALL_WIRE))
+    struct = pa.StructArray.from_arrays([fields[f.name] for f in CALL_WIRE], fields=list(CALL_WIRE))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), struct), np.flatnonzero(bad)
+
+
+def _names(
+    names: pa.Array, code: np.ndarray, overrides: tuple[np.ndarray, pa.Array] | None
+) -> pa.Array:
+    """``names[code]`` per call, with ``overrides`` (calls, their strings) in place."""
+    if overrides is None:
+        return names.take(pa.array(code))
+    at, values = overrides
+    idx = code.astype(np.int64)
+    idx[at] = len(names) + np.arange(len(at))
+    return pa.concat_arrays([names, values]).take(pa.array(idx))
+
+
+# cx keys that replace an integer of the call's row (REQUESTS records carry them there; "hit",
+# a bool, is read apart)
+_ROW_EXT_INTS = tuple(k for k in wcalls.ROW_EXT_KEYS if k != "hit")
+_CX_STRINGS = ("error", "host", "kind", "system")
+# cx keys as the agent writes them ("0", "1", ...), read without int() per key
+_KEY = {str(i): i for i in range(10_000)}
+
+
+def _apply_cx(
+    c: dict[str, np.ndarray],
+    batches: list[wbatch.Batch],
+    ns: np.ndarray,
+    call_start: np.ndarray,
+    counts: np.ndarray,
+) -> dict[str, tuple[np.ndarray, pa.Array]]:
+    """The ``cx`` values of the records' calls (``{"<request>": {"<call>": {...}}}``) into the
+    integer columns ``c``; returns the string ones per column: (calls, strings). A key that is
+    not a request or call of its record, and a value of the wrong type, is left out; of two
+    entries for one call the later one's values win (numpy assigns repeated indexes in
+    order)."""
+    rec_base = np.cumsum(ns) - ns
+    maps = [(i, b.obj["cx"]) for i, b in enumerate(batches) if b.obj.get("cx")]
+    if not maps:
+        return {}
+    try:
+        found = _cx_entries(maps, rec_base, ns, call_start, counts)
+    except (AttributeError, TypeError, ValueError):  # odd keys or entries: one by one
+        found = None
+    if found is None:
+        found = _cx_entries_slowly(maps, rec_base, ns, call_start, counts)
+    at, entries = found
+    if not len(at):
+        return {}
+    keys = set().union(*entries)
+    for name in _ROW_EXT_INTS:
+        if name not in keys:
+            continue
+        values = _typed(list(map(dict.get, entries, repeat(name))), pa.int64(), as_int)
+        has = ~np.asarray(pc.is_null(values).to_numpy(zero_copy_only=False), dtype=bool)
+        v = to_numpy(values, 0).astype(np.int64)
+        if name == "status":
+            v = np.where((v > -(2**31)) & (v < 2**31), v, 0)
+        c[name][at[has]] = v[has]
+    if "hit" in keys:
+        hits = _typed(list(map(dict.get, entries, repeat("hit"))), pa.bool_(), _only_bool)
+        has = ~np.asarray(pc.is_null(hits).to_numpy(zero_copy_only=False), dtype=bool)
+        c["hit"][at[has]] = to_numpy(hits, False).astype(np.int64)[has]
+    strs: dict[str, tuple[np.ndarray, pa.Array]] = {}
+    for name in _CX_STRINGS:
+        if name not in keys:
+            continue
+        if name in ("kind", "system"):  # replaced only where given (null included)
+            given = [i for i, x in enumerate(entries) if name in x]
+            names = pa.array([as_str(entries[i][name]) for i in given], pa.string())
+            strs[name] = (at[given], names)
+        else:  # error, host: every entry has its own (none when not given)
+            raw = list(map(dict.get, entries, repeat(name)))
+            strs[name] = (at, _typed(raw, pa.string(), as_str))
+    return strs
+
+
+def _only_bool(v: Any) -> bool | None:
+    return v if isinstance(v, bool) else None
+
+
+def _typed(values: list[Any], typ: pa.DataType, coerce: Any) -> pa.Array:
+    """``values`` as an Arrow array of ``typ`` when each is of its Python type (or None),
+    else each coerced."""
+    try:
+        arr = pa.array(values)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        arr = None
+    if arr is None or arr.type not in (typ, pa.null()):
+        return pa.array([coerce(v) for v in values], typ)
+    return arr.cast(typ)
+
+
+def _cx_entries(
+    maps: list[tuple[int, Any]],
+    rec_base: np.ndarray,
+    ns: np.ndarray,
+    call_start: np.ndarray,
+    counts: np.ndarray,
+) -> tuple[np.ndarray, list[dict[str, Any]]] | None:
+    """(call index, entry) of each cx entry, read in bulk (no Python step per entry); None
+    when a key is not a plain decimal number, an entry is not a map or two keys name one call
+    (the careful reader decides those). Raises TypeError on a request's value that is not a
+    map."""
+    per_request = list(chain.from_iterable(cx.values() for _, cx in maps))
+    rkeys = list(chain.from_iterable(cx.keys() for _, cx in maps))
+    lens = np.fromiter(map(len, per_request), np.int64, len(per_request))
+    ckeys = list(chain.from_iterable(map(dict.keys, per_request)))
+    entries = list(chain.from_iterable(map(dict.values, per_request)))
+    if not entries:
+        return np.empty(0, dtype=np.int64), []
+    if set(map(type, entries)) != {dict}:
+        return None
+    try:
+        rk = np.fromiter(map(_KEY.__getitem__, rkeys), np.int64, len(rkeys))
+        ck = np.fromiter(map(_KEY.__getitem__, ckeys), np.int64, len(ckeys))
+    except KeyError:  # a key past _KEY's, or not a number as the agent writes it
+        return None
+    rec = np.repeat(
+        np.fromiter((i for i, _ in maps), np.int64, len(maps)),
+        list(map(len, (cx for _, cx in maps))),
+    )
+    ok_req = rk < ns[rec]
+    req = np.where(ok_req, rec_base[rec] + rk, 0)
+    req = np.repeat(req, lens)
+    ok = np.repeat(ok_req, lens) & (ck < counts[req])
+    at = (call_start[req] + ck)[ok]
+    if len(at) and np.bincount(at).max() > 1:
+        return None
+    if not ok.all():
+        entries = list(compress(entries, ok.tolist()))
+    return at, entries
+
+
+def _cx_entries_slowly(
+    maps: list[tuple[int, Any]],
+    rec_base: np.ndarray,
+    ns: np.ndarray,
+    call_start: np.ndarray,
+    counts: np.ndarray,
+) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """:func:`_cx_entries` for odd maps, entry by entry: keys as :func:`as_int` reads them
+    (``"01"`` and ``"1"`` name one call: both entries apply, in order), entries that are not
+    maps left out."""
+    at: list[int] = []
+    entries: list[dict[str, Any]] = []
+    for i, cx in maps:
+        if not isinstance(cx, dict):
+            continue
+        for rk, per_call in cx.items():
+            r = as_int(rk)
+            if r is None or not 0 <= r < ns[i] or not isinstance(per_call, dict):
+                continue
+            req = int(rec_base[i]) + r
+            for ck, x in per_call.items():
+                k = as_int(ck)
+                if k is None or not 0 <= k < counts[req] or not isinstance(x, dict):
+                    continue
+                at.append(int(call_start[req]) + k)
+                entries.append(x)
+    return np.asarray(at, dtype=np.int64), entries
 
 
 def to_numpy(arr: pa.Array | pa.ChunkedArray, fill: Any) -> np.ndarray:

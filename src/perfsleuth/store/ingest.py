@@ -12,8 +12,10 @@ Everything here is engine-neutral: an engine implements :class:`IngestTarget`.
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
 from perfsleuth.store import spool
@@ -77,10 +79,31 @@ def retire(spool_dir: str, base: str, *, damaged: bool, report: IngestReport) ->
     report.quarantined.extend(quarantined)
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off, then on again as it was. A batch holds the decoded
+    JSON of its records (hundreds of thousands of small dicts and lists, none in a cycle):
+    walking them at every collection was a fifth of ingest's CPU time."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def ingest_spool(
     target: IngestTarget, spool_dir: str, limits: Limits, progress: Progress | None = None
 ) -> IngestReport:
     """Ingest everything new in ``spool_dir`` into ``target`` (see the module docstring)."""
+    with _collector_paused():
+        return _ingest_spool(target, spool_dir, limits, progress)
+
+
+def _ingest_spool(
+    target: IngestTarget, spool_dir: str, limits: Limits, progress: Progress | None
+) -> IngestReport:
     report = IngestReport()
     offsets = target.committed_offsets()
     files = spool.list_spool(spool_dir)

@@ -29,6 +29,7 @@ from perfsleuth.store.evidence import tables as evidence_tables
 from perfsleuth.store.records import Batch, internal_fingerprints
 from perfsleuth.store.values import EPOCH, NS_PER_DAY, TS_MAX, as_str, sane_ts, text
 from perfsleuth.wire import CAPTURE, internal_sql
+from perfsleuth.wire import calls as wcalls
 
 
 @dataclass
@@ -236,12 +237,14 @@ def event_tables(
         schema=schema.REQUESTS.arrow_schema(),
     )
     # Repeated per call: dictionary-encoded, DuckDB stores them as plain VARCHAR.
+    service_dict = pc.dictionary_encode(service)
+    endpoint_dict = pc.dictionary_encode(endpoint)
     call = pa.table(
         {
             "ts": pc.take(ts, parent_pa),
             "trace_id": pc.take(pc.dictionary_encode(trace_id), parent_pa),
-            "service": pc.take(pc.dictionary_encode(service), parent_pa),
-            "endpoint": pc.take(pc.dictionary_encode(endpoint), parent_pa),
+            "service": pc.take(service_dict, parent_pa),
+            "endpoint": pc.take(endpoint_dict, parent_pa),
             "seq": pa.array(seq.astype(np.int32)),
             "kind": ckind,
             "system": cf["system"],
@@ -261,6 +264,20 @@ def event_tables(
             "unfinished": cf["unfinished"],
         }
     )
+    # Stored side by side, the calls of one statement of one endpoint compress to runs (their
+    # fingerprint, site, stack, kind...): sorted by (service, endpoint, fingerprint), in
+    # request order within each, the calls table takes ~40 % less room (benchmarks/ingest.py).
+    # Readers order a request's calls by seq.
+    if m > 1:
+        order = np.lexsort(
+            (
+                to_numpy(cf["fp"], wcalls.NULL),
+                _codes(endpoint_dict)[parent],
+                _codes(service_dict)[parent],
+            )
+        )
+        call = call.take(pa.array(order))
+        parent = parent[order]
     attr_rows, attr_cols = _attributes(attr_objs)
     attr_idx = pa.array(np.asarray(attr_rows, dtype=np.int64))
     attrs = pa.table(
@@ -288,6 +305,14 @@ def event_tables(
                 "attributes": attrs.filter(pa.array(in_day[np.asarray(attr_rows, np.int64)])),
             }
         out.days[key] = parts
+
+
+def _codes(encoded: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The indices of a dictionary-encoded array, for sorting by it."""
+    if isinstance(encoded, pa.ChunkedArray):
+        chunks = encoded.unify_dictionaries().chunks
+        return np.concatenate([to_numpy(c.indices, 0) for c in chunks] or [np.empty(0, np.int64)])
+    return to_numpy(encoded.indices, 0)
 
 
 def _internal_kind(kind: pa.Array, fp: pa.Array) -> pa.Array:
