@@ -1,21 +1,36 @@
 """Store ingest benchmark: a synthetic spool written with the real wire encoder, then timed
-ingest into DuckDB and timed queries.
+ingest into DuckDB, the same spool through a collector, and timed queries.
 
     .venv/bin/python benchmarks/ingest.py [--requests 100000] [--calls 10] [--dir DIR]
+                                          [--no-collector]
 
 The spool is written by the agent's encoder (tests/spoolwrite.py): 8 MB segments of REQUESTS
 records of BATCH_MAX requests, each after the L/S/F dictionary records it uses; 300
 Zipf-distributed endpoints, lognormal durations, 5,000 users, ``--calls`` DB/HTTP/cache calls
-per request with a call site and a stack of up to 12 frames. Prints spool size, requests/s and
-calls/s, on-disk bytes per request, and the time of ``top`` and ``traces``.
+per request with a call site and a stack of up to 12 frames.
+
+Printed, each against its target (issue 20 item 4, issue 19):
+
+- spool ingest: requests per CPU second of this process (``time.process_time``: every thread
+  of the process, DuckDB's included, so a busy machine does not change it), and wall time;
+- stored size: bytes of the database file per request with its calls;
+- collector: a ``perfsleuth server`` child receives the same segments as remote agents send
+  them (``POST /api/ingest/segment``, gzip) and ingests them; requests per CPU second of the
+  server process (utime + stime from /proc, HTTP and ingest), and wall time until its spool
+  is empty;
+- the time of ``top`` and ``traces`` on the store.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import http.client
 import os
 import random
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +45,89 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from spoolwrite import SegmentWriter, call
 
 SEGMENT_BYTES = 8_000_000
+# Targets: issue 20 item 4 (spool ingest, size on disk), issue 19 (a collector's agent ingest)
+TARGET_REQUESTS_PER_CPU_S = 100_000
+TARGET_BYTES_PER_REQUEST = 150
+TARGET_COLLECTOR_REQUESTS_PER_CPU_S = 50_000
+
+
+def verdict(ok: bool) -> str:
+    return "meets the target" if ok else "MISSES the target"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def collector_run(segments: str, requests: int) -> None:
+    """Send the segments in ``segments`` to a fresh ``perfsleuth server`` as an agent's
+    forwarder does, wait until it has ingested them all, print its CPU per request."""
+    data_dir = tempfile.mkdtemp(prefix="perfsleuth-bench-collector-")
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "perfsleuth.cli.entry", "server", "--data", data_dir,
+         "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                conn.request("GET", "/api/status")
+                conn.getresponse().read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise SystemExit("collector: the server did not start") from None
+                time.sleep(0.2)
+        names = sorted(os.listdir(segments))
+        cpu0, t0 = _cpu_seconds(server.pid), time.perf_counter()
+        for name in names:
+            with open(os.path.join(segments, name), "rb") as fh:
+                body = gzip.compress(fh.read(), 1)
+            base = name.rsplit(".", 1)[0]
+            conn.request(
+                "POST",
+                f"/api/ingest/segment?agent=bench&segment={base}&offset=0&final=1",
+                body=body,
+                headers={"Content-Encoding": "gzip", "Content-Type": "application/octet-stream"},
+            )
+            reply = conn.getresponse()
+            reply.read()
+            if reply.status != 200:
+                raise SystemExit(f"collector: {name} refused: {reply.status}")
+        spool = os.path.join(data_dir, "spool")
+        while any(n.endswith((".seg", ".open")) for n in os.listdir(spool)):
+            if time.perf_counter() - t0 > 1800 or server.poll() is not None:
+                raise SystemExit("collector: the server did not ingest everything")
+            time.sleep(0.05)
+        wall = time.perf_counter() - t0
+        cpu = _cpu_seconds(server.pid) - cpu0
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    store = DuckDBStore(data_dir, read_only=True)
+    stored = store.query("SELECT count(*) AS n FROM requests")[0]["n"]
+    store.close()
+    shutil.rmtree(data_dir, ignore_errors=True)
+    rate = stored / cpu if cpu else 0.0
+    target = TARGET_COLLECTOR_REQUESTS_PER_CPU_S
+    print(
+        f"collector: {stored:,} of {requests:,} requests stored, server CPU {cpu:.2f} s = "
+        f"{rate:,.0f} requests per CPU second (target >= {target:,}: "
+        f"{verdict(rate >= target)}), wall {wall:.2f} s = {stored / wall:,.0f} requests/s"
+    )
 
 
 def write_spool(data_dir: str, n_requests: int, calls_per_request: int, seed: int = 1) -> int:
@@ -112,6 +210,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--dir", default=None, help="data dir to use (default: a temporary one)")
+    ap.add_argument("--no-collector", action="store_true", help="skip the collector run")
     args = ap.parse_args()
     data_dir = args.dir or tempfile.mkdtemp(prefix="perfsleuth-bench-")
     try:
@@ -121,21 +220,33 @@ def main() -> None:
             f"spool: {args.requests:,} requests x {args.calls} calls, "
             f"{spool_bytes / 1e6:.1f} MB, written in {time.perf_counter() - t0:.1f} s"
         )
+        segments = tempfile.mkdtemp(prefix="perfsleuth-bench-segments-")
+        if not args.no_collector:  # the same segments, for the collector run
+            for name in os.listdir(os.path.join(data_dir, "spool")):
+                shutil.copy(os.path.join(data_dir, "spool", name), segments)
         store = DuckDBStore(data_dir)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         rep = store.ingest()
-        dt = time.perf_counter() - t0
+        cpu, dt = time.process_time() - c0, time.perf_counter() - t0
+        rate = rep.requests / cpu
         print(
-            f"ingest: {rep.requests:,} requests, {rep.calls:,} calls in {dt:.2f} s = "
-            f"{rep.requests / dt:,.0f} requests/s, {rep.calls / dt:,.0f} calls/s, "
+            f"ingest: {rep.requests:,} requests, {rep.calls:,} calls in {cpu:.2f} CPU s = "
+            f"{rate:,.0f} requests per CPU second (target >= {TARGET_REQUESTS_PER_CPU_S:,}: "
+            f"{verdict(rate >= TARGET_REQUESTS_PER_CPU_S)}), {rep.calls / cpu:,.0f} calls per "
+            f"CPU second; wall {dt:.2f} s = {rep.requests / dt:,.0f} requests/s, "
             f"{spool_bytes / dt / 1e6:.1f} MB/s of spool"
         )
         store.close()
         db_bytes = os.path.getsize(os.path.join(data_dir, "perfsleuth.duckdb"))
+        per_request = db_bytes / max(1, rep.requests)
         print(
-            f"database: {db_bytes / 1e6:.1f} MB, {db_bytes / max(1, rep.requests):.0f} bytes "
-            "per request with its calls"
+            f"database: {db_bytes / 1e6:.1f} MB, {per_request:.0f} bytes per request with its "
+            f"calls (target <= {TARGET_BYTES_PER_REQUEST}: "
+            f"{verdict(per_request <= TARGET_BYTES_PER_REQUEST)})"
         )
+        if not args.no_collector:
+            collector_run(segments, args.requests)
+        shutil.rmtree(segments, ignore_errors=True)
         store = DuckDBStore(data_dir, read_only=True)
         for label, fn in (
             ("top by endpoint", lambda: store.top()),
