@@ -384,6 +384,38 @@ def test_psycopg_cursor_kinds(in_request, captured) -> None:
     assert calls[4]["rows"] == 5 and calls[4]["op"] == "DELETE"
 
 
+def test_psycopg_named_parameters_are_hashed_while_the_request_runs(in_request, captured) -> None:
+    """Named parameters (``%(name)s``, SQLAlchemy's on psycopg) are hashed on the request path
+    as positional ones are: the request keeps no reference to the application's values for
+    the writer (only values that cannot be hashed are left to it, hashed by their text), and
+    the same values in another key order hash alike."""
+    import psycopg
+
+    from perfsleuth.agent import recorder
+
+    t = table_name()
+    with psycopg.connect(PG_DSN, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {t} (id INTEGER PRIMARY KEY, name TEXT)")
+        try:
+            with in_request("GET /named") as req:
+                q = f"SELECT id FROM {t} WHERE id = %(id)s AND name = %(name)s"
+                conn.cursor().execute(q, {"id": 1, "name": "a"})
+                conn.cursor().execute(q, {"name": "a", "id": 1})
+                conn.cursor().execute(q, {"id": 2, "name": "a"})
+                conn.cursor().execute(f"SELECT id FROM {t} WHERE id = ANY(%(ids)s)", {"ids": [1]})
+                conn.cursor().execute(f"SELECT count(*) FROM {t}", {})  # nothing to hash
+                left = {i // recorder.ROW: sorted(v) for i, v in (req.more or {}).items()}
+        finally:
+            conn.execute(f"DROP TABLE {t}")
+    assert left == {3: ["params"]}  # only the list-valued call's parameters wait for the writer
+    calls = db_calls(one_request(captured))
+    assert len(calls) == 5
+    assert calls[0]["ph"] == calls[1]["ph"]
+    assert calls[2]["ph"] != calls[0]["ph"]
+    assert calls[3]["ph"] is not None
+    assert "ph" not in calls[4]
+
+
 async def test_psycopg_async(in_request, captured) -> None:
     import psycopg
 

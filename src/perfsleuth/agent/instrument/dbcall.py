@@ -19,6 +19,7 @@ None and the wrappers only forward the call.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -26,7 +27,11 @@ from perfsleuth.agent import accel, recorder
 from perfsleuth.agent.instrument._patch import mark
 
 _start_call = recorder.start_call
+_current_get = recorder.current_get
 _internal_error = recorder.internal_error
+_set_field = recorder.set_field
+_perf = time.perf_counter_ns
+END, ROWS = recorder.END, recorder.ROWS
 MAX_ROWCOUNT = 1 << 62
 NESTED = "_perfsleuth_nested"  # on a cursor whose executemany runs through its execute
 
@@ -103,6 +108,22 @@ def finish_many(call: recorder.Call, n: int | None, passed: Any) -> None:
         _internal_error()
 
 
+def _hashable(params: dict[Any, Any]) -> Any:
+    """Named parameters (``%(name)s``: SQLAlchemy's on psycopg) as a tuple of their items in
+    key order, which the recorder hashes on the request path like positional ones: a dict
+    would be kept on the call's row for the writer to hash (two dicts and a look-up per call,
+    and the application's values alive until then). The dict itself when its values cannot
+    be hashed (the writer hashes their text)."""
+    if not params:
+        return ()
+    try:
+        items = tuple(sorted(params.items()))
+        hash(items)
+    except Exception:
+        return params
+    return items
+
+
 # ------------------------------------------------------------------------------ the one body
 
 
@@ -144,26 +165,36 @@ def wrap_execute(
     """``orig(cursor, query, params=None, **kwargs)`` recorded; ``params``: the driver's keyword
     for the parameters. ``nested``: not recorded while the cursor's executemany runs it."""
 
-    # A fixed signature rather than *args: this runs for every statement of an N+1 loop.
+    # A fixed signature rather than *args, and the call's row filled in place rather than
+    # through a recorder.Call handle: this runs for every statement of an N+1 loop. Outside a
+    # request (Django's execute hook hides it from this layer while it records the statement)
+    # it only forwards.
     def execute(self: Any, query: Any, args: Any = None, /, **kwargs: Any) -> Any:
         if kwargs and args is None and params in kwargs:
             args = kwargs.pop(params)  # kwargs is this call's own dict
-        if nested and getattr(self, NESTED, False):
+        req = _current_get()
+        if req is None or (nested and getattr(self, NESTED, False)):
             return orig(self, query, args, **kwargs)
-        text = query if type(query) is str else sql_text(query, self)
-        call = _start_call("db", system, text, args, 2)
-        if call is None:
+        i = req.record_call(
+            "db",
+            system,
+            query if type(query) is str else sql_text(query, self),
+            _hashable(args) if type(args) is dict else args,
+            2,
+        )
+        if i < 0:
             return orig(self, query, args, **kwargs)
         try:
             result = orig(self, query, args, **kwargs)
         except BaseException as exc:
-            _failed(call, exc, None)
+            req.fail_call(i, exc)
             raise
-        call.finish()
-        try:  # _done without executemany's part, inlined for the same reason
+        calls: Any = req.calls
+        _set_field(calls, i + END, _perf())
+        try:
             rows = self.rowcount
             if type(rows) is int and 0 <= rows < MAX_ROWCOUNT:  # known_rows
-                call.rows = rows
+                _set_field(calls, i + ROWS, rows)
         except Exception:
             _internal_error()
         return result
