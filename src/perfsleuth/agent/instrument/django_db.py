@@ -65,7 +65,8 @@ def execute_wrapper(execute: Any, sql: Any, params: Any, many: bool, context: An
     passed = params
     n = None
     try:
-        system = _system(context)
+        vendor: Any = getattr(context.get("connection"), "vendor", None)
+        system = _SYSTEMS.get(vendor) or _system(context)
         text = sql if type(sql) is str else dbcall.sql_text(sql)
         if many:
             passed, hashed, n = dbcall.many_args(params)
@@ -115,7 +116,14 @@ def _system(context: Any) -> str:
 def _count_rows(calls: Any, i: int, cursor: Any) -> None:
     if cursor is None:
         return
-    if hasattr(type(cursor), "_perfsleuth_rows"):  # an instrumented sqlite cursor
+    cls = type(cursor)
+    counting = _counting_classes.get(cls)
+    if counting is None:
+        counting = hasattr(cls, "_perfsleuth_rows")
+        if len(_counting_classes) > 1000:
+            _counting_classes.clear()
+        _counting_classes[cls] = counting
+    if counting:  # an instrumented sqlite cursor
         if cursor.description is None:
             cursor._perfsleuth_rows = None
             rc = cursor.rowcount
@@ -128,6 +136,11 @@ def _count_rows(calls: Any, i: int, cursor: Any) -> None:
     rc = getattr(cursor, "rowcount", None)
     if type(rc) is int and 0 <= rc < _MAX_ROWCOUNT:
         _set_field(calls, i + ROWS, rc)
+
+
+# cursor class -> whether it is an instrumented sqlite cursor (hasattr of a missing attribute
+# raises and catches an AttributeError: once per class, not per statement)
+_counting_classes: dict[type, bool] = {}
 
 
 def _finish_many(req: Any, i: int, n: int | None, passed: Any, cursor: Any) -> None:

@@ -48,6 +48,7 @@ _reset_current = recorder._current.reset
 _capture = stacks.capture
 _same_from = stacks.same_from
 _classify = stacks.classify
+_kinds = stacks._kind
 _partial = functools.partial
 _MAX_FLAT = 2 * stacks.MAX_DEPTH
 
@@ -239,11 +240,14 @@ def _dispatch(frame: FrameType) -> bool:
     the hand-off would cost most. A hand-off from the application's code, or one library
     call below it, is stitched."""
     f: FrameType | None = frame
+    kinds = _kinds
     for _ in range(_DISPATCH_DEPTH):
         if f is None:
             return True
-        if _classify(f.f_code) is not False:  # the application's (or the agent's) frame
-            return False
+        code = f.f_code
+        hit = kinds.get(id(code))  # stacks.classify's cache, read in place (no call)
+        if (hit[1] if hit is not None else _classify(code)) is not False:
+            return False  # the application's (or the agent's) frame
         f = f.f_back
     return True
 
