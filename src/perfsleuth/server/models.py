@@ -185,8 +185,18 @@ class SlowChart(Model):
     totals: list[SlowTotal]
 
 
+class Answered(Model):
+    """What answered a page: raw rows, or rollups (store.rollups) for long windows."""
+
+    source: Literal["raw", "rollups"] = Field(description="What the endpoint table came from.")
+    resolution_s: int | None = Field(description="Finest rollup period read; None: raw rows.")
+    start: str | None = Field(description="Start of the rows read (ISO 8601); None: all.")
+    charts: Literal["raw", "rollups"] = Field(description="What the charts came from.")
+
+
 class Overview(Model):
     window: TimeWindow
+    source: Answered
     totals: Totals
     endpoints: list[TopRow]
     p95: P95Chart
@@ -241,6 +251,7 @@ class WhoRow(Model):
 class EndpointDetail(Model):
     endpoint: str
     window: TimeWindow
+    source: Answered
     summary: TopRow | None
     percentiles: Percentiles
     histogram: list[HistogramBin]

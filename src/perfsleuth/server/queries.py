@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from perfsleuth.server.window import WEEK, Window, step_seconds
+from perfsleuth.store import rollups
 from perfsleuth.store.base import Store
 from perfsleuth.suggest import did_you_mean
 
@@ -68,17 +69,19 @@ def data_span(store: Store) -> tuple[datetime | None, datetime | None]:
     return r["a"], r["b"]
 
 
-def _bounds(store: Store, w: Window) -> tuple[datetime, datetime, int]:
+def _bounds(store: Store, w: Window, table: str = "requests") -> tuple[datetime, datetime, int]:
     """The charts' time axis: the window, but starting at its first request (a service that
-    started ten minutes ago gets ten minutes of fine buckets, not one point in an hour)."""
+    started ten minutes ago gets ten minutes of fine buckets, not one point in an hour);
+    ``table``: requests, or rollup_stats when rollups answer."""
     first = last = None
     if w.since is None:
-        first, last = data_span(store)
+        r = store.query(f"SELECT min(ts) AS a, max(ts) AS b FROM {table}")[0]
+        first, last = r["a"], r["b"]
         if last is not None:
             last = last + timedelta(seconds=1)
     start, end = w.bounds(first, last)
     if w.start is not None:
-        r = store.query("SELECT min(ts) AS a FROM requests WHERE ts >= ?", [w.start])[0]
+        r = store.query(f"SELECT min(ts) AS a FROM {table} WHERE ts >= ?", [w.start])[0]
         if r["a"] is not None and r["a"] > start:
             start = r["a"]
     return start, end, step_seconds(start, end)
@@ -93,6 +96,11 @@ def _axis(start: datetime, end: datetime, step: int) -> list[int]:
 def _bucket(step: int, shift_s: int = 0) -> str:
     """SQL for the bucket start (unix seconds) of ``ts``, optionally shifted forward."""
     return f"(epoch_us(ts) // {step * 1_000_000}) * {step} + {shift_s}"
+
+
+def _floor(t: datetime, res: int) -> datetime:
+    """``t`` rounded down to a multiple of ``res`` seconds (a rollup period's start)."""
+    return datetime(1970, 1, 1) + timedelta(seconds=_epoch(t) // res * res)
 
 
 def _clean(v: Any) -> Any:
@@ -115,22 +123,68 @@ def check_endpoint(store: Store, endpoint: str) -> None:
 
 def endpoint_table(store: Store, w: Window) -> list[dict[str, Any]]:
     """store.top per endpoint, with each endpoint's share of all request time."""
-    rows = store.top(since=w.since)
+    return _endpoint_table(store, w)[0]
+
+
+def _endpoint_table(store: Store, w: Window) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """endpoint_table, and what answered it (store.top_answered's source)."""
+    rows, answered = store.top_answered(since=w.since)
     total = sum(float(r["total_ms"] or 0) for r in rows) or 1.0
     for r in rows:
         r["time_share"] = float(r["total_ms"] or 0) / total
-    return rows
+    return rows, answered
+
+
+def _rollup_res(answered: dict[str, Any], step: int) -> int | None:
+    """The rollup resolution the charts read when rollups answered the table and the chart
+    step is whole minutes (hours when it allows), else None: raw rows."""
+    if answered["source"] != "rollups" or step % rollups.MINUTE:
+        return None
+    return rollups.HOUR if step % rollups.HOUR == 0 else rollups.MINUTE
+
+
+def _rollup_percentiles(
+    store: Store, res: int, step: int, where: str, params: list[Any]
+) -> list[dict[str, Any]]:
+    """Per chart bucket ``b`` and endpoint: count and p50/p95/p99 from the rollups of
+    resolution ``res`` (rows filtered by ``where``)."""
+    src = "(SELECT *, {b} AS b FROM {t} WHERE res = {res})"
+    by = ("b", "endpoint")
+    stats_sql, hist_sql = rollups.top_sql(
+        src.format(b=_bucket(step), t="rollup_stats", res=int(res)),
+        src.format(b=_bucket(step), t="rollup_hist", res=int(res)),
+        by,
+        where,
+    )
+    stats = store.query(stats_sql, params)
+    hist = store.query(hist_sql, params)
+    return rollups.top_rows(stats, hist, by, step / 60)
 
 
 def overview(store: Store, w: Window) -> dict[str, Any]:
-    rows = endpoint_table(store, w)
+    rows, answered = _endpoint_table(store, w)
     start, end, step = _bounds(store, w)
+    res = _rollup_res(answered, step)
+    if res is not None:
+        start, end, step = _bounds(store, w, "rollup_stats")
+        res = _rollup_res(answered, step)
     x = _axis(start, end, step)
     index = {t: i for i, t in enumerate(x)}
     top = [r["endpoint"] for r in rows[:TOP_SERIES]]
 
     p95: dict[str, list[float | None]] = {e: [None] * len(x) for e in top}
-    if top:
+    if top and res is not None:
+        for r in _rollup_percentiles(
+            store,
+            res,
+            step,
+            "ts >= ? AND ts < ? AND list_contains(?, endpoint)",
+            [_floor(start, res), end, top],
+        ):
+            i = index.get(r["b"])
+            if i is not None:
+                p95[r["endpoint"]][i] = _clean(r["p95_ms"])
+    elif top:
         for r in store.query(
             f"""SELECT {_bucket(step)} AS b, endpoint,
                 quantile_cont(duration_ms, 0.95) AS p95
@@ -144,13 +198,22 @@ def overview(store: Store, w: Window) -> dict[str, Any]:
 
     def counts(shift: timedelta) -> dict[str, list[int]]:
         out = {k: [0] * len(x) for k in ("requests", "errors", *(f"over_{t}" for t in SLOW_MS))}
-        slow = ", ".join(f"count(*) FILTER (WHERE duration_ms > {t}) AS over_{t}" for t in SLOW_MS)
-        for r in store.query(
-            f"""SELECT {_bucket(step, int(shift.total_seconds()))} AS b, count(*) AS requests,
+        b = _bucket(step, int(shift.total_seconds()))
+        if res is not None:  # rollups count requests over each threshold exactly
+            slow = ", ".join(f"sum(over_{t}) AS over_{t}" for t in SLOW_MS)
+            sql = f"""SELECT {b} AS b, sum(requests) AS requests, sum(errors) AS errors, {slow}
+                FROM rollup_stats WHERE res = {int(res)} AND ts >= ? AND ts < ?
+                GROUP BY 1"""
+            params = [_floor(start, res) - shift, end - shift]
+        else:
+            slow = ", ".join(
+                f"count(*) FILTER (WHERE duration_ms > {t}) AS over_{t}" for t in SLOW_MS
+            )
+            sql = f"""SELECT {b} AS b, count(*) AS requests,
                 count(*) FILTER (WHERE status >= 500 OR error IS NOT NULL) AS errors, {slow}
-            FROM requests WHERE ts >= ? AND ts < ? GROUP BY 1""",
-            [start - shift, end - shift],
-        ):
+                FROM requests WHERE ts >= ? AND ts < ? GROUP BY 1"""
+            params = [start - shift, end - shift]
+        for r in store.query(sql, params):
             i = index.get(r["b"])
             if i is not None:
                 for k in out:
@@ -169,6 +232,7 @@ def overview(store: Store, w: Window) -> dict[str, Any]:
     ]
     return {
         "window": {"since": w.label, "start": _epoch(start), "end": _epoch(end), "step": step},
+        "source": {**answered, "charts": "raw" if res is None else "rollups"},
         "totals": {
             "requests": sum(int(r["count"]) for r in rows),
             "endpoints": len(rows),
@@ -199,16 +263,38 @@ def _where(w: Window, endpoint: str, alias: str = "") -> tuple[str, list[Any]]:
 
 def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
     check_endpoint(store, endpoint)
-    summary = next((r for r in endpoint_table(store, w) if r["endpoint"] == endpoint), None)
+    table, answered = _endpoint_table(store, w)
+    summary = next((r for r in table if r["endpoint"] == endpoint), None)
     start, end, step = _bounds(store, w)
+    res = _rollup_res(answered, step)
+    if res is not None:
+        start, end, step = _bounds(store, w, "rollup_stats")
+        res = _rollup_res(answered, step)
     x = _axis(start, end, step)
     index = {t: i for i, t in enumerate(x)}
     series: dict[str, list[Any]] = {k: [None] * len(x) for k in ("p50", "p95", "p99", "count")}
-    for r in store.query(
-        f"""SELECT {_bucket(step)} AS b, count(*) AS count,
+    if res is not None:
+        for r in _rollup_percentiles(
+            store,
+            res,
+            step,
+            "endpoint = ? AND ts >= ? AND ts < ?",
+            [endpoint, _floor(start, res), end],
+        ):
+            i = index.get(r["b"])
+            if i is not None:
+                for p in ("p50", "p95", "p99"):
+                    series[p][i] = _clean(r[f"{p}_ms"])
+                series["count"][i] = int(r["count"])
+    for r in (
+        []
+        if res is not None
+        else store.query(
+            f"""SELECT {_bucket(step)} AS b, count(*) AS count,
             quantile_cont(duration_ms, [0.5, 0.95, 0.99]) AS q
         FROM requests WHERE endpoint = ? AND ts >= ? AND ts < ? GROUP BY 1""",
-        [endpoint, start, end],
+            [endpoint, start, end],
+        )
     ):
         i = index.get(r["b"])
         if i is None:
@@ -218,18 +304,28 @@ def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
         series["count"][i] = int(r["count"])
 
     where, params = _where(w, endpoint)
+
+    def bin_of(v: str) -> str:
+        return f"floor(log10(greatest({v}, 0.001)) * {HIST_PER_DECADE})::INT"
+
+    if answered["source"] == "rollups":  # the rollups' buckets, each binned by its value
+        spans = rollups.plan(w.start or datetime(1970, 1, 1), end + timedelta(minutes=1))
+        cond, span_params = rollups.span_where(spans)
+        value = f"2 * pow({rollups.GAMMA}, bucket) / {rollups.GAMMA + 1} / 1000"
+        hist_sql = f"""SELECT {bin_of(value)} AS k, sum(requests) AS n
+            FROM rollup_hist WHERE endpoint = ? AND {cond} GROUP BY 1 ORDER BY 1"""
+        hist_params: list[Any] = [endpoint, *span_params]
+    else:
+        hist_sql = f"""SELECT {bin_of("duration_ms")} AS k, count(*) AS n
+            FROM requests WHERE {where} AND duration_ms IS NOT NULL GROUP BY 1 ORDER BY 1"""
+        hist_params = params
     hist = [
         {
             "lo_ms": 10 ** (r["k"] / HIST_PER_DECADE),
             "hi_ms": 10 ** ((r["k"] + 1) / HIST_PER_DECADE),
             "count": int(r["n"]),
         }
-        for r in store.query(
-            f"""SELECT floor(log10(greatest(duration_ms, 0.001)) * {HIST_PER_DECADE})::INT AS k,
-                count(*) AS n
-            FROM requests WHERE {where} AND duration_ms IS NOT NULL GROUP BY 1 ORDER BY 1""",
-            params,
-        )
+        for r in store.query(hist_sql, hist_params)
     ]
     requests = int(summary["count"]) if summary else 0
     fps = store.query(
@@ -265,6 +361,7 @@ def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
     return {
         "endpoint": endpoint,
         "window": {"since": w.label, "start": _epoch(start), "end": _epoch(end), "step": step},
+        "source": {**answered, "charts": "raw" if res is None else "rollups"},
         "summary": summary,
         "percentiles": {"x": x, **series},
         "histogram": hist,

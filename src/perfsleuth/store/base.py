@@ -120,6 +120,16 @@ class StoreReader(Protocol):
         http_share, cache_share, gc_share (share of request time, 0..1), total_ms."""
         ...
 
+    def top_answered(
+        self,
+        since: timedelta | None = None,
+        by: tuple[str, ...] = ("endpoint",),
+        kind: str | None = None,
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """:meth:`top`, and what answered it: {source: "raw" | "rollups", resolution_s (the
+        finest rollup period read; None for raw rows), start (ISO 8601; None for all)}."""
+        ...
+
     def traces(
         self,
         endpoint: str | None = None,

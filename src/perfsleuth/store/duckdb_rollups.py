@@ -66,15 +66,19 @@ class DuckDBRollups(DuckDBFile):
         for t in schema.ROLLUP_TABLES:
             self._con.execute(schema.duckdb_view(t, sorted(have[t.name])))
 
-    def compact_rollups(self, force: bool = False) -> list[date]:
-        """Compact the rollups of the days touched since the last call that are due (see the
-        module's docstring; ``force``: every day not compact); returns them."""
+    def compact_rollups(self, *, final: bool = False, force: bool = False) -> list[date]:
+        """Compact the rollups of the days that are due: those touched since the last call
+        that grew past twice their compacted size (and COMPACT_MIN_ROWS); with ``final`` (at
+        the end of an ingest run) also the days that are over and changed since compacted;
+        with ``force`` every day not compact. Returns the days compacted."""
         touched: set[date] = getattr(self, "_rollup_touched", set())
         self._rollup_touched = set()
         have = self._day_tables()
         days = sorted(have["rollup_hist"] & have["rollup_stats"])
-        if not force:
-            days = [d for d in days if d in touched or d < utcnow().date()]
+        if not (final or force):
+            days = [d for d in days if d in touched]
+        if not days:
+            return []
         done: dict[date, tuple[int, int]] = {
             r[0].date(): (r[1], r[2])
             for r in self._con.execute(
@@ -82,17 +86,15 @@ class DuckDBRollups(DuckDBFile):
             ).fetchall()
         }
         today = utcnow().date()
-        out = []
         sizes = self._table_rows()
+        out = []
         for d in days:
             n_stats, n_hist = (sizes.get(schema.day_table(t, d), 0) for t in schema.ROLLUP_TABLES)
             last = done.get(d)
             if last == (n_stats, n_hist):
                 continue  # compact since
-            due = force or d < today or (last is None and n_hist >= COMPACT_MIN_ROWS)
-            if last is not None and not due:
-                due = n_hist >= max(COMPACT_MIN_ROWS, 2 * last[1])
-            if due:
+            grown = n_hist >= max(COMPACT_MIN_ROWS, 2 * (last[1] if last else 0))
+            if force or grown or (final and d < today):
                 self._compact_day(d)
                 out.append(d)
         return out

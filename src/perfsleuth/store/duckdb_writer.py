@@ -49,7 +49,9 @@ class DuckDBWriter(DuckDBRollups):
         self._writable("ingest")
         self._known_days = set(self._days())
         limits = Limits(self.batch_requests, self.batch_bytes, self.open_idle_seconds)
-        return ingest_spool(self, self.spool_dir, limits, progress)
+        report = ingest_spool(self, self.spool_dir, limits, progress)
+        self.compact_rollups(final=True)
+        return report
 
     def insert_tables(self, batch: Batch, tables: Tables) -> None:
         """Store tables built outside the spool ingest (OTLP's columnar mapping, store.otlp)

@@ -67,95 +67,164 @@ def value_of(bucket: float | np.ndarray) -> Any:
 
 def rollups_of(days: dict[date, dict[str, pa.Table]]) -> dict[date, dict[str, pa.Table]]:
     """The rollup rows (``rollup_stats``, ``rollup_hist``) of a batch's ``requests`` tables,
-    per day (``Tables.days``), at each of RESOLUTIONS."""
+    per day (``Tables.days``), at each of RESOLUTIONS. Grouping is numpy over integer keys (the
+    dictionary codes of service, host, kind and endpoint and the period): ~0.3 s of CPU per
+    million requests."""
     out: dict[date, dict[str, pa.Table]] = {}
     for d, parts in days.items():
         req = parts.get("requests")
-        if req is None or not req.num_rows:
-            continue
-        stats, hist = _minute_rollups(req)
-        stats_all, hist_all = [stats], [hist]
-        for res in RESOLUTIONS[1:]:
-            stats_all.append(_coarser(stats, res, _stats_aggs()))
-            hist_all.append(_coarser(hist, res, [("requests", "sum")]))
-        out[d] = {
-            t.name: _as(t, pa.concat_tables(parts))
-            for t, parts in ((schema.ROLLUP_STATS, stats_all), (schema.ROLLUP_HIST, hist_all))
-        }
+        if req is not None and req.num_rows:
+            out[d] = _day_rollups(req.combine_chunks())
     return out
+
+
+_DIMS = ("service", "host", "kind", "endpoint")
+_NB = 1 << 12  # bucket < 4096: durations up to 1.02**4096 us
+
+
+def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
+    """Dictionary codes of a string column (NULL as the last code) and the values coded."""
+    enc = pc.dictionary_encode(col.combine_chunks())
+    values = enc.dictionary
+    codes = pc.fill_null(enc.indices, len(values)).to_numpy(zero_copy_only=False)
+    return codes.astype(np.int64), pa.concat_arrays([values, pa.nulls(1, values.type)])
+
+
+def _group(parts: list[tuple[np.ndarray, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows grouped by several integer columns (each with its number of values): the index
+    of each group's first row, and each row's group (groups in key order)."""
+    key = np.zeros(len(parts[0][0]), np.int64)
+    span = 1
+    for codes, n in parts:
+        if span * n >= 1 << 62:  # renumber densely before the key would overflow
+            key = np.unique(key, return_inverse=True)[1].astype(np.int64)
+            span = int(key.max()) + 1 if len(key) else 1
+        key = key * n + codes
+        span *= n
+    _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    return first, inv.reshape(-1)
+
+
+def _max_by(inv: np.ndarray, groups: int, values: np.ndarray) -> np.ndarray:
+    """Per group, the largest of ``values`` (NaN counts as no value; a group with none: NaN)."""
+    out = np.full(groups, -np.inf)
+    order = np.argsort(inv, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(inv[order]) != 0])
+    v = np.where(np.isnan(values), -np.inf, values)[order]
+    out[inv[order][starts]] = np.maximum.reduceat(v, starts)
+    return np.where(np.isinf(out), np.nan, out)
+
+
+def _day_rollups(req: pa.Table) -> dict[str, pa.Table]:
+    n = req.num_rows
+    ts_us = pc.cast(req["ts"], pa.int64()).to_numpy(zero_copy_only=False)
+    minute = ts_us // (MINUTE * 1_000_000)
+    dims = {c: _codes(req[c]) for c in _DIMS}
+
+    def num(c: str) -> np.ndarray:
+        return pc.cast(req[c], pa.float64()).to_numpy(zero_copy_only=False)
+
+    dur = num("duration_ms")
+    status = pc.fill_null(req["status"], 0)
+    error = pc.or_(pc.greater_equal(status, 500), pc.is_valid(req["error"]))
+    cols: dict[str, np.ndarray] = {
+        "requests": np.ones(n),
+        "errors": error.to_numpy(zero_copy_only=False).astype(np.float64),
+    }
+    for c in ("db_calls", "http_calls", "cache_calls", *_SUMS):
+        cols[c] = num(c)
+    for t in SLOW_MS:
+        cols[f"over_{t}"] = (dur > t).astype(np.float64)
+    timed = ~np.isnan(dur)
+    bucket = np.zeros(n, np.int64)
+    bucket[timed] = np.minimum(bucket_of(dur[timed]), _NB - 1)
+
+    m0 = int(minute.min())
+    period = minute - m0
+    dim_parts = [(dims[c][0], len(dims[c][1])) for c in _DIMS]
+    stats, hist = [], []
+    row_codes = {c: dims[c][0] for c in _DIMS}
+    row_max = dur
+    row_hist = (np.flatnonzero(timed), bucket[timed], np.ones(int(timed.sum())))
+    for res in RESOLUTIONS:
+        # coarser levels group the rows of the finer one: sums of sums, max of maxes
+        step = res // MINUTE
+        p = (period + m0) // step * step - m0 if res != MINUTE else period
+        p_code = p - p.min()
+        first, inv = _group([(p_code, int(p_code.max()) + 1), *dim_parts])
+        g = len(first)
+        sums = {c: np.bincount(inv, weights=np.nan_to_num(v), minlength=g) for c, v in cols.items()}
+        mx = _max_by(inv, g, row_max)
+        key = {c: row_codes[c][first] for c in _DIMS}
+        ts = ((p[first] + m0) * MINUTE * 1_000_000).astype(np.int64)
+        stats.append(_stats_table(res, ts, key, dims, sums, mx))
+        rows, b, counts = row_hist
+        hk = inv[rows] * _NB + b
+        uk, hc = _sum_by_key(hk, counts)
+        grp = uk // _NB
+        hist.append(_hist_table(res, ts[grp], {c: key[c][grp] for c in _DIMS}, dims, uk % _NB, hc))
+        # the next level starts from this one's groups
+        period, cols, row_max = p[first], sums, mx
+        row_codes = key
+        dim_parts = [(key[c], len(dims[c][1])) for c in _DIMS]
+        row_hist = (grp, uk % _NB, hc)
+    return {
+        "rollup_stats": _as(schema.ROLLUP_STATS, pa.concat_tables(stats)),
+        "rollup_hist": _as(schema.ROLLUP_HIST, pa.concat_tables(hist)),
+    }
+
+
+def _sum_by_key(key: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    uk, inv = np.unique(key, return_inverse=True)
+    return uk, np.bincount(inv.reshape(-1), weights=weights, minlength=len(uk))
+
+
+def _key_columns(
+    res: int, ts: np.ndarray, key: dict[str, np.ndarray], dims: dict[str, tuple[Any, pa.Array]]
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "ts": pa.array(ts, pa.int64()),
+        "res": pa.array(np.full(len(ts), res, np.int32)),
+    }
+    for c in _DIMS:
+        out[c] = pc.take(dims[c][1], pa.array(key[c]))
+    return out
+
+
+def _stats_table(
+    res: int,
+    ts: np.ndarray,
+    key: dict[str, np.ndarray],
+    dims: dict[str, tuple[Any, pa.Array]],
+    sums: dict[str, np.ndarray],
+    mx: np.ndarray,
+) -> pa.Table:
+    cols = _key_columns(res, ts, key, dims)
+    for c, v in sums.items():
+        if c in _SUMS:
+            cols[c] = pa.array(v)
+        else:
+            cols[c] = pa.array(np.rint(v).astype(np.int64))
+    cols["max_ms"] = pa.array(mx, from_pandas=True)
+    return pa.table(cols)
+
+
+def _hist_table(
+    res: int,
+    ts: np.ndarray,
+    key: dict[str, np.ndarray],
+    dims: dict[str, tuple[Any, pa.Array]],
+    bucket: np.ndarray,
+    counts: np.ndarray,
+) -> pa.Table:
+    cols = _key_columns(res, ts, key, dims)
+    cols["bucket"] = pa.array(bucket.astype(np.int32))
+    cols["requests"] = pa.array(np.rint(counts).astype(np.int64))
+    return pa.table(cols)
 
 
 def _as(t: schema.Table, data: pa.Table) -> pa.Table:
     return data.select(t.column_names).cast(t.arrow_schema())
-
-
-def _stats_aggs() -> list[tuple[str, str]]:
-    return [
-        ("requests", "sum"),
-        *((c, "sum") for c in _COUNTS),
-        *((c, "sum") for c in _SUMS),
-        ("max_ms", "max"),
-    ]
-
-
-def _renamed(grouped: pa.Table, aggs: list[tuple[str, str]], keys: list[str]) -> pa.Table:
-    """group_by's output (aggregates named ``col_fn``, keys last) with the plain names, keys
-    first."""
-    cols = {k: grouped[k] for k in keys}
-    for c, fn in aggs:
-        cols[c] = grouped[f"{c}_{fn}"]
-    return pa.table(cols)
-
-
-def _minute_rollups(req: pa.Table) -> tuple[pa.Table, pa.Table]:
-    ts_us = pc.cast(req["ts"], pa.int64()).to_numpy(zero_copy_only=False)
-    minute = pa.array(ts_us // (MINUTE * 1_000_000) * (MINUTE * 1_000_000), pa.int64())
-    dur = pc.cast(req["duration_ms"], pa.float64())
-    status = pc.fill_null(req["status"], 0)
-    error = pc.or_(pc.greater_equal(status, 500), pc.is_valid(req["error"]))
-    base = {
-        "ts": minute,
-        "res": pa.array(np.full(req.num_rows, MINUTE, np.int32)),
-        "service": req["service"],
-        "host": req["host"],
-        "kind": req["kind"],
-        "endpoint": req["endpoint"],
-    }
-    one = pa.array(np.ones(req.num_rows, np.int64))
-    cols = dict(base)
-    cols["requests"] = one
-    cols["errors"] = pc.cast(error, pa.int64())
-    for c in ("db_calls", "http_calls", "cache_calls"):
-        cols[c] = pc.cast(req[c], pa.int64())
-    dur_filled = pc.fill_null(dur, 0.0)
-    for t in SLOW_MS:
-        cols[f"over_{t}"] = pc.cast(pc.greater(dur_filled, float(t)), pa.int64())
-    for c in _SUMS:
-        cols[c] = pc.cast(req[c], pa.float64())
-    cols["max_ms"] = dur
-    keys = list(KEY)
-    aggs = _stats_aggs()
-    stats = _renamed(pa.table(cols).group_by(keys).aggregate(aggs), aggs, keys)
-
-    timed = pc.is_valid(dur).to_numpy(zero_copy_only=False)
-    h = {k: (v.filter(pa.array(timed)) if not timed.all() else v) for k, v in base.items()}
-    durations = dur.filter(pa.array(timed)) if not timed.all() else dur
-    h["bucket"] = pa.array(bucket_of(durations.to_numpy(zero_copy_only=False)))
-    h["requests"] = pa.array(np.ones(len(durations), np.int64))
-    hkeys = [*keys, "bucket"]
-    haggs = [("requests", "sum")]
-    hist = _renamed(pa.table(h).group_by(hkeys).aggregate(haggs), haggs, hkeys)
-    return stats, hist
-
-
-def _coarser(minutes: pa.Table, res: int, aggs: list[tuple[str, str]]) -> pa.Table:
-    """Minute rows summed into periods of ``res`` seconds."""
-    step = res * 1_000_000
-    ts = minutes["ts"].to_numpy() // step * step
-    t = minutes.set_column(0, "ts", pa.array(ts, pa.int64()))
-    t = t.set_column(1, "res", pa.array(np.full(t.num_rows, res, np.int32)))
-    keys = [c for c in t.column_names if c not in {a for a, _ in aggs}]
-    return _renamed(t.group_by(keys).aggregate(aggs), aggs, keys)
 
 
 # ------------------------------------------------------------------------------- reading

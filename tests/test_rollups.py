@@ -1,0 +1,276 @@
+"""Rollups (store.rollups, store.duckdb_rollups) on real ingested spool data in a real DuckDB
+store: percentiles within 2 % of the exact ones (skewed and bimodal latencies), rows of many
+batches, minutes and hours merged, compaction changing no figure, retention by whole days, and
+rollups written once when a segment is ingested again."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+
+from perfsleuth.server import queries
+from perfsleuth.server.window import window
+from perfsleuth.store import duckdb_rollups, rollups, schema
+from perfsleuth.store.duckdb_store import DuckDBStore
+from spoolwrite import SegmentWriter, call
+
+HOUR_NS = 3600 * 10**9
+DAY_NS = 24 * HOUR_NS
+
+
+@pytest.fixture
+def data_dir(tmp_path: Any) -> str:
+    return str(tmp_path / "data")
+
+
+@pytest.fixture
+def store(data_dir: str) -> Iterator[DuckDBStore]:
+    s = DuckDBStore(data_dir)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def from_rollups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """top() reads rollups whatever the number of requests."""
+    monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
+
+
+def skewed(rng: random.Random) -> float:
+    return rng.lognormvariate(2.5, 1.5)
+
+
+def bimodal(rng: random.Random) -> float:
+    # 90 % fast, 10 % ~100x slower: p95 and p99 fall in the slow mode, p50 in the fast one
+    return rng.lognormvariate(1.5, 0.3) if rng.random() < 0.9 else rng.lognormvariate(6.2, 0.2)
+
+
+def write(
+    data_dir: str,
+    rng: random.Random,
+    n: int,
+    *,
+    endpoints: dict[str, Any],
+    span_ns: int,
+    end_ns: int,
+    host: str = "web-1",
+    service: str = "shop",
+    seq: int = 1,
+) -> list[dict[str, Any]]:
+    """n requests per endpoint, spread over [end - span, end), in one closed segment."""
+    w = SegmentWriter(data_dir, host=host, service=service, seq=seq)
+    specs = []
+    for endpoint, dist in endpoints.items():
+        for i in range(n):
+            specs.append(
+                {
+                    "endpoint": endpoint,
+                    "ts_ns": end_ns - 1 - rng.randrange(span_ns),
+                    "dur_ms": round(dist(rng), 6),
+                    "status": 500 if i % 40 == 0 else 200,
+                    "calls": [call("db", "SELECT 1", dur_ms=0.5)] * (i % 3),
+                }
+            )
+    sent = w.write_requests(specs)
+    w.close()
+    return sent
+
+
+def close_to(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * abs(b)
+
+
+def compare(raw: list[dict[str, Any]], roll: list[dict[str, Any]], by: tuple[str, ...]) -> None:
+    """Rollup rows against exact rows: the same groups and counts, percentiles within 2 %."""
+    exact = {tuple(r[b] for b in by): r for r in raw}
+    assert {tuple(r[b] for b in by) for r in roll} == set(exact)
+    for r in roll:
+        e = exact[tuple(r[b] for b in by)]
+        assert r["count"] == e["count"]
+        for k in ("p50_ms", "p95_ms", "p99_ms"):
+            assert close_to(r[k], e[k], 0.02), (r[by[0]], k, r[k], e[k])
+        assert r["max_ms"] == pytest.approx(e["max_ms"])
+        assert r["error_rate"] == pytest.approx(e["error_rate"])
+        assert r["db_calls_per_request"] == pytest.approx(e["db_calls_per_request"])
+        assert r["db_share"] == pytest.approx(e["db_share"])
+        assert r["total_ms"] == pytest.approx(e["total_ms"])
+
+
+def test_percentiles_from_rollups_are_within_2_percent_of_exact(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = random.Random(11)
+    now = time.time_ns()
+    endpoints = {"GET /skewed": skewed, "GET /bimodal": bimodal}
+    # over 30 hours: minutes, hours and a day boundary; two hosts of two services
+    write(data_dir, rng, 3000, endpoints=endpoints, span_ns=30 * HOUR_NS, end_ns=now)
+    write(
+        data_dir,
+        rng,
+        1000,
+        endpoints=endpoints,
+        span_ns=30 * HOUR_NS,
+        end_ns=now,
+        host="web-2",
+        service="billing",
+        seq=2,
+    )
+    store.ingest()
+    for by in (("endpoint",), ("service", "host", "endpoint")):
+        raw, answered = store.top_answered(by=by)
+        assert answered["source"] == "raw"  # few requests: exact figures
+        monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
+        roll, answered = store.top_answered(by=by)
+        monkeypatch.undo()
+        assert answered["source"] == "rollups" and answered["resolution_s"] == 60
+        compare(raw, roll, by)
+    # the bimodal endpoint's p95 is in its slow mode, its p50 in the fast one
+    bi = next(r for r in roll if r["endpoint"] == "GET /bimodal")
+    assert bi["p50_ms"] < 10 < 300 < bi["p95_ms"]
+
+
+def test_rollups_of_many_batches_merge_and_compaction_changes_no_figure(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three ingest runs over the same minutes give three rows per key; sums over minutes,
+    hours and the day agree, and so do the figures before and after compaction."""
+    # no compaction while ingesting: each run leaves its own rows
+    monkeypatch.setattr(DuckDBStore, "compact_rollups", lambda self, **kw: [])
+    rng = random.Random(5)
+    end = time.time_ns() - 2 * DAY_NS  # a finished day
+    end -= end % DAY_NS - 20 * HOUR_NS  # 20:00 that day
+    for seq in (1, 2, 3):
+        write(
+            data_dir,
+            rng,
+            400,
+            endpoints={"GET /a": skewed},
+            span_ns=3 * HOUR_NS,
+            end_ns=end,
+            seq=seq,
+        )
+        store.ingest()
+    monkeypatch.undo()
+    keys = "res, ts, service, host, kind, endpoint, bucket"
+    rows, distinct = store.sql(f"SELECT count(*), count(DISTINCT ({keys})) FROM rollup_hist")[1][0]
+    assert rows > distinct  # rows of the same key from different batches
+    by_res = dict(store.sql("SELECT res, sum(requests) FROM rollup_stats GROUP BY 1")[1])
+    assert by_res == {60: 1200, 3600: 1200, 86400: 1200}
+    hist = store.sql("SELECT res, sum(requests) FROM rollup_hist GROUP BY 1")[1]
+    assert dict(hist) == by_res
+    raw, _ = store.top_answered()
+    monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
+    before, _ = store.top_answered()
+    compare(raw, before, ("endpoint",))
+
+    assert store.compact_rollups(final=True)  # the day is over: compacted
+    rows, distinct = store.sql(f"SELECT count(*), count(DISTINCT ({keys})) FROM rollup_hist")[1][0]
+    assert rows == distinct
+    after, _ = store.top_answered()
+    for a, b in zip(before, after, strict=True):
+        for k, v in a.items():
+            assert b[k] == pytest.approx(v), k
+    assert store.compact_rollups(final=True) == []  # nothing changed since
+
+
+def test_plan_reads_whole_days_and_hours_and_the_minutes_around_them() -> None:
+    start = datetime(2026, 11, 1, 22, 30, 15)
+    end = datetime(2026, 11, 4, 1, 10)
+    spans = rollups.plan(start, end)
+    got = sorted((s.res, s.lo, s.hi) for s in spans)
+    assert got == [
+        (60, datetime(2026, 11, 1, 22, 30), datetime(2026, 11, 1, 23, 0)),
+        (60, datetime(2026, 11, 4, 1, 0), datetime(2026, 11, 4, 1, 10)),
+        (3600, datetime(2026, 11, 1, 23, 0), datetime(2026, 11, 2, 0, 0)),
+        (3600, datetime(2026, 11, 4, 0, 0), datetime(2026, 11, 4, 1, 0)),
+        (86400, datetime(2026, 11, 2), datetime(2026, 11, 4)),
+    ]
+    # the spans tile the range: no minute read twice or missed
+    assert sum(((s.hi - s.lo) for s in spans), timedelta()) == end - datetime(2026, 11, 1, 22, 30)
+
+
+def test_retention_drops_raw_days_after_7_and_rollup_days_after_90(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    rng = random.Random(3)
+    now = time.time_ns()
+    w = SegmentWriter(data_dir)
+    ages = (120, 50, 10, 3, 0)
+    for age in ages:
+        for _ in range(5):
+            w.request("GET /a", ts_ns=now - age * DAY_NS - rng.randrange(HOUR_NS), dur_ms=5.0)
+    w.close()
+    store.ingest()
+    dropped = store.apply_retention(7)
+    assert len(dropped) == 3  # raw rows: 120, 50 and 10 days old
+    _, tables = store.sql("SELECT table_name FROM duckdb_tables()")
+    days = {}
+    for (name,) in tables:
+        parsed = schema.parse_day_table(name)
+        if parsed:
+            days.setdefault(parsed[0], set()).add(parsed[1])
+    assert len(days["requests"]) == 2
+    assert len(days["rollup_stats"]) == len(days["rollup_hist"]) == 4  # 120 days old: gone
+    assert store.sql("SELECT count(*) FROM requests")[1] == [(10,)]
+    # all data: the rollups answer, 50 and 10 days ago included, 120 days ago not
+    rows, answered = store.top_answered()
+    assert answered["source"] == "rollups" and rows[0]["count"] == 20
+    # a window the raw rows cover is answered by them
+    rows, answered = store.top_answered(since=timedelta(days=5))
+    assert answered["source"] == "raw" and rows[0]["count"] == 10
+
+
+def test_rollups_are_written_once_when_a_segment_is_ingested_again(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    rng = random.Random(8)
+    write(data_dir, rng, 300, endpoints={"GET /a": skewed}, span_ns=HOUR_NS, end_ns=time.time_ns())
+    spool = os.path.join(data_dir, "spool")
+    (seg,) = [f for f in os.listdir(spool) if f.endswith(".seg")]
+    kept = os.path.join(data_dir, "kept.seg")
+    shutil.copy(os.path.join(spool, seg), kept)
+    store.ingest()
+
+    def rolled() -> dict[int, int]:
+        return dict(store.sql("SELECT res, sum(requests) FROM rollup_stats GROUP BY 1")[1])
+
+    assert rolled() == {60: 300, 3600: 300, 86400: 300}
+    store.ingest()  # nothing new
+    # the same segment back under another name (a copy restored from a backup)
+    host, pid, ns, n = seg[: -len(".seg")].rsplit("-", 3)
+    shutil.copy(kept, os.path.join(spool, f"{host}-{pid}-{int(ns) + 1}-{n}.seg"))
+    store.ingest()
+    assert store.sql("SELECT count(*) FROM requests")[1] == [(300,)]
+    assert rolled() == {60: 300, 3600: 300, 86400: 300}
+
+
+def test_overview_and_endpoint_pages_say_rollups_answered(
+    data_dir: str, store: DuckDBStore, from_rollups: None
+) -> None:
+    rng = random.Random(4)
+    write(
+        data_dir,
+        rng,
+        500,
+        endpoints={"GET /a": skewed, "GET /b": bimodal},
+        span_ns=20 * HOUR_NS,
+        end_ns=time.time_ns(),
+    )
+    store.ingest()
+    w = window("24h")
+    ov = queries.overview(store, w)
+    assert ov["source"]["source"] == "rollups" and ov["source"]["charts"] == "rollups"
+    assert ov["window"]["step"] % 60 == 0
+    assert sum(ov["throughput"]["requests"]) == ov["totals"]["requests"] == 1000
+    assert any(v is not None for s in ov["p95"]["series"] for v in s["values"])
+    ep = queries.endpoint_detail(store, w, "GET /b")
+    assert ep["source"]["source"] == "rollups"
+    assert sum(c or 0 for c in ep["percentiles"]["count"]) == 500
+    assert sum(b["count"] for b in ep["histogram"]) == 500
