@@ -1,23 +1,30 @@
 """Instructions per request, per thread, of the overhead benchmark's variants, under callgrind.
 
-    .venv/bin/python benchmarks/instructions.py [--stack fastapi-sqlite] [--requests 200,1200]
-        [--variants bare,perfsleuth-no-evidence]
+    .venv/bin/python benchmarks/instructions.py [--stack fastapi-sqlite] [--requests N]
+        [--variants bare,perfsleuth-no-evidence] [--no-gc] [--rounds 1]
 
 Timings on a shared 2-core machine move by several per cent from run to run; instruction
 counts do not, so this is the tool for telling whether a change to the agent's hot path helps
 (it does not replace ``make bench``: instructions are not time, cache misses and system calls
 weigh differently). Each variant runs a stack of ``overhead.py`` (``--stack``: fastapi-sqlite,
-django-pg, flask-sqlalchemy-pg, or all) twice under
-``valgrind --tool=callgrind --separate-threads=yes`` (300 warm-up requests, then N1 and N2
-requests, the background writer flushed); the difference divided by N2 - N1 is what one
-request costs on each thread, without start-up. Threads are numbered in start order: 1 the
-event loop, then the agent's writer (perfsleuth), then the thread-pool worker.
+django-pg, flask-sqlalchemy-pg, or all) under
+``valgrind --tool=callgrind --separate-threads=yes --instr-atstart=no``: start-up and the
+warm-up requests run uninstrumented (several times faster than under callgrind's counting, and
+out of the count), then the child switches counting on (``callgrind_control -i on``) and runs
+N requests (default 500 on fastapi-sqlite, 40 on the PostgreSQL stacks, whose requests make 12
+round trips each) and flushes the agent's writer; the counts over N are what one request costs
+on each thread. ``--no-gc`` switches the garbage collector off for the counted part (the
+counts then repeat to ~0.1 %; with it on, a collection falls into one run and not the next,
+~1 %). ``--rounds`` repeats each measurement. Threads are numbered in start order: 1 the
+event loop (the PostgreSQL stacks serve on it, without a loop), then the agent's writer
+(perfsleuth), then the thread-pool worker.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import glob
 import os
 import shutil
@@ -26,9 +33,10 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_REQUESTS = {"fastapi-sqlite": 500, "django-pg": 40, "flask-sqlalchemy-pg": 40}
 
 
-def child(variant: str, n: int, stack: str) -> None:
+def child(variant: str, n: int, stack: str, no_gc: bool) -> None:
     # Under callgrind everything runs ~50x slower: the writer's timer (0.2 s) would wake it
     # every few requests, and batches 50x smaller than in overhead.py would cost it more per
     # request. Waking at WAKE_AT queued requests only keeps the batches of the timed run.
@@ -43,15 +51,29 @@ def child(variant: str, n: int, stack: str) -> None:
     app, flush, _check = ob.SETUPS[variant](db, tmp, stack)
     warmup = ob.STACK_WARMUP[stack]
 
+    def count_from_here() -> None:
+        flush()  # the warm-up's requests are written outside the count
+        gc.collect()
+        if no_gc:
+            gc.disable()
+        cmd = ["callgrind_control", "-i", "on", str(os.getpid())]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
     async def run() -> None:
-        for i in range(warmup + n):
+        for i in range(warmup):
+            await ob.request(app, i % ob.ORDERS + 1)
+        count_from_here()
+        for i in range(warmup, warmup + n):
             await ob.request(app, i % ob.ORDERS + 1)
         flush()
 
     if stack == "fastapi-sqlite":
         asyncio.run(run())
     else:
-        for i in range(warmup + n):
+        for i in range(warmup):
+            ob.wsgi_request(app, i % ob.ORDERS + 1)
+        count_from_here()
+        for i in range(warmup, warmup + n):
             ob.wsgi_request(app, i % ob.ORDERS + 1)
         flush()
     sys.stdout.flush()
@@ -71,14 +93,13 @@ def per_thread(out_dir: str) -> dict[int, int]:
     return counts
 
 
-def measure(variant: str, n: int, tmp: str, stack: str) -> dict[int, int]:
-    out_dir = os.path.join(tmp, f"{stack}-{variant}-{n}")
-    os.makedirs(out_dir)
+def measure(variant: str, n: int, tmp: str, stack: str, no_gc: bool) -> dict[int, int]:
+    out_dir = tempfile.mkdtemp(prefix=f"{stack}-{variant}-", dir=tmp)
     cmd = [
-        "valgrind", "--tool=callgrind", "--separate-threads=yes",
+        "valgrind", "--tool=callgrind", "--separate-threads=yes", "--instr-atstart=no",
         f"--callgrind-out-file={out_dir}/cg.out.%p",
         sys.executable, __file__, "--child", variant, str(n), "--stack", stack,
-    ]  # fmt: skip
+    ] + (["--no-gc"] if no_gc else [])  # fmt: skip
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return per_thread(out_dir)
 
@@ -86,12 +107,14 @@ def measure(variant: str, n: int, tmp: str, stack: str) -> dict[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="bare,perfsleuth-no-evidence")
-    ap.add_argument("--requests", help="N1,N2 (default 200,1200; 50,250 on PostgreSQL)")
+    ap.add_argument("--requests", type=int, help="counted requests (default by stack)")
     ap.add_argument("--stack", default="fastapi-sqlite", help="a stack of overhead.py, or all")
+    ap.add_argument("--no-gc", action="store_true", help="no garbage collection while counting")
+    ap.add_argument("--rounds", type=int, default=1, help="measurements of each variant")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]), args.stack)
+        child(args.child[0], int(args.child[1]), args.stack, args.no_gc)
         return
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed (apt-get install valgrind)")
@@ -102,32 +125,31 @@ def main() -> None:
     for stack in stacks:
         if stack != "fastapi-sqlite":
             ob.seed_pg()
-        default = "200,1200" if stack == "fastapi-sqlite" else "50,250"
-        n1, n2 = (int(x) for x in (args.requests or default).split(","))
+        n = args.requests or DEFAULT_REQUESTS[stack]
         tmp = tempfile.mkdtemp(prefix="perfsleuth-callgrind-")
-        totals = {}
-        print(f"== {stack}: requests {n1},{n2}")
+        totals: dict[str, int | float] = {}
+        print(f"== {stack}: {n} requests counted" + (", GC off" if args.no_gc else ""))
         try:
-            for variant in args.variants.split(","):
-                a, b = measure(variant, n1, tmp, stack), measure(variant, n2, tmp, stack)
-                threads = {
-                    t: (b.get(t, 0) - a.get(t, 0)) / (n2 - n1) for t in sorted(set(a) | set(b))
-                }
-                totals[variant] = sum(threads.values())
-                parts = ", ".join(
-                    f"thread {t} {v / 1000:,.1f}k" for t, v in threads.items() if v > 50
-                )
-                print(
-                    f"{variant:26s} {totals[variant] / 1000:9,.1f}k instructions/request ({parts})",
-                    flush=True,
-                )
+            for _ in range(args.rounds):
+                for variant in args.variants.split(","):
+                    counts = measure(variant, n, tmp, stack, args.no_gc)
+                    threads = {t: v / n for t, v in sorted(counts.items())}
+                    totals[variant] = total = sum(threads.values())
+                    parts = ", ".join(
+                        f"thread {t} {v / 1000:,.1f}k" for t, v in threads.items() if v > 50
+                    )
+                    print(
+                        f"{variant:26s} {total / 1000:9,.1f}k instructions/request ({parts})",
+                        flush=True,
+                    )
+                base = totals.get("bare")
+                if base:
+                    for variant, total in totals.items():
+                        if variant != "bare":
+                            pct = (total - base) / base * 100
+                            print(f"{variant}: {pct:+.1f} % instructions over bare")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        base = totals.get("bare")
-        if base:
-            for variant, total in totals.items():
-                if variant != "bare":
-                    print(f"{variant}: +{(total - base) / base * 100:.1f} % instructions over bare")
 
 
 if __name__ == "__main__":
