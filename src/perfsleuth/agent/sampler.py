@@ -32,6 +32,13 @@ partly elsewhere (the evidence thread often takes the interpreter lock the momen
 lets it go, before the loop resumes the request: about one request in three of a sync
 endpoint would otherwise end on a 'wait' sample).
 
+The kernel adds a run-queue wait to a thread's counters only when the wait ends (the thread
+gets a CPU): a thread queued across whole ticks shows no change over them, as a blocked one
+does, and then more run-queue time than the interval had room for. That surplus goes back to
+the thread's latest samples classed ``wait`` or ``gil`` from their counters, latest first, as
+far as it reaches (up to ``MAX_RESTATE`` of them): they were starved (else a request thread
+computing at a low priority on a crowded CPU reads 'wait' in nearly every sample).
+
 Without schedstat (not Linux) the thread's CPU clock alone decides ``cpu`` or ``wait``.
 Schedstat is read for each thread serving a request in flight: every tick for the threads of
 sampled requests, every ``LOOK_EVERY_NS`` for the others (one ``pread`` a thread); a thread's
@@ -82,6 +89,9 @@ MAX_BASELINES = 128
 LIST_EVERY_NS = 50_000_000
 LIST_NS_PER_TASK = 100_000
 MAX_TASKS_LISTED = 2000
+# Samples a thread keeps ready to be restated once its counters show the run-queue wait they
+# spent (a second at the default 20 ms tick).
+MAX_RESTATE = 50
 
 CPU, STARVED, GIL, WAIT, CALL = "cpu", "starved", "gil", "wait", "call"
 
@@ -323,6 +333,11 @@ class Sampler:
         self.fds: dict[int, int] = {}
         self.natives: dict[int, int | None] = {}  # thread ident -> kernel thread id at open
         self.states: dict[int, str | None] = {}  # this tick's state per thread
+        # this tick's interval per thread: (wall, CPU, run-queue, slices, others' CPU) ns
+        self.intervals: dict[int, tuple[int, int, int, int | None, int]] = {}
+        # thread ident -> its samples of the last consecutive ticks classed 'wait' or 'gil'
+        # from its counters: (request, its sample list then, index, the interval)
+        self.unsure: dict[int, list[tuple[_Tracked, list[Any], int, tuple[Any, ...]]]] = {}
         # id(loop) -> (when listed, when to list again, id(request) -> tasks started in its
         # context)
         self.loop_tasks: dict[int, tuple[int, int, dict[int, list[Any]]]] = {}
@@ -348,6 +363,7 @@ class Sampler:
         for key in [k for k, t in self.tracked.items() if k not in recorder.inflight]:
             self._ship(self.tracked.pop(key), final=True)
         self.states = {}
+        self.intervals = {}
         proc_cpu = time.process_time_ns() if inflight else 0
         # The scheduler figures (cpu_starved) cover every thread serving a request, not only
         # those of slow requests (a service of short requests starves all the same): looked at
@@ -359,8 +375,7 @@ class Sampler:
             for ident in {r.thread if r.worker is None else r.worker for r in inflight}:
                 self._state(ident, proc_cpu)
         if not due:
-            serving = self._serving(inflight)
-            self._forget(self._alive(serving), serving)
+            self._settle(inflight)
             self.loop_tasks.clear()
             return
         if frames is None:
@@ -373,8 +388,15 @@ class Sampler:
                     continue
                 t = self.tracked[id(req)] = _Tracked(req, now)
             self._sample(t, frames, now, proc_cpu)
+        self._settle(inflight)
+
+    def _settle(self, inflight: list[recorder.ActiveRequest]) -> None:
+        """End of a tick: close the files of idle threads, forget those that ended, and the
+        samples to restate of threads not looked at (their chain of ticks broke)."""
         serving = self._serving(inflight)
         self._forget(self._alive(serving), serving)
+        for ident in [i for i in self.unsure if i not in self.states]:
+            del self.unsure[ident]
 
     def _serving(self, inflight: list[recorder.ActiveRequest]) -> set[int]:
         """The threads serving a request in flight (or sampled this tick): their schedstat
@@ -400,6 +422,8 @@ class Sampler:
             del self.seen[ident]
         if keep_open is None:
             keep_open = keep
+        for ident in [i for i in self.unsure if i not in keep_open or i not in keep]:
+            del self.unsure[ident]
         for ident in [i for i in self.fds if i not in keep_open or i not in keep]:
             fd = self.fds.pop(ident, -1)
             self.natives.pop(ident, None)
@@ -480,16 +504,39 @@ class Sampler:
         if prev is not None and at > prev[0]:
             wall, d_cpu, d_queue = at - prev[0], cpu - prev[1], queue - prev[2]
             if prev[5] == self.ticks - 1:  # a state is about the last tick's interval only
+                queue_here = d_queue
+                if d_cpu + d_queue > wall:
+                    # Run-queue time past what this interval left room for began before it.
+                    queue_here = max(0, wall - d_cpu)
+                    if self.unsure:
+                        self._restate(ident, d_queue - queue_here)
                 d_slices = None if slices is None or prev[3] is None else slices - prev[3]
                 others = max(0, proc_cpu - prev[4] - d_cpu)
-                state = classify(wall, d_cpu, d_queue, d_slices, others)
+                state = classify(wall, d_cpu, queue_here, d_slices, others)
+                self.intervals[ident] = (wall, d_cpu, queue_here, d_slices, others)
             if sched is not None:
                 f = self.figures
                 f["sched_run_ns"] += d_cpu
                 f["sched_queue_ns"] += d_queue
                 f["sched_wall_ns"] += wall
+        if state is not WAIT and state is not GIL:
+            self.unsure.pop(ident, None)
         self.states[ident] = state
         return state
+
+    def _restate(self, ident: int, queued: int) -> None:
+        """``queued`` ns of run-queue wait the thread's counters took in at this look that
+        began before the last: its latest samples classed 'wait' or 'gil' spent the part of
+        their interval the counters left unexplained in it, the latest first."""
+        for t, samples, i, interval in reversed(self.unsure.pop(ident, ())):
+            wall, cpu, queue, slices, others = interval
+            given = min(max(0, wall - cpu - queue), queued)
+            queued -= given
+            if given and t.samples is samples:  # not shipped yet
+                offset, _, flat = samples[i]
+                samples[i] = (offset, classify(wall, cpu, queue + given, slices, others), flat)
+            if queued <= 0:
+                break
 
     def _kids(self, t: _Tracked, now: int) -> list[Any]:
         """Unfinished tasks started in the request's context, other than its own. One listing
@@ -547,6 +594,7 @@ class Sampler:
         flat: tuple[Any, ...] = ()
         state: str | None
         place = req.thread
+        counted = True  # the state is from the thread's counters (else: an awaiting task)
         if worker is not None and worker in frames:
             place = worker
             state = self._state(worker, proc)
@@ -569,7 +617,7 @@ class Sampler:
                 state = self._state(req.thread, proc)
                 flat = frames_flat(loop_frame)
             else:
-                state = WAIT
+                state, counted = WAIT, False
                 flat = self._parked_flat(t, now)
         elif req.thread in frames:
             state = self._state(req.thread, proc)
@@ -583,13 +631,18 @@ class Sampler:
             # from a worker since the last tick spent the interval partly elsewhere.
             return
         if req.open_call():
-            state = CALL  # inside a recorded DB / HTTP / cache call: the call explains it
+            state, counted = CALL, False  # inside a recorded call: the call explains it
         t.taken += 1
         if len(t.samples) + t.sent >= self.limit:
             recorder.stats["samples_dropped"] += 1
             return
         recorder.stats["samples_taken"] += 1
         t.samples.append((now - req.start, state, flat))
+        if counted and (state is WAIT or state is GIL) and place in self.intervals:
+            unsure = self.unsure.setdefault(place, [])
+            unsure.append((t, t.samples, len(t.samples) - 1, self.intervals[place]))
+            if len(unsure) > MAX_RESTATE:
+                del unsure[0]
         if len(t.samples) >= CHUNK:
             self._ship(t, final=False)
 
