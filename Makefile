@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-busy check-wheel lint format bench bench-ingest bench-accuracy bench-findings bench-evidence bench-capture bench-ui bench-instructions bench-pressure bench-realworld fuzz clean
+.PHONY: setup demo test test-busy check-wheel lint format bench bench-ingest bench-scale bench-accuracy bench-findings bench-evidence bench-capture bench-ui bench-instructions bench-pressure bench-realworld fuzz clean
 
 setup:
 	@bash scripts/setup.sh
@@ -40,6 +40,9 @@ bench: setup
 
 bench-ingest: setup
 	$(BIN)/python benchmarks/ingest.py
+
+bench-scale: setup
+	$(BIN)/python benchmarks/scale.py
 
 bench-accuracy: setup
 	$(BIN)/python benchmarks/accuracy.py

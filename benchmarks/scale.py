@@ -11,7 +11,9 @@ Traffic: 300 endpoints with Zipf-distributed rates, lognormal latencies (a few e
 bimodal: a slow mode for 10 % of requests), 2 hosts, 50,000 users, 10 DB calls a request in
 the request row's sums. Call rows are not generated (the pages' call sections then read empty
 tables; see benchmarks/README.md). Times are wall (best and median of 3) and CPU
-(process_time) of this process; the machine is shared, so compare CPU seconds.
+(process_time of this process, DuckDB's threads included); targets are judged on CPU seconds,
+which on an idle 2-core machine bound the wall time from above (DuckDB runs a query on both
+cores), while the wall time of a shared machine measures its load.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from perfsleuth.server import queries
 from perfsleuth.server.window import window
 from perfsleuth.store import duckdb_rollups, schema
 from perfsleuth.store.duckdb_store import DuckDBStore
+from perfsleuth.store.duckdb_writer import RAW_DAYS
 from perfsleuth.store.tables import Tables
 
 CHUNK = 2_000_000
@@ -214,11 +217,11 @@ def report(data: str) -> int:
 
     def line(what: str, wall: float, med: float, cpu: float, extra: str = "") -> None:
         nonlocal failed
-        ok = med <= TARGET_S
+        ok = cpu <= TARGET_S  # CPU: the shared machine's wall clock says more about the load
         failed += not ok
         print(
             f"  {what:<52} best {wall:6.3f} s  median {med:6.3f} s  CPU {cpu:6.3f} s  "
-            f"target <= {TARGET_S:.0f} s  {'ok' if ok else 'MISSED'}{extra}"
+            f"target CPU <= {TARGET_S:.0f} s  {'ok' if ok else 'MISSED'}{extra}"
         )
 
     print("\nqueries (wall best/median of 3, CPU median):")
@@ -275,6 +278,11 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/perfsleuth-scale")
     ap.add_argument("--reuse", action="store_true", help="query the store --dir holds")
+    ap.add_argument(
+        "--retention",
+        action="store_true",
+        help="first drop raw days past the default retention (7 days), as a store would have",
+    )
     a = ap.parse_args()
     if not a.reuse:
         print(f"writing {a.requests:,} requests over {a.days} days into {a.dir} ...")
@@ -285,6 +293,11 @@ def main() -> int:
             f"{b['generate_cpu_s'] * per:.2f} s, insert raw {b['insert_cpu_s'] * per:.2f} s, "
             f"rollups {b['rollup_cpu_s'] * per:.2f} s, compaction {b['compact_cpu_s'] * per:.2f} s"
         )
+    if a.retention:
+        with DuckDBStore(a.dir) as store:
+            c = time.process_time()
+            gone = store.apply_retention(RAW_DAYS)
+            print(f"retention: {len(gone)} raw days dropped in {time.process_time() - c:.2f} s CPU")
     failed = report(a.dir)
     print("\nall targets met" if not failed else f"\n{failed} target(s) missed")
     return 1 if failed else 0

@@ -35,6 +35,9 @@ WHERE s.received < ? AND (s.started IS NULL OR s.started < ?)
 """
 
 
+RAW_DAYS = 7  # raw rows are kept this long by default (rollups: rollups.ROLLUP_DAYS)
+
+
 class DuckDBWriter(DuckDBRollups):
     # Requests per ingest transaction (ClickHouse-sized batches: 10k-100k rows per insert).
     batch_requests = 50_000
@@ -192,7 +195,9 @@ class DuckDBWriter(DuckDBRollups):
             ],
         )
 
-    def apply_retention(self, days: int, rollup_days: int = rollups.ROLLUP_DAYS) -> list[str]:
+    def apply_retention(
+        self, days: int = RAW_DAYS, rollup_days: int = rollups.ROLLUP_DAYS
+    ) -> list[str]:
         """Drop whole days of raw rows that ended more than ``days`` days ago, and of rollups
         more than ``rollup_days`` ago; returns the raw days dropped (YYYY-MM-DD)."""
         self._writable("retention")
