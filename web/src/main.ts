@@ -15,6 +15,9 @@ import { loadPage } from "./pages/load";
 export interface Ctx {
   params: URLSearchParams;
   since: string;
+  /** The fleet filters ("" for all): the overview and endpoint pages show only their requests. */
+  host: string;
+  service: string;
   /** Replace some params of the current page in the URL (re-renders). */
   set(changes: Record<string, string | undefined>): void;
   /** The hash of a page with the current range and refresh kept. */
@@ -58,9 +61,13 @@ async function render(): Promise<void> {
   const hash = location.hash;
   const since = params.get("since") || DEFAULT_SINCE;
   const refresh = params.get("refresh") ?? DEFAULT_REFRESH;
+  const host = params.get("host") ?? "";
+  const service = params.get("service") ?? "";
   const ctx: Ctx = {
     params,
     since,
+    host,
+    service,
     set(changes) {
       const p = new URLSearchParams(params);
       for (const [k, v] of Object.entries(changes)) {
@@ -73,7 +80,11 @@ async function render(): Promise<void> {
       const p = new URLSearchParams();
       if (params.get("since")) p.set("since", since);
       if (params.get("refresh") !== null) p.set("refresh", refresh);
-      for (const [k, v] of Object.entries(extra)) if (v !== undefined && v !== "") p.set(k, String(v));
+      for (const k of KEPT) if (params.get(k)) p.set(k, params.get(k)!);
+      for (const [k, v] of Object.entries(extra)) {
+        if (v === undefined || v === "") p.delete(k);
+        else p.set(k, String(v));
+      }
       return hashOf(target, p);
     },
   };
@@ -91,6 +102,7 @@ async function render(): Promise<void> {
   const refSel = document.getElementById("refresh") as HTMLSelectElement;
   refSel.replaceChildren(...REFRESH.map(([v, l]) => h("option", { value: v, selected: v === refresh }, l)));
   refSel.onchange = () => ctx.set({ refresh: refSel.value });
+  void fleetFilters(ctx);
   document.title = `perfsleuth · ${PAGES[page].title}`;
 
   const app = document.getElementById("app")!;
@@ -122,6 +134,38 @@ async function render(): Promise<void> {
 }
 
 const ON_DEMAND = new Set(["sql", "compare"]);
+// Params every link keeps, like the range: the fleet filters.
+const KEPT = ["host", "service"];
+
+/** The host and service pickers: shown when the store holds more than one of either (or one is
+ * chosen), their choices the hosts and services with requests in the range. */
+async function fleetFilters(ctx: Ctx): Promise<void> {
+  let hosts: string[] = [];
+  let services: string[] = [];
+  try {
+    const f = await get("/api/fleet", { since: ctx.since });
+    hosts = f.hosts;
+    services = f.services;
+  } catch {
+    // the pickers stay as they are; the page says what failed
+  }
+  const pick = (id: "host" | "service", values: string[], current: string, all: string) => {
+    const sel = document.getElementById(id) as HTMLSelectElement;
+    const label = document.getElementById(`${id}-filter`)!;
+    // "" (requests that carry no host, e.g. OTLP without host.name) is not a choice here:
+    // the empty value means all.
+    const named = values.filter((v) => v !== "");
+    const shown = current && !named.includes(current) ? [...named, current] : named;
+    sel.replaceChildren(
+      h("option", { value: "", selected: !current }, all),
+      ...shown.map((v) => h("option", { value: v, selected: v === current }, v)),
+    );
+    sel.onchange = () => ctx.set({ [id]: sel.value });
+    label.hidden = values.length < 2 && !current;
+  };
+  pick("host", hosts, ctx.host, "all hosts");
+  pick("service", services, ctx.service, "all services");
+}
 
 async function status(): Promise<void> {
   const el = document.getElementById("status")!;

@@ -242,8 +242,18 @@ SinceQ = Annotated[
 ]
 
 
-def window_of(since: str | None) -> Window:
+HostQ = Annotated[
+    str | None,
+    Query(description="Only the requests of this host (the fleet filter; empty: those with none)."),
+]
+ServiceQ = Annotated[
+    str | None,
+    Query(description="Only the requests of this service (the fleet filter)."),
+]
+
+
+def window_of(since: str | None, host: str | None = None, service: str | None = None) -> Window:
     try:
-        return window(since)
+        return window(since, host, service)
     except BadRange as e:
         raise ApiError(400, str(e)) from e

@@ -14,6 +14,7 @@ from typing import Any
 from perfsleuth.server.window import WEEK, Window, step_seconds
 from perfsleuth.store import rollups
 from perfsleuth.store.base import Store
+from perfsleuth.store.filters import only_where
 from perfsleuth.suggest import did_you_mean
 
 TOP_SERIES = 8  # endpoints drawn in the P95-over-time chart
@@ -128,7 +129,7 @@ def endpoint_table(store: Store, w: Window) -> list[dict[str, Any]]:
 
 def _endpoint_table(store: Store, w: Window) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """endpoint_table, and what answered it (store.top_answered's source)."""
-    rows, answered = store.top_answered(since=w.since)
+    rows, answered = store.top_answered(since=w.since, only=w.only)
     total = sum(float(r["total_ms"] or 0) for r in rows) or 1.0
     for r in rows:
         r["time_share"] = float(r["total_ms"] or 0) / total
@@ -172,14 +173,15 @@ def overview(store: Store, w: Window) -> dict[str, Any]:
     index = {t: i for i, t in enumerate(x)}
     top = [r["endpoint"] for r in rows[:TOP_SERIES]]
 
+    only, only_params = only_where(w.only)  # the fleet filters (host, service)
     p95: dict[str, list[float | None]] = {e: [None] * len(x) for e in top}
     if top and res is not None:
         for r in _rollup_percentiles(
             store,
             res,
             step,
-            "ts >= ? AND ts < ? AND list_contains(?, endpoint)",
-            [_floor(start, res), end, top],
+            f"ts >= ? AND ts < ? AND list_contains(?, endpoint) AND {only}",
+            [_floor(start, res), end, top, *only_params],
         ):
             i = index.get(r["b"])
             if i is not None:
@@ -188,9 +190,9 @@ def overview(store: Store, w: Window) -> dict[str, Any]:
         for r in store.query(
             f"""SELECT {_bucket(step)} AS b, endpoint,
                 quantile_cont(duration_ms, 0.95) AS p95
-            FROM requests WHERE ts >= ? AND ts < ? AND list_contains(?, endpoint)
+            FROM requests WHERE ts >= ? AND ts < ? AND list_contains(?, endpoint) AND {only}
             GROUP BY ALL""",
-            [start, end, top],
+            [start, end, top, *only_params],
         ):
             i = index.get(r["b"])
             if i is not None:
@@ -202,17 +204,17 @@ def overview(store: Store, w: Window) -> dict[str, Any]:
         if res is not None:  # rollups count requests over each threshold exactly
             slow = ", ".join(f"sum(over_{t}) AS over_{t}" for t in SLOW_MS)
             sql = f"""SELECT {b} AS b, sum(requests) AS requests, sum(errors) AS errors, {slow}
-                FROM rollup_stats WHERE res = {int(res)} AND ts >= ? AND ts < ?
+                FROM rollup_stats WHERE res = {int(res)} AND ts >= ? AND ts < ? AND {only}
                 GROUP BY 1"""
-            params = [_floor(start, res) - shift, end - shift]
+            params = [_floor(start, res) - shift, end - shift, *only_params]
         else:
             slow = ", ".join(
                 f"count(*) FILTER (WHERE duration_ms > {t}) AS over_{t}" for t in SLOW_MS
             )
             sql = f"""SELECT {b} AS b, count(*) AS requests,
                 count(*) FILTER (WHERE status >= 500 OR error IS NOT NULL) AS errors, {slow}
-                FROM requests WHERE ts >= ? AND ts < ? GROUP BY 1"""
-            params = [start - shift, end - shift]
+                FROM requests WHERE ts >= ? AND ts < ? AND {only} GROUP BY 1"""
+            params = [start - shift, end - shift, *only_params]
         for r in store.query(sql, params):
             i = index.get(r["b"])
             if i is not None:
@@ -254,11 +256,23 @@ def overview(store: Store, w: Window) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- endpoint
 
 
-def _where(w: Window, endpoint: str, alias: str = "") -> tuple[str, list[Any]]:
+def _where(w: Window, endpoint: str, alias: str = "", calls: bool = False) -> tuple[str, list[Any]]:
+    """The endpoint's rows of the window and the fleet filters, of requests or (``calls``) of
+    calls: those carry no process host, so theirs are the calls of the requests kept."""
     p = f"{alias}." if alias else ""
-    if w.start is None:
-        return f"{p}endpoint = ?", [endpoint]
-    return f"{p}endpoint = ? AND {p}ts >= ?", [endpoint, w.start]
+    cond = f"{p}endpoint = ?"
+    params: list[Any] = [endpoint]
+    if w.start is not None:
+        cond, params = f"{cond} AND {p}ts >= ?", [*params, w.start]
+    if w.only:
+        only, only_params = only_where(w.only)
+        if calls:
+            only = f"{p}trace_id IN (SELECT trace_id FROM requests WHERE endpoint = ? AND {only})"
+            only_params = [endpoint, *only_params]
+        else:
+            only = only_where(w.only, alias)[0]
+        cond, params = f"{cond} AND {only}", [*params, *only_params]
+    return cond, params
 
 
 def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
@@ -273,13 +287,14 @@ def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
     x = _axis(start, end, step)
     index = {t: i for i, t in enumerate(x)}
     series: dict[str, list[Any]] = {k: [None] * len(x) for k in ("p50", "p95", "p99", "count")}
+    only, only_params = only_where(w.only)  # the fleet filters (host, service)
     if res is not None:
         for r in _rollup_percentiles(
             store,
             res,
             step,
-            "endpoint = ? AND ts >= ? AND ts < ?",
-            [endpoint, _floor(start, res), end],
+            f"endpoint = ? AND ts >= ? AND ts < ? AND {only}",
+            [endpoint, _floor(start, res), end, *only_params],
         ):
             i = index.get(r["b"])
             if i is not None:
@@ -292,8 +307,8 @@ def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
         else store.query(
             f"""SELECT {_bucket(step)} AS b, count(*) AS count,
             quantile_cont(duration_ms, [0.5, 0.95, 0.99]) AS q
-        FROM requests WHERE endpoint = ? AND ts >= ? AND ts < ? GROUP BY 1""",
-            [endpoint, start, end],
+        FROM requests WHERE endpoint = ? AND ts >= ? AND ts < ? AND {only} GROUP BY 1""",
+            [endpoint, start, end, *only_params],
         )
     ):
         i = index.get(r["b"])
@@ -313,8 +328,8 @@ def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
         cond, span_params = rollups.span_where(spans)
         value = f"2 * pow({rollups.GAMMA}, bucket) / {rollups.GAMMA + 1} / 1000"
         hist_sql = f"""SELECT {bin_of(value)} AS k, sum(requests) AS n
-            FROM rollup_hist WHERE endpoint = ? AND {cond} GROUP BY 1 ORDER BY 1"""
-        hist_params: list[Any] = [endpoint, *span_params]
+            FROM rollup_hist WHERE endpoint = ? AND {cond} AND {only} GROUP BY 1 ORDER BY 1"""
+        hist_params: list[Any] = [endpoint, *span_params, *only_params]
     else:
         hist_sql = f"""SELECT {bin_of("duration_ms")} AS k, count(*) AS n
             FROM requests WHERE {where} AND duration_ms IS NOT NULL GROUP BY 1 ORDER BY 1"""
@@ -328,16 +343,18 @@ def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
         for r in store.query(hist_sql, hist_params)
     ]
     requests = int(summary["count"]) if summary else 0
+    call_where, call_params = _where(w, endpoint, "c", calls=True)
     fps = store.query(
         f"""SELECT c.fingerprint_id, any_value(c.kind) AS kind, any_value(f.text) AS statement,
             count(*) AS calls, count(DISTINCT c.trace_id) AS requests,
             sum(c.duration_ms) AS total_ms, quantile_cont(c.duration_ms, 0.95) AS p95_ms,
             avg(c.rows) AS avg_rows
         FROM calls c LEFT JOIN fingerprints f ON f.id = c.fingerprint_id
-        WHERE {_where(w, endpoint, "c")[0]} AND c.fingerprint_id IS NOT NULL
+        WHERE {call_where} AND c.fingerprint_id IS NOT NULL
         GROUP BY 1 ORDER BY total_ms DESC NULLS LAST LIMIT 15""",
-        params,
+        call_params,
     )
+    call_where, call_params = _where(w, endpoint, calls=True)
     for r in fps:
         r["fingerprint_id"] = str(r["fingerprint_id"])  # 63-bit: beyond JS numbers
         r["calls_per_request"] = r["calls"] / requests if requests else None
@@ -345,8 +362,9 @@ def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
         f"""SELECT coalesce(host, '?') AS host, count(*) AS calls,
             sum(duration_ms) AS total_ms, quantile_cont(duration_ms, 0.95) AS p95_ms,
             count(*) FILTER (WHERE status >= 500 OR error IS NOT NULL) AS errors
-        FROM calls WHERE {where} AND kind = 'http' GROUP BY 1 ORDER BY total_ms DESC LIMIT 15""",
-        params,
+        FROM calls WHERE {call_where} AND kind = 'http'
+        GROUP BY 1 ORDER BY total_ms DESC LIMIT 15""",
+        call_params,
     )
 
     def who(col: str) -> list[dict[str, Any]]:
@@ -367,7 +385,7 @@ def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
         "histogram": hist,
         "fingerprints": fps,
         "hosts": hosts,
-        "slowest": store.traces(endpoint=endpoint, since=w.since, slowest=20),
+        "slowest": store.traces(endpoint=endpoint, since=w.since, slowest=20, only=w.only),
         "users": who("user"),
         "tenants": who("tenant"),
     }

@@ -1,5 +1,5 @@
 """Time windows of API requests: ``since`` (15m, 1h, 24h, 7d, all) looking back from now, or
-all data, and the time buckets charts use."""
+all data, with the fleet filters (one host, one service), and the time buckets charts use."""
 
 from __future__ import annotations
 
@@ -37,12 +37,20 @@ def parse_duration(value: str) -> timedelta:
 @dataclass(frozen=True)
 class Window:
     """[start, end) in naive UTC; ``since`` when it is relative to now (what store.top and
-    friends take), None for all data or an absolute range."""
+    friends take), None for all data or an absolute range. ``host`` / ``service``: only the
+    requests of that host or service (None: all; "": those that carry none)."""
 
     start: datetime | None
     end: datetime | None
     since: timedelta | None
     label: str
+    host: str | None = None
+    service: str | None = None
+
+    @property
+    def only(self) -> dict[str, str]:
+        """The fleet filters as the store's ``only`` argument."""
+        return {k: v for k, v in (("host", self.host), ("service", self.service)) if v is not None}
 
     @property
     def relative(self) -> bool:
@@ -58,11 +66,11 @@ class Window:
         return start, end
 
 
-def window(since: str | None) -> Window:
+def window(since: str | None, host: str | None = None, service: str | None = None) -> Window:
     if since is None or since.strip().lower() in ("", "all"):
-        return Window(None, None, None, "all")
+        return Window(None, None, None, "all", host, service)
     d = parse_duration(since)
-    return Window(utcnow() - d, None, d, since.strip())
+    return Window(utcnow() - d, None, d, since.strip(), host, service)
 
 
 def step_seconds(start: datetime, end: datetime) -> int:

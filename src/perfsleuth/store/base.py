@@ -113,8 +113,10 @@ class StoreReader(Protocol):
         since: timedelta | None = None,
         by: tuple[str, ...] = ("endpoint",),
         kind: str | None = None,
+        only: dict[str, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """One row per group (``by`` among endpoint, user, tenant), busiest first, with keys:
+        """One row per group (``by`` among endpoint, user, tenant), busiest first, of the
+        requests whose host / service are those in ``only`` (the fleet filters), with keys:
         the group columns, count, rate_per_min, p50_ms, p95_ms, p99_ms, max_ms, error_rate,
         db_calls_per_request, http_calls_per_request, cache_calls_per_request, db_share,
         http_share, cache_share, gc_share (share of request time, 0..1), total_ms."""
@@ -125,6 +127,7 @@ class StoreReader(Protocol):
         since: timedelta | None = None,
         by: tuple[str, ...] = ("endpoint",),
         kind: str | None = None,
+        only: dict[str, str] | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """:meth:`top`, and what answered it: {source: "raw" | "rollups", resolution_s (the
         finest rollup period read; None for raw rows), start (ISO 8601; None for all)}."""
@@ -136,6 +139,7 @@ class StoreReader(Protocol):
         since: timedelta | None = None,
         slowest: int | None = None,
         limit: int = 20,
+        only: dict[str, str] | None = None,
     ) -> list[dict[str, Any]]:
         """Requests (newest first, or the ``slowest`` N) with keys: trace_id, ts (ISO 8601),
         endpoint, method, path, status, duration_ms, db_calls, db_ms, http_calls, http_ms,

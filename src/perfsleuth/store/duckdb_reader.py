@@ -17,6 +17,7 @@ from perfsleuth.store import schema
 from perfsleuth.store.base import StoreError
 from perfsleuth.store.duckdb_file import iso, utcnow
 from perfsleuth.store.duckdb_rollups import DuckDBRollups
+from perfsleuth.store.filters import only_where
 from perfsleuth.store.schema import quote
 from perfsleuth.store.values import as_int
 from perfsleuth.suggest import close_names
@@ -56,17 +57,19 @@ class DuckDBReader(DuckDBRollups):
         since: timedelta | None = None,
         by: tuple[str, ...] = ("endpoint",),
         kind: str | None = None,
+        only: dict[str, str] | None = None,
     ) -> list[dict[str, Any]]:
         """See :meth:`Store.top`. Groups are ordered by total time (busiest first), then count.
         ``rate_per_min`` divides by the ``since`` window, or by the time the selected
         requests span (at least one minute)."""
-        return self.top_answered(since, by, kind)[0]
+        return self.top_answered(since, by, kind, only)[0]
 
     def top_answered(
         self,
         since: timedelta | None = None,
         by: tuple[str, ...] = ("endpoint",),
         kind: str | None = None,
+        only: dict[str, str] | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """:meth:`top`, and what answered: {source: "raw" | "rollups", resolution_s (None for
         raw rows), start (ISO 8601, None for all)}. Rollups answer long windows (see
@@ -77,23 +80,27 @@ class DuckDBReader(DuckDBRollups):
                 f"cannot group by {', '.join(by) or 'nothing'}; use any of: "
                 + ", ".join(GROUP_COLUMNS)
             )
-        self._where(None, kind)  # an unknown kind is refused whichever source answers
+        self._where(None, kind, None, only)  # a bad kind or filter is refused either way
         cutoff = None if since is None else utcnow() - since
         minutes = None if since is None else since.total_seconds() / 60
-        got = self.rollup_top(cutoff, by, kind, minutes)
+        got = self.rollup_top(cutoff, by, kind, minutes, only=only)
         if got is not None:
             return got
-        return self._raw_top(since, by, kind), {
+        return self._raw_top(since, by, kind, only), {
             "source": "raw",
             "resolution_s": None,
             "start": iso(cutoff),
         }
 
     def _raw_top(
-        self, since: timedelta | None, by: tuple[str, ...], kind: str | None
+        self,
+        since: timedelta | None,
+        by: tuple[str, ...],
+        kind: str | None,
+        only: dict[str, str] | None = None,
     ) -> list[dict[str, Any]]:
         src, cutoff = self._source(since)
-        where, params = self._where(cutoff, kind)
+        where, params = self._where(cutoff, kind, None, only)
         g = ", ".join(quote(b) for b in by)
         rows = self._query(
             f"""
@@ -150,7 +157,10 @@ class DuckDBReader(DuckDBRollups):
 
     @staticmethod
     def _where(
-        cutoff: datetime | None, kind: str | None, endpoint: str | None = None
+        cutoff: datetime | None,
+        kind: str | None,
+        endpoint: str | None = None,
+        only: dict[str, str] | None = None,
     ) -> tuple[str, list[Any]]:
         conds: list[str] = ["true"]
         params: list[Any] = []
@@ -165,6 +175,9 @@ class DuckDBReader(DuckDBRollups):
         if endpoint is not None:
             conds.append("endpoint = ?")
             params.append(endpoint)
+        only_sql, only_params = only_where(only)
+        conds.append(only_sql)
+        params.extend(only_params)
         return " AND ".join(conds), params
 
     def endpoints(self) -> list[str]:
@@ -188,11 +201,12 @@ class DuckDBReader(DuckDBRollups):
         since: timedelta | None = None,
         slowest: int | None = None,
         limit: int = 20,
+        only: dict[str, str] | None = None,
     ) -> list[dict[str, Any]]:
         if endpoint is not None:
             self._check_endpoint(endpoint)
         src, cutoff = self._source(since)
-        where, params = self._where(cutoff, None, endpoint)
+        where, params = self._where(cutoff, None, endpoint, only)
         order = "duration_ms DESC NULLS LAST, ts DESC" if slowest else "ts DESC"
         n = slowest if slowest else limit
         rows = self._query(

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from perfsleuth.store import rollups, schema
 from perfsleuth.store.duckdb_file import DuckDBFile, iso, utcnow
+from perfsleuth.store.filters import only_where
 from perfsleuth.store.schema import quote
 from perfsleuth.store.tables import Tables
 
@@ -179,6 +180,7 @@ class DuckDBRollups(DuckDBFile):
         minutes: float | None,
         *,
         force: bool = False,
+        only: dict[str, str] | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         """``top`` from rollups over [start, now) (start None: all), with what answered; None
         when raw rows should answer: a grouping rollups lack (user, tenant, ...), or a window
@@ -197,6 +199,9 @@ class DuckDBRollups(DuckDBFile):
         if kind is not None:
             where += " AND kind = ?"
             params.append(kind)
+        only_sql, only_params = only_where(only)  # the fleet filters: rollups are keyed by them
+        where += f" AND {only_sql}"
+        params.extend(only_params)
         first_day = lo.date()
         stats_src = self._rollup_source(schema.ROLLUP_STATS, [d for d in days if d >= first_day])
         hist_src = self._rollup_source(schema.ROLLUP_HIST, [d for d in days if d >= first_day])

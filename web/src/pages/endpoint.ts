@@ -28,7 +28,7 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
   if (!name) throw new Error("no endpoint given: pick one on the overview");
   // The detectors can take seconds on big data: their section fills in when they answer.
   const [d, tree, prof] = await Promise.all([
-    get("/api/endpoint", { name, since: ctx.since }),
+    get("/api/endpoint", { name, since: ctx.since, host: ctx.host, service: ctx.service }),
     get("/api/calltree", { endpoint: name, kind, since: ctx.since }).catch((e: Error) => e),
     get("/api/profile", { endpoint: name, since: ctx.since }).catch((e: Error) => e),
   ]);
@@ -41,6 +41,13 @@ export async function endpointPage(root: HTMLElement, ctx: Ctx): Promise<void> {
   const s = d.summary;
   root.append(
     h("h1", { id: "endpoint-name" }, d.endpoint),
+    ctx.host || ctx.service
+      ? h(
+          "p",
+          { class: "dim", id: "fleet-note" },
+          `Only ${[ctx.host && `host ${ctx.host}`, ctx.service && `service ${ctx.service}`].filter(Boolean).join(", ")} (the filters above) in the summary, charts, calls and slowest requests; the findings, call tree and profile are of every host.`,
+        )
+      : "",
     s
       ? h(
           "div",

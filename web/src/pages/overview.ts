@@ -1,11 +1,14 @@
-import { get, type TopRow } from "../api";
+import { get, type Fleet, type FleetSource, type TopRow } from "../api";
 import { timeChart, PALETTE } from "../charts";
 import type { Ctx } from "../main";
 import { fmtInt, fmtMs, fmtPct } from "../format";
-import { h, fmtNum, bar, table, link, type Col } from "../util";
+import { h, fmtNum, fmtTime, bar, table, link, type Col } from "../util";
 
 export async function overviewPage(root: HTMLElement, ctx: Ctx): Promise<void> {
-  const data = await get("/api/overview", { since: ctx.since });
+  const [data, fleet] = await Promise.all([
+    get("/api/overview", { since: ctx.since, host: ctx.host, service: ctx.service }),
+    get("/api/fleet", { since: ctx.since }),
+  ]);
   const sort = ctx.params.get("sort") || "total_ms";
   const desc = ctx.params.get("dir") !== "asc";
   const filter = ctx.params.get("filter") || "";
@@ -51,6 +54,7 @@ export async function overviewPage(root: HTMLElement, ctx: Ctx): Promise<void> {
     ),
   );
   root.append(charts);
+  if (fleet.sources.length > 1 || ctx.host || ctx.service) root.append(fleetCard(ctx, fleet));
 
   const input = h("input", { type: "search", placeholder: "filter endpoints…", value: filter, class: "filter", id: "endpoint-filter" }) as HTMLInputElement;
   input.addEventListener("change", () => ctx.set({ filter: input.value }));
@@ -83,6 +87,33 @@ export async function overviewPage(root: HTMLElement, ctx: Ctx): Promise<void> {
       h("div", { class: "row" }, h("h2", {}, `Endpoints (${rows.length} of ${data.endpoints.length})`), input),
       rows.length ? table(cols, rows, { sort, desc, onSort, cls: "grid", rowAttrs: (r) => ({ "data-endpoint": r.endpoint }) }) : h("p", { class: "dim" }, `No requests in ${ctx.since === "all" ? "the store" : "the last " + ctx.since}. Try a longer range, or run your app under \`perfsleuth run -- …\`: this server ingests what it records every few seconds.`),
     ),
+  );
+}
+
+/** Who sent requests: a row per host and service, with its tokens; a host or service sets the
+ * page's filter. */
+function fleetCard(ctx: Ctx, fleet: Fleet): HTMLElement {
+  const cols: Col<FleetSource>[] = [
+    { key: "host", label: "host", render: (r) => link(ctx.href("overview", { host: r.host, service: ctx.service }), r.host || "(none)", { class: "host-link" }) },
+    { key: "service", label: "service", render: (r) => link(ctx.href("overview", { host: ctx.host, service: r.service }), r.service || "(none)", { class: "service-link" }) },
+    { key: "requests", label: "requests", num: true, render: (r) => fmtInt(r.requests) },
+    { key: "processes", label: "processes", num: true, render: (r) => fmtInt(r.processes) },
+    { key: "last", label: "last request (UTC)", render: (r) => fmtTime(r.last) },
+    { key: "tokens", label: "tokens", render: (r) => r.tokens.join(", ") || "-" },
+    { key: "via", label: "via", render: (r) => r.via.join(", ") || "local spool" },
+  ];
+  const shown = fleet.sources.filter((r) => (!ctx.host || r.host === ctx.host) && (!ctx.service || r.service === ctx.service));
+  const what = [ctx.host && `host ${ctx.host}`, ctx.service && `service ${ctx.service}`].filter(Boolean).join(", ");
+  return h(
+    "section",
+    { class: "card", id: "fleet" },
+    h(
+      "div",
+      { class: "row" },
+      h("h2", {}, what ? `Fleet: showing ${what}` : `Fleet (${fleet.sources.length} host/service pairs)`),
+      what ? link(ctx.href("overview", { host: "", service: "" }), "show all", { id: "fleet-clear" }) : "",
+    ),
+    table(cols, shown, { cls: "grid", rowAttrs: (r) => ({ "data-host": r.host, "data-service": r.service }) }),
   );
 }
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
 from perfsleuth.server import models, queries
-from perfsleuth.server.deps import BackendDep, SinceQ, answer, window_of
+from perfsleuth.server.deps import BackendDep, HostQ, ServiceQ, SinceQ, answer, window_of
 
 router = APIRouter()
 
@@ -19,8 +19,10 @@ router = APIRouter()
     summary="Endpoint table, P95 per endpoint, slow counts, throughput",
     response_model=models.Overview,
 )
-def overview(be: BackendDep, since: SinceQ = "1h") -> Response:
-    return answer(be, queries.overview, window_of(since))
+def overview(
+    be: BackendDep, since: SinceQ = "1h", host: HostQ = None, service: ServiceQ = None
+) -> Response:
+    return answer(be, queries.overview, window_of(since, host, service))
 
 
 @router.get(
@@ -28,8 +30,10 @@ def overview(be: BackendDep, since: SinceQ = "1h") -> Response:
     summary="The endpoint table (store.top) with time share",
     response_model=list[models.TopRow],
 )
-def endpoints(be: BackendDep, since: SinceQ = "1h") -> Response:
-    return answer(be, queries.endpoint_table, window_of(since))
+def endpoints(
+    be: BackendDep, since: SinceQ = "1h", host: HostQ = None, service: ServiceQ = None
+) -> Response:
+    return answer(be, queries.endpoint_table, window_of(since, host, service))
 
 
 @router.get(
@@ -41,5 +45,7 @@ def endpoint(
     be: BackendDep,
     name: Annotated[str, Query(description='The endpoint, e.g. "GET /orders/{id}".')],
     since: SinceQ = "1h",
+    host: HostQ = None,
+    service: ServiceQ = None,
 ) -> Response:
-    return answer(be, queries.endpoint_detail, window_of(since), name)
+    return answer(be, queries.endpoint_detail, window_of(since, host, service), name)
