@@ -10,6 +10,7 @@ run every query of the reader, the detectors, ``top``, ``compare`` and the API) 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import tempfile
 from typing import Any
@@ -87,3 +88,43 @@ def reset() -> None:
         else:
             os.environ[k] = v
     _saved.clear()
+
+
+# The most common value of a group (SQL mode()) when several are as common: DuckDB names the
+# first it saw, ClickHouse the smallest (row order differs between the engines).
+TIE_PICKS = (".example_request",)
+
+
+def same(a: Any, b: Any, path: str = "") -> None:
+    """``a == b``, floats to 1e-9 relative (sums add up in another order)."""
+    if path.endswith(TIE_PICKS):
+        return
+    if isinstance(a, float) or isinstance(b, float):
+        assert a is not None and b is not None, f"{path}: {a!r} != {b!r}"
+        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9), f"{path}: {a!r} != {b!r}"
+    elif isinstance(a, dict) and isinstance(b, dict):
+        assert sorted(a) == sorted(b), f"{path}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        assert len(a) == len(b), f"{path}: {len(a)} != {len(b)} items\n{a}\n{b}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def copy_into_chdb(duck: Any) -> Any:
+    """A chDB store holding what a DuckDB store holds (table by table, as Arrow)."""
+    from perfsleuth.store import schema
+
+    ch = open_engine("chdb", duck.data_dir)
+    names = [t.name for t in (*schema.EVENT_TABLES, *schema.GLOBAL_TABLES)]
+    for name in names:
+        t = schema.TABLES[name]
+        cols = ", ".join(schema.quote(c) for c in t.column_names)
+        tbl = duck._con.sql(f"SELECT {cols} FROM {schema.quote(name)}").to_arrow_table()
+        if tbl.num_rows:
+            ch._client.insert_arrow(name, tbl.cast(t.arrow_schema()), {})
+    reset()
+    return ch

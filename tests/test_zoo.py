@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+import store_engines
 from zoo import harness, seed
 from zoo.catalog import CALLSITE_KINDS, PLANTS, Plant
 from zoo.harness import ZooRun
@@ -216,3 +217,22 @@ def test_planted_problem_is_found(
 def test_clean_twin_has_no_such_finding(findings: list[dict[str, Any]], plant: Plant) -> None:
     wrong = [f for f in findings if f["kind"] == plant.kind and f["endpoint"] == plant.clean]
     assert not wrong, wrong
+
+
+@pytest.mark.skipif(not store_engines.chdb_available(), reason="no clickhouse extra (chdb)")
+def test_clickhouse_finds_what_duckdb_finds(zoo: dict[str, ZooRun]) -> None:
+    """Each zoo app's store copied into ClickHouse's engine (chDB): the same findings (issue
+    20; tests/test_clickhouse.py does the same for the demo)."""
+    from perfsleuth.analysis import find
+    from perfsleuth.store import open_store
+
+    for framework, run in zoo.items():
+        duck = open_store(str(run.data), read_only=True, url="duckdb")
+        ch = store_engines.copy_into_chdb(duck)
+        try:
+            found = [f.to_dict() for f in find(duck)]
+            assert found, framework
+            store_engines.same(found, [f.to_dict() for f in find(ch)], framework)
+        finally:
+            duck.close()
+            ch.close()

@@ -20,14 +20,18 @@ def open_store(data_dir: str, *, read_only: bool = False, url: str | None = None
     ``clickhouse://host:8123/db`` or ``chdb:///dir`` (see :mod:`.clickhouse_client`)."""
     url = url if url is not None else os.environ.get(STORE_ENV, "")
     if url and url != "duckdb":
-        from perfsleuth.store.clickhouse_client import is_clickhouse_url
-
-        if not is_clickhouse_url(url):
+        if url.partition("://")[0] not in ("clickhouse", "clickhouses", "chdb"):
             raise StoreError(
                 f"unknown store {url!r}: use duckdb (the default), clickhouse://host:8123/db "
                 "or chdb:///path/to/dir"
             )
-        from perfsleuth.store.clickhouse_store import ClickHouseStore
+        try:
+            from perfsleuth.store.clickhouse_store import ClickHouseStore
+        except ImportError as e:  # the wheel without the extra
+            raise StoreError(
+                "a ClickHouse store needs the clickhouse extra: pip install "
+                f"'perfsleuth[clickhouse]' ({e.name or e} is not installed)"
+            ) from e
 
         return ClickHouseStore(data_dir, url, read_only=read_only)
     from perfsleuth.store.duckdb_store import DuckDBStore

@@ -23,16 +23,10 @@ from urllib.parse import parse_qs, unquote, urlparse
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from perfsleuth.store.base import StoreError
+from perfsleuth.store.base import StoreError, StoreLocked
 from perfsleuth.store.clickhouse_dialect import SESSION_SETTINGS
 
-__all__ = ["Client", "connect", "is_clickhouse_url"]
-
-_SCHEMES = ("clickhouse", "clickhouses", "chdb")
-
-
-def is_clickhouse_url(url: str | None) -> bool:
-    return bool(url) and urlparse(str(url)).scheme in _SCHEMES
+__all__ = ["Client", "connect"]
 
 
 class Client(Protocol):
@@ -109,6 +103,12 @@ class ChdbClient:
                 try:
                     _chdb_session = chdb_session.Session(path)
                 except Exception as e:
+                    if "EmbeddedServer" in str(e) or "lock" in str(e).lower():
+                        raise StoreLocked(
+                            f"the store {self.where} is in use by another process (chDB lets "
+                            "one process at a time open a directory); wait for it to finish "
+                            "or stop it, then try again"
+                        ) from e
                     raise StoreError(f"cannot open chDB in {path}: {e}") from e
                 _chdb_path = path
                 for stmt in (f"SET {k} = {v!r}" for k, v in SESSION_SETTINGS.items()):

@@ -13,8 +13,9 @@ written down once:
 * exact quantiles: ``quantile_cont`` and ``median`` interpolate linearly between the two nearest
   values (R-7): ClickHouse's ``quantileExactInclusive`` is the same estimator (its ``quantile``
   samples a reservoir, so findings would differ between engines);
-* ``mode`` (exact, ClickHouse has none) -> ``topK`` with room for every distinct value of the
-  group up to 1,000 (exact there, a heavy-hitter estimate past that);
+* ``mode`` (ClickHouse has none) -> the most common value from ``sumMap`` counts, ties to the
+  smallest value (DuckDB's ties go to the value seen first, which depends on the row order of
+  each engine: only a tie, like two URLs called once each, can name another example);
 * ``first`` -> ``any``; ``epoch``/``epoch_us``/``epoch_ms`` -> ``toUnixTimestamp64*``;
   ``hash(a, b)`` -> ``cityHash64``;
 * parameters (``?``) become typed literals: the HTTP interface and chDB bind differently, and a
@@ -51,8 +52,6 @@ SESSION_SETTINGS: dict[str, Any] = {
     "mutations_sync": 1,
     "enable_named_columns_in_function_tuple": 1,  # tuple(x AS a): DuckDB's {'a': x}
 }
-
-_MODE_CAPACITY = 1000  # distinct values per group kept exact by ``mode``
 
 
 def to_clickhouse(sql: str, params: Sequence[Any] = (), database: str | None = None) -> str:
@@ -196,16 +195,12 @@ def _rewrite(node: exp.Expression) -> exp.Expression:
     if isinstance(node, exp.Median):
         return _param_agg("quantileExactInclusive", [exp.Literal.number(0.5)], node.this)
     if isinstance(node, exp.Mode):
-        arg = node.this
-        top = _param_agg(
-            "topK", [exp.Literal.number(1), exp.Literal.number(_MODE_CAPACITY)], arg.copy()
-        )
-        # topK of no (non-NULL) values is [], whose [1] would be 0: DuckDB says NULL
-        return exp.If(
-            this=exp.EQ(this=exp.Count(this=arg.copy()), expression=exp.Literal.number(0)),
-            true=exp.Null(),
-            # SQLGlot's index is 0-based; it writes ClickHouse's 1-based [1]
-            false=exp.Bracket(this=top, expressions=[exp.Literal.number(0)]),
+        # counts per value (sumMap: keys sorted), the first key with the largest count
+        x = node.this
+        sm = "sumMapIf([assumeNotNull(__x)], [toUInt64(1)], __x IS NOT NULL)"
+        tmpl = f"if(count(__x) = 0, NULL, ({sm}).1[indexOf(({sm}).2, arrayMax(({sm}).2))])"
+        return sqlglot.parse_one(tmpl, read="clickhouse").transform(
+            lambda n: x.copy() if isinstance(n, exp.Column) and n.name == "__x" else n
         )
     if isinstance(node, exp.First):
         return exp.Anonymous(this="any", expressions=[node.this])

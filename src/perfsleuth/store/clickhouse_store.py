@@ -178,6 +178,10 @@ class ClickHouseStore(DuckDBReader):
     def _source(self, since: timedelta | None) -> tuple[str, datetime | None]:
         return "requests", None if since is None else utcnow() - since
 
+    def rollup_top(self, *args: Any, **kwargs: Any) -> None:
+        """No rollups in ClickHouse yet: raw rows answer every window."""
+        return None
+
     def _count(self, table: str, day: date, trace_id: str) -> int:
         rows = self._q(f"SELECT count() FROM {self._t(table)} WHERE trace_id = ?", [trace_id])
         return int(rows[0][0]) if rows else 0

@@ -99,7 +99,9 @@ def detect(ctx: Context) -> list[Finding]:
             continue
         slow_ms = sum(float(r["duration_ms"] or 0) for r in ep_reqs)
         v = profile.verdict(dict(states[(ep, hot)]))
-        examples = [str(r["trace_id"]) for r in sorted(ep_reqs, key=lambda r: -int(r["n"]))[:3]]
+        # most samples first; ties by id, so that every engine names the same requests
+        ranked_reqs = sorted(ep_reqs, key=lambda r: (-int(r["n"]), str(r["trace_id"])))
+        examples = [str(r["trace_id"]) for r in ranked_reqs[:3]]
         first, last = seen[ep]
         where = f"{file_key(hot.file)}:{hot.line}"
         title = (

@@ -1,0 +1,280 @@
+"""The ClickHouse engine, on chDB (ClickHouse's engine in this process): its DDL, exactly-once
+ingest (also across a crash between two inserts), and the same answers as DuckDB from the
+reader, the detectors and the API on the same data (synthetic, and the real demo's).
+
+The detector, compare and API test modules run on chDB too (tests/store_engines.py); the zoo's
+findings are compared in tests/test_zoo.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+import store_engines
+from perfsleuth.store import open_store, schema
+from perfsleuth.store.base import StoreError
+from spoolwrite import SegmentWriter, call
+
+pytestmark = pytest.mark.skipif(
+    not store_engines.chdb_available(), reason="the clickhouse extra (chdb) is not installed"
+)
+
+SQL_ITEMS = "SELECT * FROM items WHERE order_id = ?"
+
+
+def fill_shop(w: SegmentWriter, n: int = 30, start: int = 0) -> None:
+    """Requests of a few endpoints and tenants, with DB, HTTP and cache calls (an N+1 loop
+    among them), attributes and tags."""
+    site = ("/app/shop.py", 42, "orders_page")
+    for i in range(start, start + n):
+        loop = 3 + i % 5
+        w.request(
+            "GET /orders/{id}",
+            dur_ms=40.0 + i,
+            tenant=f"t{i % 3}",
+            user=f"u{i % 7}",
+            calls=[call("db", "SELECT * FROM orders WHERE id = ?", dur_ms=1.5)]
+            + [call("db", SQL_ITEMS, dur_ms=0.5 + j / 10, site=site) for j in range(loop)],
+            attrs={"rows_loaded": i * 10},
+            tags={"checkout_v2": "on" if i % 2 else "off"},
+        )
+        w.request(
+            "GET /quote",
+            dur_ms=200.0 + 3 * i,
+            tenant="megacorp" if i % 4 == 0 else "t1",
+            calls=[call("http", "GET https://carrier.example/quote", dur_ms=150.0 + i)],
+        )
+        w.request(
+            "POST /cart",
+            dur_ms=12.0 + i % 4,
+            status=500 if i % 10 == 0 else 200,
+            calls=[call("cache", "GET cart:{id}", dur_ms=0.2)] * 2,
+        )
+
+
+def ingest_both(tmp_path: Path, fill: Any) -> tuple[Any, Any]:
+    """The same spool ingested into DuckDB and into chDB."""
+    w = SegmentWriter(str(tmp_path / "written"))
+    fill(w)
+    w.close()
+    stores = []
+    for engine in ("duckdb", "chdb"):
+        data = str(tmp_path / engine)
+        shutil.copytree(tmp_path / "written" / "spool", Path(data) / "spool")
+        s = store_engines.open_engine(engine, data)
+        s.ingest()
+        stores.append(s)
+    store_engines.reset()
+    return stores[0], stores[1]
+
+
+def counts(store: Any) -> dict[str, int]:
+    return {
+        t: store.query(f"SELECT count(*) AS n FROM {t}")[0]["n"]
+        for t in ("requests", "calls", "attributes", "fingerprints", "locations")
+    }
+
+
+# ------------------------------------------------------------------------------------ DDL
+
+
+def test_cluster_ddl_is_replicated_and_distributed() -> None:
+    stmts = schema.clickhouse_ddl(database="ps", cluster="main", replicated=True, ttl_days=7)
+    text = "\n".join(stmts)
+    assert stmts[0] == 'CREATE DATABASE IF NOT EXISTS "ps" ON CLUSTER "main"'
+    requests = next(s for s in stmts if '"ps"."requests_local"' in s)
+    assert requests.startswith('CREATE TABLE IF NOT EXISTS "ps"."requests_local" ON CLUSTER "main"')
+    assert (
+        "ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', "
+        "'{replica}')" in requests
+    )
+    assert "PARTITION BY toDate(ts)" in requests
+    assert 'ORDER BY ("service", "endpoint", "ts")' in requests
+    assert "TTL toDateTime(ts) + INTERVAL 7 DAY" in requests
+    assert "ttl_only_drop_parts = 1" in requests
+    assert (
+        'CREATE TABLE IF NOT EXISTS "ps"."requests" ON CLUSTER "main" AS "ps"."requests_local"\n'
+        'ENGINE = Distributed("main", "ps", "requests_local", cityHash64("trace_id"))'
+    ) in text
+    offsets = next(s for s in stmts if '"ps"."ingest_offsets_local"' in s)
+    assert "ReplicatedReplacingMergeTree(" in offsets and ', "updated")' in offsets
+    # every logical table has its local table and a Distributed one in front
+    for t in schema.TABLES:
+        assert f'"ps"."{t}_local" ON CLUSTER' in text
+        assert f'"ps"."{t}" ON CLUSTER "main" AS' in text
+    # without a cluster: plain MergeTree, deduplicating repeated inserts
+    single = schema.clickhouse_create(schema.CALLS, database="ps")
+    assert "ENGINE = MergeTree()" in single and "ON CLUSTER" not in single
+    assert "non_replicated_deduplication_window" in single
+
+
+def test_a_store_url_picks_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(StoreError, match="unknown store 'mysql://x'"):
+        open_store(str(tmp_path), url="mysql://x")
+    # without the clickhouse extra: one sentence saying what to install
+    monkeypatch.setitem(sys.modules, "clickhouse_connect", None)
+    with pytest.raises(StoreError, match=r"pip install 'perfsleuth\[clickhouse\]'"):
+        open_store(str(tmp_path), url="clickhouse://localhost:8123/ps")
+    for name in [m for m in sys.modules if m.startswith(("sqlglot", "perfsleuth.store.click"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "sqlglot", None)
+    with pytest.raises(StoreError, match=r"perfsleuth\[clickhouse\]'.*sqlglot"):
+        open_store(str(tmp_path), url="chdb:///tmp/x")
+
+
+# ---------------------------------------------------------------------------- ingest
+
+
+def test_ingest_is_exactly_once_across_a_crash_between_inserts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = str(tmp_path / "data")
+    w = SegmentWriter(data)
+    fill_shop(w, 20)
+    store = store_engines.open_engine("chdb", data)
+    try:
+        client = store._client
+        real = client.insert_arrow
+
+        def crash_at_requests(table: str, tbl: pa.Table, settings: dict[str, Any]) -> None:
+            if table == "requests":
+                raise OSError("the collector died here")
+            real(table, tbl, settings)
+
+        # calls, attributes, dictionaries landed; requests and offsets did not
+        monkeypatch.setattr(client, "insert_arrow", crash_at_requests)
+        with pytest.raises(OSError):
+            store.ingest()
+        monkeypatch.setattr(client, "insert_arrow", real)
+        assert counts(store)["requests"] == 0
+        assert counts(store)["calls"] > 0
+        # the segment grows before the next run: the batch is not the one that failed
+        fill_shop(w, 10, start=20)
+        w.close()
+        store.ingest()
+        store.ingest()  # nothing new: nothing added
+        got = counts(store)
+    finally:
+        store.close()
+        store_engines.reset()
+
+    ref = open_store(str(tmp_path / "ref"), url="duckdb")
+    try:
+        w = SegmentWriter(str(tmp_path / "ref"))
+        fill_shop(w, 20)
+        fill_shop(w, 10, start=20)
+        w.close()
+        ref.ingest()
+        assert got == counts(ref)
+        assert got["requests"] == 90
+    finally:
+        ref.close()
+
+
+def test_offsets_and_received_segments_are_kept(tmp_path: Path) -> None:
+    data = str(tmp_path / "data")
+    w = SegmentWriter(data)
+    fill_shop(w, 5)
+    w.close()
+    store = store_engines.open_engine("chdb", data)
+    try:
+        first = store.ingest()
+        assert first.requests == 15 and first.segments_done == 1
+        assert store.ingest().requests == 0
+        row = {"segment": "a~h-1-2-3", "token": "ci", "agent": "a", "host": "h"}
+        store.record_received([row, row])
+        store.record_received([{**row, "token": "other"}])  # a segment keeps its first row
+        assert store.query("SELECT segment, token FROM segments_received") == [
+            {"segment": "a~h-1-2-3", "token": "ci"}
+        ]
+        assert store.apply_retention(7) == []  # today's rows stay
+        assert counts(store)["requests"] == 15
+    finally:
+        store.close()
+        store_engines.reset()
+
+
+# ---------------------------------------------------------------------- same answers
+
+
+def test_the_reader_answers_as_duckdb_does(tmp_path: Path) -> None:
+    duck, ch = ingest_both(tmp_path, fill_shop)
+    try:
+        for by in (("endpoint",), ("tenant",), ("endpoint", "user")):
+            store_engines.same(duck.top(by=by), ch.top(by=by), f"top{by}")
+        store_engines.same(
+            duck.top(since=timedelta(hours=1)), ch.top(since=timedelta(hours=1)), "top 1h"
+        )
+        assert duck.endpoints() == ch.endpoints()
+        for kw in ({}, {"endpoint": "GET /quote", "slowest": 5}):
+            store_engines.same(duck.traces(**kw), ch.traces(**kw), f"traces {kw}")
+        slowest = duck.traces(endpoint="GET /orders/{id}", slowest=1)[0]["trace_id"]
+        store_engines.same(duck.trace(slowest[:12]), ch.trace(slowest[:12]), "trace")
+        store_engines.same(duck.samples(slowest), ch.samples(slowest), "samples")
+        store_engines.same(duck.blockers(), ch.blockers(), "blockers")
+        assert ch.capture(slowest) is None
+        with pytest.raises(StoreError, match="no trace"):
+            ch.trace("ffffffffff")
+        store_engines.same(duck.agent_drops(), ch.agent_drops(), "agent_drops")
+        cols, rows = ch.sql("SELECT endpoint, count() AS n FROM requests GROUP BY 1 ORDER BY 1")
+        assert cols == ["endpoint", "n"] and [r[1] for r in rows] == [30, 30, 30]
+        with pytest.raises(StoreError, match="read-only"):
+            ch.sql("DROP TABLE requests")
+    finally:
+        duck.close()
+        ch.close()
+
+
+def test_the_demo_gives_the_same_findings_and_pages_on_both(demo_data: str) -> None:
+    from perfsleuth.analysis import find
+    from perfsleuth.server import queries
+    from perfsleuth.server.window import window
+
+    duck = open_store(demo_data, read_only=True, url="duckdb")
+    ch = store_engines.copy_into_chdb(duck)
+    try:
+        found = [f.to_dict() for f in find(duck)]
+        assert len(found) >= 8  # the demo's planted problems
+        store_engines.same(found, [f.to_dict() for f in find(ch)], "findings")
+        w = window("all")
+        store_engines.same(queries.overview(duck, w), queries.overview(ch, w), "overview")
+        for ep in ("GET /customers/{customer_id}/orders", "GET /shipping/quote"):
+            store_engines.same(
+                queries.endpoint_detail(duck, w, ep),
+                queries.endpoint_detail(ch, w, ep),
+                f"endpoint {ep}",
+            )
+    finally:
+        duck.close()
+        ch.close()
+
+
+def test_the_cli_runs_on_a_chdb_store(tmp_path: Path) -> None:
+    data = str(tmp_path / "data")
+    w = SegmentWriter(data)
+    fill_shop(w, 10)
+    w.close()
+    url = f"chdb://{tmp_path / 'chdb'}?database=cli"
+
+    def cli(*args: str) -> str:
+        r = subprocess.run(
+            [sys.executable, "-m", "perfsleuth", "--store", url, *args, "--data", data],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert '"requests": 30' in cli("ingest", "--json")
+    assert "GET /quote" in cli("top", "--json")
+    cart = "SELECT count() AS n FROM requests WHERE endpoint = 'POST /cart'"
+    assert '"n": 10' in cli("sql", cart, "--json")
