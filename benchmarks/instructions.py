@@ -13,11 +13,13 @@ warm-up requests run uninstrumented (several times faster than under callgrind's
 out of the count), then the child switches counting on (``callgrind_control -i on``) and runs
 N requests (default 500 on fastapi-sqlite, 40 on the PostgreSQL stacks, whose requests make 12
 round trips each) and flushes the agent's writer; the counts over N are what one request costs
-on each thread. ``--no-gc`` switches the garbage collector off for the counted part (the
-counts then repeat to ~0.1 %; with it on, a collection falls into one run and not the next,
-~1 %). ``--rounds`` repeats each measurement. Threads are numbered in start order: 1 the
-event loop (the PostgreSQL stacks serve on it, without a loop), then the agent's writer
-(perfsleuth), then the thread-pool worker.
+on each thread. ``--no-gc`` switches the garbage collector off for the counted part, for A/B
+pairs of code paths (a collection otherwise falls into one run and not the next; even so,
+runs of the same code moved by ~1 % on the PostgreSQL stacks and by up to 2 % on FastAPI,
+whose two threads take turns at the GIL differently from run to run). ``--rounds`` repeats
+each measurement. Threads are numbered in start order: 1 the event loop (the PostgreSQL
+stacks serve on it, without a loop), then the agent's writer (perfsleuth), then the
+thread-pool worker.
 """
 
 from __future__ import annotations
