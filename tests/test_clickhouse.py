@@ -278,3 +278,31 @@ def test_the_cli_runs_on_a_chdb_store(tmp_path: Path) -> None:
     assert "GET /quote" in cli("top", "--json")
     cart = "SELECT count() AS n FROM requests WHERE endpoint = 'POST /cart'"
     assert '"n": 10' in cli("sql", cart, "--json")
+
+
+def test_a_chdb_directory_in_use_is_said_so(tmp_path: Path) -> None:
+    url = f"chdb://{tmp_path / 'chdb'}"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from perfsleuth.store import open_store; "
+            f"s = open_store({str(tmp_path / 'a')!r}, url={url!r}); print('open', flush=True); "
+            "sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        r = subprocess.run(
+            [sys.executable, "-m", "perfsleuth", "--store", url, "top", "--data", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 1, r.stderr
+        assert "is in use by another process" in r.stderr
+    finally:
+        holder.communicate("", timeout=60)
