@@ -3,8 +3,9 @@ Arrow, an Arrow insert) over either of two ways to reach the engine.
 
 * ``clickhouse://[user[:password]@]host[:8123]/database`` (``clickhouses://`` for TLS): a
   ClickHouse server over HTTP through its official Python client, ``clickhouse-connect``
-  (written for ClickHouse 22.8 and later; the DDL and queries need 23.8 or later for
-  ``GROUP BY ALL``, the FILTER clause and ``session_timezone``);
+  (the SQL needs ClickHouse 24.x or later: ``GROUP BY ALL``, aggregate FILTER, named tuples,
+  ``session_timezone``; tested only on chDB 4.4.0, ClickHouse 26.9's engine: no server can be
+  installed where the tests run);
 * ``chdb:///path/to/dir[?database=name]``: chDB, ClickHouse's engine in this process, with its
   data in that directory (the tests run on it; chDB holds one directory per process, so every
   store of a process uses the same directory, each with its own database).
