@@ -219,6 +219,10 @@ def test_retention_drops_raw_days_after_7_and_rollup_days_after_90(
     assert len(days["requests"]) == 2
     assert len(days["rollup_stats"]) == len(days["rollup_hist"]) == 4  # 120 days old: gone
     assert store.sql("SELECT count(*) FROM requests")[1] == [(10,)]
+    # minute rows go with the raw rows; hours and days stay for 90 days
+    by_res = dict(store.sql("SELECT res, sum(requests) FROM rollup_stats GROUP BY 1")[1])
+    assert by_res == {60: 10, 3600: 20, 86400: 20}
+    assert dict(store.sql("SELECT res, sum(requests) FROM rollup_hist GROUP BY 1")[1]) == by_res
     # all data: the rollups answer, 50 and 10 days ago included, 120 days ago not
     rows, answered = store.top_answered()
     assert answered["source"] == "rollups" and rows[0]["count"] == 20

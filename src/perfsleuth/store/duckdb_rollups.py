@@ -114,50 +114,78 @@ class DuckDBRollups(DuckDBFile):
         con = self._con
         con.begin()
         try:
-            counts = []
-            for t in schema.ROLLUP_TABLES:
-                name = schema.day_table(t, d)
-                keys = [c.name for c in t.columns if c.name in (*rollups.KEY, "bucket")]
-                aggs = ", ".join(
-                    f"{'max' if c.name == 'max_ms' else 'sum'}({quote(c.name)}) AS {quote(c.name)}"
-                    for c in t.columns
-                    if c.name not in keys
-                )
-                k = ", ".join(quote(c) for c in keys)
-                order = ", ".join(quote(c) for c in t.order_by)
-                tmp = name + "_compact"
-                con.execute(f"DROP TABLE IF EXISTS {quote(tmp)}")
-                con.execute(schema.duckdb_create(t, tmp))
-                con.execute(
-                    f"INSERT INTO {quote(tmp)} BY NAME SELECT {k}, {aggs} FROM {quote(name)} "
-                    f"GROUP BY {k} ORDER BY {order}"
-                )
-                # the views name the day table: drop them first, make them again after
-                con.execute(f"DROP VIEW IF EXISTS {quote(t.name)}")
-                con.execute(f"DROP TABLE {quote(name)}")
-                con.execute(f"ALTER TABLE {quote(tmp)} RENAME TO {quote(name)}")
-                n = con.execute(f"SELECT count(*) FROM {quote(name)}").fetchone()
-                counts.append(int(n[0]) if n else 0)
-            con.execute(
-                "INSERT OR REPLACE INTO rollup_compacted VALUES (?, ?, ?)",
-                [datetime.combine(d, datetime.min.time()), *counts],
-            )
-            self._create_rollup_views()
+            self._rebuild_day(d)
             con.commit()
         except BaseException:
             con.rollback()
             raise
 
-    def _drop_rollup_days(self, keep_days: int) -> list[str]:
-        """Drop the rollup days that ended more than ``keep_days`` days ago (inside the caller's
-        transaction); returns them (YYYY-MM-DD)."""
+    def _rebuild_day(self, d: date, where: str = "true") -> None:
+        """Rebuild a day's rollup tables with the rows of equal key summed and only the rows
+        ``where`` keeps (inside the caller's transaction): a new table made, the old one
+        dropped, the new one renamed; no row is deleted."""
+        con = self._con
+        counts = []
+        for t in schema.ROLLUP_TABLES:
+            name = schema.day_table(t, d)
+            keys = [c.name for c in t.columns if c.name in (*rollups.KEY, "bucket")]
+            aggs = ", ".join(
+                f"{'max' if c.name == 'max_ms' else 'sum'}({quote(c.name)}) AS {quote(c.name)}"
+                for c in t.columns
+                if c.name not in keys
+            )
+            k = ", ".join(quote(c) for c in keys)
+            order = ", ".join(quote(c) for c in t.order_by)
+            tmp = name + "_compact"
+            con.execute(f"DROP TABLE IF EXISTS {quote(tmp)}")
+            con.execute(schema.duckdb_create(t, tmp))
+            con.execute(
+                f"INSERT INTO {quote(tmp)} BY NAME SELECT {k}, {aggs} FROM {quote(name)} "
+                f"WHERE {where} GROUP BY {k} ORDER BY {order}"
+            )
+            # the views name the day table: drop them first, make them again after
+            con.execute(f"DROP VIEW IF EXISTS {quote(t.name)}")
+            con.execute(f"DROP TABLE {quote(name)}")
+            con.execute(f"ALTER TABLE {quote(tmp)} RENAME TO {quote(name)}")
+            n = con.execute(f"SELECT count(*) FROM {quote(name)}").fetchone()
+            counts.append(int(n[0]) if n else 0)
+        con.execute(
+            "INSERT OR REPLACE INTO rollup_compacted VALUES (?, ?, ?)",
+            [datetime.combine(d, datetime.min.time()), *counts],
+        )
+        self._create_rollup_views()
+
+    def _has_minutes(self, d: date) -> bool:
+        """Whether the rollups of day ``d`` still hold minute rows (retention keeps those only
+        as long as raw rows)."""
+        name = schema.day_table(schema.ROLLUP_STATS, d)
+        if name not in self._table_names():
+            return False
+        r = self._con.execute(
+            f"SELECT count(*) FROM (SELECT 1 FROM {quote(name)} WHERE res = ? LIMIT 1)",
+            [rollups.MINUTE],
+        ).fetchone()
+        return bool(r and r[0])
+
+    def _drop_rollup_days(self, keep_days: int, minute_days: int | None = None) -> list[str]:
+        """Drop the rollup days that ended more than ``keep_days`` days ago, and the minute
+        rows of those that ended more than ``minute_days`` ago (hours and days answer for
+        them), inside the caller's transaction; returns the days dropped (YYYY-MM-DD)."""
         cutoff = utcnow() - timedelta(days=keep_days)
         have = self._day_tables()
+        days = sorted(have["rollup_stats"] & have["rollup_hist"])
+
+        def ended_before(d: date, t: datetime) -> bool:
+            return datetime.combine(d + timedelta(days=1), datetime.min.time()) <= t
+
         old = sorted(
-            d
-            for d in have["rollup_stats"] | have["rollup_hist"]
-            if datetime.combine(d + timedelta(days=1), datetime.min.time()) <= cutoff
+            d for d in have["rollup_stats"] | have["rollup_hist"] if ended_before(d, cutoff)
         )
+        if minute_days is not None:
+            minutes_cutoff = utcnow() - timedelta(days=minute_days)
+            for d in days:
+                if d not in old and ended_before(d, minutes_cutoff) and self._has_minutes(d):
+                    self._rebuild_day(d, f"res > {rollups.MINUTE}")
         for t in schema.ROLLUP_TABLES:
             self._con.execute(f"DROP VIEW IF EXISTS {quote(t.name)}")
         for d in old:
@@ -194,6 +222,8 @@ class DuckDBRollups(DuckDBFile):
         end = utcnow() + timedelta(minutes=1)
         first = datetime.combine(days[0], datetime.min.time())
         lo = max(start, first) if start is not None else first
+        if not self._has_minutes(lo.date()):  # retention left hours: start at a whole hour
+            lo = rollups.ceil_to(lo, rollups.HOUR)
         spans = rollups.plan(lo, end)
         where, params = rollups.span_where(spans)
         if kind is not None:

@@ -199,7 +199,8 @@ class DuckDBWriter(DuckDBRollups):
         self, days: int = RAW_DAYS, rollup_days: int = rollups.ROLLUP_DAYS
     ) -> list[str]:
         """Drop whole days of raw rows that ended more than ``days`` days ago, and of rollups
-        more than ``rollup_days`` ago; returns the raw days dropped (YYYY-MM-DD)."""
+        more than ``rollup_days`` ago (the minute rows of rollups go with the raw rows: hours
+        and days answer for older days); returns the raw days dropped (YYYY-MM-DD)."""
         self._writable("retention")
         if days < 1 or rollup_days < 1:
             raise StoreError(f"retention must be at least 1 day (got {min(days, rollup_days)})")
@@ -218,7 +219,7 @@ class DuckDBWriter(DuckDBRollups):
             for d in old:
                 for t in schema.EVENT_TABLES:
                     con.execute(f"DROP TABLE IF EXISTS {quote(schema.day_table(t, d))}")
-            self._drop_rollup_days(rollup_days)
+            self._drop_rollup_days(rollup_days, minute_days=days)
             con.execute("DELETE FROM agent_stats WHERE ts < ?", [cutoff])
             con.execute("DELETE FROM captures WHERE ts < ?", [cutoff])
             # Offsets of finished segments no longer in the spool can never matter again.

@@ -244,6 +244,11 @@ def _floor(t: datetime, res: int) -> datetime:
     return EPOCH_DT + timedelta(seconds=int(s // res * res))
 
 
+def ceil_to(t: datetime, res: int) -> datetime:
+    """``t`` rounded up to a whole period of ``res`` seconds."""
+    return _ceil(t, res)
+
+
 def _ceil(t: datetime, res: int) -> datetime:
     f = _floor(t, res)
     return f if f == t else f + timedelta(seconds=res)
