@@ -1,6 +1,7 @@
 """OTLP payloads in the orders and repeats exporters send them, mapped (store.otlp's to_batch)
 and committed (insert) into a real DuckDB store: links whichever payload comes first, a payload
-sent twice stored once, and a failed commit losing nothing the retry needs."""
+sent twice stored once, payloads committed together (as the server does for concurrent exporters)
+stored once each, and a failed commit losing nothing the retry needs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from perfsleuth.store.duckdb_store import DuckDBStore
-from perfsleuth.store.otlp.batch import insert, to_batch
+from perfsleuth.store.otlp.batch import insert, insert_many, to_batch
 from perfsleuth.store.otlp.links import links
 from perfsleuth.store.otlp.payload import decode
 from perfsleuth.store.otlp.spans import Pending
@@ -190,3 +191,85 @@ def test_a_server_that_cannot_store_keeps_the_waiting_client_spans(tmp_path: Pat
         assert got.status_code == 503, got.text
     pending = app.state.otlp_pending
     assert (pending.size, len(pending.servers)) == (1, 0)
+
+
+def test_payloads_committed_together_store_a_request_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Payloads of concurrent exporters share one transaction (insert_many): each request, call
+    and dictionary row once, though a payload came twice and two of them name one statement."""
+    query = _span(E, A, 3, 10, 5, SQL)
+    shop = _msg("shop", SERVER_A, query)
+    billing = _msg("billing", SERVER_D, _span("f" * 16, D, 3, 9, 2, SQL))
+    store = _store(tmp_path)
+    transactions: list[int] = []
+    real = store.insert_tables
+
+    def counted(batch: Any, tables: Any) -> None:
+        transactions.append(tables.requests)
+        real(batch, tables)
+
+    monkeypatch.setattr(store, "insert_tables", counted)
+    pending = Pending()
+    mapped = [to_batch(m, pending=pending) for m in (shop, billing, shop)]
+    insert_many(store, mapped, pending)
+    assert len(transactions) == 1
+    rows = store.query("SELECT service, endpoint FROM requests ORDER BY service")
+    assert [(r["service"], r["endpoint"]) for r in rows] == [
+        ("billing", "GET /invoices/:id"),
+        ("shop", "GET /checkout"),
+    ]
+    assert store.query("SELECT count(*) AS n FROM calls")[0]["n"] == 2
+    assert store.query("SELECT count(*) AS n, count(DISTINCT id) AS d FROM fingerprints") == [
+        {"n": 1, "d": 1}
+    ]
+    store.close()
+
+
+def test_the_payloads_queued_during_a_commit_are_committed_together() -> None:
+    """server.otlp.Commits: while one payload's commit runs, those that arrive queue, and the
+    next thread to commit takes them all; a failed commit fails each payload it held."""
+    import threading
+    import time
+
+    from perfsleuth.server.otlp import Commits, _Payload
+    from perfsleuth.store.otlp.batch import Mapped
+    from perfsleuth.store.records import Batch
+
+    commits = Commits()
+    first_running, release = threading.Event(), threading.Event()
+    groups: list[list[str]] = []
+
+    def commit(group: list[_Payload]) -> None:
+        groups.append([p.token for p in group])
+        if p_first in group:
+            first_running.set()
+            release.wait(30)
+        else:
+            raise ValueError("disk full")
+
+    p_first = _Payload(Mapped(Batch()), "first")
+    later = [_Payload(Mapped(Batch()), f"later{i}") for i in range(3)]
+    raised: dict[str, str] = {}
+
+    def send(p: _Payload) -> None:
+        try:
+            commits.store(p, commit)
+        except ValueError as e:
+            raised[p.token] = str(e)
+
+    threads = [threading.Thread(target=send, args=(p_first,))]
+    threads[0].start()
+    assert first_running.wait(30)
+    threads += [threading.Thread(target=send, args=(p,)) for p in later]
+    for t in threads[1:]:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(commits._queue) < len(later) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert groups[0] == ["first"] and sorted(groups[1]) == ["later0", "later1", "later2"]
+    assert len(groups) == 2
+    assert raised == {f"later{i}": "disk full" for i in range(3)}

@@ -1,5 +1,6 @@
 """OTLP/HTTP trace ingest: ``POST /v1/traces`` (protobuf or JSON, maybe gzip), mapped by
-:mod:`perfsleuth.store.otlp` and stored in one transaction per payload.
+:mod:`perfsleuth.store.otlp` and stored in one transaction, shared by the payloads that arrive
+while another commits (:class:`Commits`).
 
 An :class:`fastapi.APIRouter` that :func:`perfsleuth.server.app.create_app` includes; the store
 comes from the app's backend (``app.state.backend``), under its lock. Refusals follow OTLP/HTTP:
@@ -14,6 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from perfsleuth.server.body import TooLarge, read_body
 from perfsleuth.server.fleet import OtlpOrigins
-from perfsleuth.store.otlp.batch import insert, rollback, to_batch
+from perfsleuth.store.otlp.batch import Mapped, insert_many, rollback, to_batch
 from perfsleuth.store.otlp.payload import MAX_BODY, OtlpError, decode, response
 from perfsleuth.store.otlp.spans import Keys, Pending
 
@@ -43,6 +47,73 @@ def keys_from_env() -> Keys:
     )
 
 
+@dataclass
+class _Payload:
+    mapped: Mapped
+    token: str
+    done: bool = False
+    error: BaseException | None = None
+
+
+class Commits:
+    """Mapped payloads waiting for the store, committed together: a payload's thread queues
+    it, and whichever thread holds the commit lock next commits every payload queued by then
+    in one transaction (a DuckDB commit costs milliseconds whatever its size), while the
+    others map theirs. Each thread answers its exporter once its payload is committed (or
+    the commit failed: then every payload of that commit is refused, and retried)."""
+
+    def __init__(self) -> None:
+        self._commit = threading.Lock()
+        self._queue_lock = threading.Lock()
+        self._queue: list[_Payload] = []
+
+    def store(self, payload: _Payload, commit: Callable[[list[_Payload]], None]) -> None:
+        """Return once ``payload`` is committed; raise what failed its commit."""
+        with self._queue_lock:
+            self._queue.append(payload)
+        with self._commit:
+            if not payload.done:
+                with self._queue_lock:
+                    group, self._queue = self._queue, []
+                try:
+                    commit(group)
+                except BaseException as e:
+                    for p in group:
+                        p.error = e
+                finally:
+                    for p in group:
+                        p.done = True
+        failed = payload.error
+        if isinstance(failed, OtlpError):  # a fresh one for each thread that raises it
+            raise OtlpError(failed.status, failed.reason)
+        if failed is not None:
+            raise failed
+
+
+def _commit(state: Any, pending: Pending, group: list[_Payload]) -> None:
+    """Store a group of payloads in one transaction, record which token sent each."""
+    stored = False
+    try:
+        with state.backend.use() as store:
+            if not hasattr(store, "insert_tables") or getattr(store, "read_only", False):
+                raise OtlpError(
+                    503, "this server does not write its store (started without ingest)"
+                )
+            insert_many(store, [p.mapped for p in group], pending, _pending_lock)
+            stored = True
+            origins = getattr(state, "otlp_origins", None)
+            if origins is None:
+                origins = state.otlp_origins = OtlpOrigins()
+            for p in group:
+                origins.record(store, p.mapped.tables, p.token)  # which token sent what
+    except BaseException:  # not stored: the exporters' retries map the payloads again
+        if not stored:
+            with _pending_lock:
+                for p in reversed(group):
+                    rollback(p.mapped, pending)
+        raise
+
+
 def _refuse(status: int, reason: str) -> JSONResponse:
     # The OTLP clients log the body of a refusal: the reason, in the API's error shape.
     return JSONResponse({"error": reason, "status": status}, status)
@@ -50,7 +121,6 @@ def _refuse(status: int, reason: str) -> JSONResponse:
 
 @router.post("/v1/traces", summary="OTLP/HTTP trace ingest (protobuf or JSON, gzip)")
 async def traces(request: Request) -> Response:
-    backend = request.app.state.backend
     state = request.app.state
     try:
         body = await read_body(request, MAX_BODY, "the payload")
@@ -67,24 +137,12 @@ async def traces(request: Request) -> Response:
             pending = getattr(state, "otlp_pending", None)
             if pending is None:
                 pending = state.otlp_pending = Pending()
+            commits = getattr(state, "otlp_commits", None)
+            if commits is None:
+                commits = state.otlp_commits = Commits()
             mapped = to_batch(msg, keys, pending)
         if mapped.tables is not None:
-            try:
-                with backend.use() as store:
-                    if not hasattr(store, "insert_tables") or getattr(store, "read_only", False):
-                        raise OtlpError(
-                            503, "this server does not write its store (started without ingest)"
-                        )
-                    with _pending_lock:
-                        insert(store, mapped, pending)
-                    origins = getattr(state, "otlp_origins", None)
-                    if origins is None:
-                        origins = state.otlp_origins = OtlpOrigins()
-                    origins.record(store, mapped.tables, token)  # which token sent what
-            except BaseException:  # not stored: the exporter's retry maps the payload again
-                with _pending_lock:
-                    rollback(mapped, pending)
-                raise
+            commits.store(_Payload(mapped, token), lambda group: _commit(state, pending, group))
         data, out_type = response(ctype)
         return Response(data, media_type=out_type)
 

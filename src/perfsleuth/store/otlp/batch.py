@@ -5,6 +5,7 @@ from the other modules of this package."""
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ from perfsleuth.store.otlp.spans import (
     read,
 )
 from perfsleuth.store.otlp.tables import to_tables
-from perfsleuth.store.tables import Tables
+from perfsleuth.store.tables import Tables, drop_known_traces, trace_ids
 from perfsleuth.wire import BLOCKER, FINGERPRINT
 from perfsleuth.wire import fingerprint as fpr
 
@@ -63,17 +64,65 @@ def insert(store: Any, mapped: Mapped, pending: Pending) -> None:
     """Commit a payload's tables (``store.insert_tables``), in one transaction, and remember
     its dictionary rows as stored. Its segments are not recorded: they stand for the payload's
     sources, which have no spool offsets to keep."""
-    if mapped.tables is None:
+    insert_many(store, [mapped], pending)
+
+
+def insert_many(
+    store: Any,
+    mapped: list[Mapped],
+    pending: Pending,
+    lock: AbstractContextManager[Any] | None = None,
+) -> None:
+    """Commit the tables of several payloads in one transaction (a DuckDB transaction costs
+    milliseconds whatever its size: payloads of concurrent exporters share one), a request
+    that two of them bring stored once. When the commit fails, each payload's changes to
+    ``pending`` are undone (:func:`rollback`, latest first). ``lock`` guards ``pending``
+    (held only to change it, not during the commit)."""
+    guard = lock if lock is not None else nullcontext()
+    parts = [m for m in mapped if m.tables is not None]
+    if not parts:
         return
     try:
-        _drop_stored_blocks(store, mapped.tables)
-        store.insert_tables(records.Batch(), mapped.tables)
+        tables = _merged([m.tables for m in parts if m.tables is not None])
+        _drop_stored_blocks(store, tables)
+        store.insert_tables(records.Batch(), tables)
     except BaseException:
-        rollback(mapped, pending)
+        with guard:
+            for m in reversed(parts):
+                rollback(m, pending)
         raise
-    if len(pending.stored) > MAX_CACHED * 5:
-        pending.stored.clear()
-    pending.stored.update(mapped.new)
+    with guard:
+        if len(pending.stored) > MAX_CACHED * 5:
+            pending.stored.clear()
+        for m in parts:
+            pending.stored.update(m.new)
+
+
+def _merged(parts: list[Tables]) -> Tables:
+    """Several payloads' tables as one: each day's tables concatenated, a trace's request (with
+    its calls, attributes and blocks) from the first payload that brings it, dictionary rows
+    once."""
+    if len(parts) == 1:
+        return parts[0]
+    out = Tables()
+    seen = pa.array([], pa.string())
+    for t in parts:
+        ids = trace_ids(t)
+        drop_known_traces(t, seen)
+        seen = pa.concat_arrays([seen, ids])
+        out.requests += t.requests
+        out.calls += t.calls
+        for d, tabs in t.days.items():
+            day = out.days.setdefault(d, {})
+            for name, tab in tabs.items():
+                day[name] = pa.concat_tables([day[name], tab]) if name in day else tab
+    for name in ("fingerprints", "locations", "stacks"):
+        rows = [getattr(t, name) for t in parts if getattr(t, name) is not None]
+        if rows:
+            both = pa.concat_tables(rows)
+            _, first = np.unique(both["id"].to_numpy(), return_index=True)
+            setattr(out, name, both.take(pa.array(np.sort(first))))
+    return out
 
 
 def _drop_stored_blocks(store: Any, tables: Tables) -> None:
