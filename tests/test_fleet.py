@@ -815,3 +815,35 @@ def test_retention_keeps_only_the_received_segments_a_kept_request_may_come_from
             r[0] for r in store._con.execute("SELECT segment FROM segments_received").fetchall()
         )
     assert kept == ["a~backlog", "a~origin", "a~recent"]
+
+
+def test_a_segment_received_while_the_store_is_busy_is_recorded_by_the_next_ingest(
+    tmp_path: Path,
+) -> None:
+    """The origin of a segment whose chunk came while the store's lock was held (an ingest
+    round, an API call) is written by the next ingest round, not only by a later chunk: an
+    agent's last chunk has none after it."""
+    from fastapi.testclient import TestClient
+
+    from perfsleuth.server import create_app
+    from spoolwrite import SegmentWriter, call
+
+    w = SegmentWriter(str(tmp_path / "agent"), host="h9", pid=9)
+    w.request("GET /x", calls=[call()])
+    seg = Path(w.close())
+    base = seg.name[: -len(".seg")]
+    tokens = {INGEST_TOKEN: ("team_a", "ingest"), READ_TOKEN: ("ui", "read")}
+    app = create_app(str(tmp_path / "server"), tokens=tokens, ingest_every=3600)
+    with TestClient(app) as client:
+        be = app.state.backend
+        with be.lock:  # busy: the chunk is stored and acknowledged, its origin waits
+            r = client.post(
+                f"/api/ingest/segment?agent=h9&segment={base}&offset=0&final=1",
+                content=seg.read_bytes(),
+                headers={"Authorization": f"Bearer {INGEST_TOKEN}"},
+            )
+        assert r.status_code == 200, r.text
+        be.ingest_once()
+        with be.use() as store:
+            rows = store.query("SELECT segment, token, host FROM segments_received")
+    assert rows == [{"segment": f"h9~{base}", "token": "team_a", "host": "testbox"}]

@@ -212,6 +212,8 @@ export interface FingerprintRow {
 
 export interface Fleet {
   window: Record<string, string>;
+  /** What the request counts came from. */
+  source: "raw" | "rollups";
   sources: FleetSource[];
   tokens: FleetToken[];
   /** The hosts of ``sources``: the UI's host filter. */
@@ -226,9 +228,11 @@ export interface FleetSource {
   host: string;
   service: string;
   requests: number;
-  /** Distinct process ids. */
-  processes: number;
+  /** Distinct process ids (None when rollups answered: a long window). */
+  processes: number | null;
+  /** First request (None when rollups answered). */
   first: string | null;
+  /** Last request (None when rollups answered). */
   last: string | null;
   /** Names of the tokens that sent from it (--tokens). */
   tokens: string[];

@@ -221,8 +221,8 @@ def fleet(
             r["host"] or "-",
             r["service"] or "-",
             f"{r['requests']:,}",
-            str(r["processes"]),
-            str(r["last"])[:19],
+            "-" if r["processes"] is None else str(r["processes"]),
+            "-" if r["last"] is None else str(r["last"])[:19],
             ", ".join(r["tokens"]) or "-",
             ", ".join(r["via"]) or "local spool",
         )

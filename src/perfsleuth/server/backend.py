@@ -67,6 +67,10 @@ class Backend:
         self._stop = threading.Event()
         self._findings: dict[tuple[str, str | None], tuple[float, list[Any]]] = {}
         self._thread: threading.Thread | None = None
+        # segments_received rows waiting for the store's lock (routes.ingest adds them; the
+        # next chunk or ingest round that holds the lock writes them).
+        self.received: list[dict[str, Any]] = []
+        self.received_lock = threading.Lock()
 
     @contextmanager
     def use(self) -> Iterator[Store]:
@@ -93,6 +97,7 @@ class Backend:
         try:
             with self.lock:
                 report = self.store.ingest()
+                self.record_received()
             self.last_ingest = {
                 "at": time.time(),
                 "requests": report.requests,
@@ -101,6 +106,18 @@ class Backend:
         except Exception as e:  # keep serving what is there; say why ingest failed
             log.warning("ingest failed: %s", e)
             self.last_ingest = {"at": time.time(), "requests": 0, "error": str(e)}
+
+    def record_received(self) -> None:
+        """Write the pending ``segments_received`` rows; the caller holds the store's lock.
+        A failure keeps them for the next try (DATA/incoming/received.jsonl has them too)."""
+        with self.received_lock:
+            if not self.received or getattr(self.store, "read_only", False):
+                return
+            try:
+                self.store.record_received(self.received)
+                self.received.clear()
+            except Exception as e:
+                log.warning("could not record received segments: %s", e)
 
     def start(self) -> None:
         if self.ingest_every <= 0 or self._thread is not None:

@@ -112,26 +112,47 @@ class OtlpOrigins:
 
 def fleet(store: Store, w: Window) -> dict[str, Any]:
     """Hosts and services with requests in the window (with the tokens and routes that sent
-    from each), and every token's share of what was received."""
-    cond, params = ("ts >= ?", [w.start]) if w.start is not None else ("true", [])
-    sources = store.query(
-        f"""WITH req AS (
-                SELECT coalesce(host, '') AS host, coalesce(service, '') AS service,
-                    count(*) AS requests, count(DISTINCT pid) AS processes,
-                    min(ts) AS first, max(ts) AS last
-                FROM requests WHERE {cond} GROUP BY ALL),
-            rec AS (
-                SELECT coalesce(host, '') AS host, coalesce(service, '') AS service,
-                    list(DISTINCT token ORDER BY token) FILTER (WHERE token IS NOT NULL)
-                        AS tokens,
-                    list(DISTINCT CASE WHEN agent = '{OTLP_AGENT}' THEN 'otlp' ELSE 'agent' END
-                         ORDER BY 1) AS via
-                FROM segments_received GROUP BY ALL)
-            SELECT req.*, coalesce(rec.tokens, []) AS tokens, coalesce(rec.via, []) AS via
-            FROM req LEFT JOIN rec USING (host, service)
-            ORDER BY requests DESC, host, service""",
-        params,
-    )
+    from each), and every token's share of what was received. The counts are ``store.top``'s
+    by host and service (rollups answer long windows); processes and first/last request come
+    from raw rows only when those answered (None otherwise: a scan of them all would be slow)."""
+    top, answered = store.top_answered(since=w.since, by=("host", "service"))
+    detail: dict[tuple[str, str], dict[str, Any]] = {}
+    if answered["source"] == "raw":
+        cond, params = ("ts >= ?", [w.start]) if w.start is not None else ("true", [])
+        for r in store.query(
+            f"""SELECT coalesce(host, '') AS host, coalesce(service, '') AS service,
+                count(DISTINCT pid) AS processes, min(ts) AS first, max(ts) AS last
+            FROM requests WHERE {cond} GROUP BY ALL""",
+            params,
+        ):
+            detail[r["host"], r["service"]] = r
+    sent: dict[tuple[str, str], dict[str, Any]] = {
+        (r["host"], r["service"]): r
+        for r in store.query(
+            f"""SELECT coalesce(host, '') AS host, coalesce(service, '') AS service,
+                list(DISTINCT token ORDER BY token) FILTER (WHERE token IS NOT NULL) AS tokens,
+                list(DISTINCT CASE WHEN agent = '{OTLP_AGENT}' THEN 'otlp' ELSE 'agent' END
+                     ORDER BY 1) AS via
+            FROM segments_received GROUP BY ALL"""
+        )
+    }
+    sources: list[dict[str, Any]] = []
+    for r in top:
+        key = (r["host"] or "", r["service"] or "")
+        d, s = detail.get(key, {}), sent.get(key, {})
+        sources.append(
+            {
+                "host": key[0],
+                "service": key[1],
+                "requests": int(r["count"]),
+                "processes": d.get("processes"),
+                "first": d.get("first"),
+                "last": d.get("last"),
+                "tokens": s.get("tokens") or [],
+                "via": s.get("via") or [],
+            }
+        )
+    sources.sort(key=lambda r: (-r["requests"], r["host"], r["service"]))
     tokens = store.query(
         f"""SELECT coalesce(token, '') AS token,
                 CASE WHEN agent = '{OTLP_AGENT}' THEN 'otlp' ELSE 'agent' END AS via,
@@ -143,6 +164,7 @@ def fleet(store: Store, w: Window) -> dict[str, Any]:
     )
     return {
         "window": {"since": w.label},
+        "source": answered["source"],
         "sources": sources,
         "tokens": tokens,
         "hosts": sorted({r["host"] for r in sources}),

@@ -119,9 +119,11 @@ class FleetSource(Model):
     host: str = Field(description="'' when the requests carry no host.")
     service: str
     requests: int
-    processes: int = Field(description="Distinct process ids.")
-    first: str | None
-    last: str | None
+    processes: int | None = Field(
+        description="Distinct process ids (None when rollups answered: a long window)."
+    )
+    first: str | None = Field(description="First request (None when rollups answered).")
+    last: str | None = Field(description="Last request (None when rollups answered).")
     tokens: list[str] = Field(description="Names of the tokens that sent from it (--tokens).")
     via: list[str] = Field(description="'agent' (spool segments) and/or 'otlp'.")
 
@@ -140,6 +142,7 @@ class FleetToken(Model):
 
 class Fleet(Model):
     window: dict[str, str]
+    source: Literal["raw", "rollups"] = Field(description="What the request counts came from.")
     sources: list[FleetSource]
     tokens: list[FleetToken]
     hosts: list[str] = Field(description="The hosts of ``sources``: the UI's host filter.")

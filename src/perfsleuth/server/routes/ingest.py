@@ -56,7 +56,7 @@ _pruned_at = 0.0
 # One segment's chunks are written under one lock: a fixed array keyed by a hash of the name,
 # so a name's lock never changes however many segments come and go (two segments may share one).
 _LOCKS = tuple(threading.Lock() for _ in range(256))
-_pending_lock = threading.Lock()
+_ledger_lock = threading.Lock()
 
 
 def _lock(name: str) -> threading.Lock:
@@ -163,38 +163,28 @@ def _record_origin(request: Request, place: Place, agent: str, token: str, data:
         "received_ns": time.time_ns(),
         "started_ns": head.get("started_ns") if isinstance(head.get("started_ns"), int) else None,
     }
-    state = request.app.state
-    data_dir = state.backend.data_dir
-    with _pending_lock:
+    be = request.app.state.backend
+    with _ledger_lock:
         try:
-            os.makedirs(os.path.join(data_dir, "incoming"), exist_ok=True)
-            with open(os.path.join(data_dir, "incoming", "received.jsonl"), "a") as fh:
+            os.makedirs(os.path.join(be.data_dir, "incoming"), exist_ok=True)
+            with open(os.path.join(be.data_dir, "incoming", "received.jsonl"), "a") as fh:
                 fh.write(json.dumps(row) + "\n")
         except OSError as e:
             log.warning("could not write the received-segments ledger: %s", e)
-        pending: list[dict[str, Any]] | None = getattr(state, "ingest_origins", None)
-        if pending is None:
-            pending = state.ingest_origins = []
-        pending.append(row)
+    with be.received_lock:
+        be.received.append(row)
 
 
 def flush_origins(request: Request) -> None:
-    """Insert the pending origin rows into ``segments_received`` if the store is free."""
-    state = request.app.state
-    be = state.backend
-    with _pending_lock:
-        pending: list[dict[str, Any]] = getattr(state, "ingest_origins", None) or []
-        if not pending or not be.lock.acquire(blocking=False):
-            return
-        try:
-            if getattr(be.store, "read_only", False):
-                return
-            be.store.record_received(pending)
-            pending.clear()
-        except Exception as e:  # the ledger file has them; try again with the next chunk
-            log.warning("could not record received segments: %s", e)
-        finally:
-            be.lock.release()
+    """Insert the pending origin rows into ``segments_received`` if the store is free (else
+    the next chunk, or the next ingest round, does)."""
+    be = request.app.state.backend
+    if not be.received or not be.lock.acquire(blocking=False):
+        return
+    try:
+        be.record_received()
+    finally:
+        be.lock.release()
 
 
 def _store(place: Place, offset: int, data: bytes, final: bool) -> tuple[int, bool, bool]:
