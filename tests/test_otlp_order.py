@@ -273,3 +273,18 @@ def test_the_payloads_queued_during_a_commit_are_committed_together() -> None:
     assert groups[0] == ["first"] and sorted(groups[1]) == ["later0", "later1", "later2"]
     assert len(groups) == 2
     assert raised == {f"later{i}": "disk full" for i in range(3)}
+
+
+def test_loop_blocks_two_payloads_of_one_commit_bring_are_stored_once(tmp_path: Path) -> None:
+    """The same payload twice in one group commit: a block filed under a stored request, and
+    one under no request, one blocker each."""
+    blocked = {"perfsleuth.block.ms": 30.0}
+    late = _span(E, A, 1, 50, 30, blocked)
+    alone = {**_span(B, "", 1, 500, 40, blocked), "traceId": "8" * 32}
+    pending = Pending()
+    with _store(tmp_path) as store:
+        _post(store, pending, _msg("node-api", SERVER_A))
+        twice = [to_batch(_msg("node-api", late, alone), pending=pending) for _ in range(2)]
+        insert_many(store, twice, pending)
+        rows = store.query("SELECT trace_id FROM blockers ORDER BY trace_id NULLS LAST")
+    assert [r["trace_id"] for r in rows] == [TRACE + A, None]

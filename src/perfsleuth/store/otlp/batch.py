@@ -116,6 +116,16 @@ def _merged(parts: list[Tables]) -> Tables:
             day = out.days.setdefault(d, {})
             for name, tab in tabs.items():
                 day[name] = pa.concat_tables([day[name], tab]) if name in day else tab
+    for day in out.days.values():  # a loop block two payloads bring (none of a request)
+        blocks = day.get("blockers")
+        if blocks is not None and blocks.num_rows > 1:
+            cols = (blocks[c].to_pylist() for c in ("ts", "service", "trace_id"))
+            met: set[tuple[Any, ...]] = set()
+            keep = []
+            for key in zip(*cols, strict=True):
+                keep.append(key not in met)
+                met.add(key)
+            day["blockers"] = blocks.filter(pa.array(keep, pa.bool_()))
     for name in ("fingerprints", "locations", "stacks"):
         rows = [getattr(t, name) for t in parts if getattr(t, name) is not None]
         if rows:
