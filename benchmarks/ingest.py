@@ -18,7 +18,10 @@ Printed, each against its target (issue 20 item 4, issue 19):
   them (``POST /api/ingest/segment``, gzip) and ingests them; requests per CPU second of the
   server process (utime + stime from /proc, HTTP and ingest), and wall time until its spool
   is empty;
-- the time of ``top`` and ``traces`` on the store.
+- the time of ``top`` and ``traces`` on the store;
+- with chDB installed (``--engines duckdb,chdb``, the default then): the same spool ingested
+  into ClickHouse's engine in-process (``chdb://``), in requests per CPU second, and the bytes
+  of its active parts per request.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from datetime import timedelta
 from typing import Any
 
 from perfsleuth.agent.spool.encode import BATCH_MAX
+from perfsleuth.store import open_store
 from perfsleuth.store.duckdb_store import DuckDBStore
 
 # The tests' spool writer (tests/ is not a package: its modules are found through sys.path).
@@ -205,12 +209,57 @@ def write_spool(data_dir: str, n_requests: int, calls_per_request: int, seed: in
     return total
 
 
+def chdb_run(segments: str) -> None:
+    """Ingest the segments into a chDB store; print requests per CPU second and bytes of
+    its active parts per request, against the DuckDB targets."""
+    data_dir = tempfile.mkdtemp(prefix="perfsleuth-bench-chdb-")
+    chdb_dir = tempfile.mkdtemp(prefix="perfsleuth-bench-chdb-db-")
+    shutil.copytree(segments, os.path.join(data_dir, "spool"))
+    try:
+        store = open_store(data_dir, url=f"chdb://{chdb_dir}?database=bench")
+        c0, t0 = time.process_time(), time.perf_counter()
+        rep = store.ingest()
+        cpu, dt = time.process_time() - c0, time.perf_counter() - t0
+        parts = store.query(
+            "SELECT sum(bytes_on_disk) AS b FROM system.parts WHERE database = 'bench' AND active"
+        )[0]["b"]
+        store.close()
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        shutil.rmtree(chdb_dir, ignore_errors=True)
+    rate = rep.requests / cpu
+    per_request = (parts or 0) / max(1, rep.requests)
+    print(
+        f"chdb ingest: {rep.requests:,} requests in {cpu:.2f} CPU s = {rate:,.0f} requests per "
+        f"CPU second (target >= {TARGET_REQUESTS_PER_CPU_S:,}: "
+        f"{verdict(rate >= TARGET_REQUESTS_PER_CPU_S)}); wall {dt:.2f} s"
+    )
+    print(
+        f"chdb parts: {(parts or 0) / 1e6:.1f} MB, {per_request:.0f} bytes per request with its "
+        f"calls (target <= {TARGET_BYTES_PER_REQUEST}: "
+        f"{verdict(per_request <= TARGET_BYTES_PER_REQUEST)})"
+    )
+
+
+def _chdb_installed() -> bool:
+    try:
+        import chdb  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--dir", default=None, help="data dir to use (default: a temporary one)")
     ap.add_argument("--no-collector", action="store_true", help="skip the collector run")
+    ap.add_argument(
+        "--engines",
+        default="duckdb,chdb" if _chdb_installed() else "duckdb",
+        help="also ingest into chdb (ClickHouse in-process) when it is named",
+    )
     args = ap.parse_args()
     data_dir = args.dir or tempfile.mkdtemp(prefix="perfsleuth-bench-")
     try:
@@ -221,7 +270,8 @@ def main() -> None:
             f"{spool_bytes / 1e6:.1f} MB, written in {time.perf_counter() - t0:.1f} s"
         )
         segments = tempfile.mkdtemp(prefix="perfsleuth-bench-segments-")
-        if not args.no_collector:  # the same segments, for the collector run
+        engines = {e.strip() for e in args.engines.split(",")}
+        if not args.no_collector or "chdb" in engines:  # the same segments, for other runs
             for name in os.listdir(os.path.join(data_dir, "spool")):
                 shutil.copy(os.path.join(data_dir, "spool", name), segments)
         store = DuckDBStore(data_dir)
@@ -246,6 +296,8 @@ def main() -> None:
         )
         if not args.no_collector:
             collector_run(segments, args.requests)
+        if "chdb" in engines:
+            chdb_run(segments)
         shutil.rmtree(segments, ignore_errors=True)
         store = DuckDBStore(data_dir, read_only=True)
         for label, fn in (
