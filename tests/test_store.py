@@ -513,7 +513,8 @@ def test_schema_renders_for_duckdb_and_clickhouse() -> None:
     assert '"user" VARCHAR' in ddl and '"duration_ms" DOUBLE' in ddl
     assert "PRIMARY KEY" in schema.duckdb_create(schema.FINGERPRINTS)
     ch = schema.clickhouse_create(schema.CALLS, cluster="c1", replicated=True, ttl_days=14)
-    assert 'ON CLUSTER "c1"' in ch and "ENGINE = ReplicatedMergeTree()" in ch
+    assert 'ON CLUSTER "c1"' in ch
+    assert "ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}'" in ch
     assert "PARTITION BY toDate(ts)" in ch and 'ORDER BY ("service", "endpoint", "ts")' in ch
     assert "TTL toDateTime(ts) + INTERVAL 14 DAY" in ch and "ttl_only_drop_parts = 1" in ch
     assert '"endpoint" LowCardinality(String)' in ch
