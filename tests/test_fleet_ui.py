@@ -4,7 +4,10 @@ hosts of two services; the API's ``host`` / ``service`` filters against the same
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,3 +150,24 @@ def test_one_host_and_service_show_no_pickers(tmp_path: Path, page: Any) -> None
         assert not page.locator("#service-filter").is_visible()
         assert not page.locator("#fleet").count()
     shutil.rmtree(data, ignore_errors=True)
+
+
+def test_top_takes_the_same_filters(tmp_path: Path) -> None:
+    data = str(tmp_path / "data")
+    fleet_data(data)
+
+    def top(*args: str) -> Any:
+        out = subprocess.run(
+            [sys.executable, "-m", "perfsleuth", "top", "--data", data, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert counts(json.loads(top("--host", "web2", "--json"))["rows"]) == {"GET /a": 3, "GET /b": 2}
+    got = json.loads(top("--service", "billing", "--by", "host", "--json"))["rows"]
+    assert [(r["host"], r["count"]) for r in got] == [("worker1", 4)]
+    assert "5 requests of host 'web2'" in top("--host", "web2")
+    assert "No requests of host 'nowhere'" in top("--host", "nowhere")

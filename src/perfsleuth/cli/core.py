@@ -208,6 +208,12 @@ def top(
         str | None, typer.Option("--kind", help="Only web requests or background tasks.")
     ] = None,
     limit: Annotated[int, typer.Option("--limit", help="Rows to show.")] = 20,
+    host: Annotated[
+        str | None, typer.Option("--host", help="Only the requests of this host (the fleet).")
+    ] = None,
+    service: Annotated[
+        str | None, typer.Option("--service", help="Only the requests of this service.")
+    ] = None,
     no_ingest: NoIngestOpt = False,
     json: JsonOpt = False,
 ) -> None:
@@ -217,7 +223,8 @@ def top(
     k = _check_kind(kind)
     positive(limit, "--limit")
     with store_for_reading(data, ingest=not no_ingest) as store:
-        rows = store.top(since=window, by=groups, kind=k)
+        only = {c: v for c, v in (("host", host), ("service", service)) if v is not None}
+        rows = store.top(since=window, by=groups, kind=k, only=only)
         drops = store.agent_drops()
         if not rows and not drops.get("dropped_total"):
             ensure_not_empty(store, data)  # nothing stored and nothing lost: say how to start
@@ -226,12 +233,13 @@ def top(
         print_json({"rows": shown, "drops": drops})
         return
     out = out_console()
+    scope = "".join(f" of {c} {v!r}" for c, v in only.items())
     if not rows:
-        what = f"{k} requests" if k else "requests"
+        what = (f"{k} requests" if k else "requests") + scope
         out.print(Text(f"No {what} {_window(since)} in {data}; try a longer --since."))
     else:
         count = sum(int(r.get("count") or 0) for r in rows)
-        title = f"{count:,} requests {_window(since)}, by {', '.join(groups)}"
+        title = f"{count:,} requests{scope} {_window(since)}, by {', '.join(groups)}"
         if len(rows) > len(shown):
             title += f" (top {len(shown)} of {len(rows)}; --limit shows more)"
         out.print(render.top_table(shown, groups, title))
