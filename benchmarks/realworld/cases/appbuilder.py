@@ -47,6 +47,12 @@ EXPECT = Expect(
             "the menu's checks for an anonymous user read the public role once per entry "
             "(SecurityManager.get_public_role, the same in both releases): the login page",
         ),
+        (
+            "SELECT ab_permission_view.id AS ab_permission_view_id, ab_permission_",
+            "... and load the public role's permissions again for each entry "
+            "(SecurityManager.get_public_permissions -> role.permissions, the same code in both "
+            "releases; raised once the login page has enough requests): the login page",
+        ),
     ),
 )
 CLEAN = ["GET /", "GET /permissions/list/", "GET /productview/list/"]
