@@ -115,6 +115,33 @@ def test_sqlite_distinct_statements_share_the_stack(in_request: Callable[..., An
     assert all(e[3] is entries[0][3] for e in entries)
 
 
+def test_a_code_classified_anew_is_seen_anew_by_the_site_path(
+    in_request: Callable[..., Any], site_path: str
+) -> None:
+    """The kind of a code object can change while the agent runs (an application package
+    resolved after its code was first seen): the site path (C's remembers the kinds it read)
+    takes the new kind at the next call."""
+    run = _library["run"].__code__
+    sql = "SELECT * FROM p WHERE id = %s"
+
+    def site_code(req: recorder.ActiveRequest) -> int:
+        assert req.site_list is not None
+        return int(req.site_list[-1][4][1])  # the site key: (statement, id(code), lasti)
+
+    with in_request("GET /before") as req:
+        _library["execute"](recorder.start_call, sql, (1,))
+    assert site_code(req) != id(run)  # the library's frames are passed: this test's line
+    stacks._kind[id(run)] = (run, True)  # the library's module is now application code
+    try:
+        recorder.forget_sites()
+        with in_request("GET /after") as req:
+            _library["execute"](recorder.start_call, sql, (1,))
+        assert site_code(req) == id(run)
+    finally:
+        stacks._kind.pop(id(run), None)
+        recorder.forget_sites()
+
+
 def test_a_library_call_s_known_site_takes_no_python_site_path(
     in_request: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -27,6 +27,7 @@
 #include <frameobject.h>
 #include <structmember.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -404,15 +405,75 @@ forget_last(PyObject *req)
     }
 }
 
+/* What kind_of and is_engine_frame last read from their dicts (stacks._kind, templates._engine:
+ * id(code) -> (code, answer)), by the code's address: a walk up a stack of 20 library frames
+ * per statement (an ORM's) otherwise makes an int of each address and looks it up twice.
+ * An entry holds the dict's version tag when it was read and is used only while the dict's
+ * tag is the same: any insert, pop or clear since changes the tag, so the dict still maps the
+ * code to the same answer and still holds the code (its address cannot have been reused). No
+ * reference is held. CPython 3.11 (3.12 deprecates the tag): later versions look up the dict. */
+#if PY_VERSION_HEX < 0x030C0000
+#define MEMO_SIZE 1024 /* a power of two */
+typedef struct {
+    const void *code;
+    uint64_t version;
+    int answer;
+} MemoEntry;
+static MemoEntry kind_memo[MEMO_SIZE], engine_memo[MEMO_SIZE];
+
+static inline MemoEntry *
+memo_slot(MemoEntry *memo, const void *code)
+{
+    return &memo[((uintptr_t)code >> 4) & (MEMO_SIZE - 1)];
+}
+
+static inline int
+memo_get(MemoEntry *memo, PyObject *dict, const void *code, int *answer)
+{
+    MemoEntry *e = memo_slot(memo, code);
+    if (e->code == code && e->version == ((PyDictObject *)dict)->ma_version_tag) {
+        *answer = e->answer;
+        return 1;
+    }
+    return 0;
+}
+
+static inline void
+memo_put(MemoEntry *memo, PyObject *dict, const void *code, int answer)
+{
+    MemoEntry *e = memo_slot(memo, code);
+    e->code = code;
+    e->version = ((PyDictObject *)dict)->ma_version_tag;
+    e->answer = answer;
+}
+#else
+#define memo_get(memo, dict, code, answer) 0
+#define memo_put(memo, dict, code, answer) ((void)0)
+#endif
+
 /* stacks.classify of a frame's code: 1 application, 0 library, -1 the agent's, -2 error. */
 static int
 kind_of(PyFrameObject *frame)
 {
     PyCodeObject *code = PyFrame_GetCode(frame);
+    int known;
+    if (PyDict_CheckExact(code_kinds) && memo_get(kind_memo, code_kinds, code, &known)) {
+        Py_DECREF(code);
+        return known;
+    }
     PyObject *id = PyLong_FromVoidPtr(code);
     PyObject *hit = id ? PyDict_GetItemWithError(code_kinds, id) : NULL; /* borrowed */
     Py_XDECREF(id);
     PyObject *k;
+    if (hit != NULL && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2 &&
+        PyTuple_GET_ITEM(hit, 0) == (PyObject *)code) {
+        k = PyTuple_GET_ITEM(hit, 1);
+        int r = k == Py_None ? -1 : (k == Py_True ? 1 : 0);
+        if (PyDict_CheckExact(code_kinds))
+            memo_put(kind_memo, code_kinds, code, r);
+        Py_DECREF(code);
+        return r;
+    }
     if (hit != NULL && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2) {
         k = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
     }
@@ -539,11 +600,24 @@ static int
 is_engine_frame(PyFrameObject *f)
 {
     PyCodeObject *code = PyFrame_GetCode(f);
+    int known;
+    if (PyDict_CheckExact(engines) && memo_get(engine_memo, engines, code, &known)) {
+        Py_DECREF(code);
+        return known;
+    }
     PyObject *id = PyLong_FromVoidPtr(code);
-    Py_DECREF(code);
     PyObject *hit = id ? PyDict_GetItemWithError(engines, id) : NULL; /* borrowed */
     Py_XDECREF(id);
     PyObject *e;
+    if (hit != NULL && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2 &&
+        PyTuple_GET_ITEM(hit, 0) == (PyObject *)code) {
+        int r = PyObject_IsTrue(PyTuple_GET_ITEM(hit, 1));
+        if (r >= 0 && PyDict_CheckExact(engines))
+            memo_put(engine_memo, engines, code, r);
+        Py_DECREF(code);
+        return r;
+    }
+    Py_DECREF(code);
     if (hit != NULL && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2)
         e = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
     else if (PyErr_Occurred())
