@@ -109,7 +109,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # Store tests run on each engine (tests/store_engines.py)
     if "store_engine" in metafunc.fixturenames:
         module = metafunc.module.__name__.rpartition(".")[2]
-        metafunc.parametrize("store_engine", store_engines.engines_for(module))
+        metafunc.parametrize("store_engine", store_engines.engines_for(module), scope="module")
 
 
 @pytest.fixture

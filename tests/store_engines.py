@@ -13,6 +13,8 @@ import itertools
 import math
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 ENGINES_ENV = "PERFSLEUTH_TEST_ENGINES"
@@ -128,3 +130,35 @@ def copy_into_chdb(duck: Any) -> Any:
             ch._client.insert_arrow(name, tbl.cast(t.arrow_schema()), {})
     reset()
     return ch
+
+
+@contextmanager
+def serving(engine: str, data_dir: str) -> Iterator[None]:
+    """While in the block, the server's backend opens ``data_dir`` on ``engine``: on chDB, a
+    copy of the DuckDB store there (other data directories open as usual)."""
+    if engine == "duckdb":
+        yield
+        return
+    from perfsleuth.server import backend
+    from perfsleuth.store import open_store
+
+    duck = open_store(data_dir, read_only=True, url="duckdb")
+    try:
+        ch = copy_into_chdb(duck)
+    finally:
+        duck.close()
+    url = ch.url
+    ch.close()
+    real = backend.open_store
+    served = os.path.abspath(data_dir)
+
+    def open_served(d: str, **kw: Any) -> Any:
+        if os.path.abspath(d) == served and "url" not in kw:
+            kw["url"] = url
+        return real(d, **kw)
+
+    backend.open_store = open_served  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        backend.open_store = real

@@ -306,3 +306,29 @@ def test_a_chdb_directory_in_use_is_said_so(tmp_path: Path) -> None:
         assert "is in use by another process" in r.stderr
     finally:
         holder.communicate("", timeout=60)
+
+
+def test_the_console_is_read_only_bounded_and_sealed(tmp_path: Path) -> None:
+    from perfsleuth.server import console
+
+    duck, ch = ingest_both(tmp_path, lambda w: fill_shop(w, 10))
+    try:
+        for query, message in (
+            ("SELECT * FROM file('/etc/passwd', 'LineAsString')", "disabled"),
+            ("SELECT file('/etc/passwd')", "disabled"),
+            ("SELECT * FROM url('http://127.0.0.1:9/')", "disabled"),
+            ("INSERT INTO requests SELECT * FROM requests", "read-only"),
+            ("SELEC 1", "syntax"),
+        ):
+            with pytest.raises(console.ConsoleError, match=message):
+                console.run_on_store(ch, query, 10, None)
+        with pytest.raises(console.ConsoleError, match=r"longer than 0\.5 s"):
+            console.run_on_store(
+                ch, "SELECT sum(sleepEachRow(0.05)) FROM requests", 10, None, time_limit=0.5
+            )
+        # the session still answers afterwards
+        res = console.run_on_store(ch, "SELECT endpoint FROM requests ORDER BY ts", 5, None)
+        assert len(res.encoded) == 5 and res.truncated_by == "rows"
+    finally:
+        duck.close()
+        ch.close()

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+import store_engines
 from perfsleuth.analysis.findings import find
 from perfsleuth.demo import ENDPOINTS
 from perfsleuth.server import create_app
@@ -37,8 +38,13 @@ def data(demo_data: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(data: str) -> Iterator[TestClient]:
-    with TestClient(create_app(data, ingest_every=0, sql_time_limit=2.0)) as c:
+def client(data: str, store_engine: str) -> Iterator[TestClient]:
+    # on each engine (tests/store_engines.py): on chDB the app opens a copy of the demo's
+    # store (the app is made once serving() is entered)
+    with (
+        store_engines.serving(store_engine, data),
+        TestClient(create_app(data, ingest_every=0, sql_time_limit=2.0)) as c,
+    ):
         yield c
 
 
@@ -252,7 +258,9 @@ def test_bad_sql(client: TestClient, query: str, message: str) -> None:
     assert message.lower() in r.json()["error"].lower()
 
 
-def test_sql_time_limit(client: TestClient) -> None:
+def test_sql_time_limit(client: TestClient, store_engine: str) -> None:
+    if store_engine != "duckdb":
+        pytest.skip("a DuckDB query (range()); ClickHouse stops at max_execution_time")
     slow = (
         "SELECT count(*) FROM range(200000) a, range(200000) b "
         "WHERE (a.range * 7 + b.range) % 1000003 = 5"
@@ -367,8 +375,12 @@ def test_the_server_ingests_the_spool_as_it_grows(tmp_path: Path) -> None:
         assert status["ingest"]["error"] is None and status["endpoints"] == 1
 
 
-def test_cli_commands_run_beside_a_read_only_server(client: TestClient, data: str) -> None:
+def test_cli_commands_run_beside_a_read_only_server(
+    client: TestClient, data: str, store_engine: str
+) -> None:
     """The demo serves its UI without ingest (read-only): the commands it suggests still work."""
+    if store_engine == "chdb":
+        pytest.skip("chDB serves one process at a time (a ClickHouse server: any number)")
     assert get(client, "/api/status")["endpoints"] > 0
     r = subprocess.run(
         [sys.executable, "-m", "perfsleuth", "top", "--data", data, "--json"],

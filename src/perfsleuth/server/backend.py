@@ -154,7 +154,9 @@ class Backend:
         try:
             if getattr(self.store, "engine", "duckdb") != "duckdb":
                 with self.lock:
-                    return console.run_on_store(self.store, query, limit, max_bytes)
+                    return console.run_on_store(
+                        self.store, query, limit, max_bytes, time_limit=time_limit
+                    )
             with self._console_lock:
                 if self._console_con is None:
                     raise console.ConsoleError("the server is shutting down")

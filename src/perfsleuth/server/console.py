@@ -620,17 +620,24 @@ def _first_line(e: BaseException) -> str:
 
 
 def run_on_store(
-    store: Any, query: str, limit: int, max_bytes: int | None, encode: bool = True
+    store: Any,
+    query: str,
+    limit: int,
+    max_bytes: int | None,
+    encode: bool = True,
+    time_limit: float | None = None,
 ) -> Result:
     """A console statement on a store whose engine is not DuckDB (ClickHouse): the engine's
-    own read-only statement (``store.sql``, which its server runs read-only), capped like
-    :func:`run` by rows and bytes."""
+    own read-only statement (``store.sql``, which its server runs read-only and stops past
+    ``time_limit``), capped like :func:`run` by rows and bytes."""
     from perfsleuth.store.base import StoreError
 
     started = time.monotonic()
     try:
-        columns, rows = store.sql(query, limit + 1)
+        columns, rows = store.sql(query, limit + 1, time_limit=time_limit)
     except StoreError as e:
+        if "TIMEOUT_EXCEEDED" in str(e):
+            raise _too_long(time_limit) from e
         raise ConsoleError(str(e)) from e
     out = Result(list(columns))
     for row in rows[:limit]:

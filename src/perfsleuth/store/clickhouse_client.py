@@ -124,11 +124,18 @@ class ChdbClient:
         self._closed = False
 
     def _run(self, sql: str, fmt: str = "CSV") -> Any:
-        try:
-            with self._lock:
+        with self._lock:
+            try:
                 return self._session.query(sql, fmt)
-        except Exception as e:  # chDB raises RuntimeError with the engine's message
-            raise StoreError(f"ClickHouse (chDB): {e}") from e
+            except Exception as e:  # chDB raises RuntimeError with the engine's message
+                # A query stopped while its Arrow stream was being written (a timeout) leaves
+                # the stream's rest to the next Arrow query of the session (chDB 4.4): a
+                # throwaway query takes it.
+                try:
+                    self._session.query("SELECT 1", "ArrowTable")
+                except Exception:
+                    pass
+                raise StoreError(f"ClickHouse (chDB): {e}") from e
 
     def command(self, sql: str) -> None:
         self._run(sql)

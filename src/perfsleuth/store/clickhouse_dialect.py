@@ -93,13 +93,19 @@ def _qualify(tree: Any, database: str) -> None:
             t.set("db", exp.to_identifier(database, quoted=True))
 
 
+# Scalar functions that reach outside the store (files, hosts, programs)
+_EXTERNAL_FUNCTIONS = frozenset(
+    {"file", "url", "s3", "hdfs", "executable", "remote", "remotesecure", "azureblobstorage"}
+)
+
+
 def read_only_clickhouse(sql: str, database: str) -> str:
     """A console statement in ClickHouse's SQL with its tables in ``database``; ValueError
     unless it is one SELECT (a UNION, a WITH, ...)."""
     try:
         stmts = [s for s in sqlglot.parse(sql, read="clickhouse") if s is not None]
     except sqlglot.errors.ParseError as e:
-        raise ValueError(str(e).splitlines()[0]) from e
+        raise ValueError(f"syntax error: {str(e).splitlines()[0]}") from e
     if not stmts:
         raise ValueError("the query is empty")
     if len(stmts) > 1:
@@ -110,6 +116,15 @@ def read_only_clickhouse(sql: str, database: str) -> str:
             "only read-only queries are allowed (SELECT); "
             f"this is a {type(tree).__name__.upper()} statement"
         )
+    for f in tree.find_all(exp.Anonymous):
+        if str(f.this).lower() in _EXTERNAL_FUNCTIONS:
+            raise ValueError(f"{f.this}() is disabled in the console: it reads files or hosts")
+    for t in tree.find_all(exp.Table):
+        if not isinstance(t.this, exp.Identifier):  # file(), url(), s3(), remote(), ...
+            raise ValueError(
+                f"table functions are disabled in the console ({t.this.sql('clickhouse')}): "
+                "it reads the store's tables only"
+            )
     _qualify(tree, database)
     return tree.sql(dialect="clickhouse")
 

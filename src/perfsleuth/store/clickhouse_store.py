@@ -186,14 +186,20 @@ class ClickHouseStore(DuckDBReader):
         rows = self._q(f"SELECT count() FROM {self._t(table)} WHERE trace_id = ?", [trace_id])
         return int(rows[0][0]) if rows else 0
 
-    def sql(self, query: str, limit: int = 10_000) -> tuple[list[str], list[tuple[Any, ...]]]:
-        """One SELECT in ClickHouse's SQL (run with ``readonly = 2``: the server refuses any
-        write); at most ``limit`` rows."""
+    def sql(
+        self, query: str, limit: int = 10_000, time_limit: float | None = None
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """One SELECT in ClickHouse's SQL over the store's tables (no table functions; run with
+        ``readonly = 2``: the server refuses any write); at most ``limit`` rows; stopped past
+        ``time_limit`` seconds (the engine's TIMEOUT_EXCEEDED)."""
         try:
             text = read_only_clickhouse(query, self.database)
         except ValueError as e:
             raise StoreError(str(e)) from e
-        table = self._client.query_arrow(f"{text}\nSETTINGS readonly = 2")
+        settings = "readonly = 2"
+        if time_limit:
+            settings += f", max_execution_time = {float(time_limit):g}"
+        table = self._client.query_arrow(f"{text}\nSETTINGS {settings}")
         cur = _Cursor(table)
         return [d[0] for d in cur.description], cur.fetchmany(max(0, int(limit)))
 
