@@ -407,7 +407,7 @@ def test_wsgi_agent_failure_never_reaches_the_app(
     def broken(*a: Any, **k: Any) -> Any:
         raise ZeroDivisionError("agent bug")
 
-    monkeypatch.setattr(ps_wsgi, "read_environ", broken)
+    monkeypatch.setattr(ps_wsgi, "_identity", broken)
     client = flask_app.create_app().test_client()
     r = client.get("/admin/customers/9")
     assert r.status_code == 200 and r.get_json()["customer_id"] == 9

@@ -28,7 +28,14 @@ from types import ModuleType
 from typing import Any
 
 from perfsleuth.agent import capture, recorder
-from perfsleuth.agent.frameworks.common import content_length, endpoint, read_environ
+from perfsleuth.agent.frameworks.common import (
+    LOAD_ENV,
+    content_length,
+    endpoint,
+    identity_value,
+    load_tags,
+)
+from perfsleuth.agent.frameworks.common import identity as _identity
 
 _get_ident = threading.get_ident
 _current = recorder._current
@@ -70,6 +77,10 @@ def record_wsgi(
     except Exception:
         req = None
     if req is None:
+        outer = _current.get()
+        if outer is not None and not outer.endpoint and _flask_request is not None:
+            # A Flask app inside a recorded request (mounted in Starlette, say): it names it.
+            return app(environ, _NamingStartResponse(outer, start_response))
         return app(environ, start_response)
     # every field of _Body (it has no __init__: one Python call less a request)
     body = _new(_Body)
@@ -80,10 +91,28 @@ def record_wsgi(
     body._tid = req.thread
     body._sent = 0
     body._headers = body._iterable = body._it = None
-    try:
-        read_environ(req, environ)
-        if capture.on:
-            body._tap = capture.tap_wsgi_input(environ)
+    try:  # frameworks.common.read_environ, inlined: it runs for every request
+        ident = _identity()
+        if ident.user_env is not None:
+            v = environ.get(ident.user_env)
+            if v:
+                req.user = identity_value(v)
+        if ident.tenant_env is not None:
+            v = environ.get(ident.tenant_env)
+            if v:
+                req.tenant = identity_value(v)
+        v = environ.get(LOAD_ENV)
+        if v:
+            load_tags(req, v)
+        size = environ.get("CONTENT_LENGTH")
+        if size in _NO_BODY:
+            req.req_bytes = 0
+            if capture.on and "HTTP_TRANSFER_ENCODING" in environ:
+                body._tap = capture.tap_wsgi_input(environ)
+        else:
+            req.req_bytes = content_length(size) or 0
+            if capture.on:
+                body._tap = capture.tap_wsgi_input(environ)
     except Exception:  # identity and size are lost, not the request
         recorder.internal_error()
     try:
@@ -92,6 +121,9 @@ def record_wsgi(
         body.fail(exc)
         raise
     return body.wrap(result, environ)
+
+
+_NO_BODY = (None, "", "0")
 
 
 class _Body:
@@ -129,6 +161,13 @@ class _Body:
             try:
                 req.status = int(str(status)[:3])
                 self._headers = headers
+                if _flask_request is not None and not req.endpoint:
+                    # Flask calls start_response inside its request context: its matched
+                    # URL rule names the endpoint (no request_started signal: blinker's
+                    # dispatch costs more than the rest of this wrapper).
+                    ctx = _flask_request.get(None)
+                    if ctx is not None:
+                        _name_from_flask(req, ctx)
             except Exception:
                 recorder.internal_error()
         if exc_info is None:
@@ -225,7 +264,8 @@ class _Body:
         if close is None or req is None:  # nothing to run, or the request ended (exhausted)
             if close is not None:
                 close()
-            self._finish()
+            if self._req is not None:
+                self._finish()
             return
         token = _set(req)
         try:
@@ -287,11 +327,55 @@ def _reset(token: Any) -> None:
 
 _flask_connected = False
 _flask_lock = threading.Lock()
+# Flask's request-context ContextVar (Flask >= 2.3), once connected: start_response reads the
+# matched URL rule from it. None: not connected, or an older Flask (its request_started signal
+# names the endpoint then).
+_flask_request: Any = None
+_endpoints: dict[tuple[str, str], str] = {}  # (method, URL rule) -> endpoint name
+
+
+def _name_from_flask(req: recorder.ActiveRequest, ctx: Any) -> None:
+    """Name ``req`` after the URL rule Flask matched in request context ``ctx`` (none matched:
+    left unnamed, recorded as unmatched)."""
+    rule = ctx.request.url_rule
+    if rule is None:
+        return
+    key = (req.method, rule.rule)
+    name = _endpoints.get(key)
+    if name is None:
+        if len(_endpoints) >= 10_000:
+            _endpoints.clear()
+        name = _endpoints[key] = endpoint(*key)
+    req.endpoint = name
+
+
+class _NamingStartResponse:
+    """The server's start_response for a Flask app running inside a request recorded by
+    another integration: names that request after Flask's URL rule."""
+
+    __slots__ = ("outer", "start_response")
+
+    def __init__(self, outer: recorder.ActiveRequest, start_response: Callable[..., Any]) -> None:
+        self.outer = outer
+        self.start_response = start_response
+
+    def __call__(self, status: str, headers: Any, exc_info: Any = None) -> Any:
+        try:
+            ctx = _flask_request.get(None) if not self.outer.endpoint else None
+            if ctx is not None:
+                _name_from_flask(self.outer, ctx)
+        except Exception:
+            recorder.internal_error()
+        if exc_info is None:
+            return self.start_response(status, headers)
+        return self.start_response(status, headers, exc_info)
 
 
 def connect_flask() -> None:
-    """Take endpoint names and unhandled exceptions from Flask's signals (once per process)."""
-    global _flask_connected
+    """Take endpoint names and unhandled exceptions from Flask (once per process): the URL
+    rule from the request context start_response runs in (the request_started signal on a
+    Flask older than 2.3), the exception from the got_request_exception signal."""
+    global _flask_connected, _flask_request
     if _flask_connected:
         return
     try:
@@ -301,8 +385,6 @@ def connect_flask() -> None:
             from flask import globals as flask_globals
             from flask import signals
 
-            # Flask >= 2.3 keeps the request context in a ContextVar: read straight from it
-            # (the ``request`` proxy costs a few Python calls per request); else the proxy.
             request_var = getattr(flask_globals, "_cv_request", None)
             proxy = flask_globals.request
 
@@ -311,8 +393,7 @@ def connect_flask() -> None:
                 if req is None or req.endpoint:
                     return
                 try:
-                    ctx = request_var.get(None) if request_var is not None else None
-                    rule = ctx.request.url_rule if ctx is not None else proxy.url_rule
+                    rule = proxy.url_rule
                     if rule is not None:
                         req.endpoint = endpoint(req.method, rule.rule)
                 except Exception:
@@ -324,9 +405,19 @@ def connect_flask() -> None:
                 req = _current.get()
                 if req is not None and exception is not None:
                     req.error = type(exception).__name__
+                    # sent inside the request context: an exception that propagates never
+                    # reaches start_response
+                    ctx = request_var.get(None) if request_var is not None else None
+                    if ctx is not None and not req.endpoint:
+                        try:
+                            _name_from_flask(req, ctx)
+                        except Exception:
+                            recorder.internal_error()
 
-            signals.request_started.connect(on_request_started, weak=False)
+            if request_var is None:
+                signals.request_started.connect(on_request_started, weak=False)
             signals.got_request_exception.connect(on_exception, weak=False)
+            _flask_request = request_var
             _flask_connected = True
     except Exception:
         recorder.internal_error()
