@@ -35,6 +35,7 @@ from perfsleuth.wire.segment import encode_record
 # beside 64.
 BATCH_MAX = 64
 SEEN_BYTES = 72  # an id in a segment's set of what it holds: the int and its slot
+FLAT_MEMO_BYTES = 150  # an entry of Encoder.flats: its key, tuple and ints
 DEFAULT_CACHE_LIMIT = 4 << 20
 
 _serials = itertools.count(1)
@@ -107,10 +108,14 @@ class Encoder:
         # repeat the sites of the previous ones
         self.sites: dict[Any, list[Any]] = {}
         self.unlisted = False  # a site had a kind or system the wire has no code for
+        # id(stack tuple) -> (the tuple, serial of the segment, stack id, call-site location
+        # id): the stacks of new sites by object (see site); holds the tuples, so ids stay
+        # unique
+        self.flats: dict[int, tuple[Any, int, int, int]] = {}
 
     def reset(self) -> None:
         """Empty the caches."""
-        for cache in (self.locs, self.stack_ids, self.fps, self.sites):
+        for cache in (self.locs, self.stack_ids, self.fps, self.sites, self.flats):
             cache.clear()  # type: ignore[attr-defined]
         self.cache_bytes = 0
         stats["cache_resets"] += 1
@@ -207,7 +212,22 @@ class Encoder:
                 self._intern_site(seg, out, kind, target, flat)
                 hit[4] = seg.serial
             return hit[1]  # type: ignore[no-any-return]
-        fid, sid, where = self._intern_site(seg, out, kind, target, flat)
+        # A new site: mostly a statement never seen (literals in its text) made where others
+        # were, its stack the object the recorder captured there before (recorder._stack_cache).
+        # That stack's ids are remembered by the object for the segment: no key of its frames
+        # built and hashed again for each such statement.
+        if flat:
+            memo = self.flats.get(id(flat))
+            if memo is not None and memo[0] is flat and memo[1] == seg.serial:
+                sid, where = memo[2], memo[3]
+            else:
+                sid, where = self.stack(seg, out, flat)
+                if memo is None:
+                    self.cache_bytes += FLAT_MEMO_BYTES
+                self.flats[id(flat)] = (flat, seg.serial, sid, where)
+        else:
+            sid = where = NULL
+        fid = NULL if target is None else self.fingerprint(seg, out, kind, target)
         skipped = self.skipped and target is not None
         resolved = [
             fid,
