@@ -225,7 +225,7 @@ class DuckDBRollups(DuckDBFile):
         if not self._has_minutes(lo.date()):  # retention left hours: start at a whole hour
             lo = rollups.ceil_to(lo, rollups.HOUR)
         spans = rollups.plan(lo, end)
-        where, params = rollups.span_where(spans)
+        where, params = "true", []
         if kind is not None:
             where += " AND kind = ?"
             params.append(kind)
@@ -233,8 +233,8 @@ class DuckDBRollups(DuckDBFile):
         where += f" AND {only_sql}"
         params.extend(only_params)
         first_day = lo.date()
-        stats_src = self._rollup_source(schema.ROLLUP_STATS, [d for d in days if d >= first_day])
-        hist_src = self._rollup_source(schema.ROLLUP_HIST, [d for d in days if d >= first_day])
+        stats_src = self._span_source(schema.ROLLUP_STATS, spans, days)
+        hist_src = self._span_source(schema.ROLLUP_HIST, spans, days)
         # Raw rows are complete for the window unless retention dropped days rollups still hold.
         raw_days = self._days()
         in_window = [d for d in days if d >= first_day]
@@ -264,8 +264,29 @@ class DuckDBRollups(DuckDBFile):
         }
 
     @staticmethod
-    def _rollup_source(t: schema.Table, days: list[date]) -> str:
-        return f"({schema.duckdb_union(t, days)})"
+    def _span_source(t: schema.Table, spans: list[rollups.Span], days: list[date]) -> str:
+        """FROM-able SQL over the rows of ``spans``: per span, the day tables it touches, each
+        with a plain ``res`` and ``ts`` range (a day table is sorted by res, so its zone maps
+        skip the other resolutions; one OR of the spans over the view scanned every row)."""
+        have = set(days)
+        selects = []
+        # only what top reads: the histogram's ts and res are not
+        keep = [c for c in t.column_names if t is not schema.ROLLUP_HIST or c not in ("ts", "res")]
+        cols = ", ".join(quote(c) for c in keep)
+        for sp in spans:
+            d, last = sp.lo.date(), (sp.hi - timedelta(microseconds=1)).date()
+            while d <= last:
+                if d in have:
+                    selects.append(
+                        f"SELECT {cols} FROM {quote(schema.day_table(t, d))}"
+                        f" WHERE res = {int(sp.res)}"
+                        f" AND ts >= TIMESTAMP '{sp.lo.isoformat(sep=' ')}'"
+                        f" AND ts < TIMESTAMP '{sp.hi.isoformat(sep=' ')}'"
+                    )
+                d += timedelta(days=1)
+        if not selects:
+            return f"(SELECT {cols} FROM ({schema.duckdb_empty(t)}))"
+        return "(" + " UNION ALL ".join(selects) + ")"
 
     def _rows(self, sql: str, params: Any = ()) -> list[dict[str, Any]]:
         cur = self._con.execute(sql, list(params))
