@@ -105,6 +105,12 @@ def demo_data(demo_run: DemoRun) -> str:
     return demo_run.data
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _chdb_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """chDB's data, for the tests that run on it, under the session's temporary directory."""
+    store_engines.use_dir(str(tmp_path_factory.mktemp("chdb")))
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # Store tests run on each engine (tests/store_engines.py)
     if "store_engine" in metafunc.fixturenames:

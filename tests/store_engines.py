@@ -53,6 +53,13 @@ def engines_for(module: str) -> list[str]:
     return ["duckdb"]
 
 
+def use_dir(path: str) -> None:
+    """Where this process's chDB keeps its data (the test session's temporary directory)."""
+    global _chdb_dir
+    if _chdb_dir is None:
+        _chdb_dir = path
+
+
 def chdb_url(name: str | None = None) -> str:
     """A store URL of a new database in this process's chDB directory (chDB holds one
     directory per process)."""
