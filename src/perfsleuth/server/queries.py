@@ -162,13 +162,23 @@ def _rollup_percentiles(
     return rollups.top_rows(stats, hist, by, step / 60)
 
 
-def overview(store: Store, w: Window) -> dict[str, Any]:
-    rows, answered = _endpoint_table(store, w)
-    start, end, step = _bounds(store, w)
-    res = _rollup_res(answered, step)
-    if res is not None:
+def _chart_axis(
+    store: Store, w: Window, answered: dict[str, Any]
+) -> tuple[datetime, datetime, int, int | None]:
+    """The charts' axis and the rollup resolution they read (None: raw rows): the axis of
+    the rollups when they answered the table and its step is whole minutes."""
+    if answered["source"] == "rollups":
         start, end, step = _bounds(store, w, "rollup_stats")
         res = _rollup_res(answered, step)
+        if res is not None:
+            return start, end, step, res
+    start, end, step = _bounds(store, w)
+    return start, end, step, None
+
+
+def overview(store: Store, w: Window) -> dict[str, Any]:
+    rows, answered = _endpoint_table(store, w)
+    start, end, step, res = _chart_axis(store, w, answered)
     x = _axis(start, end, step)
     index = {t: i for i, t in enumerate(x)}
     top = [r["endpoint"] for r in rows[:TOP_SERIES]]
@@ -279,11 +289,7 @@ def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
     check_endpoint(store, endpoint)
     table, answered = _endpoint_table(store, w)
     summary = next((r for r in table if r["endpoint"] == endpoint), None)
-    start, end, step = _bounds(store, w)
-    res = _rollup_res(answered, step)
-    if res is not None:
-        start, end, step = _bounds(store, w, "rollup_stats")
-        res = _rollup_res(answered, step)
+    start, end, step, res = _chart_axis(store, w, answered)
     x = _axis(start, end, step)
     index = {t: i for i, t in enumerate(x)}
     series: dict[str, list[Any]] = {k: [None] * len(x) for k in ("p50", "p95", "p99", "count")}
