@@ -40,18 +40,25 @@ class DuckDBRollups(DuckDBFile):
         rows = rollups.rollups_of(tables.days)
         if not rows:
             return
-        have = self._day_tables()
+        # Days whose tables existed at the last commit (a small transaction, an OTLP payload,
+        # asks the catalog only for a new day); a rolled-back day is not in it.
+        known: set[date] = getattr(self, "_rollup_days", set())
+        have = self._day_tables() if set(rows) - known else None
         created = False
+        added = 0
         for d, parts in rows.items():
             for t in schema.ROLLUP_TABLES:
                 name = schema.day_table(t, d)
-                if d not in have[t.name]:
+                if have is not None and d not in have[t.name]:
                     self._con.execute(schema.duckdb_create(t, name))
                     created = True
                 self._insert_arrow(name, parts[t.name])
+                added += parts[t.name].num_rows
         if created:
             self._create_rollup_views()
+        self._rollup_new_days = set(rows)
         self._rollup_touched = getattr(self, "_rollup_touched", set()) | set(rows)
+        self._rollup_added = getattr(self, "_rollup_added", 0) + added
 
     def _insert_arrow(self, table: str, data: pa.Table) -> None:
         if not data.num_rows:
@@ -72,6 +79,14 @@ class DuckDBRollups(DuckDBFile):
         that grew past twice their compacted size (and COMPACT_MIN_ROWS); with ``final`` (at
         the end of an ingest run) also the days that are over and changed since compacted;
         with ``force`` every day not compact. Returns the days compacted."""
+        # called after a commit: the days it wrote exist
+        self._rollup_days = getattr(self, "_rollup_days", set()) | getattr(
+            self, "_rollup_new_days", set()
+        )
+        self._rollup_new_days = set()
+        if not (final or force) and getattr(self, "_rollup_added", 0) < COMPACT_MIN_ROWS // 2:
+            return []  # no day can have doubled since the last look: skip the catalog queries
+        self._rollup_added = 0
         touched: set[date] = getattr(self, "_rollup_touched", set())
         self._rollup_touched = set()
         have = self._day_tables()
@@ -172,6 +187,7 @@ class DuckDBRollups(DuckDBFile):
         rows of those that ended more than ``minute_days`` ago (hours and days answer for
         them), inside the caller's transaction; returns the days dropped (YYYY-MM-DD)."""
         cutoff = utcnow() - timedelta(days=keep_days)
+        self._rollup_days = set()  # days are dropped: ask the catalog again
         have = self._day_tables()
         days = sorted(have["rollup_stats"] & have["rollup_hist"])
 
