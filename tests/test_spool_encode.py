@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from perfsleuth.agent import recorder, shipper
-from perfsleuth.agent.spool.encode import Interned, encode_requests
+from perfsleuth.agent.spool.encode import Encoder, Interned, encode_requests
 from perfsleuth.wire import FINGERPRINT, HEADER, LOCATION, REQUESTS, STACK
 from perfsleuth.wire.segment import FILE_MAGIC, read_segment
 
@@ -90,6 +90,22 @@ def test_a_segment_gets_each_dictionary_record_once(
     assert [t for t, _ in again] == [REQUESTS]
     alone = records(encode_requests(recorded[1:]))  # a new segment: all of them again
     assert {t for t, _ in alone} == {LOCATION, STACK, FINGERPRINT, REQUESTS}
+
+
+def test_one_encoder_writes_a_known_stack_into_each_new_segment(
+    recorded: list[recorder.ActiveRequest],
+) -> None:
+    # The writer's encoder outlives its segments and remembers the stack of new sites by the
+    # stack object: statements never seen before (a literal each) made from one line share it.
+    for oid in (1, 2, 3):
+        order_page(oid, 0)
+    enc = Encoder(fingerprint_cpu_pct=None)
+    first = records(encode_requests(recorded[:2], Interned(), encoder=enc))
+    second = records(encode_requests(recorded[2:], Interned(), encoder=enc))
+    stacks = [{o["id"] for t, o in recs if t == STACK} for recs in (first, second)]
+    assert stacks[0] and stacks[1] == stacks[0]
+    locations = [{o["id"] for t, o in recs if t == LOCATION} for recs in (first, second)]
+    assert locations[0] and locations[1] == locations[0]
 
 
 AGENT = r"""
