@@ -1284,6 +1284,11 @@ static PyTypeObject WrapperType = {
 /* ------------------------------------------------------------------ requests: begin, end
  * recorder.begin and recorder.end in C (same behaviour: the Python ones are the reference). */
 
+/* A request's CPU clock at its start and its CPU time at its end, read as the ASGI steps' are
+ * (see cpu_at, in "CPU time of a request" below): mostly one system call a request, not two. */
+static PyObject *request_cpu_start(void);
+static PyObject *request_cpu_ns(long long cpu0, PyObject *start, PyObject *end);
+
 static PyObject *
 ns_of(clockid_t clock)
 {
@@ -1370,7 +1375,7 @@ begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnam
     set_field(req, layout, F_SITES, Py_NewRef(no_sites));
     bad |= set_field(req, layout, F_THREAD, PyLong_FromUnsignedLong(PyThread_get_thread_ident()));
     if (values[3] != NULL && PyObject_IsTrue(values[3]) == 1)
-        bad |= set_field(req, layout, F_CPU_START, ns_of(CLOCK_THREAD_CPUTIME_ID));
+        bad |= set_field(req, layout, F_CPU_START, request_cpu_start());
     PyObject *id = PyLong_FromVoidPtr(req);
     if (bad || id == NULL || PyDict_SetItem(inflight, id, req) < 0) {
         Py_XDECREF(id);
@@ -1412,9 +1417,12 @@ end(PyObject *module, PyObject *req)
     Py_XDECREF(id);
     PyObject *cpu_start = get_field(req, layout, F_CPU_START);
     if (cpu_start != NULL && cpu_start != Py_None) {
-        PyObject *now = ns_of(CLOCK_THREAD_CPUTIME_ID);
-        set_field(req, layout, F_CPU_NS, now ? PyNumber_Subtract(now, cpu_start) : NULL);
-        Py_XDECREF(now);
+        long long cpu0 = PyLong_AsLongLong(cpu_start);
+        set_field(req, layout, F_CPU_NS,
+                  cpu0 == -1 && PyErr_Occurred()
+                      ? NULL
+                      : request_cpu_ns(cpu0, get_field(req, layout, F_START),
+                                       get_field(req, layout, F_END)));
     }
     PyObject *token = get_field(req, layout, F_TOKEN);
     if (token != NULL && token != Py_None) {
@@ -1803,6 +1811,39 @@ cpu_used(long long cpu0, long long wall0)
     last_wall = wall1;
     long long cpu = cpu1 - cpu0;
     return cpu < 0 ? 0 : cpu < used ? cpu : used;
+}
+
+static PyObject *
+request_cpu_start(void)
+{
+    return PyLong_FromLongLong(cpu_at(wall_ns()));
+}
+
+/* A request's CPU time from cpu0 (request_cpu_start's) and its start and end (perf_counter_ns
+ * ints): its wall time when shorter than SHORT_RUN_NS, else the CPU clock now less cpu0,
+ * clamped to [0, wall time]. A new reference, or NULL with an error set. */
+static PyObject *
+request_cpu_ns(long long cpu0, PyObject *start, PyObject *end)
+{
+    long long used = -1;
+    if (start != NULL && end != NULL && PyLong_CheckExact(start) && PyLong_CheckExact(end)) {
+        long long t0 = PyLong_AsLongLong(start), t1 = PyLong_AsLongLong(end);
+        if (PyErr_Occurred())
+            PyErr_Clear();
+        else if (t0 > 0 && t1 >= t0)
+            used = t1 - t0;
+    }
+    if (used >= 0 && used < SHORT_RUN_NS)
+        return PyLong_FromLongLong(used);
+    long long wall1 = wall_ns(), cpu1 = thread_cpu_ns();
+    last_cpu = cpu1;
+    last_wall = wall1;
+    long long cpu = cpu1 - cpu0;
+    if (cpu < 0)
+        cpu = 0;
+    if (used >= 0 && cpu > used)
+        cpu = used;
+    return PyLong_FromLongLong(cpu);
 }
 
 /* req.cpu_ns += used, when the request counts CPU that way (an int, not None); keeps the
