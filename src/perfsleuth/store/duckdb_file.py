@@ -9,6 +9,7 @@ whole days. :class:`DuckDBFile` is the base of the writer (:mod:`.duckdb_writer`
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from datetime import UTC, date, datetime
@@ -207,13 +208,35 @@ class DuckDBFile:
         # A store written by an older version, opened read-only, may lack a newer table on
         # some days: each view covers the days its table exists.
         have = self._day_tables()
-        for t in schema.EVENT_TABLES:
-            self._con.execute(
-                schema.duckdb_view(t, [d for d in days if d in have[t.name]], temp=temp)
-            )
+        wanted = [
+            (t, schema.duckdb_view(t, [d for d in days if d in have[t.name]], temp=temp))
+            for t in schema.EVENT_TABLES
+        ]
         # Rollups are kept longer than raw rows: their views cover every day they exist.
-        for t in schema.ROLLUP_TABLES:
-            self._con.execute(schema.duckdb_view(t, sorted(have[t.name]), temp=temp))
+        wanted += [
+            (t, schema.duckdb_view(t, sorted(have[t.name]), temp=temp))
+            for t in schema.ROLLUP_TABLES
+        ]
+        # A view is replaced only when its definition changed (its comment holds a digest of
+        # the statement that made it): opening an up-to-date store writes nothing, so it
+        # opens on a full disk, and ingest then says that the disk is full.
+        made = {} if temp else self._view_digests()
+        for t, sql in wanted:
+            digest = hashlib.sha1(sql.encode()).hexdigest()[:16]
+            if made.get(t.name) == digest:
+                continue
+            self._con.execute(sql)
+            if not temp:
+                self._con.execute(f"COMMENT ON VIEW {quote(t.name)} IS '{digest}'")
+
+    def _view_digests(self) -> dict[str, str]:
+        return {
+            name: comment or ""
+            for name, comment in self._con.execute(
+                "SELECT view_name, comment FROM duckdb_views() WHERE NOT internal "
+                "AND schema_name = 'main' AND database_name = current_database()"
+            ).fetchall()
+        }
 
     def _table_names(self) -> set[str]:
         return {
