@@ -97,9 +97,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "upstream_latency": {
         # An endpoint is "dominated" by a host when over half its time is spent waiting on it,
-        # or when most of its requests call the host and the median one spends over half its
-        # time waiting on it (a few requests slowed by something else leave that unchanged).
         "min_time_share": 0.5,
+        # or when at least half its requests call the host and the median of those spends over
+        # half its time waiting on it (a few requests slowed by something else, a blocked loop
+        # or a starved CPU, leave that unchanged while they sink the share of all the time).
+        "min_typical_share": 0.5,
         # Typical wait per calling request (Sentry's N+1 API threshold is 300 ms in total;
         # anything under ~20 ms per request is not worth a finding of its own).
         "min_ms_per_request": 20.0,

@@ -74,7 +74,7 @@ def detect(ctx: Context) -> list[Finding]:
         [
             int(ctx.t(KIND, "min_requests")),
             float(ctx.t(KIND, "min_time_share")),
-            float(ctx.t(KIND, "min_time_share")),
+            float(ctx.t(KIND, "min_typical_share")),
             float(ctx.t(KIND, "min_ms_per_request")),
             float(ctx.t(KIND, "min_ms_per_call")),
         ],
