@@ -19,6 +19,8 @@ from perfsleuth.server import queries
 from perfsleuth.server.window import window
 from perfsleuth.store import duckdb_rollups, rollups, schema
 from perfsleuth.store.duckdb_store import DuckDBStore
+from perfsleuth.store.records import Batch
+from perfsleuth.store.tables import Tables
 from spoolwrite import SegmentWriter, call
 
 HOUR_NS = 3600 * 10**9
@@ -278,3 +280,45 @@ def test_overview_and_endpoint_pages_say_rollups_answered(
     assert ep["source"]["source"] == "rollups"
     assert sum(c or 0 for c in ep["percentiles"]["count"]) == 500
     assert sum(b["count"] for b in ep["histogram"]) == 500
+
+
+def test_a_failed_commit_leaves_no_rollup_day_behind_that_later_batches_count_on(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit that fails rolls back the day's new rollup tables; a later commit (here one
+    with no requests) must not take the day as made, or every batch of it fails after."""
+    rng = random.Random(5)
+    write(data_dir, rng, 50, endpoints={"GET /a": skewed}, span_ns=HOUR_NS, end_ns=time.time_ns())
+    real_commit = store._commit
+
+    def fails_once() -> None:
+        monkeypatch.setattr(store, "_commit", real_commit)
+        raise OSError("commit refused")
+
+    monkeypatch.setattr(store, "_commit", fails_once)
+    with pytest.raises(OSError, match="commit refused"):
+        store.ingest()
+    store.insert_tables(Batch(), Tables())  # a commit of nothing (an OTLP payload of no rows)
+    store.ingest()
+    assert store.sql("SELECT sum(requests) FROM rollup_stats WHERE res = 60")[1] == [(50,)]
+
+
+def test_a_failed_compaction_does_not_fail_the_commit_that_stored_the_rows(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rows and offsets are committed before compaction runs: a rebuild that fails (a
+    full disk) is counted and logged, and the commit and the ingest run succeed."""
+    rng = random.Random(6)
+    write(data_dir, rng, 50, endpoints={"GET /a": skewed}, span_ns=HOUR_NS, end_ns=time.time_ns())
+
+    def full(d: Any, where: str = "true") -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "_rebuild_day", full)
+    monkeypatch.setattr(duckdb_rollups, "COMPACT_MIN_ROWS", 1)
+    report = store.ingest()
+    assert report.requests == 50
+    assert store.sql("SELECT count(*) FROM requests")[1] == [(50,)]
+    assert store.compactions_failed >= 1
+    monkeypatch.undo()
+    assert store.compact_rollups(force=True)  # once there is room, the day is compacted

@@ -13,6 +13,7 @@ ingested, and a finished day is read as one row per key and bucket.
 
 from __future__ import annotations
 
+import logging
 from datetime import date, datetime, timedelta
 from typing import Any
 
@@ -31,12 +32,18 @@ COMPACT_MIN_ROWS = 20_000
 RAW_MAX_REQUESTS = 5_000_000
 ROLLUP_GROUPS = ("endpoint", "service", "host", "kind")
 
+log = logging.getLogger("perfsleuth.store")
+
 
 class DuckDBRollups(DuckDBFile):
+    compactions_failed = 0  # compactions after a commit that raised (logged, not raised)
+
     # ------------------------------------------------------------------------------ writing
 
     def _insert_rollups(self, tables: Tables) -> None:
         """Insert the rollups of ``tables`` (inside the caller's transaction)."""
+        # the days this transaction makes; a rolled-back one must not count as made
+        self._rollup_new_days: set[date] = set()
         rows = rollups.rollups_of(tables.days)
         if not rows:
             return
@@ -73,6 +80,16 @@ class DuckDBRollups(DuckDBFile):
         have = self._day_tables()
         for t in schema.ROLLUP_TABLES:
             self._con.execute(schema.duckdb_view(t, sorted(have[t.name])))
+
+    def compact_committed(self, *, final: bool = False) -> None:
+        """:meth:`compact_rollups` after a commit that stored rows and offsets: a compaction
+        that fails (a full disk) rolled itself back and leaves correct, uncompacted rows, so
+        it is logged and counted, not raised (the commit did store); a later look retries."""
+        try:
+            self.compact_rollups(final=final)
+        except Exception:
+            self.compactions_failed += 1
+            log.exception("rollup compaction failed; the rows stay as stored, uncompacted")
 
     def compact_rollups(self, *, final: bool = False, force: bool = False) -> list[date]:
         """Compact the rollups of the days that are due: those touched since the last call

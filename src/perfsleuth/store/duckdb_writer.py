@@ -53,7 +53,7 @@ class DuckDBWriter(DuckDBRollups):
         self._known_days = set(self._days())
         limits = Limits(self.batch_requests, self.batch_bytes, self.open_idle_seconds)
         report = ingest_spool(self, self.spool_dir, limits, progress)
-        self.compact_rollups(final=True)
+        self.compact_committed(final=True)
         return report
 
     def insert_tables(self, batch: Batch, tables: Tables) -> None:
@@ -130,6 +130,7 @@ class DuckDBWriter(DuckDBRollups):
             self._insert("ingest_offsets", offs, conflict="OR REPLACE")
             self._commit()
         except BaseException as e:
+            self._rollup_new_days = set()  # their tables are rolled back
             try:
                 con.rollback()
             except duckdb.Error:
@@ -139,7 +140,7 @@ class DuckDBWriter(DuckDBRollups):
                 raise full from e
             raise
         days.update(new_days)
-        self.compact_rollups()
+        self.compact_committed()
 
     def _drop_known_traces(self, tables: Tables) -> None:
         """Requests already in the store (a record repeated, a segment copied under another
