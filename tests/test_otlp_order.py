@@ -288,3 +288,18 @@ def test_loop_blocks_two_payloads_of_one_commit_bring_are_stored_once(tmp_path: 
         insert_many(store, twice, pending)
         rows = store.query("SELECT trace_id FROM blockers ORDER BY trace_id NULLS LAST")
     assert [r["trace_id"] for r in rows] == [TRACE + A, None]
+
+
+def test_a_late_loop_block_committed_with_its_request_is_kept(tmp_path: Path) -> None:
+    """One group commit of the payload with the request and a later payload with only a loop
+    block of that request: the block is stored (only a request a payload sends again is left
+    out of it, not the blocks of requests other payloads bring)."""
+    late = _span(E, A, 1, 50, 30, {"perfsleuth.block.ms": 30.0})
+    pending = Pending()
+    with _store(tmp_path) as store:
+        group = [to_batch(_msg("node-api", SERVER_A), pending=pending)]
+        group.append(to_batch(_msg("node-api", late), pending=pending))
+        insert_many(store, group, pending)
+        rows = store.query("SELECT trace_id FROM blockers")
+        assert store.query("SELECT count(*) AS n FROM requests")[0]["n"] == 1
+    assert [r["trace_id"] for r in rows] == [TRACE + A]

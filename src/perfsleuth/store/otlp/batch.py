@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from perfsleuth.store import records, values
 from perfsleuth.store.otlp.blocks import blocker, served_request
@@ -101,14 +102,15 @@ def insert_many(
 def _merged(parts: list[Tables]) -> Tables:
     """Several payloads' tables as one: each day's tables concatenated, a trace's request (with
     its calls, attributes and blocks) from the first payload that brings it, dictionary rows
-    once."""
+    once. A later payload loses only the requests it sends again: its blocks of a request an
+    earlier payload brings (a late block) are kept."""
     if len(parts) == 1:
         return parts[0]
     out = Tables()
     seen = pa.array([], pa.string())
     for t in parts:
         ids = trace_ids(t)
-        drop_known_traces(t, seen)
+        drop_known_traces(t, ids.filter(pc.is_in(ids, value_set=seen)))
         seen = pa.concat_arrays([seen, ids])
         out.requests += t.requests
         out.calls += t.calls
