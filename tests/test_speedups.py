@@ -214,6 +214,63 @@ def burn(seconds: float) -> int:
     return n
 
 
+ENGINES = [
+    pytest.param(("speedups", "begin", "end"), id="c"),
+    pytest.param(("recorder", "python_begin", "python_end"), id="python"),
+]
+
+
+def engine(which: tuple[str, str, str]) -> tuple[Any, Any]:
+    owner = recorder.speedups if which[0] == "speedups" else recorder
+    return getattr(owner, which[1]), getattr(owner, which[2])
+
+
+@pytest.mark.parametrize("which", ENGINES)
+def test_a_request_after_an_idle_gap_counts_all_the_cpu_it_burns(
+    agent_data_dir: str, which: tuple[str, str, str]
+) -> None:
+    """The gap between two requests is time off the CPU in a server (recv, the interpreter
+    lock): the next request's CPU time must not take it for CPU time of the one before."""
+    begin, end = engine(which)
+    recorder.configure(lambda req: None, max_calls=20000, stacks_per_site=1)
+    short = []
+    try:
+        for _ in range(20):
+            first = begin("web", "GET", "/first", cpu=True)
+            end(first)
+            time.sleep(20e-6)  # off the CPU for ~60-100 us (the timer's slack)
+            req = begin("web", "GET", "/burn", cpu=True)
+            t0 = time.thread_time_ns()
+            while time.thread_time_ns() - t0 < 300_000:
+                pass
+            burnt = time.thread_time_ns() - t0
+            end(req)
+            if req.cpu_ns < burnt * 0.9:
+                short.append((req.cpu_ns, burnt))
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    assert short == []
+
+
+@pytest.mark.parametrize("which", ENGINES)
+def test_a_request_shorter_than_the_short_run_bound_counts_its_wall_time(
+    agent_data_dir: str, which: tuple[str, str, str]
+) -> None:
+    begin, end = engine(which)
+    recorder.configure(lambda req: None, max_calls=20000, stacks_per_site=1)
+    try:
+        for _ in range(100):  # a loaded machine may stretch one past the bound
+            req = begin("web", "GET", "/short", cpu=True)
+            end(req)
+            if req.end - req.start < recorder.SHORT_RUN_NS:
+                break
+        else:
+            pytest.skip("no request ran under the short-run bound on this machine")
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    assert req.cpu_ns == req.end - req.start
+
+
 def test_the_hand_off_adds_the_worker_s_cpu_time_like_the_python_one(
     agent_data_dir: str,
 ) -> None:

@@ -582,7 +582,15 @@ def end(req: ActiveRequest) -> None:
         req.end = _perf()
         inflight.pop(id(req), None)
         if req.cpu_start is not None:
-            req.cpu_ns = time.thread_time_ns() - req.cpu_start
+            # Shorter than SHORT_RUN_NS: its wall time (one system call a request, not two;
+            # too short to have waited in a way that matters). Else the thread's CPU clock,
+            # clamped to [0, wall time]. The C end does the same.
+            wall = req.end - req.start
+            if req.start and 0 <= wall < SHORT_RUN_NS:
+                req.cpu_ns = wall
+            else:
+                cpu = time.thread_time_ns() - req.cpu_start
+                req.cpu_ns = 0 if cpu < 0 else wall if 0 <= wall < cpu else cpu
         if req.token is not None:
             try:
                 _current.reset(req.token)
@@ -600,6 +608,10 @@ def end(req: ActiveRequest) -> None:
     except Exception:
         internal_error()
 
+
+# A request shorter than this counts its wall time as its CPU time (frameworks.asgi's
+# SHORT_STEP_NS for a step, _speedups.c's SHORT_RUN_NS).
+SHORT_RUN_NS = 50_000
 
 # begin and end in C when the accelerator is there (agent/_speedups.c: the same, field by
 # field; these Python ones are the reference): they run for every request.
