@@ -35,11 +35,14 @@ def make_ca(tmp: Path, name: str) -> tuple[Path, Path]:
     return pem, key
 
 
-def make_server_cert(tmp: Path, ca: tuple[Path, Path]) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and localhost signed by ``ca``: (cert.pem, cert.key)."""
+def make_server_cert(
+    tmp: Path, ca: tuple[Path, Path], names: str = "IP:127.0.0.1,DNS:localhost"
+) -> tuple[Path, Path]:
+    """A certificate for ``names`` (127.0.0.1 and localhost) signed by ``ca``: (cert.pem,
+    cert.key)."""
     cert, key, csr, ext = (tmp / n for n in ("server.pem", "server.key", "server.csr", "ext"))
     ext.write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+        f"subjectAltName={names}\nbasicConstraints=CA:FALSE\n"
         "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
     )
     subprocess.run(
@@ -127,9 +130,11 @@ def test_an_agent_ships_over_https_trusting_its_ca_file(tls_fleet: TlsFleet) -> 
     assert tls_fleet.status("h_tls").get("last_error", "") == ""
 
 
-def test_an_untrusted_certificate_is_said_once_and_the_spool_buffers(tls_fleet: TlsFleet) -> None:
+def test_an_untrusted_certificate_is_said_while_retrying_and_the_spool_buffers(
+    tls_fleet: TlsFleet,
+) -> None:
     """Without the CA (the system's CAs do not know it), then with a CA that did not sign the
-    certificate: each time the status says why once, the agent retries and keeps its spool;
+    certificate: each time the status says why while the agent retries and keeps its spool;
     with the right CA the backlog drains, every request stored once."""
     tls_fleet.start_server()
     env = {"SSL_CERT_FILE": "", "SSL_CERT_DIR": ""}
@@ -138,7 +143,7 @@ def test_an_untrusted_certificate_is_said_once_and_the_spool_buffers(tls_fleet: 
 
     def untrusted(st: dict[str, Any]) -> bool:
         return "certificate is not trusted" in st.get("last_error", "") and (
-            st.get("forward_errors", 0) >= 2  # retried, said once
+            st.get("forward_errors", 0) >= 2  # retried, still said
         )
 
     st = tls_fleet.wait_status("h_tls", untrusted, "no untrusted certificate said")
@@ -172,3 +177,19 @@ def test_an_unreadable_ca_file_is_said_and_nothing_is_sent(tls_fleet: TlsFleet) 
     )
     assert f"PERFSLEUTH_CA_FILE {missing}" in st["last_error"]
     assert tls_fleet.stored() == {}
+
+
+def test_a_certificate_for_another_name_is_not_called_a_ca_problem(tls_fleet: TlsFleet) -> None:
+    """A certificate the trusted CA signed, but for another host name: the status names the
+    mismatch, not PERFSLEUTH_CA_FILE (which would not fix it)."""
+    tls_fleet.cert = make_server_cert(tls_fleet.tmp, tls_fleet.ca, "DNS:collector.example")
+    tls_fleet.start_server()
+    tls_fleet.start_tls_agent("h_tls", PERFSLEUTH_CA_FILE=str(tls_fleet.ca[0]))
+    tls_fleet.send("h_tls", 3)
+    st = tls_fleet.wait_status(
+        "h_tls", lambda s: s.get("last_error", ""), "no certificate problem said"
+    )
+    said = st["last_error"]
+    assert "does not name 127.0.0.1" in said and "mismatch" in said, said
+    assert "PERFSLEUTH_CA_FILE" not in said and "not trusted" not in said, said
+    assert spool_files(tls_fleet.agents["h_tls"][2]), "it keeps buffering"

@@ -57,18 +57,40 @@ class Refused(Exception):
     """The collector refused the token (401/403)."""
 
 
+# OpenSSL's verify codes that mean "no trusted CA signed it": a self-signed certificate (18,
+# 19), an issuer not in the bundle (20, 21). Only these are fixed by PERFSLEUTH_CA_FILE.
+_UNTRUSTED_CODES = frozenset({18, 19, 20, 21})
+_NAME_HINT = (
+    "its certificate does not name {host} ({why}); use a collector address the certificate"
+    " names, or a certificate for {host}"
+)
+_VERIFY_HINTS = {  # not yet valid, expired, host name and IP address mismatch
+    9: "its certificate is not valid yet ({why}); check the clocks of both hosts",
+    10: "its certificate has expired ({why}); renew the server's certificate",
+    62: _NAME_HINT,
+    64: _NAME_HINT,
+}
+
+
 def tls_problem(e: BaseException, cfg: Config) -> str:
-    """The status sentence for a failure to trust an https collector, else ''."""
+    """The status sentence for a failure to trust an https collector, else ''. The hint
+    follows OpenSSL's verify code: only an unknown CA is fixed by PERFSLEUTH_CA_FILE."""
     import ssl
+    from urllib.parse import urlsplit
 
     if isinstance(e, ssl.SSLCertVerificationError):
         why = e.verify_message or str(e)
-        fix = (
-            f"PERFSLEUTH_CA_FILE {cfg.ca_file} did not sign it"
-            if cfg.ca_file
-            else "set PERFSLEUTH_CA_FILE to the CA that signed it"
-        )
-        return f"collector {cfg.collector}: its certificate is not trusted ({why}); {fix}"
+        code = e.verify_code
+        if code in _UNTRUSTED_CODES:
+            fix = (
+                f"PERFSLEUTH_CA_FILE {cfg.ca_file} did not sign it"
+                if cfg.ca_file
+                else "set PERFSLEUTH_CA_FILE to the CA that signed it"
+            )
+            return f"collector {cfg.collector}: its certificate is not trusted ({why}); {fix}"
+        host = urlsplit(cfg.collector.strip()).hostname or cfg.collector
+        said = _VERIFY_HINTS.get(code, "its certificate failed verification ({why})")
+        return f"collector {cfg.collector}: " + said.format(why=why, host=host) + "; buffering"
     if isinstance(e, CaFileError):
         return f"PERFSLEUTH_CA_FILE {cfg.ca_file}: cannot load it ({e}); buffering"
     return ""
