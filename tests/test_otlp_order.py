@@ -303,3 +303,50 @@ def test_a_late_loop_block_committed_with_its_request_is_kept(tmp_path: Path) ->
         rows = store.query("SELECT trace_id FROM blockers")
         assert store.query("SELECT count(*) AS n FROM requests")[0]["n"] == 1
     assert [r["trace_id"] for r in rows] == [TRACE + A]
+
+
+def test_a_group_commit_with_one_bad_payload_stores_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """server.otlp._commit: a group whose commit fails is committed payload by payload: only
+    the payload that fails on its own is refused (and its changes to pending undone); the
+    others are stored, with the client span one of them parked still waiting."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from perfsleuth.server import otlp as server_otlp
+    from perfsleuth.server.otlp import _commit, _Payload
+
+    store = _store(tmp_path)
+    real = store.insert_tables
+
+    def poisoned(batch: Any, tables: Any) -> None:
+        services = {
+            s for parts in tables.days.values() for s in parts["requests"]["service"].to_pylist()
+        }
+        if "poison" in services:
+            raise ValueError("a value the store refuses")
+        real(batch, tables)
+
+    monkeypatch.setattr(store, "insert_tables", poisoned)
+
+    @contextmanager
+    def use() -> Any:
+        yield store
+
+    state = SimpleNamespace(backend=SimpleNamespace(use=use))
+    pending = Pending()
+    waiting = {**_span(B, "9" * 16, 3, 5, 10, SQL), "traceId": "9" * 32}  # its server: later
+    with server_otlp._pending_lock:
+        group = [
+            _Payload(to_batch(_msg("shop", SERVER_A, waiting), pending=pending), "shop"),
+            _Payload(to_batch(_msg("poison", SERVER_D), pending=pending), "bad"),
+        ]
+    _commit(state, pending, group)
+    assert group[0].error is None
+    assert isinstance(group[1].error, ValueError)
+    rows = store.query("SELECT service FROM requests")
+    assert [r["service"] for r in rows] == ["shop"]
+    assert pending.size == 1  # the shop payload's parked client span waits on
+    assert [s.source[0] for s in pending.servers[TRACE]] == ["shop"]  # poison's undone
+    store.close()

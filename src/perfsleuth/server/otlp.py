@@ -59,8 +59,9 @@ class Commits:
     """Mapped payloads waiting for the store, committed together: a payload's thread queues
     it, and whichever thread holds the commit lock next commits every payload queued by then
     in one transaction (a DuckDB commit costs milliseconds whatever its size), while the
-    others map theirs. Each thread answers its exporter once its payload is committed (or
-    the commit failed: then every payload of that commit is refused, and retried)."""
+    others map theirs. Each thread answers its exporter once its payload is committed or
+    refused (a group whose commit fails is committed payload by payload, so only the payload
+    that fails on its own is refused: :func:`_commit`)."""
 
     def __init__(self) -> None:
         self._commit = threading.Lock()
@@ -91,27 +92,42 @@ class Commits:
 
 
 def _commit(state: Any, pending: Pending, group: list[_Payload]) -> None:
-    """Store a group of payloads in one transaction, record which token sent each."""
-    stored = False
+    """Store a group of payloads in one transaction, record which token sent each. When that
+    fails for a group of several, each payload is committed on its own and only those that
+    fail alone are refused (``error`` set): one bad payload does not cost the others' spans,
+    which OTLP exporters do not send again after a 500. A payload not stored has its changes
+    to ``pending`` undone (its exporter's retry, if any, maps it again)."""
+    stored: list[_Payload] = []
     try:
         with state.backend.use() as store:
             if not hasattr(store, "insert_tables") or getattr(store, "read_only", False):
                 raise OtlpError(
                     503, "this server does not write its store (started without ingest)"
                 )
-            insert_many(store, [p.mapped for p in group], pending, _pending_lock)
-            stored = True
+            try:
+                insert_many(store, [p.mapped for p in group], pending, _pending_lock, undo=False)
+                stored = list(group)
+            except Exception as e:
+                if len(group) == 1:
+                    raise
+                log.warning("OTLP commit of %d payloads failed (%s): one by one", len(group), e)
+                for p in group:
+                    try:
+                        insert_many(store, [p.mapped], pending, _pending_lock, undo=False)
+                        stored.append(p)
+                    except Exception as alone:
+                        p.error = alone
             origins = getattr(state, "otlp_origins", None)
             if origins is None:
                 origins = state.otlp_origins = OtlpOrigins()
-            for p in group:
+            for p in stored:
                 origins.record(store, p.mapped.tables, p.token)  # which token sent what
-    except BaseException:  # not stored: the exporters' retries map the payloads again
-        if not stored:
-            with _pending_lock:
-                for p in reversed(group):
+    finally:
+        kept = {id(p) for p in stored}
+        with _pending_lock:
+            for p in reversed(group):
+                if id(p) not in kept:
                     rollback(p.mapped, pending)
-        raise
 
 
 def _refuse(status: int, reason: str) -> JSONResponse:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -73,12 +73,15 @@ def insert_many(
     mapped: list[Mapped],
     pending: Pending,
     lock: AbstractContextManager[Any] | None = None,
+    *,
+    undo: bool = True,
 ) -> None:
     """Commit the tables of several payloads in one transaction (a DuckDB transaction costs
     milliseconds whatever its size: payloads of concurrent exporters share one), a request
     that two of them bring stored once. When the commit fails, each payload's changes to
-    ``pending`` are undone (:func:`rollback`, latest first). ``lock`` guards ``pending``
-    (held only to change it, not during the commit)."""
+    ``pending`` are undone (:func:`rollback`, latest first) unless ``undo`` is False (the
+    caller tries the payloads again on their own, then undoes those that still fail).
+    ``lock`` guards ``pending`` (held only to change it, not during the commit)."""
     guard = lock if lock is not None else nullcontext()
     parts = [m for m in mapped if m.tables is not None]
     if not parts:
@@ -88,9 +91,10 @@ def insert_many(
         _drop_stored_blocks(store, tables)
         store.insert_tables(records.Batch(), tables)
     except BaseException:
-        with guard:
-            for m in reversed(parts):
-                rollback(m, pending)
+        if undo:
+            with guard:
+                for m in reversed(parts):
+                    rollback(m, pending)
         raise
     with guard:
         if len(pending.stored) > MAX_CACHED * 5:
@@ -109,6 +113,8 @@ def _merged(parts: list[Tables]) -> Tables:
     out = Tables()
     seen = pa.array([], pa.string())
     for t in parts:
+        # a copy to drop from: a payload committed on its own after the group failed has all
+        t = replace(t, days={d: dict(tabs) for d, tabs in t.days.items()})
         ids = trace_ids(t)
         drop_known_traces(t, ids.filter(pc.is_in(ids, value_set=seen)))
         seen = pa.concat_arrays([seen, ids])
