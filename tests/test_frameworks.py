@@ -401,13 +401,42 @@ def test_wsgi_list_results_and_legacy_write(captured: Captured) -> None:
     assert a["req_bytes"] == 11 and a["user"] == "carol" and a["endpoint"] == "POST <unmatched>"
 
 
+@pytest.mark.parametrize(
+    ("environ", "has_body", "size"),
+    [
+        ({}, False, 0),
+        ({"CONTENT_LENGTH": ""}, False, 0),
+        ({"CONTENT_LENGTH": "0"}, False, 0),
+        ({"HTTP_TRANSFER_ENCODING": "chunked"}, True, 0),
+        ({"CONTENT_LENGTH": "11"}, True, 11),
+        ({"CONTENT_LENGTH": "junk"}, True, 0),
+    ],
+)
+def test_read_environ_says_whether_the_request_has_a_body(
+    agent_data_dir: str, environ: dict[str, str], has_body: bool, size: int
+) -> None:
+    """One reader of the environ for WSGI and Django (frameworks.common.read_environ): WSGI
+    taps the input for a capture only when it says the request has a body."""
+    from perfsleuth.agent.frameworks.common import read_environ
+
+    req = recorder.python_begin("web", "POST", "/x")
+    assert req is not None
+    try:
+        environ = {**environ, "HTTP_X_USER": "dana", "HTTP_X_PERFSLEUTH_LOAD": "run1;b"}
+        assert read_environ(req, environ) is has_body
+        assert req.req_bytes == size and req.user == "dana"
+        assert req.tags == {"load_run": "run1", "load_side": "b"}
+    finally:
+        recorder.python_end(req)
+
+
 def test_wsgi_agent_failure_never_reaches_the_app(
     captured: Captured, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(*a: Any, **k: Any) -> Any:
         raise ZeroDivisionError("agent bug")
 
-    monkeypatch.setattr(ps_wsgi, "_identity", broken)
+    monkeypatch.setattr(ps_wsgi, "read_environ", broken)
     client = flask_app.create_app().test_client()
     r = client.get("/admin/customers/9")
     assert r.status_code == 200 and r.get_json()["customer_id"] == 9

@@ -95,8 +95,9 @@ def content_length(raw: Any) -> int | None:
     return n if n >= 0 else None
 
 
-def read_environ(req: recorder.ActiveRequest, environ: Any) -> None:
-    """Identity headers and request size from a WSGI environ / Django ``request.META``."""
+def read_environ(req: recorder.ActiveRequest, environ: Any) -> bool:
+    """Identity headers and request size from a WSGI environ / Django ``request.META``: whether
+    the request has a body (a Content-Length above 0, or a chunked one)."""
     ident = identity()
     if ident.user_env is not None:
         v = environ.get(ident.user_env)
@@ -109,8 +110,15 @@ def read_environ(req: recorder.ActiveRequest, environ: Any) -> None:
     v = environ.get(LOAD_ENV)
     if v:
         load_tags(req, v)
-    n = content_length(environ.get("CONTENT_LENGTH"))
-    req.req_bytes = n if n is not None else 0
+    size = environ.get("CONTENT_LENGTH")
+    if size in _NO_BODY:
+        req.req_bytes = 0
+        return "HTTP_TRANSFER_ENCODING" in environ
+    req.req_bytes = content_length(size) or 0
+    return True
+
+
+_NO_BODY = (None, "", "0")  # CONTENT_LENGTH of a request without a body
 
 
 # ``perfsleuth load`` marks its requests "<run id>;<side>": tags load_run and load_side, so that

@@ -29,14 +29,7 @@ from types import ModuleType
 from typing import Any
 
 from perfsleuth.agent import capture, recorder
-from perfsleuth.agent.frameworks.common import (
-    LOAD_ENV,
-    content_length,
-    endpoint,
-    identity_value,
-    load_tags,
-)
-from perfsleuth.agent.frameworks.common import identity as _identity
+from perfsleuth.agent.frameworks.common import content_length, endpoint, read_environ
 
 _get_ident = threading.get_ident
 _current = recorder._current
@@ -92,28 +85,9 @@ def record_wsgi(
     body._tid = req.thread
     body._sent = 0
     body._headers = body._iterable = body._it = None
-    try:  # frameworks.common.read_environ, inlined: it runs for every request
-        ident = _identity()
-        if ident.user_env is not None:
-            v = environ.get(ident.user_env)
-            if v:
-                req.user = identity_value(v)
-        if ident.tenant_env is not None:
-            v = environ.get(ident.tenant_env)
-            if v:
-                req.tenant = identity_value(v)
-        v = environ.get(LOAD_ENV)
-        if v:
-            load_tags(req, v)
-        size = environ.get("CONTENT_LENGTH")
-        if size in _NO_BODY:
-            req.req_bytes = 0
-            if capture.on and "HTTP_TRANSFER_ENCODING" in environ:
-                body._tap = capture.tap_wsgi_input(environ)
-        else:
-            req.req_bytes = content_length(size) or 0
-            if capture.on:
-                body._tap = capture.tap_wsgi_input(environ)
+    try:
+        if read_environ(req, environ) and capture.on:
+            body._tap = capture.tap_wsgi_input(environ)
     except Exception:  # identity and size are lost, not the request
         recorder.internal_error()
     try:
@@ -122,9 +96,6 @@ def record_wsgi(
         body.fail(exc)
         raise
     return body.wrap(result, environ)
-
-
-_NO_BODY = (None, "", "0")
 
 
 class _Body:
