@@ -284,9 +284,32 @@ class DuckDBRollups(DuckDBFile):
         if not stats:
             return [], self._rollup_answer(spans)
         if minutes is None:
-            span = max(r["last_ts"] for r in stats) - min(r["first_ts"] for r in stats)
+            span = self._finest_span(days, lo, where, params)
             minutes = span.total_seconds() / 60 + 1
         return rollups.top_rows(stats, hist, by, max(minutes, 1.0)), self._rollup_answer(spans)
+
+    def _finest_span(
+        self, days: list[date], lo: datetime, where: str, params: list[Any]
+    ) -> timedelta:
+        """From the first to the last minute (or hour, where retention left hours) of the
+        requests ``where`` selects from ``lo`` on: read from the finest rows of the first and
+        the last day holding any (a day row's ts is its midnight, not its first request)."""
+
+        def finest(d: date, edge: str) -> datetime | None:
+            name = quote(schema.day_table(schema.ROLLUP_STATS, d))
+            r = self._con.execute(
+                f"SELECT {edge}(ts) FROM {name} WHERE ts >= ? AND {where} "
+                "GROUP BY res ORDER BY res LIMIT 1",
+                [lo, *params],
+            ).fetchone()
+            return r[0] if r else None
+
+        in_window = [d for d in days if d >= lo.date()]
+        first = next((t for d in in_window if (t := finest(d, "min")) is not None), None)
+        last = next((t for d in reversed(in_window) if (t := finest(d, "max")) is not None), None)
+        if first is None or last is None:
+            return timedelta(0)
+        return max(last - first, timedelta(0))
 
     @staticmethod
     def _rollup_answer(spans: list[rollups.Span]) -> dict[str, Any]:
