@@ -311,6 +311,43 @@ def test_flask_endpoints_are_url_rules(captured: Captured, wrap: str) -> None:
     assert "s3cr3t" not in blob and "c00kie" not in blob
 
 
+class Buffering:
+    """A WSGI middleware on ``app.wsgi_app`` that buffers the response and calls the server's
+    start_response after Flask has popped its request context (as gzip middlewares do)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        started: list[Any] = []
+        result = self.app(
+            environ, lambda status, headers, exc_info=None: started.append((status, headers))
+        )
+        try:
+            body = b"".join(result)
+        finally:
+            getattr(result, "close", lambda: None)()
+        start_response(*started[0])
+        return [body]
+
+
+@pytest.mark.parametrize("wrap", ["explicit", "auto"])
+def test_flask_behind_a_buffering_middleware_is_named_by_its_url_rule(
+    captured: Captured, wrap: str
+) -> None:
+    app = flask_app.create_app()
+    app.wsgi_app = Buffering(app.wsgi_app)  # type: ignore[method-assign]
+    client: Any = Client(ps.wsgi(app)) if wrap == "explicit" else app.test_client()
+    r1 = client.get("/admin/customers/7")
+    r2 = client.get("/no/such/page")
+    assert r1.get_json()["customer_id"] == 7 and r2.status_code == 404
+    recs = captured()
+    assert [(r["endpoint"], r["status"]) for r in recs] == [
+        ("GET /admin/customers/<int:customer_id>", 200),
+        ("GET <unmatched>", 404),
+    ]
+
+
 def test_flask_exception_propagates_or_becomes_500(captured: Captured) -> None:
     testing = flask_app.create_app(TESTING=True)  # PROPAGATE_EXCEPTIONS
     with pytest.raises(ValueError, match="boom"):

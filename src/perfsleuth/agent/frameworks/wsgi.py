@@ -11,7 +11,8 @@ would hide the next ones); it is put back around each step of the iteration, so 
 a streaming generator are still attributed to it.
 
 Endpoints come from the router: Flask's ``request.url_rule`` (read from Flask's request context
-when the app calls start_response, or when it signals an unhandled exception), Django's
+when the app calls start_response, or when it signals an unhandled exception; from its
+request_started signal too once an app has a middleware on ``app.wsgi_app``), Django's
 ``resolver_match.route`` (through the Django middleware). A plain WSGI app without a known router
 is recorded as ``"<METHOD> <unmatched>"``: the raw path is never used as an endpoint, so
 scanners cannot blow up the number of endpoints.
@@ -47,6 +48,7 @@ class PerfsleuthWSGI:
         self.app = app
         if "flask" in sys.modules:
             connect_flask()
+            _name_on_request_started(app)
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         return record_wsgi(self.app, environ, start_response)
@@ -298,7 +300,9 @@ def _reset(token: Any) -> None:
 # ------------------------------------------------------------------------------------ Flask
 
 _flask_connected = False
+_flask_started_connected = False  # the request_started receiver (see _name_on_request_started)
 _flask_lock = threading.Lock()
+_on_request_started: Callable[..., None] | None = None
 # Flask's request-context ContextVar (Flask >= 2.3), once connected: start_response reads the
 # matched URL rule from it. None: not connected, or an older Flask (its request_started signal
 # names the endpoint then).
@@ -343,11 +347,31 @@ class _NamingStartResponse:
         return self.start_response(status, headers, exc_info)
 
 
+def _name_on_request_started(app: Any) -> None:
+    """Name requests from Flask's request_started signal too (once per process), when ``app``
+    has a middleware on ``app.wsgi_app``: one that buffers the response calls the server's
+    start_response after Flask popped its request context, where no URL rule can be read."""
+    global _flask_started_connected
+    if _flask_started_connected or "wsgi_app" not in getattr(app, "__dict__", ()):
+        return
+    try:
+        with _flask_lock:
+            if _flask_started_connected or _on_request_started is None:
+                return
+            from flask import signals
+
+            signals.request_started.connect(_on_request_started, weak=False)
+            _flask_started_connected = True
+    except Exception:
+        recorder.internal_error()
+
+
 def connect_flask() -> None:
     """Take endpoint names and unhandled exceptions from Flask (once per process): the URL
     rule from the request context start_response runs in (the request_started signal on a
-    Flask older than 2.3), the exception from the got_request_exception signal."""
-    global _flask_connected, _flask_request
+    Flask older than 2.3, or behind a middleware on ``app.wsgi_app``: see
+    _name_on_request_started), the exception from the got_request_exception signal."""
+    global _flask_connected, _flask_request, _flask_started_connected, _on_request_started
     if _flask_connected:
         return
     try:
@@ -388,7 +412,9 @@ def connect_flask() -> None:
 
             if request_var is None:
                 signals.request_started.connect(on_request_started, weak=False)
+                _flask_started_connected = True
             signals.got_request_exception.connect(on_exception, weak=False)
+            _on_request_started = on_request_started
             _flask_request = request_var
             _flask_connected = True
     except Exception:
@@ -405,6 +431,8 @@ def patch_flask(module: ModuleType) -> None:
 
     @functools.wraps(original)
     def __call__(self: Any, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if not _flask_started_connected:
+            _name_on_request_started(self)
         return record_wsgi(original.__get__(self, type(self)), environ, start_response)
 
     __call__._perfsleuth_original = original  # type: ignore[attr-defined]
