@@ -142,6 +142,50 @@ def test_a_code_classified_anew_is_seen_anew_by_the_site_path(
         recorder.forget_sites()
 
 
+def test_a_frame_made_a_template_engine_s_anew_is_seen_anew_by_the_c_site_path(
+    in_request: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What templates._engine says of a code can change while the agent runs (the dict is
+    cleared when full, and a code freed since may have had the same address): the C site path,
+    which remembers the answers it read, takes the new one at the next call and hands a call
+    under a template engine's frame to Python's path."""
+    if recorder.speedups is None:
+        pytest.skip("the C accelerator is not built")
+    from perfsleuth.agent import templates
+
+    slow: list[str] = []
+    python_path = recorder.ActiveRequest._record_call
+
+    def counted(self: recorder.ActiveRequest, *args: Any) -> int:
+        slow.append(args[2])
+        return python_path(self, *args)
+
+    monkeypatch.setattr(recorder.ActiveRequest, "_record_call", counted)
+
+    def render(k: int) -> None:  # the frame whose engine answer changes
+        _library["execute"](recorder.start_call, "SELECT * FROM p WHERE id = %s", (k,))
+
+    code = render.__code__
+    engines_were_on = stacks.templates_on
+    recorder._templates_in_c()  # the C site path looks for template engines' frames
+    try:
+        for k in (1, 2):  # the first call classifies render's code, the second reads it back
+            with in_request("GET /plain"):
+                render(k)
+        assert slow == []  # under no template: recorded in C
+        templates._engine[id(code)] = (code, templates.JINJA)
+        recorder.forget_sites()
+        with in_request("GET /templated"):
+            render(3)
+        assert slow == ["SELECT * FROM p WHERE id = %s"]  # under an engine's frame: Python's
+    finally:
+        templates._engine.pop(id(code), None)
+        stacks._template_steps.pop(id(code), None)
+        recorder.forget_sites()
+        if not engines_were_on:
+            recorder.speedups.configure(template_key=None, template_engines=None, engine_of=None)
+
+
 def test_a_library_call_s_known_site_takes_no_python_site_path(
     in_request: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
