@@ -332,3 +332,38 @@ def test_the_console_is_read_only_bounded_and_sealed(tmp_path: Path) -> None:
     finally:
         duck.close()
         ch.close()
+
+
+def test_the_fleet_lists_sorted_tokens_hosts_and_services_on_both(tmp_path: Path) -> None:
+    from perfsleuth.server.fleet import fleet
+    from perfsleuth.server.window import window
+
+    duck, ch = ingest_both(tmp_path, lambda w: fill_shop(w, 3))
+    received = [
+        {"segment": f"s{i}", "token": token, "agent": agent, "host": host, "service": "shop"}
+        for i, (token, agent, host) in enumerate(
+            [
+                ("zeta", "a", "testbox"),
+                ("alpha", "otlp", "testbox"),
+                (None, "a", "testbox"),
+                ("mid", "a", "testbox"),
+                ("zeta", "a", "hostb"),
+                ("zeta", "a", "hosta"),
+            ]
+        )
+    ]
+    try:
+        got = []
+        for store in (duck, ch):
+            store.record_received(received)
+            f = fleet(store, window("all"))
+            got.append(f)
+            (src,) = [s for s in f["sources"] if s["host"] == "testbox"]
+            assert src["tokens"] == ["alpha", "mid", "zeta"]
+            assert src["via"] == ["agent", "otlp"]
+            (zeta,) = [t for t in f["tokens"] if t["token"] == "zeta"]
+            assert zeta["hosts"] == ["hosta", "hostb", "testbox"]
+        store_engines.same(got[0], got[1], "fleet")
+    finally:
+        duck.close()
+        ch.close()

@@ -226,6 +226,13 @@ def test_replay_command_of_a_captured_request(client: TestClient, data: str) -> 
     assert client.get("/api/traces/zzzz/curl").status_code == 404
 
 
+def test_fleet(client: TestClient) -> None:
+    """The hosts and services that sent requests (the UI's overview waits for it)."""
+    f = get(client, "/api/fleet", since="all")
+    assert f["sources"] and sum(s["requests"] for s in f["sources"]) > 0
+    assert f["hosts"] == sorted({s["host"] for s in f["sources"]})
+
+
 def test_sql(client: TestClient) -> None:
     r = client.post(
         "/api/sql",

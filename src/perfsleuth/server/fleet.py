@@ -126,13 +126,18 @@ def fleet(store: Store, w: Window) -> dict[str, Any]:
             params,
         ):
             detail[r["host"], r["service"]] = r
+    # Lists are sorted here, not in SQL: an ordered or filtered aggregate does not carry over
+    # to ClickHouse (arraySortIf), and NULL tokens are dropped here for the same reason.
     sent: dict[tuple[str, str], dict[str, Any]] = {
-        (r["host"], r["service"]): r
+        (r["host"], r["service"]): {
+            "tokens": _sorted(r["tokens"]),
+            "via": _sorted(r["via"]),
+        }
         for r in store.query(
             f"""SELECT coalesce(host, '') AS host, coalesce(service, '') AS service,
-                list(DISTINCT token ORDER BY token) FILTER (WHERE token IS NOT NULL) AS tokens,
-                list(DISTINCT CASE WHEN agent = '{OTLP_AGENT}' THEN 'otlp' ELSE 'agent' END
-                     ORDER BY 1) AS via
+                list(DISTINCT token) AS tokens,
+                list(DISTINCT CASE WHEN agent = '{OTLP_AGENT}' THEN 'otlp' ELSE 'agent' END)
+                    AS via
             FROM segments_received GROUP BY ALL"""
         )
     }
@@ -157,11 +162,13 @@ def fleet(store: Store, w: Window) -> dict[str, Any]:
         f"""SELECT coalesce(token, '') AS token,
                 CASE WHEN agent = '{OTLP_AGENT}' THEN 'otlp' ELSE 'agent' END AS via,
                 count(*) AS segments,
-                list(DISTINCT coalesce(host, '') ORDER BY 1) AS hosts,
-                list(DISTINCT coalesce(service, '') ORDER BY 1) AS services,
+                list(DISTINCT coalesce(host, '')) AS hosts,
+                list(DISTINCT coalesce(service, '')) AS services,
                 min(received) AS first_received, max(received) AS last_received
-            FROM segments_received GROUP BY ALL ORDER BY token, via"""
+            FROM segments_received GROUP BY ALL ORDER BY 1, 2"""
     )
+    for t in tokens:
+        t["hosts"], t["services"] = _sorted(t["hosts"]), _sorted(t["services"])
     return {
         "window": {"since": w.label},
         "source": answered["source"],
@@ -170,3 +177,8 @@ def fleet(store: Store, w: Window) -> dict[str, Any]:
         "hosts": sorted({r["host"] for r in sources}),
         "services": sorted({r["service"] for r in sources}),
     }
+
+
+def _sorted(values: Any) -> list[Any]:
+    """An aggregated list, sorted, without NULLs."""
+    return sorted(v for v in values or () if v is not None)
