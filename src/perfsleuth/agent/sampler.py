@@ -35,9 +35,12 @@ endpoint would otherwise end on a 'wait' sample).
 The kernel adds a run-queue wait to a thread's counters only when the wait ends (the thread
 gets a CPU): a thread queued across whole ticks shows no change over them, as a blocked one
 does, and then more run-queue time than the interval had room for. That surplus goes back to
-the thread's latest samples classed ``wait`` or ``gil`` from their counters, latest first, as
-far as it reaches (up to ``MAX_RESTATE`` of them): they were starved (else a request thread
-computing at a low priority on a crowded CPU reads 'wait' in nearly every sample).
+the thread's latest intervals classed ``wait`` or ``gil`` from their counters, latest first, as
+far as it reaches (up to ``MAX_RESTATE`` of them), and their samples are restated: they were
+starved (else a request thread computing at a low priority on a crowded CPU reads 'wait' in
+nearly every sample). An interval with no sample (inside a recorded call, a request that moved,
+at the sample limit) takes its share all the same. The process's CPU time ('others', for
+``gil``) is read next to the threads' counters, at the tick's first read.
 
 Without schedstat (not Linux) the thread's CPU clock alone decides ``cpu`` or ``wait``.
 Schedstat is read for each thread serving a request in flight: every tick for the threads of
@@ -302,6 +305,9 @@ class _Tracked:
         self.placed_at = -1
 
 
+# An interval to restate: (request, its sample list then, the sample's index, the interval).
+_Unsure = tuple[_Tracked | None, list[Any] | None, int, tuple[Any, ...]]
+
 _samplers: weakref.WeakSet[Sampler] = weakref.WeakSet()
 # In a forked child, the thread that forked and its kernel thread id: Python 3.11 leaves that
 # thread's ``native_id`` at the parent's, and its schedstat file is under its own id.
@@ -335,9 +341,10 @@ class Sampler:
         self.states: dict[int, str | None] = {}  # this tick's state per thread
         # this tick's interval per thread: (wall, CPU, run-queue, slices, others' CPU) ns
         self.intervals: dict[int, tuple[int, int, int, int | None, int]] = {}
-        # thread ident -> its samples of the last consecutive ticks classed 'wait' or 'gil'
-        # from its counters: (request, its sample list then, index, the interval)
-        self.unsure: dict[int, list[tuple[_Tracked, list[Any], int, tuple[Any, ...]]]] = {}
+        # thread ident -> its intervals of the last consecutive ticks classed 'wait' or 'gil'
+        # from its counters: (request, its sample list then, the sample's index, the interval);
+        # (None, None, -1, the interval) while no sample was taken of it)
+        self.unsure: dict[int, list[_Unsure]] = {}
         # id(loop) -> (when listed, when to list again, id(request) -> tasks started in its
         # context)
         self.loop_tasks: dict[int, tuple[int, int, dict[int, list[Any]]]] = {}
@@ -349,6 +356,7 @@ class Sampler:
         self.cpus = cpus_available(self.cg_dir)
         self.figures_at = 0
         self.looked_at = 0
+        self.proc_cpu = -1  # the process's CPU ns at this tick's first thread read (-1: none)
         self.shipped: dict[str, int] = {}
         _samplers.add(self)
 
@@ -364,7 +372,7 @@ class Sampler:
             self._ship(self.tracked.pop(key), final=True)
         self.states = {}
         self.intervals = {}
-        proc_cpu = time.process_time_ns() if inflight else 0
+        self.proc_cpu = -1  # read at this tick's first schedstat read
         # The scheduler figures (cpu_starved) cover every thread serving a request, not only
         # those of slow requests (a service of short requests starves all the same): looked at
         # every LOOK_EVERY_NS, their baselines kept while the thread lives (between two
@@ -373,7 +381,7 @@ class Sampler:
         if self.schedstat and inflight and now - self.looked_at >= LOOK_EVERY_NS:
             self.looked_at = now
             for ident in {r.thread if r.worker is None else r.worker for r in inflight}:
-                self._state(ident, proc_cpu)
+                self._state(ident)
         if not due:
             self._settle(inflight)
             self.loop_tasks.clear()
@@ -387,7 +395,7 @@ class Sampler:
                     recorder.stats["samples_dropped"] += 1
                     continue
                 t = self.tracked[id(req)] = _Tracked(req, now)
-            self._sample(t, frames, now, proc_cpu)
+            self._sample(t, frames, now)
         self._settle(inflight)
 
     def _settle(self, inflight: list[recorder.ActiveRequest]) -> None:
@@ -474,11 +482,16 @@ class Sampler:
             got = read_schedstat(fd) if fd >= 0 else None
         return None if got is None else (*got, at)
 
-    def _state(self, ident: int, proc_cpu: int) -> str | None:
+    def _state(self, ident: int) -> str | None:
         """The thread's state since the last look (None at the first look: a baseline)."""
         if ident in self.states:
             return self.states[ident]
         state: str | None = None
+        proc_cpu = self.proc_cpu
+        if proc_cpu < 0:
+            # The process's CPU time, next to the threads' reads (a tick can stall between
+            # its start and its reads), so that 'others' covers each thread's own interval.
+            proc_cpu = self.proc_cpu = time.process_time_ns()
         sched = self._sched(ident)
         slices: int | None
         if sched is not None:
@@ -513,7 +526,16 @@ class Sampler:
                 d_slices = None if slices is None or prev[3] is None else slices - prev[3]
                 others = max(0, proc_cpu - prev[4] - d_cpu)
                 state = classify(wall, d_cpu, queue_here, d_slices, others)
-                self.intervals[ident] = (wall, d_cpu, queue_here, d_slices, others)
+                interval = (wall, d_cpu, queue_here, d_slices, others)
+                self.intervals[ident] = interval
+                if state is WAIT or state is GIL:
+                    # The interval may yet turn out starved: its place in the chain, with no
+                    # sample until one is taken of it (a tick inside a recorded call, of a
+                    # request that moved or at its sample limit still takes its share).
+                    unsure = self.unsure.setdefault(ident, [])
+                    unsure.append((None, None, -1, interval))
+                    if len(unsure) > MAX_RESTATE:
+                        del unsure[0]
             if sched is not None:
                 f = self.figures
                 f["sched_run_ns"] += d_cpu
@@ -532,7 +554,8 @@ class Sampler:
             wall, cpu, queue, slices, others = interval
             given = min(max(0, wall - cpu - queue), queued)
             queued -= given
-            if given and t.samples is samples:  # not shipped yet
+            if given and t is not None and samples is not None and t.samples is samples:
+                # a sample, not shipped yet
                 offset, _, flat = samples[i]
                 samples[i] = (offset, classify(wall, cpu, queue + given, slices, others), flat)
             if queued <= 0:
@@ -588,7 +611,7 @@ class Sampler:
             return tuple(lib)
         return best
 
-    def _sample(self, t: _Tracked, frames: dict[int, FrameType], now: int, proc: int) -> None:
+    def _sample(self, t: _Tracked, frames: dict[int, FrameType], now: int) -> None:
         req = t.req
         worker = req.worker
         flat: tuple[Any, ...] = ()
@@ -597,7 +620,7 @@ class Sampler:
         counted = True  # the state is from the thread's counters (else: an awaiting task)
         if worker is not None and worker in frames:
             place = worker
-            state = self._state(worker, proc)
+            state = self._state(worker)
             flat = frames_flat(frames[worker])
         elif req.task is not None:
             loop_frame = frames.get(req.thread)
@@ -614,13 +637,13 @@ class Sampler:
                 if current is not None and current is not req.task:
                     running = _request_of(current) is req  # a task the request started
             if running:
-                state = self._state(req.thread, proc)
+                state = self._state(req.thread)
                 flat = frames_flat(loop_frame)
             else:
                 state, counted = WAIT, False
                 flat = self._parked_flat(t, now)
         elif req.thread in frames:
-            state = self._state(req.thread, proc)
+            state = self._state(req.thread)
             flat = frames_flat(frames[req.thread])
         else:
             return
@@ -639,10 +662,9 @@ class Sampler:
         recorder.stats["samples_taken"] += 1
         t.samples.append((now - req.start, state, flat))
         if counted and (state is WAIT or state is GIL) and place in self.intervals:
-            unsure = self.unsure.setdefault(place, [])
-            unsure.append((t, t.samples, len(t.samples) - 1, self.intervals[place]))
-            if len(unsure) > MAX_RESTATE:
-                del unsure[0]
+            unsure = self.unsure.get(place)
+            if unsure and unsure[-1][0] is None:  # this tick's interval: the sample is its
+                unsure[-1] = (t, t.samples, len(t.samples) - 1, unsure[-1][3])
         if len(t.samples) >= CHUNK:
             self._ship(t, final=False)
 
