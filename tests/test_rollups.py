@@ -211,9 +211,13 @@ def test_retention_drops_raw_days_after_7_and_rollup_days_after_90(
     now = time.time_ns()
     w = SegmentWriter(data_dir)
     ages = (120, 50, 10, 3, 0)
+    first_kept = now
     for age in ages:
         for _ in range(5):
-            w.request("GET /a", ts_ns=now - age * DAY_NS - rng.randrange(HOUR_NS), dur_ms=5.0)
+            ts = now - age * DAY_NS - rng.randrange(HOUR_NS)
+            w.request("GET /a", ts_ns=ts, dur_ms=5.0)
+            if age == 50:
+                first_kept = min(first_kept, ts)
     w.close()
     store.ingest()
     dropped = store.apply_retention(7)
@@ -234,6 +238,12 @@ def test_retention_drops_raw_days_after_7_and_rollup_days_after_90(
     # all data: the rollups answer, 50 and 10 days ago included, 120 days ago not
     rows, answered = store.top_answered()
     assert answered["source"] == "rollups" and rows[0]["count"] == 20
+    # the charts begin in the hour of the first request kept (its minutes are gone), not at
+    # the start of its day
+    ov = queries.overview(store, window("all"))
+    assert ov["source"]["charts"] == "rollups"
+    assert ov["window"]["start"] == first_kept // 10**9 // 3600 * 3600
+    assert sum(ov["throughput"]["requests"]) == 20
     # a window the raw rows cover is answered by them
     rows, answered = store.top_answered(since=timedelta(days=5))
     assert answered["source"] == "raw" and rows[0]["count"] == 10

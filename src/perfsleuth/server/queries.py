@@ -65,9 +65,37 @@ def _epoch(ts: datetime) -> int:
     return int((ts - datetime(1970, 1, 1)).total_seconds())
 
 
-def data_span(store: Store) -> tuple[datetime | None, datetime | None]:
-    r = store.query("SELECT min(ts) AS a, max(ts) AS b FROM requests")[0]
-    return r["a"], r["b"]
+def data_span(
+    store: Store, table: str = "requests", where: str = "true", params: list[Any] | None = None
+) -> tuple[datetime | None, datetime | None]:
+    """The first and last ``ts`` of ``table``'s rows (``where``): the requests, or, for
+    ``rollup_stats``, the first rollup period and the last one's start."""
+    if table == "rollup_stats":
+        return _rollup_span(store, where, params or [])
+    rows = store.query(
+        f"SELECT min(ts) AS a, max(ts) AS b FROM {table} WHERE {where}", params or []
+    )
+    return rows[0]["a"], rows[0]["b"]
+
+
+def _rollup_span(
+    store: Store, where: str, params: list[Any]
+) -> tuple[datetime | None, datetime | None]:
+    """The rollups' first period: the first minute row's, unless hour (day) rows begin in an
+    earlier hour (day), whose minutes (hours) are gone (retention). An hour or day row's ts is
+    its period's start, earlier than the first request in it: the minute rows say when in
+    the hour the data begins."""
+    first: datetime | None = None
+    last: datetime | None = None
+    for r in store.query(
+        f"SELECT res, min(ts) AS a, max(ts) AS b FROM rollup_stats WHERE {where} "
+        "GROUP BY res ORDER BY res",
+        params,
+    ):
+        if first is None or r["a"] < _floor(first, int(r["res"])):
+            first = r["a"]
+        last = r["b"] if last is None else max(last, r["b"])
+    return first, last
 
 
 def _bounds(store: Store, w: Window, table: str = "requests") -> tuple[datetime, datetime, int]:
@@ -76,15 +104,14 @@ def _bounds(store: Store, w: Window, table: str = "requests") -> tuple[datetime,
     ``table``: requests, or rollup_stats when rollups answer."""
     first = last = None
     if w.since is None:
-        r = store.query(f"SELECT min(ts) AS a, max(ts) AS b FROM {table}")[0]
-        first, last = r["a"], r["b"]
+        first, last = data_span(store, table)
         if last is not None:
             last = last + timedelta(seconds=1)
     start, end = w.bounds(first, last)
     if w.start is not None:
-        r = store.query(f"SELECT min(ts) AS a FROM {table} WHERE ts >= ?", [w.start])[0]
-        if r["a"] is not None and r["a"] > start:
-            start = r["a"]
+        a = data_span(store, table, "ts >= ?", [w.start])[0]
+        if a is not None and a > start:
+            start = a
     return start, end, step_seconds(start, end)
 
 
