@@ -566,7 +566,15 @@ def begin(
         req.task = req.worker = req.keep = None
         req.thread = _get_ident()
         if cpu:
-            req.cpu_start = time.thread_time_ns()
+            # The thread's last reading plus the wall time since, when under REQUEST_GAP_NS
+            # old, else a reading of its own (the C begin does the same: _speedups.c says why).
+            last = _last_cpu
+            now = _perf()
+            if now - last.wall < REQUEST_GAP_NS:
+                req.cpu_start = last.cpu + (now - last.wall)
+            else:
+                req.cpu_start = last.cpu = time.thread_time_ns()
+                last.wall = now
         req.token = _current.set(req)
         inflight[id(req)] = req
         req.start = _perf()
@@ -589,7 +597,10 @@ def end(req: ActiveRequest) -> None:
             if req.start and 0 <= wall < SHORT_RUN_NS:
                 req.cpu_ns = wall
             else:
-                cpu = time.thread_time_ns() - req.cpu_start
+                last = _last_cpu
+                last.cpu = now = time.thread_time_ns()
+                last.wall = req.end
+                cpu = now - req.cpu_start
                 req.cpu_ns = 0 if cpu < 0 else wall if 0 <= wall < cpu else cpu
         if req.token is not None:
             try:
@@ -612,6 +623,19 @@ def end(req: ActiveRequest) -> None:
 # A request shorter than this counts its wall time as its CPU time (frameworks.asgi's
 # SHORT_STEP_NS for a step, _speedups.c's SHORT_RUN_NS).
 SHORT_RUN_NS = 50_000
+# A request's start takes the thread's last CPU clock reading when it is younger than this
+# (_speedups.c's REQUEST_GAP_NS).
+REQUEST_GAP_NS = 20_000
+
+
+class _LastCpuReading(threading.local):
+    """The thread's last CPU clock reading (ns) and the perf_counter_ns it was taken at."""
+
+    cpu = 0
+    wall = -REQUEST_GAP_NS
+
+
+_last_cpu = _LastCpuReading()
 
 # begin and end in C when the accelerator is there (agent/_speedups.c: the same, field by
 # field; these Python ones are the reference): they run for every request.
