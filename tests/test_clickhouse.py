@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,24 @@ def fill_shop(w: SegmentWriter, n: int = 30, start: int = 0) -> None:
         )
 
 
+def fill_evidence(w: SegmentWriter, start: int) -> None:
+    """Slow requests with their samples and event-loop blockers, a GC pause, agent counters."""
+    stack = w.stack([("/app/shop.py", 42, "orders_page", True)])
+    tid = ""
+    for i in range(start, start + 3):
+        tid = f"{0xE000 + i:016x}"
+        w.request("GET /slow", trace_id=tid, dur_ms=300.0)
+        samples = [[1_000_000, "cpu", stack], [2_000_000, "cpu", stack]]
+        w.event(b"P", {"id": tid, "ts": time.time_ns(), "samples": samples})
+        w.event(
+            b"B",
+            {"ts": time.time_ns(), "dur": 200_000_000, "delayed": 1, "id": tid,
+             "endpoint": "GET /slow", "stacks": [[stack, 2]]},
+        )  # fmt: skip
+    w.event(b"G", {"pauses": [{"ts": time.time_ns(), "dur": 2_000_000, "gen": 2, "ids": [tid]}]})
+    w.stats({"requests": 3})
+
+
 def ingest_both(tmp_path: Path, fill: Any) -> tuple[Any, Any]:
     """The same spool ingested into DuckDB and into chDB."""
     w = SegmentWriter(str(tmp_path / "written"))
@@ -79,7 +98,13 @@ def ingest_both(tmp_path: Path, fill: Any) -> tuple[Any, Any]:
 def counts(store: Any) -> dict[str, int]:
     return {
         t: store.query(f"SELECT count(*) AS n FROM {t}")[0]["n"]
-        for t in ("requests", "calls", "attributes", "fingerprints", "locations")
+        for t in (
+            *(t.name for t in schema.EVENT_TABLES),
+            "agent_stats",
+            "fingerprints",
+            "locations",
+            "stacks",
+        )
     }
 
 
@@ -139,6 +164,7 @@ def test_ingest_is_exactly_once_across_a_crash_between_inserts(
     data = str(tmp_path / "data")
     w = SegmentWriter(data)
     fill_shop(w, 20)
+    fill_evidence(w, 0)
     store = store_engines.open_engine("chdb", data)
     try:
         client = store._client
@@ -158,6 +184,7 @@ def test_ingest_is_exactly_once_across_a_crash_between_inserts(
         assert counts(store)["calls"] > 0
         # the segment grows before the next run: the batch is not the one that failed
         fill_shop(w, 10, start=20)
+        fill_evidence(w, 3)
         w.close()
         store.ingest()
         store.ingest()  # nothing new: nothing added
@@ -170,11 +197,14 @@ def test_ingest_is_exactly_once_across_a_crash_between_inserts(
     try:
         w = SegmentWriter(str(tmp_path / "ref"))
         fill_shop(w, 20)
+        fill_evidence(w, 0)
         fill_shop(w, 10, start=20)
+        fill_evidence(w, 3)
         w.close()
         ref.ingest()
         assert got == counts(ref)
-        assert got["requests"] == 90
+        assert got["requests"] == 96
+        assert got["samples"] == 12 and got["blockers"] == 6 and got["gc_pauses"] == 2
     finally:
         ref.close()
 
@@ -364,6 +394,58 @@ def test_the_fleet_lists_sorted_tokens_hosts_and_services_on_both(tmp_path: Path
             (zeta,) = [t for t in f["tokens"] if t["token"] == "zeta"]
             assert zeta["hosts"] == ["hosta", "hostb", "testbox"]
         store_engines.same(got[0], got[1], "fleet")
+    finally:
+        duck.close()
+        ch.close()
+
+
+def test_a_store_keeps_to_its_tables_and_a_read_only_open_creates_nothing(tmp_path: Path) -> None:
+    data = str(tmp_path / "data")
+    w = SegmentWriter(data)
+    fill_shop(w, 5)
+    w.close()
+    store = store_engines.open_engine("chdb", data)
+    try:
+        store.ingest()
+        # no scratch table of the exactly-once check (another collector could share its name)
+        tables = store._q(f"SELECT name FROM system.tables WHERE database = '{store.database}'")
+        assert {r[0] for r in tables} == set(schema.TABLES)
+        ro = open_store(data, url=store_engines.chdb_url("never_created"), read_only=True)
+        try:
+            dbs = {r[0] for r in store._q("SELECT name FROM system.databases")}
+            assert "never_created" not in dbs
+        finally:
+            ro.close()
+    finally:
+        store.close()
+        store_engines.reset()
+
+
+def test_more_keys_than_one_query_holds_are_looked_up_in_chunks(tmp_path: Path) -> None:
+    store = store_engines.open_engine("chdb", str(tmp_path / "data"))
+    try:
+        # 13,000 names of ~50 bytes: ~700 KB as one IN list, past max_query_size (256 KiB)
+        rows = [
+            {"segment": f"agent~host-{i:06d}-1764160000000000000-000001"} for i in range(13_000)
+        ]
+        store.record_received(rows[:6_000])
+        store.record_received(rows)
+        assert store.query("SELECT count(*) AS n FROM segments_received") == [{"n": 13_000}]
+    finally:
+        store.close()
+        store_engines.reset()
+
+
+def test_a_trace_counts_the_samples_of_its_own_day(tmp_path: Path) -> None:
+    duck, ch = ingest_both(tmp_path, lambda w: (fill_shop(w, 2), fill_evidence(w, 0)))
+    try:
+        tid = f"{0xE000:016x}"
+        old = ch.query("SELECT * FROM samples WHERE trace_id = ? LIMIT 1", [tid])[0]
+        old["ts"] -= timedelta(days=1)  # a row of the same id on another day
+        ch._client.insert_arrow(
+            "samples", pa.Table.from_pylist([old], schema=schema.SAMPLES.arrow_schema()), {}
+        )
+        assert ch.trace(tid)["samples"] == duck.trace(tid)["samples"] == 2
     finally:
         duck.close()
         ch.close()

@@ -11,9 +11,10 @@ Writing, exactly once (:class:`perfsleuth.store.ingest.IngestTarget`): ClickHous
 transaction over several inserts, so a batch is committed as
 
 1. requests, calls and attributes of traces already stored in that same table are left out
-   (a semi-join on ``trace_id`` per table, over the batch's days, helped by a bloom index):
-   a re-run after a crash between two inserts adds only what is missing, even when the
-   segment has grown since;
+   (``trace_id IN (...)`` per table and day, the ids sent with the query in chunks, helped
+   by a bloom index), and so are the samples, blockers, GC pauses and agent counters already
+   stored (:data:`_ROW_KEYS`): a re-run after a crash between two inserts adds only what is
+   missing, even when the segment has grown since;
 2. every insert carries a deduplication token made of the table, the day and the segment
    ranges of the batch: a re-run of the same ranges (the usual case) is dropped by the
    server for the tables without trace ids (samples, gc pauses, agent counters);
@@ -54,6 +55,22 @@ _QUALIFIED = re.compile(r"[A-Za-z_][A-Za-z_0-9]*\.[A-Za-z_][A-Za-z_0-9]*")
 
 # Tables whose rows all come with their request: a trace already in one is not added again.
 _PER_TRACE = ("requests", "calls", "attributes")
+# The other event tables' rows, told apart by these columns: a row already stored (same
+# values, within the batch's time range) is not added again. A trace's samples and blockers
+# can arrive over several batches, so these are matched by row, not by trace.
+_ROW_KEYS: dict[str, tuple[str, ...]] = {
+    "samples": ("trace_id", "ts", "offset_ms"),
+    "blockers": ("trace_id", "ts"),
+    "gc_pauses": ("host", "pid", "ts", "generation"),
+    "agent_stats": ("host", "pid", "name", "ts"),
+}
+# Values per ``IN (...)`` literal: a query stays well under max_query_size (256 KiB).
+_IN_CHUNK = 4_000
+
+
+def _chunks(values: list[Any], n: int = _IN_CHUNK) -> Iterable[list[Any]]:
+    for i in range(0, len(values), n):
+        yield values[i : i + n]
 
 
 class _Cursor:
@@ -131,9 +148,9 @@ class ClickHouseStore(DuckDBReader):
         self._client = connect(url)
         self.path = self._client.where
         self.database = self._client.database
-        # The scratch table of the ingest's already-stored check (one per process).
-        self._ids_table = f"_ps_ids_{os.getpid()}"
         self._con = _Connection(self._client)  # type: ignore[assignment]
+        if read_only:  # a read-only user may not create anything: the tables are there
+            return
         try:
             self._create_schema()
         except BaseException:
@@ -183,7 +200,10 @@ class ClickHouseStore(DuckDBReader):
         return None
 
     def _count(self, table: str, day: date, trace_id: str) -> int:
-        rows = self._q(f"SELECT count() FROM {self._t(table)} WHERE trace_id = ?", [trace_id])
+        rows = self._q(
+            f"SELECT count() FROM {self._t(table)} WHERE toDate(ts) = ? AND trace_id = ?",
+            [day, trace_id],
+        )
         return int(rows[0][0]) if rows else 0
 
     def sql(
@@ -206,11 +226,6 @@ class ClickHouseStore(DuckDBReader):
     def close(self) -> None:
         client = getattr(self, "_client", None)
         if client is not None:
-            if not self.read_only:
-                try:
-                    self._client.command(f"DROP TABLE IF EXISTS {self._t(self._ids_table)}")
-                except StoreError:
-                    pass
             client.close()
             self._client = None  # type: ignore[assignment]
 
@@ -274,7 +289,7 @@ class ClickHouseStore(DuckDBReader):
             ("captures", tables.captures),
         ):
             insert(name, self._new_keys(name, tbl))
-        insert("agent_stats", tables.agent_stats)
+        insert("agent_stats", self._drop_stored_rows("agent_stats", tables.agent_stats))
         for last in (False, True):  # requests after everything else of their batch
             for d, parts in sorted(tables.days.items()):
                 for t in schema.EVENT_TABLES:
@@ -301,28 +316,51 @@ class ClickHouseStore(DuckDBReader):
         insert("ingest_offsets", offs)
 
     def _drop_stored_traces(self, day: date, parts: dict[str, pa.Table]) -> None:
-        """Leave out of one day's tables the rows of traces that table already holds."""
+        """Leave out of one day's tables the rows already stored: of requests, calls and
+        attributes the traces that table holds, of the others the rows it holds. The ids go
+        with the query, in chunks (no scratch table: collectors of one pid, or on another
+        node of a cluster, would share it)."""
         ids = parts.get("requests")
-        if ids is None or not ids.num_rows:
-            return
-        scratch = self._t(self._ids_table)
-        self._client.command(
-            f"CREATE TABLE IF NOT EXISTS {scratch} (trace_id String) ENGINE = Memory"
-        )
-        self._client.command(f"TRUNCATE TABLE {scratch}")
-        self._client.insert_arrow(self._ids_table, pa.table({"trace_id": ids["trace_id"]}), {})
+        trace_ids = [] if ids is None else pc.unique(ids["trace_id"]).to_pylist()
         for name in _PER_TRACE:
             t = parts.get(name)
-            if t is None or not t.num_rows:
+            if t is None or not t.num_rows or not trace_ids:
                 continue
-            known = self._q(
-                f"SELECT DISTINCT trace_id FROM {self._t(name)} WHERE toDate(ts) = ? "
-                f"AND trace_id IN (SELECT trace_id FROM {scratch})",
-                [day],
-            )
+            known: list[Any] = []
+            for chunk in _chunks(trace_ids):
+                known += self._q(
+                    f"SELECT DISTINCT trace_id FROM {self._t(name)} WHERE toDate(ts) = ? "
+                    "AND trace_id IN ?",
+                    [day, chunk],
+                )
             if known:
                 stored = pa.array([r[0] for r in known], pa.string())
                 parts[name] = t.filter(pc.invert(pc.is_in(t["trace_id"], value_set=stored)))
+        for name in _ROW_KEYS:
+            if name in parts:
+                parts[name] = self._drop_stored_rows(name, parts[name])  # type: ignore[assignment]
+
+    def _drop_stored_rows(self, name: str, data: pa.Table | None) -> pa.Table | None:
+        """The rows of ``data`` not already in table ``name`` (told apart by its
+        :data:`_ROW_KEYS`, looked for within the rows' time range)."""
+        if data is None or not data.num_rows:
+            return data
+        keys = _ROW_KEYS[name]
+        lo, hi = pc.min(data["ts"]).as_py(), pc.max(data["ts"]).as_py()
+        cols = ", ".join(quote(k) for k in keys)
+        where = "ts >= ? AND ts <= ?"
+        chunks: Iterable[list[Any]] = [[]]
+        if "trace_id" in keys:
+            where += " AND trace_id IN ?"
+            chunks = _chunks(pc.unique(data["trace_id"]).to_pylist())
+        stored: set[tuple[Any, ...]] = set()
+        for chunk in chunks:
+            params = [lo, hi, chunk] if chunk else [lo, hi]
+            stored.update(self._q(f"SELECT {cols} FROM {self._t(name)} WHERE {where}", params))
+        if not stored:
+            return data
+        rows = zip(*(data[k].to_pylist() for k in keys), strict=True)
+        return data.filter(pa.array([r not in stored for r in rows], pa.bool_()))
 
     def _new_keys(self, name: str, data: pa.Table | None) -> pa.Table | None:
         """The rows of a keyed table whose key is not stored yet (each key once)."""
@@ -335,10 +373,11 @@ class ClickHouseStore(DuckDBReader):
             keep.append(v not in seen)
             seen.add(v)
         data = data.filter(pa.array(keep))
-        stored = self._q(
-            f"SELECT {quote(key)} FROM {self._t(name)} WHERE {quote(key)} IN ?",
-            [data[key].to_pylist()],
-        )
+        stored: list[tuple[Any, ...]] = []
+        for chunk in _chunks(data[key].to_pylist()):
+            stored += self._q(
+                f"SELECT {quote(key)} FROM {self._t(name)} WHERE {quote(key)} IN ?", [chunk]
+            )
         if not stored:
             return data
         have = pa.array([r[0] for r in stored], data.schema.field(key).type)
