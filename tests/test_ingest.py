@@ -702,3 +702,27 @@ def test_odd_values_in_a_batch_are_coerced_not_fatal(data_dir: str, store: DuckD
     got = {r["trace_id"]: r for r in store.query("SELECT trace_id, status, user FROM requests")}
     assert got[f"{big_id:016x}"] == {"trace_id": f"{big_id:016x}", "status": None, "user": "7"}
     assert got["0" * 15 + "2"]["status"] == 404
+
+
+def test_the_cyclic_collector_runs_while_a_batch_is_committed(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ingest keeps the collector off only while it reads and builds a batch (a server's
+    other threads run beside it): on during the commit, on and nothing left frozen after."""
+    import gc
+
+    write_segments(data_dir, 3, 20)
+    monkeypatch.setattr(store, "batch_requests", 20)
+    seen: list[bool] = []
+    real = store._commit
+
+    def commit() -> None:
+        seen.append(gc.isenabled())
+        real()
+
+    monkeypatch.setattr(store, "_commit", commit)
+    assert gc.isenabled()
+    report = store.ingest()
+    assert report.requests == 60
+    assert len(seen) >= 3 and all(seen)
+    assert gc.isenabled() and gc.get_freeze_count() == 0

@@ -63,7 +63,8 @@ class Limits(NamedTuple):
 
 def commit_batch(target: IngestTarget, spool_dir: str, batch: Batch, report: IngestReport) -> None:
     """Convert and commit one batch, then retire the segments it finished."""
-    tables = build_tables(batch, time.time_ns())
+    with frozen_when_made():
+        tables = build_tables(batch, time.time_ns())
     target.commit(batch, tables)
     report.requests += tables.requests
     report.calls += tables.calls
@@ -80,15 +81,21 @@ def retire(spool_dir: str, base: str, *, damaged: bool, report: IngestReport) ->
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off, then on again as it was. A batch holds the decoded
-    JSON of its records (hundreds of thousands of small dicts and lists, none in a cycle):
-    walking them at every collection was a fifth of ingest's CPU time."""
+def frozen_when_made() -> Iterator[None]:
+    """Around a step that makes a batch's objects (the records read and decoded from a
+    segment, the tables built from them: hundreds of thousands of small dicts, lists and
+    tuples, none in a cycle): the cyclic collector off during the step, then what is alive
+    moved out of its sight (``gc.freeze``) until :func:`ingest_spool` ends. Collections
+    walked these objects again and again (ingest of 50k requests x 10 calls: 5 full
+    collections, 0.36-0.38 s of ~2.1 s CPU; frozen: 0.04 s). The collector stays on between
+    steps: a server's HTTP and OTLP threads run beside an ingest (their cyclic garbage from
+    before a freeze waits for the end of the run)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        gc.freeze()
         if was_enabled:
             gc.enable()
 
@@ -97,8 +104,12 @@ def ingest_spool(
     target: IngestTarget, spool_dir: str, limits: Limits, progress: Progress | None = None
 ) -> IngestReport:
     """Ingest everything new in ``spool_dir`` into ``target`` (see the module docstring)."""
-    with _collector_paused():
+    frozen_before = gc.get_freeze_count()  # someone else's freeze (a pre-fork one) is kept
+    try:
         return _ingest_spool(target, spool_dir, limits, progress)
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
 
 
 def _ingest_spool(
@@ -149,7 +160,8 @@ def _ingest_spool(
             seg.host = f.host
         if seg.pid is None:
             seg.pid = f.pid
-        read = spool.read_file(spool_dir, f, start)
+        with frozen_when_made():
+            read = spool.read_file(spool_dir, f, start)
         if read is None:
             continue  # vanished (renamed or removed) since the listing: next run
         data_size, rd = read
