@@ -1,6 +1,7 @@
 """The sampler's scheduler counters on a server with many threads (issue 22 item 8): a
-thread's schedstat file is open only while it serves a request in flight; idle threads hold
-none, and their baselines stay bounded. Real threads, real /proc files, the agent's recorder."""
+thread's schedstat file is open while it serves a request in flight; idle threads hold at most
+``MAX_IDLE_FILES`` of them (a pool's threads take turns at requests), and their baselines stay
+bounded. Real threads, real /proc files, the agent's recorder."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def schedstat_of(fd: int) -> str | None:
     return target if target.endswith("/schedstat") else None
 
 
-def test_idle_server_threads_hold_no_schedstat_files(agent_data_dir: str) -> None:
+def test_idle_server_threads_hold_few_schedstat_files(agent_data_dir: str) -> None:
     s = sampler.Sampler(Config())
     s.after_ns = 1 << 62  # nothing is sampled: only the scheduler figures are looked at
     serving = threading.Barrier(THREADS + 1)
@@ -65,9 +66,11 @@ def test_idle_server_threads_hold_no_schedstat_files(agent_data_dir: str) -> Non
             threading.Event().wait(0.01)
         s.tick()  # the threads live on, idle
         assert all(t.is_alive() for t in threads)
-        assert not s.fds
-        # closed (a number reused since is another file: the agent's own sampler runs too)
-        assert all(schedstat_of(fd) != target for fd, target in opened.items())
+        assert len(s.fds) == sampler.MAX_IDLE_FILES < THREADS
+        # the others closed (a number reused since is another file: the agent's own sampler
+        # runs too)
+        still = [fd for fd, target in opened.items() if schedstat_of(fd) == target]
+        assert sorted(still) == sorted(s.fds.values())
         # their baselines stay, bounded
         assert THREADS <= len(s.seen) <= sampler.MAX_BASELINES
         # the next request's first look takes its figures from them (the file opened again)

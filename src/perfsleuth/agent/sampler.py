@@ -45,7 +45,7 @@ at the sample limit) takes its share all the same. The process's CPU time ('othe
 Without schedstat (not Linux) the thread's CPU clock alone decides ``cpu`` or ``wait``.
 Schedstat is read for each thread serving a request in flight: every tick for the threads of
 sampled requests, every ``LOOK_EVERY_NS`` for the others (one ``pread`` a thread); a thread's
-file is open only while it serves a request in flight. Those
+file is open while it serves a request in flight (and for a few idle threads). Those
 threads' run and run-queue times, and the cgroup's CPU throttling (``cpu.stat``), are shipped
 as STATS counters about once a second while they change (analysis.detectors.cpu_starved reads
 them).
@@ -82,10 +82,13 @@ MAX_TRACKED = 64  # requests sampled at once; more slow requests in flight are s
 FIGURES_EVERY_NS = 1_000_000_000  # process figures (STATS) at most this often
 # Threads serving requests that are not being sampled: their scheduler counters this often (a
 # pread each; sampled threads are read every tick).
-LOOK_EVERY_NS = 50_000_000
+LOOK_EVERY_NS = 100_000_000
 # Threads whose scheduler counters (a small tuple each) are kept between their requests; a
-# schedstat file is kept open only while its thread serves a request in flight.
+# schedstat file is kept open while its thread serves a request in flight, and for up to
+# MAX_IDLE_FILES idle threads (the latest opened): a pool's threads take turns at requests, and
+# an open, read and close at each look cost 3-4 times the read alone.
 MAX_BASELINES = 128
+MAX_IDLE_FILES = 8
 # A loop's tasks are listed (to find the tasks each awaiting request started) at most every
 # LIST_EVERY_NS, or LIST_NS_PER_TASK per task when there are many (a listing costs about 1 us a
 # task: at most 1 % of a core), and not at all past MAX_TASKS_LISTED (one listing holds the GIL).
@@ -377,7 +380,8 @@ class Sampler:
         # those of slow requests (a service of short requests starves all the same): looked at
         # every LOOK_EVERY_NS, their baselines kept while the thread lives (between two
         # requests a thread is not runnable, so the figures take in its requests' time only;
-        # its schedstat file is closed while it is idle and opened again at its next request).
+        # past MAX_IDLE_FILES idle threads, a schedstat file is closed and opened again at the
+        # thread's next request).
         if self.schedstat and inflight and now - self.looked_at >= LOOK_EVERY_NS:
             self.looked_at = now
             for ident in {r.thread if r.worker is None else r.worker for r in inflight}:
@@ -400,16 +404,32 @@ class Sampler:
 
     def _settle(self, inflight: list[recorder.ActiveRequest]) -> None:
         """End of a tick: close the files of idle threads, forget those that ended, and the
-        samples to restate of threads not looked at (their chain of ticks broke)."""
-        serving = self._serving(inflight)
-        self._forget(self._alive(serving), serving)
-        for ident in [i for i in self.unsure if i not in self.states]:
-            del self.unsure[ident]
+        samples to restate of threads not looked at (their chain of ticks broke). A tick that
+        read no thread (most of them) only closes the files of idle threads past
+        ``MAX_IDLE_FILES``."""
+        if self.states:
+            serving = self._serving(inflight)
+            idle = [i for i in self.fds if i not in serving]
+            self._forget(self._alive(serving), serving.union(idle[-MAX_IDLE_FILES:]))
+        elif len(self.fds) > MAX_IDLE_FILES:
+            serving = {r.thread if r.worker is None else r.worker for r in inflight}
+            idle = [i for i in self.fds if i not in serving]
+            for ident in idle[: max(0, len(idle) - MAX_IDLE_FILES)]:
+                fd = self.fds.pop(ident)
+                self.natives.pop(ident, None)
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+        if self.unsure:
+            for ident in [i for i in self.unsure if i not in self.states]:
+                del self.unsure[ident]
 
     def _serving(self, inflight: list[recorder.ActiveRequest]) -> set[int]:
         """The threads serving a request in flight (or sampled this tick): their schedstat
-        files stay open; an idle thread's is closed (its baseline stays: reopened, the
-        file has the same counters)."""
+        files stay open; an idle thread's is closed past MAX_IDLE_FILES (its baseline stays:
+        reopened, the file has the same counters)."""
         serving = {r.thread if r.worker is None else r.worker for r in inflight}
         serving.update(self.states)
         return serving
