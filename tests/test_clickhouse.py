@@ -359,6 +359,9 @@ def test_the_console_is_read_only_bounded_and_sealed(tmp_path: Path) -> None:
         # the session still answers afterwards
         res = console.run_on_store(ch, "SELECT endpoint FROM requests ORDER BY ts", 5, None)
         assert len(res.encoded) == 5 and res.truncated_by == "rows"
+        # the server stops once it has the rows asked for (an endless table here)
+        res = console.run_on_store(ch, "SELECT number FROM system.numbers", 5, None, time_limit=20)
+        assert res.encoded == ["[0]", "[1]", "[2]", "[3]", "[4]"] and res.truncated_by == "rows"
     finally:
         duck.close()
         ch.close()

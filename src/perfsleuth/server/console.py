@@ -634,7 +634,7 @@ def run_on_store(
 
     started = time.monotonic()
     try:
-        columns, rows = store.sql(query, limit + 1, time_limit=time_limit)
+        columns, rows = store.sql(query, limit + 1, time_limit=time_limit, max_bytes=max_bytes)
     except StoreError as e:
         if "TIMEOUT_EXCEEDED" in str(e):
             raise _too_long(time_limit) from e

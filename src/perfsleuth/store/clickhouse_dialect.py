@@ -123,7 +123,7 @@ def read_only_clickhouse(sql: str, database: str) -> str:
         if not isinstance(t.this, exp.Identifier):  # file(), url(), s3(), remote(), ...
             raise ValueError(
                 f"table functions are disabled in the console ({t.this.sql('clickhouse')}): "
-                "it reads the store's tables only"
+                "it reads tables only (the store's, and ClickHouse's system tables)"
             )
     _qualify(tree, database)
     return tree.sql(dialect="clickhouse")

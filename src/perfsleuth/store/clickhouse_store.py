@@ -207,21 +207,35 @@ class ClickHouseStore(DuckDBReader):
         return int(rows[0][0]) if rows else 0
 
     def sql(
-        self, query: str, limit: int = 10_000, time_limit: float | None = None
+        self,
+        query: str,
+        limit: int = 10_000,
+        time_limit: float | None = None,
+        max_bytes: int | None = None,
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
         """One SELECT in ClickHouse's SQL over the store's tables (no table functions; run with
-        ``readonly = 2``: the server refuses any write); at most ``limit`` rows; stopped past
-        ``time_limit`` seconds (the engine's TIMEOUT_EXCEEDED)."""
+        ``readonly = 2``: the server refuses any write); at most ``limit`` rows, the server
+        stopping once it has them (``max_result_rows``, ``result_overflow_mode = 'break'``);
+        stopped past ``time_limit`` seconds (the engine's TIMEOUT_EXCEEDED). The server also
+        stops past 8x ``max_bytes`` (64 MiB without) of result in its own format: a row takes
+        at least a quarter as many bytes as JSON as in ClickHouse's columns, so the caller's
+        cap on JSON bytes is reached first."""
         try:
             text = read_only_clickhouse(query, self.database)
         except ValueError as e:
             raise StoreError(str(e)) from e
-        settings = "readonly = 2"
+        limit = max(0, int(limit))
+        settings = (
+            f"readonly = 2, max_result_rows = {max(1, limit)}, "
+            f"max_result_bytes = {8 * max_bytes if max_bytes else 64 * 1024 * 1024}, "
+            "result_overflow_mode = 'break'"
+        )
         if time_limit:
             settings += f", max_execution_time = {float(time_limit):g}"
         table = self._client.query_arrow(f"{text}\nSETTINGS {settings}")
-        cur = _Cursor(table)
-        return [d[0] for d in cur.description], cur.fetchmany(max(0, int(limit)))
+        # 'break' stops at a block's end: more rows than asked may come back
+        cur = _Cursor(table.slice(0, limit))
+        return [d[0] for d in cur.description], cur.fetchall()
 
     def close(self) -> None:
         client = getattr(self, "_client", None)
