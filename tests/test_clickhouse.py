@@ -452,3 +452,52 @@ def test_a_trace_counts_the_samples_of_its_own_day(tmp_path: Path) -> None:
     finally:
         duck.close()
         ch.close()
+
+
+def test_retention_drops_old_rows_and_on_a_cluster_deletes_from_local_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from datetime import datetime
+
+    data = str(tmp_path / "data")
+    w = SegmentWriter(data)
+    fill_shop(w, 2)
+    w.close()
+    store = store_engines.open_engine("chdb", data)
+    try:
+        store.ingest()
+        old = datetime.utcnow() - timedelta(days=20)
+        store._client.insert_arrow(
+            "agent_stats",
+            pa.Table.from_pylist(
+                [{"ts": old, "service": "shop", "host": "gone", "pid": 9, "name": "x", "value": 1}],
+                schema=schema.AGENT_STATS.arrow_schema(),
+            ),
+            {},
+        )
+        ns = int(old.timestamp() * 1e9)
+        store.record_received(
+            [
+                {"segment": "old", "host": "gone", "pid": 9, "received_ns": ns, "started_ns": ns},
+                {"segment": "live", "host": "testbox", "pid": 4242, "received_ns": ns},
+            ]
+        )
+        assert store.apply_retention(days=7, rollup_days=90) == []
+        assert store.query("SELECT count(*) AS n FROM agent_stats WHERE host = 'gone'") == [
+            {"n": 0}
+        ]
+        # the process that still has requests keeps its row
+        assert [r["segment"] for r in store.query("SELECT segment FROM segments_received")] == [
+            "live"
+        ]
+        # on a cluster: every statement on the _local tables, ON CLUSTER
+        sent: list[str] = []
+        monkeypatch.setattr(store, "cluster", "main")
+        monkeypatch.setattr(store._client, "command", sent.append)
+        store.apply_retention(days=7, rollup_days=90)
+        deletes = [s for s in sent if s.startswith("DELETE")]
+        assert len(deletes) == 4
+        assert all('_local" ON CLUSTER "main"' in s for s in deletes), deletes
+    finally:
+        store.close()
+        store_engines.reset()

@@ -425,37 +425,51 @@ class ClickHouseStore(DuckDBReader):
         if new is not None and new.num_rows:
             self._client.insert_arrow("segments_received", new, {})
 
-    def apply_retention(self, days: int) -> list[str]:
-        """Drop whole days (partitions) that ended more than ``days`` days ago."""
+    def apply_retention(self, days: int = 7, rollup_days: int = 90) -> list[str]:
+        """Drop whole days (partitions) that ended more than ``days`` days ago, and the agent
+        counters, captures, offsets of finished segments and received-segment rows older than
+        that (a process that still has requests keeps its rows: the fleet names it). There
+        are no rollups on ClickHouse: ``rollup_days`` is checked and otherwise unused. On a
+        cluster each statement runs ``ON CLUSTER`` on the ``_local`` tables (a Distributed
+        table takes no DELETE)."""
         self._writable("retention")
-        if days < 1:
-            raise StoreError(f"retention must be at least 1 day (got {days})")
+        if days < 1 or rollup_days < 1:
+            raise StoreError(f"retention must be at least 1 day (got {min(days, rollup_days)})")
         cutoff = utcnow() - timedelta(days=days)
+        keep_from = datetime.combine(cutoff.date(), datetime.min.time())  # the first day kept
         last_day = (cutoff - timedelta(days=1)).date()
-        names = [t.name for t in schema.EVENT_TABLES]
-        local = {n: f"{n}_local" if self.cluster else n for n in names}
+
+        def local(name: str) -> str:
+            return self._t(f"{name}_local" if self.cluster else name)
+
+        def lit(v: Any) -> str:
+            return str(literal(v).sql(dialect="clickhouse"))
+
+        names = [f"{t.name}_local" if self.cluster else t.name for t in schema.EVENT_TABLES]
         parts = self._q(
             "SELECT DISTINCT table, partition FROM system.parts WHERE database = ? AND active "
             "AND has(?, table)",
-            [self.database, list(local.values())],
+            [self.database, names],
         )
         old = sorted({p for _, p in parts if date.fromisoformat(p) <= last_day})
         on_cluster = f" ON CLUSTER {quote(self.cluster)}" if self.cluster else ""
         for table, p in parts:
             if date.fromisoformat(p) <= last_day:
                 self._client.command(
-                    f"ALTER TABLE {self._t(table)}{on_cluster} "
-                    f"DROP PARTITION {literal(p).sql(dialect='clickhouse')}"
+                    f"ALTER TABLE {self._t(table)}{on_cluster} DROP PARTITION {lit(p)}"
                 )
         for name in ("agent_stats", "captures"):
-            self._client.command(
-                f"DELETE FROM {self._t(name)}{on_cluster} WHERE ts < "
-                + literal(cutoff).sql(dialect="clickhouse")
-            )
+            self._client.command(f"DELETE FROM {local(name)}{on_cluster} WHERE ts < {lit(cutoff)}")
         present = [f.base for f in spool.list_spool(self.spool_dir)]
         self._client.command(
-            f"DELETE FROM {self._t('ingest_offsets')}{on_cluster} WHERE closed "
-            f"AND updated < {literal(cutoff).sql(dialect='clickhouse')} "
-            f"AND NOT has({literal(present).sql(dialect='clickhouse')}, segment)"
+            f"DELETE FROM {local('ingest_offsets')}{on_cluster} WHERE closed "
+            f"AND updated < {lit(cutoff)} AND NOT has({lit(present)}, segment)"
+        )
+        process = "concat(coalesce(host, ''), '/', toString(coalesce(pid, -1)))"
+        live = [r[0] for r in self._q(f"SELECT DISTINCT {process} FROM {self._t('requests')}")]
+        self._client.command(
+            f"DELETE FROM {local('segments_received')}{on_cluster} "
+            f"WHERE received < {lit(cutoff)} AND (started IS NULL OR started < {lit(keep_from)}) "
+            f"AND NOT has({lit(live)}, {process})"
         )
         return old
