@@ -32,15 +32,9 @@ partly elsewhere (the evidence thread often takes the interpreter lock the momen
 lets it go, before the loop resumes the request: about one request in three of a sync
 endpoint would otherwise end on a 'wait' sample).
 
-The kernel adds a run-queue wait to a thread's counters only when the wait ends (the thread
-gets a CPU): a thread queued across whole ticks shows no change over them, as a blocked one
-does, and then more run-queue time than the interval had room for. That surplus goes back to
-the thread's latest intervals classed ``wait`` or ``gil`` from their counters, latest first, as
-far as it reaches (up to ``MAX_RESTATE`` of them), and their samples are restated: they were
-starved (else a request thread computing at a low priority on a crowded CPU reads 'wait' in
-nearly every sample). An interval with no sample (inside a recorded call, a request that moved,
-at the sample limit) takes its share all the same. The process's CPU time ('others', for
-``gil``) is read next to the threads' counters, at the tick's first read.
+Run-queue wait the kernel adds to a thread's counters only once it ends goes back to the
+intervals it was spent in (agent.handback, with ``classify``). The process's CPU time
+('others', for ``gil``) is read next to the threads' counters, at the tick's first read.
 
 Without schedstat (not Linux) the thread's CPU clock alone decides ``cpu`` or ``wait``.
 Schedstat is read for each thread serving a request in flight: every tick for the threads of
@@ -74,6 +68,8 @@ from typing import Any
 
 from perfsleuth.agent import recorder, shipper, stacks
 from perfsleuth.agent.config import Config
+from perfsleuth.agent.handback import CALL, CPU, GIL, WAIT, HandBack, classify
+from perfsleuth.agent.handback import STARVED as STARVED
 from perfsleuth.wire import SAMPLES, STATS
 
 _perf = time.perf_counter_ns
@@ -95,11 +91,6 @@ MAX_IDLE_FILES = 8
 LIST_EVERY_NS = 50_000_000
 LIST_NS_PER_TASK = 100_000
 MAX_TASKS_LISTED = 2000
-# Samples a thread keeps ready to be restated once its counters show the run-queue wait they
-# spent (a second at the default 20 ms tick).
-MAX_RESTATE = 50
-
-CPU, STARVED, GIL, WAIT, CALL = "cpu", "starved", "gil", "wait", "call"
 
 recorder.stats.update({"samples_taken": 0, "samples_dropped": 0})
 
@@ -111,19 +102,6 @@ def _running_tasks() -> dict[Any, Any] | None:
     aio = sys.modules.get("asyncio")
     table = getattr(getattr(aio, "tasks", None), "_current_tasks", None)
     return table if type(table) is dict else None
-
-
-def classify(wall: int, cpu: int, queue: int, slices: int | None, others_cpu: int) -> str:
-    """The state of a thread over ``wall`` ns in which it ran ``cpu`` ns, waited ``queue`` ns
-    in the run queue and was scheduled ``slices`` times (None: no scheduler counters), while
-    the process's other threads ran ``others_cpu`` ns."""
-    if (cpu + queue) * 2 >= wall:
-        return CPU if cpu >= queue else STARVED
-    # A thread waiting for the GIL sleeps on a condition with a 5 ms timeout (the switch
-    # interval) and wakes over and over; one blocked in I/O or a lock stays asleep.
-    if slices is not None and slices >= 2 and others_cpu * 4 >= wall:
-        return GIL
-    return WAIT
 
 
 def frames_flat(frame: FrameType | None, limit: int = stacks.MAX_DEPTH) -> tuple[Any, ...]:
@@ -308,9 +286,6 @@ class _Tracked:
         self.placed_at = -1
 
 
-# An interval to restate: (request, its sample list then, the sample's index, the interval).
-_Unsure = tuple[_Tracked | None, list[Any] | None, int, tuple[Any, ...]]
-
 _samplers: weakref.WeakSet[Sampler] = weakref.WeakSet()
 # In a forked child, the thread that forked and its kernel thread id: Python 3.11 leaves that
 # thread's ``native_id`` at the parent's, and its schedstat file is under its own id.
@@ -344,10 +319,8 @@ class Sampler:
         self.states: dict[int, str | None] = {}  # this tick's state per thread
         # this tick's interval per thread: (wall, CPU, run-queue, slices, others' CPU) ns
         self.intervals: dict[int, tuple[int, int, int, int | None, int]] = {}
-        # thread ident -> its intervals of the last consecutive ticks classed 'wait' or 'gil'
-        # from its counters: (request, its sample list then, the sample's index, the interval);
-        # (None, None, -1, the interval) while no sample was taken of it)
-        self.unsure: dict[int, list[_Unsure]] = {}
+        # each thread's latest intervals classed 'wait' or 'gil' from its counters
+        self.unsure = HandBack()
         # id(loop) -> (when listed, when to list again, id(request) -> tasks started in its
         # context)
         self.loop_tasks: dict[int, tuple[int, int, dict[int, list[Any]]]] = {}
@@ -423,8 +396,7 @@ class Sampler:
                     except OSError:
                         pass
         if self.unsure:
-            for ident in [i for i in self.unsure if i not in self.states]:
-                del self.unsure[ident]
+            self.unsure.keep(self.states)
 
     def _serving(self, inflight: list[recorder.ActiveRequest]) -> set[int]:
         """The threads serving a request in flight (or sampled this tick): their schedstat
@@ -450,8 +422,7 @@ class Sampler:
             del self.seen[ident]
         if keep_open is None:
             keep_open = keep
-        for ident in [i for i in self.unsure if i not in keep_open or i not in keep]:
-            del self.unsure[ident]
+        self.unsure.keep(keep_open & keep)
         for ident in [i for i in self.fds if i not in keep_open or i not in keep]:
             fd = self.fds.pop(ident, -1)
             self.natives.pop(ident, None)
@@ -542,44 +513,23 @@ class Sampler:
                     # Run-queue time past what this interval left room for began before it.
                     queue_here = max(0, wall - d_cpu)
                     if self.unsure:
-                        self._restate(ident, d_queue - queue_here)
+                        self.unsure.restate(ident, d_queue - queue_here)
                 d_slices = None if slices is None or prev[3] is None else slices - prev[3]
                 others = max(0, proc_cpu - prev[4] - d_cpu)
                 state = classify(wall, d_cpu, queue_here, d_slices, others)
                 interval = (wall, d_cpu, queue_here, d_slices, others)
                 self.intervals[ident] = interval
                 if state is WAIT or state is GIL:
-                    # The interval may yet turn out starved: its place in the chain, with no
-                    # sample until one is taken of it (a tick inside a recorded call, of a
-                    # request that moved or at its sample limit still takes its share).
-                    unsure = self.unsure.setdefault(ident, [])
-                    unsure.append((None, None, -1, interval))
-                    if len(unsure) > MAX_RESTATE:
-                        del unsure[0]
+                    self.unsure.waited(ident, interval)  # it may yet turn out starved
             if sched is not None:
                 f = self.figures
                 f["sched_run_ns"] += d_cpu
                 f["sched_queue_ns"] += d_queue
                 f["sched_wall_ns"] += wall
         if state is not WAIT and state is not GIL:
-            self.unsure.pop(ident, None)
+            self.unsure.broken(ident)
         self.states[ident] = state
         return state
-
-    def _restate(self, ident: int, queued: int) -> None:
-        """``queued`` ns of run-queue wait the thread's counters took in at this look that
-        began before the last: its latest samples classed 'wait' or 'gil' spent the part of
-        their interval the counters left unexplained in it, the latest first."""
-        for t, samples, i, interval in reversed(self.unsure.pop(ident, ())):
-            wall, cpu, queue, slices, others = interval
-            given = min(max(0, wall - cpu - queue), queued)
-            queued -= given
-            if given and t is not None and samples is not None and t.samples is samples:
-                # a sample, not shipped yet
-                offset, _, flat = samples[i]
-                samples[i] = (offset, classify(wall, cpu, queue + given, slices, others), flat)
-            if queued <= 0:
-                break
 
     def _kids(self, t: _Tracked, now: int) -> list[Any]:
         """Unfinished tasks started in the request's context, other than its own. One listing
@@ -682,9 +632,7 @@ class Sampler:
         recorder.stats["samples_taken"] += 1
         t.samples.append((now - req.start, state, flat))
         if counted and (state is WAIT or state is GIL) and place in self.intervals:
-            unsure = self.unsure.get(place)
-            if unsure and unsure[-1][0] is None:  # this tick's interval: the sample is its
-                unsure[-1] = (t, t.samples, len(t.samples) - 1, unsure[-1][3])
+            self.unsure.sampled(place, t, len(t.samples) - 1)
         if len(t.samples) >= CHUNK:
             self._ship(t, final=False)
 
