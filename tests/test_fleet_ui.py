@@ -19,7 +19,16 @@ from perfsleuth.store.duckdb_store import DuckDBStore
 from perfsleuth.wire import HEADER
 from perfsleuth.wire.segment import encode_record
 from spoolwrite import SegmentWriter, call
-from test_ui import SHOTS, api, browser, open_page, page, serving, wait_ready  # noqa: F401
+from test_ui import (  # noqa: F401
+    SHOTS,
+    TOKEN,
+    api,
+    browser,
+    open_page,
+    page,
+    serving,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,6 +65,19 @@ def fleet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     fleet_data(data)
     with serving(data) as base:
         yield base
+
+
+def wait_fleet(pg: Any) -> None:
+    """Wait until the header's host and service pickers are filled for the current URL (from
+    /api/fleet, fetched apart from the page's own data)."""
+    pg.wait_for_function(
+        "() => document.getElementById('top').dataset.fleet === location.hash", timeout=30_000
+    )
+
+
+def open_fleet_page(pg: Any, base: str, route: str) -> None:
+    open_page(pg, base, route)
+    wait_fleet(pg)
 
 
 def counts(rows: list[dict[str, Any]]) -> dict[str, int]:
@@ -96,7 +118,7 @@ def test_the_ui_filters_the_overview_and_endpoint_by_host_and_service(
     fleet_server: str,
     page: Any,  # noqa: F811
 ) -> None:
-    open_page(page, fleet_server, "overview")
+    open_fleet_page(page, fleet_server, "overview")
     # The pickers list the hosts and services; the fleet table names each pair.
     assert page.locator("#host-filter").is_visible()
     hosts = page.locator("#host option").all_inner_texts()
@@ -108,6 +130,7 @@ def test_the_ui_filters_the_overview_and_endpoint_by_host_and_service(
 
     page.select_option("#host", "web2")
     wait_ready(page, "overview")
+    wait_fleet(page)
     assert "host=web2" in page.url
     assert page.locator("#totals-requests .stat-value").inner_text() == "5"
     shown = page.locator("#app tr[data-endpoint]").evaluate_all(
@@ -120,12 +143,14 @@ def test_the_ui_filters_the_overview_and_endpoint_by_host_and_service(
     # The filter follows the link to the endpoint page.
     page.locator("#app tr[data-endpoint='GET /a'] a.endpoint-link").click()
     wait_ready(page, "endpoint")
+    wait_fleet(page)
+    assert page.locator("#host").input_value() == "web2"
     assert "host=web2" in page.url
     assert page.locator("[data-stat='count'] .stat-value").inner_text() == "3"
     assert "host web2" in page.locator("#fleet-note").inner_text()
 
     # A service, all hosts: the endpoint of the other service is gone.
-    open_page(page, fleet_server, "overview?service=billing")
+    open_fleet_page(page, fleet_server, "overview?service=billing")
     assert page.locator("#service").input_value() == "billing"
     assert page.locator("#totals-requests .stat-value").inner_text() == "4"
     shown = page.locator("#app tr[data-endpoint]").evaluate_all(
@@ -145,7 +170,10 @@ def test_one_host_and_service_show_no_pickers(tmp_path: Path, page: Any) -> None
     with DuckDBStore(data) as store:
         store.ingest()
     with serving(data) as base:
-        open_page(page, base, "overview")
+        open_fleet_page(page, base, "overview")
+        # filled from the store (its one host and service), and hidden: nothing to choose
+        assert page.locator("#host option").count() == 2
+        assert page.locator("#service option").all_inner_texts() == ["all services", "shop"]
         assert not page.locator("#host-filter").is_visible()
         assert not page.locator("#service-filter").is_visible()
         assert not page.locator("#fleet").count()
@@ -171,3 +199,71 @@ def test_top_takes_the_same_filters(tmp_path: Path) -> None:
     assert [(r["host"], r["count"]) for r in got] == [("worker1", 4)]
     assert "5 requests of host 'web2'" in top("--host", "web2")
     assert "No requests of host 'nowhere'" in top("--host", "nowhere")
+
+
+def test_the_overview_fetches_the_fleet_once_and_shows_without_it(
+    fleet_server: str,
+    page: Any,  # noqa: F811
+) -> None:
+    """One /api/fleet request per render (the header's pickers and the fleet card share it);
+    when it fails, the overview shows all the same, without the fleet."""
+    asked: list[str] = []
+    page.on("request", lambda r: asked.append(r.url) if "/api/fleet" in r.url else None)
+    open_fleet_page(page, fleet_server, "overview?refresh=0")
+    assert page.locator("#fleet tbody tr").count() == 3
+    assert len(asked) == 1, asked
+
+    page.route("**/api/fleet*", lambda route: route.fulfill(status=500, body="{}"))
+    open_fleet_page(page, fleet_server, "overview?refresh=0&since=2h")
+    assert page.locator("#totals-requests .stat-value").inner_text() == "15"
+    assert not page.locator("#fleet").count()
+    assert not page.locator("#host-filter").is_visible()
+
+
+def test_requests_without_a_host_are_listed_but_not_a_host_link(
+    tmp_path: Path,
+    page: Any,  # noqa: F811
+) -> None:
+    """An OTLP service that sends no host.name: its row in the fleet card says (none), as
+    text (a link to host "" would show every host)."""
+    import httpx
+
+    data = str(tmp_path / "data")
+    fleet_data(data)
+    t0 = time.time_ns() - 60 * 10**9
+    span = {
+        "traceId": "ab" * 16,
+        "spanId": "cd" * 8,
+        "name": "GET /otlp",
+        "kind": 2,
+        "startTimeUnixNano": str(t0),
+        "endTimeUnixNano": str(t0 + 20_000_000),
+        "attributes": [
+            {"key": "http.request.method", "value": {"stringValue": "GET"}},
+            {"key": "http.route", "value": {"stringValue": "/otlp"}},
+            {"key": "http.response.status_code", "value": {"intValue": "200"}},
+        ],
+    }
+    payload = {
+        "resourceSpans": [
+            {
+                "resource": {
+                    "attributes": [{"key": "service.name", "value": {"stringValue": "node-api"}}]
+                },
+                "scopeSpans": [{"spans": [span]}],
+            }
+        ]
+    }
+    with serving(data) as base:
+        r = httpx.post(
+            f"{base}/v1/traces", json=payload, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert r.status_code == 200, r.text
+        open_fleet_page(page, base, "overview")
+        row = page.locator("#fleet tbody tr[data-service='node-api']")
+        assert row.count() == 1
+        assert row.locator("td[data-col='host']").inner_text().strip() == "(none)"
+        assert not row.locator("a.host-link").count()
+        assert row.locator("a.service-link").count() == 1
+        assert page.locator("#fleet a.host-link").count() == 3  # the named hosts are links
+    shutil.rmtree(data, ignore_errors=True)

@@ -1,7 +1,7 @@
 // perfsleuth web UI: a hash router (#/page?params) over the pages; the range picker and the
 // auto-refresh live in the URL too, so a link shows the same view.
 import "./style.css";
-import { get, token } from "./api";
+import { get, token, type Fleet } from "./api";
 import { h, errorBox } from "./util";
 import { overviewPage } from "./pages/overview";
 import { endpointPage } from "./pages/endpoint";
@@ -18,6 +18,9 @@ export interface Ctx {
   /** The fleet filters ("" for all): the overview and endpoint pages show only their requests. */
   host: string;
   service: string;
+  /** The hosts and services of the range (/api/fleet, fetched once per render for the header's
+   * pickers and the overview's fleet card); null when it failed. */
+  fleet: Promise<Fleet | null>;
   /** Replace some params of the current page in the URL (re-renders). */
   set(changes: Record<string, string | undefined>): void;
   /** The hash of a page with the current range and refresh kept. */
@@ -68,6 +71,7 @@ async function render(): Promise<void> {
     since,
     host,
     service,
+    fleet: get("/api/fleet", { since }).catch(() => null),
     set(changes) {
       const p = new URLSearchParams(params);
       for (const [k, v] of Object.entries(changes)) {
@@ -102,11 +106,11 @@ async function render(): Promise<void> {
   const refSel = document.getElementById("refresh") as HTMLSelectElement;
   refSel.replaceChildren(...REFRESH.map(([v, l]) => h("option", { value: v, selected: v === refresh }, l)));
   refSel.onchange = () => ctx.set({ refresh: refSel.value });
-  void fleetFilters(ctx);
+  const mine = ++generation;
+  void fleetFilters(ctx, hash, mine);
   document.title = `perfsleuth · ${PAGES[page].title}`;
 
   const app = document.getElementById("app")!;
-  const mine = ++generation;
   window.clearTimeout(timer);
   const content = h("div", { class: "page", "data-page": page });
   try {
@@ -138,17 +142,13 @@ const ON_DEMAND = new Set(["sql", "compare"]);
 const KEPT = ["host", "service"];
 
 /** The host and service pickers: shown when the store holds more than one of either (or one is
- * chosen), their choices the hosts and services with requests in the range. */
-async function fleetFilters(ctx: Ctx): Promise<void> {
-  let hosts: string[] = [];
-  let services: string[] = [];
-  try {
-    const f = await get("/api/fleet", { since: ctx.since });
-    hosts = f.hosts;
-    services = f.services;
-  } catch {
-    // the pickers stay as they are; the page says what failed
-  }
+ * chosen), their choices the hosts and services with requests in the range. The header's
+ * data-fleet is the hash they were filled for (tests wait for it). */
+async function fleetFilters(ctx: Ctx, hash: string, mine: number): Promise<void> {
+  const f = await ctx.fleet; // null when it failed: the pickers as if empty
+  if (mine !== generation) return; // a newer render fills them
+  const hosts = f?.hosts ?? [];
+  const services = f?.services ?? [];
   const pick = (id: "host" | "service", values: string[], current: string, all: string) => {
     const sel = document.getElementById(id) as HTMLSelectElement;
     const label = document.getElementById(`${id}-filter`)!;
@@ -165,6 +165,7 @@ async function fleetFilters(ctx: Ctx): Promise<void> {
   };
   pick("host", hosts, ctx.host, "all hosts");
   pick("service", services, ctx.service, "all services");
+  document.getElementById("top")!.dataset.fleet = hash;
 }
 
 async function status(): Promise<void> {

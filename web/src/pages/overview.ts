@@ -5,9 +5,10 @@ import { fmtInt, fmtMs, fmtPct } from "../format";
 import { h, fmtNum, fmtTime, bar, table, link, type Col } from "../util";
 
 export async function overviewPage(root: HTMLElement, ctx: Ctx): Promise<void> {
+  // ctx.fleet is the header's fetch (null when it failed: no fleet card, the page still shows)
   const [data, fleet] = await Promise.all([
     get("/api/overview", { since: ctx.since, host: ctx.host, service: ctx.service }),
-    get("/api/fleet", { since: ctx.since }),
+    ctx.fleet.catch(() => null),
   ]);
   const sort = ctx.params.get("sort") || "total_ms";
   const desc = ctx.params.get("dir") !== "asc";
@@ -54,7 +55,7 @@ export async function overviewPage(root: HTMLElement, ctx: Ctx): Promise<void> {
     ),
   );
   root.append(charts);
-  if (fleet.sources.length > 1 || ctx.host || ctx.service) root.append(fleetCard(ctx, fleet));
+  if (fleet && (fleet.sources.length > 1 || ctx.host || ctx.service)) root.append(fleetCard(ctx, fleet));
 
   const input = h("input", { type: "search", placeholder: "filter endpoints…", value: filter, class: "filter", id: "endpoint-filter" }) as HTMLInputElement;
   input.addEventListener("change", () => ctx.set({ filter: input.value }));
@@ -91,11 +92,14 @@ export async function overviewPage(root: HTMLElement, ctx: Ctx): Promise<void> {
 }
 
 /** Who sent requests: a row per host and service, with its tokens; a host or service sets the
- * page's filter. */
+ * page's filter. "(none)" (requests without a host or service, e.g. OTLP without host.name) is
+ * not a link: its filter value "" means all. */
 function fleetCard(ctx: Ctx, fleet: Fleet): HTMLElement {
+  const pick = (value: string, to: Record<string, string>, cls: string) =>
+    value ? link(ctx.href("overview", to), value, { class: cls }) : h("span", { class: "dim" }, "(none)");
   const cols: Col<FleetSource>[] = [
-    { key: "host", label: "host", render: (r) => link(ctx.href("overview", { host: r.host, service: ctx.service }), r.host || "(none)", { class: "host-link" }) },
-    { key: "service", label: "service", render: (r) => link(ctx.href("overview", { host: ctx.host, service: r.service }), r.service || "(none)", { class: "service-link" }) },
+    { key: "host", label: "host", render: (r) => pick(r.host, { host: r.host, service: ctx.service }, "host-link") },
+    { key: "service", label: "service", render: (r) => pick(r.service, { host: ctx.host, service: r.service }, "service-link") },
     { key: "requests", label: "requests", num: true, render: (r) => fmtInt(r.requests) },
     { key: "processes", label: "processes", num: true, render: (r) => fmtInt(r.processes) },
     { key: "last", label: "last request (UTC)", render: (r) => fmtTime(r.last) },
