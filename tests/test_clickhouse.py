@@ -501,3 +501,22 @@ def test_retention_drops_old_rows_and_on_a_cluster_deletes_from_local_tables(
     finally:
         store.close()
         store_engines.reset()
+
+
+def test_the_store_option_stays_out_of_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--store`` reaches the command's store, not the processes it starts."""
+    import os
+
+    from typer.testing import CliRunner
+
+    import perfsleuth.store
+    from perfsleuth.cli.main import app
+    from perfsleuth.store import STORE_ENV
+
+    monkeypatch.delenv(STORE_ENV, raising=False)
+    monkeypatch.setattr(perfsleuth.store, "cli_url", None)
+    r = CliRunner().invoke(app, ["--store", "mysql://x", "top", "--data", str(tmp_path)])
+    assert "unknown store 'mysql://x'" in r.output  # the command used it
+    assert STORE_ENV not in os.environ

@@ -4,7 +4,6 @@ command modules, so importing it gives the whole command line."""
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 import typer
@@ -53,4 +52,6 @@ def _root(
 ) -> None:
     """perfsleuth: a self-hosted performance detective."""
     if store:  # every command opens its store through perfsleuth.store.open_store
-        os.environ["PERFSLEUTH_STORE"] = store
+        import perfsleuth.store
+
+        perfsleuth.store.cli_url = store

@@ -12,13 +12,17 @@ from perfsleuth.store.base import IngestReport, Store, StoreError, StoreLocked
 __all__ = ["STORE_ENV", "IngestReport", "StoreError", "StoreLocked", "open_store"]
 
 STORE_ENV = "PERFSLEUTH_STORE"
+# The store URL the command line named (``--store``); None: ``$PERFSLEUTH_STORE``. A module
+# default, not the environment: processes the command starts (apps under the agent) keep theirs.
+cli_url: str | None = None
 
 
 def open_store(data_dir: str, *, read_only: bool = False, url: str | None = None) -> Store:
     """Open the store of ``data_dir`` (its spool, agents' status; created if needed): DuckDB in
     that directory, unless ``url`` (default: ``$PERFSLEUTH_STORE``) names a ClickHouse one,
     ``clickhouse://host:8123/db`` or ``chdb:///dir`` (see :mod:`.clickhouse_client`)."""
-    url = url if url is not None else os.environ.get(STORE_ENV, "")
+    if url is None:
+        url = cli_url if cli_url is not None else os.environ.get(STORE_ENV, "")
     if url and url != "duckdb":
         if url.partition("://")[0] not in ("clickhouse", "clickhouses", "chdb"):
             raise StoreError(
