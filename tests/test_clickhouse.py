@@ -520,3 +520,22 @@ def test_the_store_option_stays_out_of_the_environment(
     r = CliRunner().invoke(app, ["--store", "mysql://x", "top", "--data", str(tmp_path)])
     assert "unknown store 'mysql://x'" in r.output  # the command used it
     assert STORE_ENV not in os.environ
+
+
+def test_a_dictionary_row_stored_twice_is_read_once(tmp_path: Path) -> None:
+    """Two collectors can both store a new fingerprint before either sees the other's: the
+    reader's answers do not double until a merge removes the copy."""
+    duck, ch = ingest_both(tmp_path, lambda w: fill_shop(w, 3))
+    try:
+        for name in ("fingerprints", "locations"):
+            t = schema.TABLES[name]
+            cols = ", ".join(schema.quote(c) for c in t.column_names)
+            copy = duck._con.sql(f"SELECT {cols} FROM {name}").to_arrow_table()
+            ch._client.insert_arrow(name, copy.cast(t.arrow_schema()).slice(0, 1), {})
+            ch._client.insert_arrow(name, copy.cast(t.arrow_schema()), {"insert_deduplicate": 0})
+        slowest = duck.traces(endpoint="GET /orders/{id}", slowest=1)[0]["trace_id"]
+        store_engines.same(duck.trace(slowest), ch.trace(slowest), "trace")
+        store_engines.same(duck.top(), ch.top(), "top")
+    finally:
+        duck.close()
+        ch.close()

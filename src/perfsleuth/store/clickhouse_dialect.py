@@ -41,6 +41,8 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.tokens import TokenType
 
+from perfsleuth.store.schema import TABLES
+
 __all__ = ["SESSION_SETTINGS", "literal", "read_only_clickhouse", "to_clickhouse"]
 
 # Settings every ClickHouse connection runs with (server and chDB alike).
@@ -83,7 +85,25 @@ def _transpiled(sql: str, database: str | None) -> Any:
                 node.replace(new)
     if database:
         _qualify(tree, database)
+        _read_final(tree)
     return tree
+
+
+def _read_final(tree: Any) -> None:
+    """The keyed tables (ReplacingMergeTree: fingerprints, locations, stacks, captures, ...)
+    read ``FINAL``: two collectors (or a re-run) can store a key twice until a background merge,
+    and a join on a doubled dictionary row would double the rows joined to it. These tables are
+    small, so the merge at read time is cheap."""
+    keyed = {name for name, t in TABLES.items() if t.key}
+    ctes = {c.alias_or_name for c in tree.find_all(exp.CTE)}
+    for t in list(tree.find_all(exp.Table)):
+        if (
+            t.name in keyed
+            and t.name not in ctes
+            and isinstance(t.parent, exp.From | exp.Join)
+            and isinstance(t.this, exp.Identifier)
+        ):
+            t.replace(exp.Final(this=t.copy()))
 
 
 def _qualify(tree: Any, database: str) -> None:
