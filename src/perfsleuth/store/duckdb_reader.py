@@ -1,5 +1,9 @@
 """The DuckDB store's reading half: every query of the store interface
-(:class:`perfsleuth.store.base.StoreReader`) in DuckDB's SQL."""
+(:class:`perfsleuth.store.base.StoreReader`) in DuckDB's SQL.
+
+One module of ~500 lines because the ClickHouse store reads through this same class (its
+queries transpiled in :mod:`perfsleuth.store.clickhouse_dialect`): every query the interface
+promises stays in one place, in one dialect."""
 
 from __future__ import annotations
 

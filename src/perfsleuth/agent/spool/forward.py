@@ -17,6 +17,9 @@ deleted; their unsent requests are counted (``dropped_spool_cap``), as are the s
 (``forward_dropped_segments``), in the status file and, as a STATS record, in the store.
 
 Nothing here runs on the request path, nothing raises into the app (stdlib only).
+
+One module (~600 lines) because election, offsets, retries, TLS and the spool cap are one state
+machine run by one thread: split, each part would need the others' state.
 """
 
 from __future__ import annotations
