@@ -431,6 +431,7 @@ def test_more_keys_than_one_query_holds_are_looked_up_in_chunks(tmp_path: Path) 
         rows = [
             {"segment": f"agent~host-{i:06d}-1764160000000000000-000001"} for i in range(13_000)
         ]
+        rows[0]["segment"] = "otlp~it's?a\\token~svc/h/1~20261126"  # quoted as it is
         store.record_received(rows[:6_000])
         store.record_received(rows)
         assert store.query("SELECT count(*) AS n FROM segments_received") == [{"n": 13_000}]

@@ -4,6 +4,7 @@ command modules, so importing it gives the whole command line."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -51,7 +52,9 @@ def _root(
     ] = None,
 ) -> None:
     """perfsleuth: a self-hosted performance detective."""
-    if store:  # every command opens its store through perfsleuth.store.open_store
+    # Every command opens its store through perfsleuth.store.open_store, which reads
+    # $PERFSLEUTH_STORE itself: only a URL given on the command line is set here.
+    if store and store != os.environ.get("PERFSLEUTH_STORE"):
         import perfsleuth.store
 
         perfsleuth.store.cli_url = store
