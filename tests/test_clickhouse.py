@@ -493,9 +493,17 @@ def test_retention_drops_old_rows_and_on_a_cluster_deletes_from_local_tables(
         ]
         # on a cluster: every statement on the _local tables, ON CLUSTER
         sent: list[str] = []
+        asked: list[str] = []
         monkeypatch.setattr(store, "cluster", "main")
         monkeypatch.setattr(store._client, "command", sent.append)
+        old_part = [("requests_local", (old.date()).isoformat())]
+        monkeypatch.setattr(
+            store, "_q", lambda sql, params=(): asked.append(sql) or (old_part if params else [])
+        )
         store.apply_retention(days=7, rollup_days=90)
+        assert "clusterAllReplicas('main', system.parts)" in asked[0]
+        assert sent[0].startswith('ALTER TABLE "t')
+        assert '"requests_local" ON CLUSTER "main" DROP PARTITION' in sent[0]
         deletes = [s for s in sent if s.startswith("DELETE")]
         assert len(deletes) == 4
         assert all('_local" ON CLUSTER "main"' in s for s in deletes), deletes

@@ -460,8 +460,14 @@ class ClickHouseStore(DuckDBReader):
             return str(literal(v).sql(dialect="clickhouse"))
 
         names = [f"{t.name}_local" if self.cluster else t.name for t in schema.EVENT_TABLES]
+        # a node's system.parts lists its own shard's parts: on a cluster, every node's
+        source = (
+            f"clusterAllReplicas({lit(self.cluster)}, system.parts)"
+            if self.cluster
+            else ("system.parts")
+        )
         parts = self._q(
-            "SELECT DISTINCT table, partition FROM system.parts WHERE database = ? AND active "
+            f"SELECT DISTINCT table, partition FROM {source} WHERE database = ? AND active "
             "AND has(?, table)",
             [self.database, names],
         )
