@@ -25,6 +25,9 @@ not the macro), ``printf``/``format`` with a format that is not constant or pads
 the functions running SQL given as a value (``query``) are refused. A value larger than the
 reply may hold is refused before it is encoded. The global ``memory_limit`` is left to ingest:
 it bounds none of these.
+
+One module (~650 lines) because the sandbox, the call checks, the guards and the memory budget
+are one policy: a statement is safe only with all of them, and a reader sees them together.
 """
 
 from __future__ import annotations
