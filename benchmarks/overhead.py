@@ -29,8 +29,10 @@ neighbouring slices alike. A slice ends with a flush of the variant's background
 exporter, so deferred work is inside it. CPU is ``time.process_time_ns()``: every thread of
 the process (event loop, pool thread, perfsleuth's writer, OpenTelemetry's batch processor).
 A variant's overhead is the median over all slices of its ratio to bare's slice of the same
-round and number; its µs per request, the median over its slices. Stacks run one after the
-other, each with its own rounds.
+round and number; its µs per request, the median over its slices. Each round's line on
+stderr adds the medians of user and system CPU, context switches and page faults per request
+(getrusage around each slice): the kernel's side, which an instruction count does not see.
+Stacks run one after the other, each with its own rounds.
 
 The peers use their instrumentations of each stack (OpenTelemetry: FastAPI + sqlite3, Django
 + psycopg, Flask + SQLAlchemy; sentry-sdk: its default integrations; ddtrace: fastapi + sqlite3,
@@ -50,6 +52,7 @@ import io
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -456,6 +459,13 @@ def setup_perfsleuth(
     return build_app(stack, db), ps.flush, check
 
 
+def without_step_meter(setup: Setup) -> Setup:
+    from perfsleuth.agent.frameworks import asgi
+
+    asgi._CpuMeter = lambda req, aw: aw
+    return setup
+
+
 def setup_otel(db: str, tmp: str, stack: str = "fastapi-sqlite") -> Setup:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -588,6 +598,11 @@ SETUPS: dict[str, Callable[..., Setup]] = {
     "perfsleuth-no-capture": lambda db, tmp, stack="fastapi-sqlite": setup_perfsleuth(
         db, tmp, stack, capture=False
     ),
+    # Opt-in: without the CPU meter of the request's task steps on the loop (the worker
+    # thread's run is still timed): what the loop's CPU-clock reads cost.
+    "perfsleuth-no-step-cpu": lambda db, tmp, stack="fastapi-sqlite": without_step_meter(
+        setup_perfsleuth(db, tmp, stack)
+    ),
     # Opt-in: with Jinja2's runtime imported first, as in an app serving Jinja2 templates too
     # (stacks then look for template frames; the endpoint's own calls are under none).
     "perfsleuth-jinja-loaded": lambda db, tmp, stack="fastapi-sqlite": (
@@ -599,18 +614,36 @@ SETUPS: dict[str, Callable[..., Setup]] = {
 }
 
 
+KERNEL_SIDE = ("user_us", "sys_us", "faults", "switches")  # per request, from getrusage
+
+
+def kernel_side(r0: Any, n: int) -> dict[str, float]:
+    """Per request since ``r0`` (getrusage): user and system CPU (µs; the kernel's split,
+    sampled at its tick), minor page faults and context switches: what an instruction count
+    (callgrind: user space only) does not see."""
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "user_us": (r1.ru_utime - r0.ru_utime) * 1e6 / n,
+        "sys_us": (r1.ru_stime - r0.ru_stime) * 1e6 / n,
+        "faults": (r1.ru_minflt - r0.ru_minflt) / n,
+        "switches": (r1.ru_nvcsw + r1.ru_nivcsw - r0.ru_nvcsw - r0.ru_nivcsw) / n,
+    }
+
+
 def serve_asgi(app: Any, flush: Callable[[], Any], check: Any, warmup: int) -> None:
     """The child's slices through an ASGI app, on one event loop."""
 
     async def timed(first: int, n: int) -> dict[str, Any]:
         gc.collect()
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         c0, w0 = time.process_time_ns(), time.perf_counter_ns()
         bad = 0
         for i in range(first, first + n):
             bad += await request(app, i % ORDERS + 1) != 200
         flush()  # the slice's deferred work (writer, batch processor) counts in it
         cpu, wall = time.process_time_ns() - c0, time.perf_counter_ns() - w0
-        return {"cpu_us": cpu / n / 1000, "wall_us": wall / n / 1000, "bad": bad}
+        out = {"cpu_us": cpu / n / 1000, "wall_us": wall / n / 1000, "bad": bad}
+        return out | kernel_side(r0, n)
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
@@ -630,13 +663,15 @@ def serve_wsgi(app: Any, flush: Callable[[], Any], check: Any, warmup: int) -> N
 
     def timed(first: int, n: int) -> dict[str, Any]:
         gc.collect()
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         c0, w0 = time.process_time_ns(), time.perf_counter_ns()
         bad = 0
         for i in range(first, first + n):
             bad += wsgi_request(app, i % ORDERS + 1) != 200
         flush()
         cpu, wall = time.process_time_ns() - c0, time.perf_counter_ns() - w0
-        return {"cpu_us": cpu / n / 1000, "wall_us": wall / n / 1000, "bad": bad}
+        out = {"cpu_us": cpu / n / 1000, "wall_us": wall / n / 1000, "bad": bad}
+        return out | kernel_side(r0, n)
 
     print(RESULT + json.dumps(timed(0, warmup)), flush=True)
     while True:
@@ -749,7 +784,9 @@ def run_round(names: list[str], db: str, args: argparse.Namespace, rnd: int) -> 
     variant in turn runs ``--requests`` requests (the order rotating from slice to slice), so
     neighbouring slices of different variants see the same state of a shared machine."""
     children = [Child(name, db, args) for name in names]
-    runs: dict[str, dict[str, Any]] = {n: {"cpu_us": [], "wall_us": [], "bad": 0} for n in names}
+    runs: dict[str, dict[str, Any]] = {
+        n: {"cpu_us": [], "wall_us": [], "bad": 0, **{k: [] for k in KERNEL_SIDE}} for n in names
+    }
     for child in children:  # warm-ups ran side by side; wait for all of them
         warm = child.result()
         if warm is not None:
@@ -759,7 +796,7 @@ def run_round(names: list[str], db: str, args: argparse.Namespace, rnd: int) -> 
             res = child.run(args.requests)
             if res is None:
                 continue
-            for key in ("cpu_us", "wall_us"):
+            for key in ("cpu_us", "wall_us", *KERNEL_SIDE):
                 runs[child.name][key].append(res[key])
             runs[child.name]["bad"] += res["bad"]
     for child in children:
@@ -771,7 +808,14 @@ def run_round(names: list[str], db: str, args: argparse.Namespace, rnd: int) -> 
         if child.error:  # a slice list with holes cannot be paired
             r["cpu_us"], r["wall_us"] = [], []
         cpu = statistics.median(r["cpu_us"]) if r["cpu_us"] else float("nan")
-        msg = f"  {args.stack} round {rnd}: {child.name:<22}{cpu:8.1f} µs CPU/request  {text}"
+        msg = f"  {args.stack} round {rnd}: {child.name:<22}{cpu:8.1f} µs CPU/request"
+        if r["sys_us"]:  # the kernel's side, which an instruction count does not see
+            med = {k: statistics.median(r[k]) for k in KERNEL_SIDE}
+            msg += (
+                f" (user {med['user_us']:.0f}, system {med['sys_us']:.0f} µs;"
+                f" {med['switches']:.2f} context switches, {med['faults']:.2f} page faults)"
+            )
+        msg += f"  {text}"
         print(msg, file=sys.stderr, flush=True)
     return runs
 
