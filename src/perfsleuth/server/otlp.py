@@ -5,7 +5,9 @@ while another commits (:class:`Commits`).
 An :class:`fastapi.APIRouter` that :func:`perfsleuth.server.app.create_app` includes; the store
 comes from the app's backend (``app.state.backend``), under its lock. Refusals follow OTLP/HTTP:
 400 with a reason for a payload that is not OTLP (clients do not retry it), 413 over the size
-cap, 415 for another content type or encoding, 503 when this server does not write the store.
+cap, 415 for another content type or encoding, 503 when this server does not write the store,
+and 503 with ``Retry-After`` when the disk holding it is full (exporters send a 503 again, a 500
+they drop).
 User and tenant come from the attribute keys in ``PERFSLEUTH_OTLP_USER_KEYS`` and
 ``PERFSLEUTH_OTLP_TENANT_KEYS`` (comma-separated, first present wins).
 """
@@ -25,9 +27,13 @@ from starlette.concurrency import run_in_threadpool
 
 from perfsleuth.server.body import TooLarge, read_body
 from perfsleuth.server.fleet import OtlpOrigins
+from perfsleuth.store.base import StoreFull
 from perfsleuth.store.otlp.batch import Mapped, insert_many, rollback, to_batch
 from perfsleuth.store.otlp.payload import MAX_BODY, OtlpError, decode, response
 from perfsleuth.store.otlp.spans import Keys, Pending
+
+# Seconds an exporter is asked to wait before sending a payload the full disk refused again.
+FULL_RETRY_AFTER_S = 30
 
 log = logging.getLogger("perfsleuth.server")
 router = APIRouter()
@@ -166,6 +172,12 @@ async def traces(request: Request) -> Response:
         return await run_in_threadpool(work)
     except OtlpError as e:
         return _refuse(e.status, e.reason)
+    except StoreFull as e:  # stored nothing: a 503 the exporters send again (a 500 they drop)
+        log.warning("OTLP payload refused: %s", e)
+        reason = f"the disk holding the store is full: not stored, send it again ({e})"
+        refusal = _refuse(503, reason)
+        refusal.headers["Retry-After"] = str(FULL_RETRY_AFTER_S)
+        return refusal
     except Exception as e:  # stored nothing; say why, keep serving
         log.exception("OTLP ingest failed")
         return _refuse(500, f"the payload could not be stored: {type(e).__name__}: {e}"[:500])
