@@ -47,7 +47,7 @@ from perfsleuth.store.duckdb_reader import DuckDBReader
 from perfsleuth.store.ingest import Limits, Offset, ingest_spool
 from perfsleuth.store.records import Batch
 from perfsleuth.store.schema import quote
-from perfsleuth.store.tables import Tables
+from perfsleuth.store.tables import Tables, offsets_table
 
 __all__ = ["ClickHouseStore"]
 
@@ -322,25 +322,7 @@ class ClickHouseStore(DuckDBReader):
                 for t in schema.EVENT_TABLES:
                     if (t.name == "requests") == last:
                         insert(t.name, parts.get(t.name), f"-{d:%Y%m%d}")
-        now = utcnow()
-        offs = pa.Table.from_pylist(
-            [
-                {
-                    "segment": s.base,
-                    "offset": s.offset,
-                    "closed": s.final,
-                    "damaged": s.damaged,
-                    "service": s.service or None,
-                    "host": s.host or None,
-                    "pid": s.pid,
-                    "updated": now,
-                    "version": s.version or None,
-                }
-                for s in batch.segments
-            ],
-            schema=schema.INGEST_OFFSETS.arrow_schema(),
-        )
-        insert("ingest_offsets", offs)
+        insert("ingest_offsets", offsets_table(batch, utcnow()))
 
     def _drop_stored_traces(self, day: date, parts: dict[str, pa.Table]) -> None:
         """Leave out of one day's tables the rows already stored: of requests, calls and

@@ -17,7 +17,7 @@ from perfsleuth.store.duckdb_rollups import DuckDBRollups
 from perfsleuth.store.ingest import Limits, Offset, ingest_spool
 from perfsleuth.store.records import Batch
 from perfsleuth.store.schema import quote
-from perfsleuth.store.tables import Tables, drop_known_traces, trace_ids
+from perfsleuth.store.tables import Tables, drop_known_traces, offsets_table, trace_ids
 
 # A received segment's row goes once the days it could name a request's origin for are gone:
 # received before the cutoff, started before the first day kept, and either another segment of
@@ -109,24 +109,7 @@ class DuckDBWriter(DuckDBRollups):
                 self._insert("agent_stats", tables.agent_stats)
             if tables.captures is not None:
                 self._insert("captures", tables.captures, conflict="OR IGNORE")
-            now = utcnow()
-            offs = pa.Table.from_pylist(
-                [
-                    {
-                        "segment": s.base,
-                        "offset": s.offset,
-                        "closed": s.final,
-                        "damaged": s.damaged,
-                        "service": s.service or None,
-                        "host": s.host or None,
-                        "pid": s.pid,
-                        "updated": now,
-                        "version": s.version or None,
-                    }
-                    for s in batch.segments
-                ],
-                schema=schema.INGEST_OFFSETS.arrow_schema(),
-            )
+            offs = offsets_table(batch, utcnow())
             self._insert("ingest_offsets", offs, conflict="OR REPLACE")
             self._commit()
         except BaseException as e:

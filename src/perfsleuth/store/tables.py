@@ -15,7 +15,7 @@ and attributes. Nothing here depends on the engine the tables go to.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import date, timedelta
+from datetime import date, datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -90,6 +90,28 @@ def build_tables(batch: Batch, now_ns: int) -> Tables:
         out.fingerprints = out.locations = out.stacks = out.agent_stats = None
         _unconverted(batch, set(range(len(batch.segments))), "dictionary and counter records", e)
     return out
+
+
+def offsets_table(batch: Batch, now: datetime) -> pa.Table:
+    """The ``ingest_offsets`` rows of ``batch``: how far each of its segments is stored (both
+    engines write them last, in the batch's transaction or after its rows)."""
+    return pa.Table.from_pylist(
+        [
+            {
+                "segment": s.base,
+                "offset": s.offset,
+                "closed": s.final,
+                "damaged": s.damaged,
+                "service": s.service or None,
+                "host": s.host or None,
+                "pid": s.pid,
+                "updated": now,
+                "version": s.version or None,
+            }
+            for s in batch.segments
+        ],
+        schema=schema.INGEST_OFFSETS.arrow_schema(),
+    )
 
 
 def _unconverted(batch: Batch, segments: set[int], what: str, exc: Exception) -> None:
