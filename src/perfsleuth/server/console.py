@@ -571,16 +571,8 @@ def run(
                     if max_bytes is not None and _longer_than(row, left):
                         out.truncated_by = "bytes"
                         break
-                    text = json.dumps(json_value(list(row)), ensure_ascii=False)
-                    size = len(text.encode()) + 1
-                    if max_bytes is not None and out.bytes + size > max_bytes:
-                        out.truncated_by = "bytes"
+                    if not _append(out, row, max_bytes, encode):
                         break
-                    out.bytes += size
-                    if encode:
-                        out.encoded.append(text)
-                    else:
-                        out.raw.append(tuple(row))
                 if out.truncated_by:
                     break
                 # Rows of the size seen so far that fit in what is left (64 at most): a few
@@ -611,6 +603,22 @@ def run(
         cur.close()
     out.elapsed_ms = (time.perf_counter() - t0) * 1000
     return out
+
+
+def _append(out: Result, row: Any, max_bytes: int | None, encode: bool) -> bool:
+    """Add ``row`` to ``out`` (as its JSON line when ``encode``, else as a tuple) unless its
+    line would take ``out`` past ``max_bytes``: then mark ``out`` truncated and say False."""
+    text = json.dumps(json_value(list(row)), ensure_ascii=False)
+    size = len(text.encode()) + 1
+    if max_bytes is not None and out.bytes + size > max_bytes:
+        out.truncated_by = "bytes"
+        return False
+    out.bytes += size
+    if encode:
+        out.encoded.append(text)
+    else:
+        out.raw.append(tuple(row))
+    return True
 
 
 def _too_long(limit: float | None) -> ConsoleError:
@@ -644,16 +652,8 @@ def run_on_store(
         raise ConsoleError(str(e)) from e
     out = Result(list(columns))
     for row in rows[:limit]:
-        text = json.dumps(json_value(list(row)), ensure_ascii=False)
-        size = len(text.encode()) + 1
-        if max_bytes is not None and out.bytes + size > max_bytes:
-            out.truncated_by = "bytes"
+        if not _append(out, row, max_bytes, encode):
             break
-        out.bytes += size
-        if encode:
-            out.encoded.append(text)
-        else:
-            out.raw.append(tuple(row))
     else:
         if len(rows) > limit:
             out.truncated_by = "rows"
