@@ -38,12 +38,12 @@ from urllib.parse import parse_qs, urlparse
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from perfsleuth.store import schema, spool
+from perfsleuth.store import rollups, schema, spool
 from perfsleuth.store.base import IngestReport, Progress, StoreError
 from perfsleuth.store.clickhouse_client import Client, connect
 from perfsleuth.store.clickhouse_dialect import literal, read_only_clickhouse, to_clickhouse
+from perfsleuth.store.clickhouse_rollups import ClickHouseRollups, partition_day
 from perfsleuth.store.duckdb_file import utcnow
-from perfsleuth.store.duckdb_reader import DuckDBReader
 from perfsleuth.store.ingest import Limits, Offset, ingest_spool
 from perfsleuth.store.records import Batch
 from perfsleuth.store.schema import quote
@@ -132,7 +132,7 @@ class _Connection:
         self.client.close()
 
 
-class ClickHouseStore(DuckDBReader):
+class ClickHouseStore(ClickHouseRollups):
     """The store on ClickHouse or chDB (see the module docstring); the spool stays in
     ``data_dir``."""
 
@@ -207,10 +207,6 @@ class ClickHouseStore(DuckDBReader):
 
     def _source(self, since: timedelta | None) -> tuple[str, datetime | None]:
         return "requests", None if since is None else utcnow() - since
-
-    def rollup_top(self, *args: Any, **kwargs: Any) -> None:
-        """No rollups in ClickHouse yet: raw rows answer every window."""
-        return None
 
     def _count(self, table: str, day: date, trace_id: str) -> int:
         rows = self._q(
@@ -301,6 +297,8 @@ class ClickHouseStore(DuckDBReader):
         def insert(name: str, data: pa.Table | None, part: str = "") -> None:
             if data is None or data.num_rows == 0:
                 return
+            if "rid" in data.column_names:  # DuckDB's request numbers (store.tables)
+                data = data.drop_columns(["rid"])
             settings = {
                 "insert_deduplicate": 1,
                 "insert_deduplication_token": f"{token}-{name}{part}",
@@ -317,11 +315,15 @@ class ClickHouseStore(DuckDBReader):
         ):
             insert(name, self._new_keys(name, tbl))
         insert("agent_stats", self._drop_stored_rows("agent_stats", tables.agent_stats))
-        for last in (False, True):  # requests after everything else of their batch
-            for d, parts in sorted(tables.days.items()):
-                for t in schema.EVENT_TABLES:
-                    if (t.name == "requests") == last:
-                        insert(t.name, parts.get(t.name), f"-{d:%Y%m%d}")
+        for d, parts in sorted(tables.days.items()):
+            for t in schema.EVENT_TABLES:
+                if t.name != "requests":
+                    insert(t.name, parts.get(t.name), f"-{d:%Y%m%d}")
+        # the rollups of the requests left (store.clickhouse_rollups), then the requests:
+        # after everything else of their batch
+        self._insert_rollups_ch(tables, insert)
+        for d, parts in sorted(tables.days.items()):
+            insert("requests", parts.get("requests"), f"-{d:%Y%m%d}")
         insert("ingest_offsets", offsets_table(batch, utcnow()))
 
     def _drop_stored_traces(self, day: date, parts: dict[str, pa.Table]) -> None:
@@ -424,10 +426,10 @@ class ClickHouseStore(DuckDBReader):
     def apply_retention(self, days: int = 7, rollup_days: int = 90) -> list[str]:
         """Drop whole days (partitions) that ended more than ``days`` days ago, and the agent
         counters, captures, offsets of finished segments and received-segment rows older than
-        that (a process that still has requests keeps its rows: the fleet names it). There
-        are no rollups on ClickHouse: ``rollup_days`` is checked and otherwise unused. On a
-        cluster each statement runs ``ON CLUSTER`` on the ``_local`` tables (a Distributed
-        table takes no DELETE)."""
+        that (a process that still has requests keeps its rows: the fleet names it); rollup
+        days (partitions) that ended more than ``rollup_days`` ago, and their minute rows with
+        the raw rows. On a cluster each statement runs ``ON CLUSTER`` on the ``_local`` tables
+        (a Distributed table takes no DELETE)."""
         self._writable("retention")
         if days < 1 or rollup_days < 1:
             raise StoreError(f"retention must be at least 1 day (got {min(days, rollup_days)})")
@@ -441,24 +443,26 @@ class ClickHouseStore(DuckDBReader):
         def lit(v: Any) -> str:
             return str(literal(v).sql(dialect="clickhouse"))
 
-        names = [f"{t.name}_local" if self.cluster else t.name for t in schema.EVENT_TABLES]
-        # a node's system.parts lists its own shard's parts: on a cluster, every node's
-        source = (
-            f"clusterAllReplicas({lit(self.cluster)}, system.parts)"
-            if self.cluster
-            else ("system.parts")
-        )
-        parts = self._q(
-            f"SELECT DISTINCT table, partition FROM {source} WHERE database = ? AND active "
-            "AND has(?, table)",
-            [self.database, names],
-        )
-        old = sorted({p for _, p in parts if date.fromisoformat(p) <= last_day})
+        rollup_last = (utcnow() - timedelta(days=rollup_days + 1)).date()
+        names = [self._local(t.name) for t in (*schema.EVENT_TABLES, *schema.ROLLUP_TABLES)]
+        parts = self._parts(names)  # on a cluster, every node's
+
+        def gone(p: str) -> bool:
+            """Raw days past ``days``; rollup days past ``rollup_days``, their minute rows
+            past ``days`` (hours and days answer for them)."""
+            d, res = partition_day(p)
+            if res is None:
+                return d <= last_day
+            return d <= rollup_last or (res == rollups.MINUTE and d <= last_day)
+
+        old = sorted({p for _, p in parts if partition_day(p)[1] is None and gone(p)})
         on_cluster = f" ON CLUSTER {quote(self.cluster)}" if self.cluster else ""
         for table, p in parts:
-            if date.fromisoformat(p) <= last_day:
+            if gone(p):
                 self._client.command(
-                    f"ALTER TABLE {self._t(table)}{on_cluster} DROP PARTITION {lit(p)}"
+                    f"ALTER TABLE {self._t(table)}{on_cluster} DROP PARTITION {p}"
+                    if p.startswith("(")
+                    else f"ALTER TABLE {self._t(table)}{on_cluster} DROP PARTITION {lit(p)}"
                 )
         for name in ("agent_stats", "captures"):
             self._client.command(f"DELETE FROM {local(name)}{on_cluster} WHERE ts < {lit(cutoff)}")

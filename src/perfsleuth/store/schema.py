@@ -98,6 +98,26 @@ CALLS = Table(
     order_by=EVENT_ORDER,
 )
 
+# DuckDB keeps a call row without copies of its request's columns (issue 20: 212 -> ~130
+# bytes per request with 10 calls): ``rid`` numbers the requests of a day table (a column of
+# DuckDB's requests day tables, left out of the ``requests`` view) and a call row names its
+# request by it; the ``calls`` view joins them back, with the logical columns above. Offsets,
+# durations and waits are whole microseconds (integers compress; ns / 1e6 doubles did not),
+# and ``params_hash`` keeps the low 32 bits of the agent's 63-bit hash (see DUCKDB_PARAMS_HASH).
+# ClickHouse keeps the logical layout. Day tables written before this (``calls_d…`` with
+# ``trace_id``) stay as they are: the view reads each day in its own layout.
+DUCKDB_CALLS = Table(
+    "calls",
+    _c(
+        "rid int64!, seq int32!, kind string!~, system string~, fingerprint_id id,"
+        " offset_us int64, duration_us int64, rows int64, bytes int64, params_hash int32,"
+        " stack_id id, site_id id, host string~, status int32, hit bool, wait_us int64,"
+        " error string, unfinished bool"
+    ),
+    by_day=True,
+    order_by=("fingerprint_id", "rid"),
+)
+
 ATTRIBUTES = Table(
     "attributes",
     _c(
@@ -296,19 +316,98 @@ def duckdb_empty(table: Table) -> str:
     return f"SELECT {cols} WHERE false"
 
 
-def duckdb_union(table: Table, days: list[date]) -> str:
+# The physical day tables of DuckDB where they differ from the logical ones: requests gain
+# ``rid`` (the key calls name their request by), calls lose the request's columns.
+DUCKDB_REQUESTS = Table(
+    "requests", REQUESTS.columns + _c("rid int64"), by_day=True, order_by=EVENT_ORDER
+)
+_DUCKDB_PHYSICAL = {"requests": DUCKDB_REQUESTS, "calls": DUCKDB_CALLS}
+# A call's columns in the compact layout that hold a logical column in another unit:
+# logical -> SQL over the physical row ``c`` (its request is ``r``).
+_COMPACT_READ = {
+    "ts": "r.ts",
+    "trace_id": "r.trace_id",
+    "service": "r.service",
+    "endpoint": "r.endpoint",
+    "offset_ms": "CAST(c.offset_us AS DOUBLE) / 1000",
+    "duration_ms": "CAST(c.duration_us AS DOUBLE) / 1000",
+    "wait_ms": "CAST(c.wait_us AS DOUBLE) / 1000",
+    "params_hash": "CAST(c.params_hash AS BIGINT) & 4294967295",
+}
+# ... and the other way, at insert: physical -> SQL over a logical row (with ``rid``).
+_COMPACT_WRITE = {
+    "offset_us": "CAST(round(offset_ms * 1000) AS BIGINT)",
+    "duration_us": "CAST(round(duration_ms * 1000) AS BIGINT)",
+    "wait_us": "CAST(round(wait_ms * 1000) AS BIGINT)",
+    # the low 32 bits as a signed INTEGER (the view reads them back unsigned)
+    "params_hash": "CAST(CASE WHEN params_hash & 2147483648 = 0 THEN params_hash & 2147483647"
+    " ELSE (params_hash & 2147483647) - 2147483648 END AS INTEGER)",
+}
+# ``params_hash`` is only ever compared between the calls of one request with the same
+# statement (repeated_query). Two calls with different parameters look alike when the low 32
+# bits of their hashes match: for k calls of one statement in a request, with k(k-1)/2 pairs,
+# the chance is k(k-1)/2 / 2**32: 1.1e-8 for k = 10, 1.2e-4 for k = 1,000. A finding needs
+# min_repeats in each of min_requests requests and a share of the endpoint's requests and time:
+# one look-alike pair in a request does not make one.
+DUCKDB_PARAMS_HASH_BITS = 32
+
+
+def duckdb_physical(table: Table) -> Table:
+    """The table DuckDB's day tables of ``table`` are made with (see DUCKDB_CALLS)."""
+    return _DUCKDB_PHYSICAL.get(table.name, table)
+
+
+def duckdb_compact(columns: set[str] | frozenset[str]) -> bool:
+    """Whether a calls day table with these columns has the compact layout (DUCKDB_CALLS)."""
+    return "rid" in columns and "trace_id" not in columns
+
+
+def duckdb_insert_calls(physical: str, source: str) -> str:
+    """INSERT of logical call rows with their request's ``rid`` (``source``: a registered
+    relation) into a compact calls day table."""
+    cols = [c.name for c in DUCKDB_CALLS.columns]
+    values = ", ".join(_COMPACT_WRITE.get(c, quote(c)) for c in cols)
+    names = ", ".join(quote(c) for c in cols)
+    return f"INSERT INTO {quote(physical)} ({names}) SELECT {values} FROM {source}"
+
+
+def duckdb_day_select(table: Table, d: date, columns: dict[str, set[str]] | None = None) -> str:
+    """SELECT of one day of an event table with the logical columns, whatever its layout
+    (``columns``: physical table -> its columns; None: the logical layout, as tables made by
+    ``duckdb_create(table, ...)``)."""
+    name = day_table(table, d)
+    have = (columns or {}).get(name, set())
+    if table.name == "calls" and duckdb_compact(have):
+        req = quote(day_table(REQUESTS, d))
+        cols = ", ".join(
+            f"{_COMPACT_READ.get(c.name, 'c.' + quote(c.name))} AS {quote(c.name)}"
+            for c in table.columns
+        )
+        return f"SELECT {cols} FROM {quote(name)} c JOIN {req} r ON r.rid = c.rid"
+    if table.name == "requests" and "rid" in have:
+        return f"SELECT * EXCLUDE (rid) FROM {quote(name)}"
+    return f"SELECT * FROM {quote(name)}"
+
+
+def duckdb_union(table: Table, days: list[date], columns: dict[str, set[str]] | None = None) -> str:
     """SELECT over the given days of an event table (by name, so older days missing a newer
-    column still line up), or the typed empty SELECT."""
+    column still line up), or the typed empty SELECT. ``columns``: see duckdb_day_select."""
     if not days:
         return duckdb_empty(table)
     # The typed empty SELECT last: a day written before a column existed gets it as NULL.
-    selects = [f"SELECT * FROM {quote(day_table(table, d))}" for d in sorted(days)]
+    selects = [duckdb_day_select(table, d, columns) for d in sorted(days)]
     return " UNION ALL BY NAME ".join([*selects, duckdb_empty(table)])
 
 
-def duckdb_view(table: Table, days: list[date], *, temp: bool = False) -> str:
+def duckdb_view(
+    table: Table,
+    days: list[date],
+    *,
+    temp: bool = False,
+    columns: dict[str, set[str]] | None = None,
+) -> str:
     kind = "TEMP VIEW" if temp else "VIEW"
-    return f"CREATE OR REPLACE {kind} {quote(table.name)} AS {duckdb_union(table, days)}"
+    return f"CREATE OR REPLACE {kind} {quote(table.name)} AS {duckdb_union(table, days, columns)}"
 
 
 # ------------------------------------------------------------------------------ ClickHouse
@@ -320,6 +419,13 @@ REPLICA_PATH = "/clickhouse/tables/{shard}/{database}/{table}"
 REPLICA_NAME = "{replica}"
 # Inserts whose deduplication token was seen among the last N of a table are dropped
 DEDUP_WINDOW = 10_000
+# Rollup tables on ClickHouse (store.clickhouse_rollups): AggregatingMergeTree sorted by their
+# whole key, each value a SimpleAggregateFunction (sum; max for max_ms), so background merges
+# sum rows of equal key as DuckDB's compaction does; partitioned by (day, res), so retention
+# drops a day's minute rows (or the whole day) as partitions.
+_CH_ROLLUP_KEY = ("ts", "res", "service", "host", "kind", "endpoint", "bucket")
+_CH_ROLLUP_MAX = frozenset({"max_ms"})
+ROLLUP_TTL_DAYS = 90
 
 
 def clickhouse_type(c: Column) -> str:
@@ -347,12 +453,25 @@ def clickhouse_create(
     so non-replicated tables keep a deduplication window too. ``name``: the physical name (a
     cluster's local table)."""
     on_cluster = f" ON CLUSTER {quote(cluster)}" if cluster else ""
+    rollup = table in ROLLUP_TABLES
     engine = "ReplacingMergeTree" if table.key else "MergeTree"
+    if rollup:
+        engine = "AggregatingMergeTree"
     args = [quote(_CH_VERSION[table.name])] if table.name in _CH_VERSION else []
     if replicated:
         engine = "Replicated" + engine
         args = [f"'{REPLICA_PATH}'", f"'{REPLICA_NAME}'", *args]
     cols = [f"{quote(c.name)} {clickhouse_type(c)}" for c in table.columns]
+    order = table.order_by
+    if rollup:
+        cols = [
+            f"{quote(c.name)} {clickhouse_type(c)}"
+            if c.name in _CH_ROLLUP_KEY
+            else f"{quote(c.name)} SimpleAggregateFunction("
+            f"{'max' if c.name in _CH_ROLLUP_MAX else 'sum'}, {clickhouse_type(c)})"
+            for c in table.columns
+        ]
+        order = (*order, *(k for k in _CH_ROLLUP_KEY if k in table.column_names and k not in order))
     if table.by_day and "trace_id" in table.column_names:
         cols.append("INDEX trace_idx trace_id TYPE bloom_filter(0.01) GRANULARITY 4")
     full = f"{quote(database)}.{quote(name or table.name)}"
@@ -360,11 +479,19 @@ def clickhouse_create(
         f"CREATE TABLE IF NOT EXISTS {full}{on_cluster} (\n  " + ",\n  ".join(cols) + "\n)",
         f"ENGINE = {engine}({', '.join(args)})",
     ]
-    if table.by_day:
+    if rollup:
+        parts.append("PARTITION BY (toDate(ts), res)")
+    elif table.by_day:
         parts.append("PARTITION BY toDate(ts)")
-    parts.append(f"ORDER BY ({', '.join(quote(k) for k in table.order_by)})")
+    parts.append(f"ORDER BY ({', '.join(quote(k) for k in order)})")
     settings = [] if replicated else [f"non_replicated_deduplication_window = {DEDUP_WINDOW}"]
-    if table.by_day and ttl_days:
+    if rollup:
+        settings.append("allow_nullable_key = 1")  # host may be NULL
+    if rollup and ttl_days:  # minute rows as long as raw rows, hours and days ROLLUP_TTL_DAYS
+        keep = max(int(ttl_days), ROLLUP_TTL_DAYS)
+        parts.append(f"TTL toDateTime(ts) + toIntervalDay(if(res = 60, {int(ttl_days)}, {keep}))")
+        settings.append("ttl_only_drop_parts = 1")
+    elif table.by_day and ttl_days:
         parts.append(f"TTL toDateTime(ts) + INTERVAL {int(ttl_days)} DAY")
         settings.append("ttl_only_drop_parts = 1")
     if settings:

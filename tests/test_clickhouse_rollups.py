@@ -1,0 +1,299 @@
+"""Rollups on the ClickHouse engine (store.clickhouse_rollups), on chDB: written at ingest,
+percentiles within 2 % of exact, the same answers as DuckDB's rollups for ``top`` and the API
+pages that read them, written once across a crash and a re-run, retention by partitions, and
+the rollup DDL (AggregatingMergeTree, partitions by day and resolution, cluster variants)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import date, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+import store_engines
+from perfsleuth.server import queries
+from perfsleuth.server import window as window_mod
+from perfsleuth.server.window import window
+from perfsleuth.store import clickhouse_rollups, duckdb_reader, duckdb_rollups, rollups, schema
+from perfsleuth.store.clickhouse_rollups import partition_day
+from test_rollups import HOUR_NS, bimodal, close_to, compare, narrow, skewed, write
+
+pytestmark = pytest.mark.skipif(
+    not store_engines.chdb_available(), reason="the clickhouse extra (chdb) is not installed"
+)
+
+
+@pytest.fixture
+def force_rollups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """top() reads rollups whatever the number of requests, on both engines."""
+    monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
+    monkeypatch.setattr(clickhouse_rollups, "RAW_MAX_REQUESTS", -1)
+
+
+@contextmanager
+def both(tmp_path: Path, fill: Any) -> Iterator[tuple[Any, Any]]:
+    """The same spool (``fill(data_dir)``) ingested into DuckDB and into chDB."""
+    stores = []
+    try:
+        for engine in ("duckdb", "chdb"):
+            data = str(tmp_path / engine)
+            fill(data)
+            s = store_engines.open_engine(engine, data)
+            stores.append(s)
+            s.ingest()
+        store_engines.reset()
+        yield stores[0], stores[1]
+    finally:
+        for s in stores:
+            s.close()
+        store_engines.reset()
+
+
+def shop(now: int) -> Any:
+    def fill(data: str) -> None:
+        rng = random.Random(11)  # the same requests in both
+        endpoints = {"GET /skewed": skewed, "GET /bimodal": bimodal, "GET /narrow": narrow}
+        write(data, rng, 1500, endpoints=endpoints, span_ns=30 * HOUR_NS, end_ns=now)
+        write(
+            data,
+            rng,
+            700,
+            endpoints=endpoints,
+            span_ns=3 * HOUR_NS,
+            end_ns=now,
+            host="web-2",
+            service="billing",
+            seq=2,
+        )
+
+    return fill
+
+
+def sums_per_res(store: Any) -> dict[int, int]:
+    return {
+        int(r["res"]): int(r["n"])
+        for r in store.query("SELECT res, sum(requests) AS n FROM rollup_stats GROUP BY res")
+    }
+
+
+def test_top_from_chdb_rollups_is_within_2_percent_and_as_duckdbs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with both(tmp_path, shop(time.time_ns())) as (duck, ch):
+        assert sums_per_res(ch) == sums_per_res(duck) == {60: 6600, 3600: 6600, 86400: 6600}
+        for by in (("endpoint",), ("service", "host"), ("endpoint", "kind")):
+            raw, ans = ch.top_answered(since=timedelta(days=2), by=by)
+            assert ans["source"] == "raw"
+            monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
+            monkeypatch.setattr(clickhouse_rollups, "RAW_MAX_REQUESTS", -1)
+            roll, ans = ch.top_answered(since=timedelta(days=2), by=by)
+            duck_roll, duck_ans = duck.top_answered(since=timedelta(days=2), by=by)
+            monkeypatch.undo()
+            assert ans == duck_ans and ans["source"] == "rollups"
+            compare(raw, roll, by)
+            store_engines.same(roll, duck_roll)
+        # a grouping rollups lack is answered by raw rows
+        assert ch.top_answered(by=("user",))[1]["source"] == "raw"
+
+
+def test_api_pages_from_rollups_are_the_same_on_both_engines(
+    tmp_path: Path, force_rollups: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with both(tmp_path, shop(time.time_ns())) as (duck, ch):
+        now = datetime.utcnow() + timedelta(seconds=1)  # one clock for both engines' pages
+        for mod in (window_mod, duckdb_rollups, clickhouse_rollups, duckdb_reader):
+            monkeypatch.setattr(mod, "utcnow", lambda: now)
+        for w in (window("24h"), window("7d"), window("all", host="web-2")):
+            ov_d, ov_c = queries.overview(duck, w), queries.overview(ch, w)
+            assert ov_c["source"]["source"] == ov_c["source"]["charts"] == "rollups"
+            store_engines.same(ov_c, ov_d)
+            for e in ("GET /bimodal", "GET /narrow"):
+                ep_d = queries.endpoint_detail(duck, w, e)
+                ep_c = queries.endpoint_detail(ch, w, e)
+                assert ep_c["source"]["source"] == "rollups"
+                for k in ("window", "source", "summary", "percentiles", "histogram"):
+                    store_engines.same(ep_c[k], ep_d[k], k)
+        # the chart series from chDB's rollups against the raw rows: counts exact, p95 2 %
+        w = window("6h", service="billing")
+        roll = queries.overview(ch, w)
+        clickhouse_rollups.RAW_MAX_REQUESTS = 10**12
+        try:
+            raw = queries.overview(ch, w)
+        finally:
+            clickhouse_rollups.RAW_MAX_REQUESTS = -1
+        assert raw["source"]["charts"] == "raw"
+        assert roll["throughput"] == raw["throughput"]
+        for s, r in zip(roll["p95"]["series"], raw["p95"]["series"], strict=True):
+            for a, b in zip(s["values"], r["values"], strict=True):
+                assert (a is None) == (b is None)
+                if a is not None and b is not None:
+                    assert close_to(a, b, 0.02), (s["endpoint"], a, b)
+
+
+def test_rollups_are_written_once_across_a_crash_and_a_rerun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash after the rollups' insert, before the requests': the re-run of the same ranges
+    inserts the rollups again with the same token, which the server drops. Fails when the
+    rollups go in without the batch's token (rolled up twice)."""
+    data = str(tmp_path / "data")
+    write(
+        data,
+        random.Random(3),
+        400,
+        endpoints={"GET /a": skewed},
+        span_ns=HOUR_NS,
+        end_ns=time.time_ns(),
+    )
+    store = store_engines.open_engine("chdb", data)
+    try:
+        client = store._client
+        real = client.insert_arrow
+
+        def crash_at_requests(table: str, tbl: pa.Table, settings: dict[str, Any]) -> None:
+            if table == "requests":
+                raise OSError("the collector died here")
+            real(table, tbl, settings)
+
+        monkeypatch.setattr(client, "insert_arrow", crash_at_requests)
+        with pytest.raises(OSError):
+            store.ingest()
+        monkeypatch.setattr(client, "insert_arrow", real)
+        assert sums_per_res(store) == {60: 400, 3600: 400, 86400: 400}
+        store.ingest()
+        store.ingest()  # nothing new
+        assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 400}]
+        assert sums_per_res(store) == {60: 400, 3600: 400, 86400: 400}
+        # ClickHouse's merges sum rows of equal key: no figure changes
+        monkeypatch.setattr(clickhouse_rollups, "RAW_MAX_REQUESTS", -1)
+        before = store.top_answered(by=("endpoint",))
+        for t in schema.ROLLUP_TABLES:
+            store._client.command(f"OPTIMIZE TABLE {store._t(t.name)} FINAL")
+        merged = store.top_answered(by=("endpoint",))
+        monkeypatch.undo()
+        assert merged[1]["source"] == "rollups"
+        store_engines.same(merged, before)
+        assert store.query("SELECT count(*) AS n FROM rollup_stats WHERE res = 86400") == [{"n": 1}]
+    finally:
+        store.close()
+        store_engines.reset()
+
+
+def old_rollups(days_ago: int, n: int = 10) -> dict[str, pa.Table]:
+    """Rollup rows of n requests ``days_ago`` days ago (one day)."""
+    t = datetime.utcnow().replace(hour=12, minute=0, second=0, microsecond=0)
+    t -= timedelta(days=days_ago)
+    req = pa.Table.from_pylist(
+        [
+            {
+                "ts": t + timedelta(minutes=i),
+                "trace_id": f"old{days_ago}-{i}",
+                "service": "shop",
+                "host": "web-1",
+                "kind": "web",
+                "endpoint": "GET /old",
+                "duration_ms": 10.0 + i,
+                "db_calls": 0,
+                "db_ms": 0.0,
+                "http_calls": 0,
+                "http_ms": 0.0,
+                "cache_calls": 0,
+                "cache_ms": 0.0,
+                "calls_dropped": 0,
+            }
+            for i in range(n)
+        ],
+        schema=schema.REQUESTS.arrow_schema(),
+    )
+    (parts,) = rollups.rollups_of({t.date(): {"requests": req}}).values()
+    return parts
+
+
+def test_retention_drops_minute_partitions_after_7_days_and_rollup_days_after_90(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = str(tmp_path / "data")
+    write(
+        data,
+        random.Random(4),
+        20,
+        endpoints={"GET /a": skewed},
+        span_ns=HOUR_NS,
+        end_ns=time.time_ns(),
+    )
+    store = store_engines.open_engine("chdb", data)
+    try:
+        store.ingest()
+        for ago in (10, 100):
+            for name, tbl in old_rollups(ago).items():
+                store._client.insert_arrow(name, tbl, {})
+        assert sums_per_res(store) == {60: 40, 3600: 40, 86400: 40}
+        assert store.apply_retention(days=7, rollup_days=90) == []
+        # 10 days ago: hours and days kept, minutes gone; 100 days ago: all gone
+        assert sums_per_res(store) == {60: 20, 3600: 30, 86400: 30}
+        parts = store._parts(["rollup_stats", "rollup_hist"])
+        assert parts and all(isinstance(partition_day(p)[1], int) for _, p in parts)
+        # a window over the 10-day-old day begins at its first whole hour, from hour rows
+        monkeypatch.setattr(clickhouse_rollups, "RAW_MAX_REQUESTS", -1)
+        rows, ans = store.top_answered(since=timedelta(days=30))
+        assert ans["source"] == "rollups" and ans["resolution_s"] == 60
+        assert {r["endpoint"]: r["count"] for r in rows} == {"GET /a": 20, "GET /old": 10}
+        # raw rows gone for a day the rollups hold: rollups answer whatever the count
+        monkeypatch.undo()
+        assert store.top_answered(since=timedelta(days=30))[1]["source"] == "rollups"
+        assert store.top_answered(since=timedelta(days=5))[1]["source"] == "raw"
+        # on a cluster: the rollup partitions of the _local tables, ON CLUSTER
+        sent: list[str] = []
+        monkeypatch.setattr(store, "cluster", "main")
+        monkeypatch.setattr(store._client, "command", sent.append)
+        old = (date.today() - timedelta(days=100)).isoformat()
+        mid = (date.today() - timedelta(days=10)).isoformat()
+        listed = [
+            ("rollup_stats_local", f"('{old}',3600)"),
+            ("rollup_hist_local", f"('{mid}',60)"),
+            ("rollup_hist_local", f"('{mid}',3600)"),
+        ]
+        monkeypatch.setattr(store, "_q", lambda sql, params=(): listed if params else [])
+        store.apply_retention(days=7, rollup_days=90)
+        drops = [s for s in sent if "DROP PARTITION" in s]
+        assert drops == [
+            f'ALTER TABLE "{store.database}"."rollup_stats_local" ON CLUSTER "main" '
+            f"DROP PARTITION ('{old}',3600)",
+            f'ALTER TABLE "{store.database}"."rollup_hist_local" ON CLUSTER "main" '
+            f"DROP PARTITION ('{mid}',60)",
+        ]
+    finally:
+        store.close()
+        store_engines.reset()
+
+
+def test_rollup_ddl_sums_by_the_whole_key_in_day_and_resolution_partitions() -> None:
+    stmts = schema.clickhouse_ddl(database="ps", cluster="main", replicated=True, ttl_days=7)
+    hist = next(s for s in stmts if '"ps"."rollup_hist_local" ON CLUSTER "main" (' in s)
+    assert "ENGINE = ReplicatedAggregatingMergeTree('/clickhouse/tables/{shard}" in hist
+    assert "PARTITION BY (toDate(ts), res)" in hist
+    assert 'ORDER BY ("res", "service", "endpoint", "ts", "bucket", "host", "kind")' in hist
+    assert '"requests" SimpleAggregateFunction(sum, Int64)' in hist
+    assert "TTL toDateTime(ts) + toIntervalDay(if(res = 60, 7, 90))" in hist
+    assert "allow_nullable_key = 1" in hist
+    text = "\n".join(stmts)
+    assert (
+        'CREATE TABLE IF NOT EXISTS "ps"."rollup_stats" ON CLUSTER "main" AS '
+        '"ps"."rollup_stats_local"\n'
+        'ENGINE = Distributed("main", "ps", "rollup_stats_local", rand())'
+    ) in text
+    stats = schema.clickhouse_create(schema.ROLLUP_STATS, database="ps")
+    assert "ENGINE = AggregatingMergeTree()" in stats and "TTL" not in stats
+    assert '"max_ms" SimpleAggregateFunction(max, Nullable(Float64))' in stats
+    assert '"duration_ms" SimpleAggregateFunction(sum, Nullable(Float64))' in stats
+    assert 'ORDER BY ("res", "service", "endpoint", "ts", "host", "kind")' in stats
+    # the event tables keep their layout
+    requests = schema.clickhouse_create(schema.REQUESTS, database="ps", ttl_days=7)
+    assert "PARTITION BY toDate(ts)" in requests
+    assert "TTL toDateTime(ts) + INTERVAL 7 DAY" in requests
