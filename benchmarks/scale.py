@@ -1,11 +1,14 @@
 """Scale benchmark (issue 20 item 4): N requests over D days, generated as Arrow tables straight
-into a DuckDB store (raw request rows and their rollups, the writer's own code for both), then
-the API's 30-day overview and endpoint pages (rollups) and the 7-day endpoint table on raw rows,
-each against its target, with the accuracy of rollup percentiles and the bytes per row.
+into a DuckDB store (raw request rows and their rollups, the writer's own code for both) or,
+with ``--engine chdb``, into a ClickHouse store on chDB (the requests table and the rollups of
+each chunk, as the ClickHouse writer inserts them), then the API's 30-day overview and
+endpoint pages (rollups) and the 7-day endpoint table on raw rows, each against its target,
+with the accuracy of rollup percentiles and the bytes per row.
 
     .venv/bin/python benchmarks/scale.py                      # 100M requests over 30 days
     .venv/bin/python benchmarks/scale.py --requests 10000000  # a quicker run
     .venv/bin/python benchmarks/scale.py --reuse              # query an existing store again
+    .venv/bin/python benchmarks/scale.py --engine chdb        # the same on ClickHouse's engine
 
 Traffic: 300 endpoints with Zipf-distributed rates, lognormal latencies (a few endpoints
 bimodal: a slow mode for 10 % of requests), 2 hosts, 50,000 users, 10 DB calls a request in
@@ -33,7 +36,8 @@ import pyarrow.compute as pc
 
 from perfsleuth.server import queries
 from perfsleuth.server.window import window
-from perfsleuth.store import duckdb_rollups, schema
+from perfsleuth.store import clickhouse_rollups, duckdb_rollups, rollups, schema
+from perfsleuth.store.clickhouse_store import ClickHouseStore
 from perfsleuth.store.duckdb_store import DuckDBStore
 from perfsleuth.store.duckdb_writer import RAW_DAYS
 from perfsleuth.store.tables import Tables
@@ -166,6 +170,75 @@ def build(data: str, n: int, days: int, endpoints: int, hosts: int) -> dict[str,
     }
 
 
+def chdb_url(data: str) -> str:
+    return f"chdb://{os.path.join(os.path.abspath(data), 'chdb')}?database=scale"
+
+
+def open_at(data: str, engine: str) -> Any:
+    if engine == "chdb":
+        return ClickHouseStore(data, chdb_url(data))
+    return DuckDBStore(data)
+
+
+def build_chdb(data: str, n: int, days: int, endpoints: int, hosts: int) -> dict[str, float]:
+    """As :func:`build`, into a ClickHouse store on chDB: per chunk, the rollups of its
+    requests (rollups_of) and the requests, inserted as the ClickHouse writer does (an insert
+    per table and day); the server's merges then run in the background of chDB's threads."""
+    shutil.rmtree(data, ignore_errors=True)
+    store = ClickHouseStore(data, chdb_url(data))
+    rng = np.random.default_rng(20)
+    end = _now()
+    start = end - timedelta(days=days)
+    span_us = int((end - start).total_seconds() * 1e6)
+    start_us = int((start - datetime(1970, 1, 1)).total_seconds() * 1e6)
+    made = 0
+    gen_s = insert_s = rollup_s = 0.0
+    t_all = time.perf_counter()
+    while made < n:
+        k = min(CHUNK, n - made)
+        t0 = start_us + span_us * made // n
+        t1 = start_us + span_us * (made + k) // n
+        c0 = time.process_time()
+        req = _requests(rng, k, t0, t1, made, endpoints, hosts)
+        c1 = time.process_time()
+        gen_s += c1 - c0
+        day_no = pc.cast(req["ts"], pa.int64()).to_numpy() // (86400 * 10**6)
+        parts: dict[Any, dict[str, pa.Table]] = {}
+        for dn in np.unique(day_no):
+            d = (datetime(1970, 1, 1) + timedelta(days=int(dn))).date()
+            parts[d] = {"requests": req.filter(pa.array(day_no == dn))}
+        for _d, rows in sorted(rollups.rollups_of(parts).items()):
+            for t in schema.ROLLUP_TABLES:
+                store._client.insert_arrow(t.name, rows[t.name], {})
+        c2 = time.process_time()
+        rollup_s += c2 - c1
+        for d in sorted(parts):
+            store._client.insert_arrow("requests", parts[d]["requests"], {})
+        insert_s += time.process_time() - c2
+        made += k
+        print(f"  {made:,} requests written ({time.perf_counter() - t_all:.0f} s)", flush=True)
+    store.close()
+    return {
+        "generate_cpu_s": gen_s,
+        "insert_cpu_s": insert_s,
+        "rollup_cpu_s": rollup_s,
+        "compact_cpu_s": 0.0,
+        "wall_s": time.perf_counter() - t_all,
+    }
+
+
+def chdb_bytes(store: ClickHouseStore) -> dict[str, int]:
+    """Bytes on disk of the active parts of each table."""
+    return {
+        str(r[0]): int(r[1])
+        for r in store._q(
+            "SELECT table, sum(bytes_on_disk) FROM system.parts WHERE database = ? AND active "
+            "GROUP BY table",
+            [store.database],
+        )
+    }
+
+
 def timed(fn: Any, runs: int = 3) -> tuple[Any, float, float, float]:
     """(result, best wall s, median wall s, median CPU s)."""
     walls, cpus = [], []
@@ -196,18 +269,29 @@ def table_bytes(store: DuckDBStore, like: str) -> int:
     return blocks * 262_144
 
 
-def report(data: str) -> int:
-    store = DuckDBStore(data)
+def report(data: str, engine: str = "duckdb") -> int:
+    store = open_at(data, engine)
     n = store.query("SELECT count(*) AS n FROM requests")[0]["n"]
-    print(f"\nstore {data}: {n:,} raw requests, file {os.path.getsize(store.path) / 1e9:.2f} GB")
+    if engine == "chdb":
+        waited = time.perf_counter()
+        while store._q("SELECT count() FROM system.merges")[0][0]:
+            time.sleep(1)  # background merges take CPU from the queries timed below
+        print(f"(background merges done after {time.perf_counter() - waited:.0f} s)")
+        sizes = chdb_bytes(store)
+        raw_b = sizes.get("requests", 0)
+        roll_b = sum(sizes.get(t.name, 0) for t in schema.ROLLUP_TABLES)
+        print(f"\nchDB store {data}: {n:,} raw requests, {sum(sizes.values()) / 1e9:.2f} GB")
+    else:
+        raw_b = table_bytes(store, "requests_d%")
+        roll_b = table_bytes(store, "rollup_%_d%")
+        size = os.path.getsize(store.path) / 1e9
+        print(f"\nstore {data}: {n:,} raw requests, file {size:.2f} GB")
     rows = {
         t.name: store.query(f"SELECT res, count(*) AS n FROM {t.name} GROUP BY 1 ORDER BY 1")
         for t in schema.ROLLUP_TABLES
     }
     for name, r in rows.items():
         print(f"  {name}: " + ", ".join(f"{x['n']:,} rows at {x['res']} s" for x in r))
-    raw_b = table_bytes(store, "requests_d%")
-    roll_b = table_bytes(store, "rollup_%_d%")
     print(
         f"  raw request rows: {raw_b / n:.1f} bytes/request; rollups: {roll_b / 1e6:.0f} MB "
         f"({roll_b / n:.1f} bytes/request)"
@@ -238,12 +322,13 @@ def report(data: str) -> int:
         ep, *t = timed(lambda name=name: queries.endpoint_detail(store, w30, name))
         line(f"endpoint {name}, 30 days", *t, f"  [{ep['source']['source']}]")
     w7 = timedelta(days=7)
-    old = duckdb_rollups.RAW_MAX_REQUESTS
+    old = duckdb_rollups.RAW_MAX_REQUESTS, clickhouse_rollups.RAW_MAX_REQUESTS
     duckdb_rollups.RAW_MAX_REQUESTS = 10**12  # raw rows whatever their number
+    clickhouse_rollups.RAW_MAX_REQUESTS = 10**12
     try:
         (raw, ans), *t = timed(lambda: store.top_answered(since=w7))
     finally:
-        duckdb_rollups.RAW_MAX_REQUESTS = old
+        duckdb_rollups.RAW_MAX_REQUESTS, clickhouse_rollups.RAW_MAX_REQUESTS = old
     assert ans["source"] == "raw"
     line("p50/p95/p99 per endpoint, 7 days, raw rows", *t)
     (roll, ans), *t = timed(
@@ -276,7 +361,8 @@ def main() -> int:
     ap.add_argument("--days", type=int, default=30)
     ap.add_argument("--endpoints", type=int, default=300)
     ap.add_argument("--hosts", type=int, default=2)
-    ap.add_argument("--dir", default="/tmp/perfsleuth-scale")
+    ap.add_argument("--dir", default=None, help="default /tmp/perfsleuth-scale[-chdb]")
+    ap.add_argument("--engine", choices=("duckdb", "chdb"), default="duckdb")
     ap.add_argument("--reuse", action="store_true", help="query the store --dir holds")
     ap.add_argument(
         "--retention",
@@ -284,9 +370,12 @@ def main() -> int:
         help="first drop raw days past the default retention (7 days), as a store would have",
     )
     a = ap.parse_args()
+    if a.dir is None:
+        a.dir = "/tmp/perfsleuth-scale" + ("-chdb" if a.engine == "chdb" else "")
     if not a.reuse:
-        print(f"writing {a.requests:,} requests over {a.days} days into {a.dir} ...")
-        b = build(a.dir, a.requests, a.days, a.endpoints, a.hosts)
+        print(f"writing {a.requests:,} requests over {a.days} days into {a.dir} ({a.engine}) ...")
+        make = build_chdb if a.engine == "chdb" else build
+        b = make(a.dir, a.requests, a.days, a.endpoints, a.hosts)
         per = 1e6 / a.requests
         print(
             f"built in {b['wall_s']:.0f} s wall; CPU per million requests: generate "
@@ -294,11 +383,11 @@ def main() -> int:
             f"rollups {b['rollup_cpu_s'] * per:.2f} s, compaction {b['compact_cpu_s'] * per:.2f} s"
         )
     if a.retention:
-        with DuckDBStore(a.dir) as store:
+        with open_at(a.dir, a.engine) as store:
             c = time.process_time()
             gone = store.apply_retention(RAW_DAYS)
             print(f"retention: {len(gone)} raw days dropped in {time.process_time() - c:.2f} s CPU")
-    failed = report(a.dir)
+    failed = report(a.dir, a.engine)
     print("\nall targets met" if not failed else f"\n{failed} target(s) missed")
     return 1 if failed else 0
 
