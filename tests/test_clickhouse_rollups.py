@@ -297,3 +297,42 @@ def test_rollup_ddl_sums_by_the_whole_key_in_day_and_resolution_partitions() -> 
     requests = schema.clickhouse_create(schema.REQUESTS, database="ps", ttl_days=7)
     assert "PARTITION BY toDate(ts)" in requests
     assert "TTL toDateTime(ts) + INTERVAL 7 DAY" in requests
+
+
+def test_batches_without_spool_ranges_are_all_stored(tmp_path: Path) -> None:
+    """Two OTLP-like commits (no segments: no spool ranges to make a token of) both land, and
+    both are rolled up. Failed before: both carried the same deduplication token, so the
+    server dropped the second payload's requests and rollups."""
+    from perfsleuth.store.records import Batch
+    from perfsleuth.store.tables import Tables
+
+    store = store_engines.open_engine("chdb", str(tmp_path / "data"))
+    try:
+        for ago in (1, 2):
+            t = datetime.utcnow() - timedelta(hours=ago)
+            req = pa.Table.from_pylist(
+                [
+                    {
+                        "ts": t,
+                        "trace_id": f"otlp-{ago}",
+                        "service": "shop",
+                        "kind": "web",
+                        "endpoint": "GET /a",
+                        "duration_ms": 5.0,
+                        "db_calls": 0,
+                        "db_ms": 0.0,
+                        "http_calls": 0,
+                        "http_ms": 0.0,
+                        "cache_calls": 0,
+                        "cache_ms": 0.0,
+                        "calls_dropped": 0,
+                    }
+                ],
+                schema=schema.REQUESTS.arrow_schema(),
+            )
+            store.insert_tables(Batch(), Tables(days={t.date(): {"requests": req}}))
+        assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 2}]
+        assert sums_per_res(store) == {60: 2, 3600: 2, 86400: 2}
+    finally:
+        store.close()
+        store_engines.reset()

@@ -299,10 +299,15 @@ class ClickHouseStore(ClickHouseRollups):
                 return
             if "rid" in data.column_names:  # DuckDB's request numbers (store.tables)
                 data = data.drop_columns(["rid"])
-            settings = {
+            settings: dict[str, Any] = {
                 "insert_deduplicate": 1,
                 "insert_deduplication_token": f"{token}-{name}{part}",
             }
+            if not batch.segments:
+                # no spool ranges (an OTLP payload): every such batch would have the same
+                # token and the server would drop all but the first; the traces already
+                # stored are left out above instead
+                settings = {"insert_deduplicate": 0}
             self._client.insert_arrow(name, data, settings)
 
         for d, parts in sorted(tables.days.items()):
