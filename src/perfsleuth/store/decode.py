@@ -277,11 +277,14 @@ def _agent_calls(
     flat = pa.array(list(chain.from_iterable(chain.from_iterable(tables))), pa.int64())
     table = to_numpy(flat, wcalls.NULL).astype(np.int64).reshape(-1, len(wbatch.SITE_FIELDS))
     sites = list(chain.from_iterable(b.obj.get("sites") or [None] * b.n for b in batches))
-    has_sites = np.fromiter((s is not None for s in sites), bool, n)
-    n_sites = np.fromiter((len(s) if s is not None else 0 for s in sites), np.int64, n)
-    site_idx = np.fromiter(
-        chain.from_iterable(s for s in sites if s is not None), np.int64, int(n_sites.sum())
-    )
+    if None in sites:
+        has_sites = np.fromiter((s is not None for s in sites), bool, n)
+        n_sites = np.fromiter((len(s) if s is not None else 0 for s in sites), np.int64, n)
+        sites = [s for s in sites if s is not None]
+    else:  # every request has its sites (the agent's batches): no Python step per request
+        has_sites = np.ones(n, bool)
+        n_sites = np.fromiter(map(len, sites), np.int64, n)
+    site_idx = np.fromiter(chain.from_iterable(sites), np.int64, int(n_sites.sum()))
     site_base = np.repeat(np.cumsum(site_n) - site_n, ns)
 
     # A request with rows but without what they point at keeps none of them.

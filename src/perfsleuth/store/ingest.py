@@ -174,11 +174,22 @@ def _ingest_spool(
             damaged = damaged[:-1]
         if end > start or rd.raw or rd.decoded:
             touched.add(f.base)
-        for rtype, payload, rstart, rend in rd.raw:
-            batch.add_raw(seg, rtype, payload, rstart, rend)
-            seg.offset = rend
-            if rtype == REQUESTS and full():
-                flush(rend - start)
+        raw, i = rd.raw, 0
+        while i < len(raw):
+            # The records' JSON heads become objects here (most of what a batch allocates):
+            # made with the collector off and frozen, as the segment's reading. A full batch
+            # is committed outside, with the collector on.
+            with frozen_when_made():
+                while i < len(raw):
+                    rtype, payload, rstart, rend = raw[i]
+                    i += 1
+                    batch.add_raw(seg, rtype, payload, rstart, rend)
+                    seg.offset = rend
+                    if rtype == REQUESTS and full():
+                        break
+                else:
+                    break
+            flush(rend - start)
         for rtype, obj in rd.decoded:
             batch.add(seg, rtype, obj)
         for d in damaged:

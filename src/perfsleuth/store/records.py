@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from perfsleuth.store.spool import loads_json
 from perfsleuth.store.values import as_id, as_int, as_int32, as_str, loads, text
 from perfsleuth.wire import (
     EVENT_TYPES,
@@ -112,7 +113,7 @@ class Batch:
     ) -> None:
         if rtype == REQUESTS:
             try:
-                parts = wbatch.split(payload)
+                parts = wbatch.split(payload, loads_json)
             except (ValueError, RecursionError):
                 self.add_damage(seg, start, end - start, "undecodable payload")
                 return
