@@ -325,13 +325,17 @@ def test_a_failed_compaction_does_not_fail_the_commit_that_stored_the_rows(
     """The rows and offsets are committed before compaction runs: a rebuild that fails (a
     full disk) is counted and logged, and the commit and the ingest run succeed."""
     rng = random.Random(6)
-    write(data_dir, rng, 50, endpoints={"GET /a": skewed}, span_ns=HOUR_NS, end_ns=time.time_ns())
+    now = time.time_ns()
+    # two segments, committed apart: a day of one batch's rows is compact as made
+    for seq in (1, 2):
+        write(data_dir, rng, 25, endpoints={"GET /a": skewed}, span_ns=HOUR_NS, end_ns=now, seq=seq)
 
     def full(d: Any, where: str = "true") -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(store, "_rebuild_day", full)
     monkeypatch.setattr(duckdb_rollups, "COMPACT_MIN_ROWS", 1)
+    monkeypatch.setattr(store, "batch_requests", 25)
     report = store.ingest()
     assert report.requests == 50
     assert store.sql("SELECT count(*) FROM requests")[1] == [(50,)]
@@ -410,3 +414,33 @@ def test_chart_series_from_rollups_match_the_raw_ones_with_fleet_filters(
                 assert close_to(got[t], v, 0.02), (p, t, got[t], v)
         assert sum(b["count"] for b in ep["histogram"]) == n
         assert sum(b["count"] for b in raw_ep["histogram"]) == n
+
+
+def test_a_day_of_one_batch_is_not_rebuilt_and_a_second_batch_compacts_it(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rollups_of groups a batch's rows by key: the day tables a commit makes hold no two rows
+    of one key, and are not rebuilt (the rebuild cost ~0.15 s per 50k requests and merged
+    nothing). Rows of a second batch on the same day are compacted as before."""
+    rng = random.Random(8)
+    now = time.time_ns()
+    write(data_dir, rng, 40, endpoints={"GET /a": skewed}, span_ns=HOUR_NS // 60, end_ns=now)
+    rebuilt: list[Any] = []
+    real = store._rebuild_day
+    monkeypatch.setattr(
+        store, "_rebuild_day", lambda d, where="true": rebuilt.append(d) or real(d, where)
+    )
+    monkeypatch.setattr(duckdb_rollups, "COMPACT_MIN_ROWS", 1)
+    assert store.ingest().requests == 40
+    assert rebuilt == []
+    keys = "ts, res, service, host, kind, endpoint"
+    dup = (
+        f"SELECT count(*) FROM (SELECT {keys}, bucket FROM rollup_hist"
+        " GROUP BY ALL HAVING count(*) > 1)"
+    )
+    assert store.sql(dup)[1] == [(0,)]
+    write(data_dir, rng, 40, endpoints={"GET /a": skewed}, span_ns=HOUR_NS // 60, end_ns=now, seq=2)
+    assert store.ingest().requests == 40
+    assert len(rebuilt) == 1  # two batches' rows for one day: compacted
+    assert store.sql(dup)[1] == [(0,)]
+    assert store.sql("SELECT sum(requests) FROM rollup_stats WHERE res = 60")[1] == [(80,)]

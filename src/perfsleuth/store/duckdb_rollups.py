@@ -37,6 +37,7 @@ log = logging.getLogger("perfsleuth.store")
 
 class DuckDBRollups(DuckDBFile):
     compactions_failed = 0  # compactions after a commit that raised (logged, not raised)
+    _rollup_one_batch: set[date]  # days whose rollup tables hold one batch's rows, as made
 
     # ------------------------------------------------------------------------------ writing
 
@@ -53,17 +54,22 @@ class DuckDBRollups(DuckDBFile):
         have = self._day_tables() if set(rows) - known else None
         created = False
         added = 0
+        made: set[date] = set()  # days whose tables this transaction creates
         for d, parts in rows.items():
             for t in schema.ROLLUP_TABLES:
                 name = schema.day_table(t, d)
                 if have is not None and d not in have[t.name]:
                     self._con.execute(schema.duckdb_create(t, name))
                     created = True
+                    made.add(d)
                 self._insert_arrow(name, parts[t.name])
                 added += parts[t.name].num_rows
         if created:
             self._create_rollup_views()
         self._rollup_new_days = set(rows)
+        # A day table made by this transaction holds one batch's rows, grouped by key by
+        # rollups_of: compact as it is, until another batch adds to it.
+        self._rollup_one_batch = (getattr(self, "_rollup_one_batch", set()) - set(rows)) | made
         self._rollup_touched = getattr(self, "_rollup_touched", set()) | set(rows)
         self._rollup_added = getattr(self, "_rollup_added", 0) + added
 
@@ -101,6 +107,7 @@ class DuckDBRollups(DuckDBFile):
             self, "_rollup_new_days", set()
         )
         self._rollup_new_days = set()
+        self._rollup_one_batch = getattr(self, "_rollup_one_batch", set())
         if not (final or force) and getattr(self, "_rollup_added", 0) < COMPACT_MIN_ROWS // 2:
             return []  # no day can have doubled since the last look: skip the catalog queries
         self._rollup_added = 0
@@ -110,6 +117,9 @@ class DuckDBRollups(DuckDBFile):
         days = sorted(have["rollup_hist"] & have["rollup_stats"])
         if not (final or force):
             days = [d for d in days if d in touched]
+        if not force:  # rebuilt, these would come out as they are (the first batch's compaction
+            # cost ~0.15 s per 50k requests and merged nothing)
+            days = [d for d in days if d not in self._rollup_one_batch]
         if not days:
             return []
         done: dict[date, tuple[int, int]] = {
