@@ -152,7 +152,8 @@ def test_ingest_rows_content_and_removes_closed_segments(data_dir: str, store: D
     assert {c["trace_id"] for c in calls} == {sent["id"]}
     assert [c["kind"] for c in calls] == ["db", "db", "http", "cache"]
     assert [c["offset_ms"] for c in calls] == [1.0, 5.0, 8.0, 30.0]
-    assert (calls[0]["rows"], calls[0]["params_hash"]) == (1, 99)
+    # DuckDB numbers a request's distinct parameter hashes (its only one here: 99)
+    assert (calls[0]["rows"], calls[0]["params_hash"]) == (1, 0)
     # the agent's call site is the innermost application frame of the call's stack; a call
     # given no stack has its site's frame alone
     t = store.trace(sent["id"])
@@ -601,8 +602,9 @@ def test_batched_records_ingest_as_the_python_decoder_reads_them(data_dir: str) 
             assert len(got["calls"]) == len(req["calls"])
             for c, want in zip(got["calls"], req["calls"], strict=True):
                 assert c["fingerprint"] == want["fingerprint"]
-                assert c["offset_ms"] == pytest.approx(want["off"] / 1e6)
-                assert c["duration_ms"] == pytest.approx(want["dur"] / 1e6)
+                # DuckDB keeps a call's times in whole microseconds
+                assert c["offset_ms"] == pytest.approx(want["off"] / 1e6, abs=5e-4)
+                assert c["duration_ms"] == pytest.approx(want["dur"] / 1e6, abs=5e-4)
                 assert c["rows"] == want.get("rows")
                 assert c["error"] == want.get("error")
                 assert c["site"]["line"] == want["site_loc"]["line"]
@@ -638,15 +640,15 @@ def test_malformed_batch_records_are_damage_and_lose_only_themselves(
 ) -> None:
     from perfsleuth.wire.batch import AGENT_ROW, INT_ROW
 
-    row = AGENT_ROW.pack(0, 100, 200, 1, 7)
+    row = AGENT_ROW.pack(0, 100_000, 200_000, 1, 7)  # µs: what DuckDB keeps
     w = SegmentWriter(data_dir)
     table = {"site_table": [[1, 2, 3, 0, 0]]}
-    w.write(batch_record(2, ncalls=[1, 0], t0=[50, 50], sites=[[0], None], **table))
-    w.write(batch_record(2, rows=row, ncalls=[1, 0], t0=[50, 50], sites=[[0], []], **table))
+    w.write(batch_record(2, ncalls=[1, 0], t0=[50_000, 50_000], sites=[[0], None], **table))
+    w.write(batch_record(2, rows=row, ncalls=[1, 0], t0=[50_000, 50_000], sites=[[0], []], **table))
     w.write(batch_record(3, method=["GET", "GET"]))  # a column that is not 3 long
-    w.write(batch_record(1, rows=row * 2, ncalls=[1], t0=[50], sites=[[0]], **table))
+    w.write(batch_record(1, rows=row * 2, ncalls=[1], t0=[50_000], sites=[[0]], **table))
     w.write(batch_record(1, rows=row, ncalls=[1], sites=[[0]], id=[9], **table))  # no t0
-    w.write(batch_record(1, rows=row, ncalls=[1], t0=[50], sites=[[1]], **table))  # no site 1
+    w.write(batch_record(1, rows=row, ncalls=[1], t0=[50_000], sites=[[1]], **table))  # no site 1
     w.write(batch_record(2, ints=INT_ROW.pack(*[1] * 12)))  # ints for one request of two
     w.write(batch_record(1, ncalls=[-1]))  # a negative count
     w.write(batch_record(1, v=1))  # the first layout (its ints in the JSON)
@@ -664,7 +666,7 @@ def test_malformed_batch_records_are_damage_and_lose_only_themselves(
     ]
     assert count(store) == 2 + 1 + 1  # the fine batch, the JSON request, the one without t0
     (c,) = store.trace("0" * 15 + "1")["calls"]
-    assert (c["offset_ms"], c["duration_ms"], c["rows"]) == (50 / MS, 100 / MS, 1)
+    assert (c["offset_ms"], c["duration_ms"], c["rows"]) == (50_000 / MS, 100_000 / MS, 1)
     assert count(store, "calls") == 1
 
 

@@ -145,20 +145,18 @@ class DuckDBFile:
     def _migrate(self, days: list[date]) -> None:
         """Bring tables written by an older version up to the schema: missing day tables of
         event tables are created, missing columns added (NULL in old rows)."""
-        have: dict[str, set[str]] = {}
-        for table, column in self._con.execute(
-            "SELECT table_name, column_name FROM duckdb_columns() WHERE schema_name = 'main' "
-            "AND database_name = current_database()"
-        ).fetchall():
-            have.setdefault(table, set()).add(column)
+        have = self._columns()
         tables = [(t, t.name) for t in schema.GLOBAL_TABLES]
         for d in days:
             for t in schema.EVENT_TABLES:
                 name = schema.day_table(t, d)
                 if name not in have:
-                    self._con.execute(schema.duckdb_create(t, name))
-                else:
+                    self._con.execute(schema.duckdb_create(schema.duckdb_physical(t), name))
+                elif t.name == "calls" and not schema.duckdb_compact(have[name]):
+                    # a day written before the compact layout keeps the logical one
                     tables.append((t, name))
+                else:
+                    tables.append((schema.duckdb_physical(t), name))
         for t, name in tables:
             for c in t.columns:
                 if c.name not in have.get(name, {c.name}):
@@ -174,6 +172,25 @@ class DuckDBFile:
                 "CAST(regexp_extract(segment, '-([0-9]{1,20})-[0-9]+$', 1) AS BIGINT) // 1000) "
                 "WHERE started IS NULL AND regexp_matches(segment, '-[0-9]{1,20}-[0-9]+$')"
             )
+
+    def _columns(self) -> dict[str, set[str]]:
+        """Each table of the store's file with its columns."""
+        have: dict[str, set[str]] = {}
+        for table, column in self._con.execute(
+            "SELECT table_name, column_name FROM duckdb_columns() WHERE schema_name = 'main' "
+            "AND database_name = current_database()"
+        ).fetchall():
+            have.setdefault(table, set()).add(column)
+        return have
+
+    def _compact_call_days(self) -> set[date]:
+        """The days whose calls table has the compact layout (schema.DUCKDB_CALLS)."""
+        out = set()
+        for name, cols in self._columns().items():
+            parsed = schema.parse_day_table(name)
+            if parsed is not None and parsed[0] == "calls" and schema.duckdb_compact(cols):
+                out.add(parsed[1])
+        return out
 
     def close(self) -> None:
         con = getattr(self, "_con", None)
@@ -208,8 +225,16 @@ class DuckDBFile:
         # A store written by an older version, opened read-only, may lack a newer table on
         # some days: each view covers the days its table exists.
         have = self._day_tables()
+        # Each day's tables are read in their own layout (calls: the compact one or, written
+        # by an older version, the logical one).
+        columns = self._columns()
         wanted = [
-            (t, schema.duckdb_view(t, [d for d in days if d in have[t.name]], temp=temp))
+            (
+                t,
+                schema.duckdb_view(
+                    t, [d for d in days if d in have[t.name]], temp=temp, columns=columns
+                ),
+            )
             for t in schema.EVENT_TABLES
         ]
         # Rollups are kept longer than raw rows: their views cover every day they exist.

@@ -46,7 +46,7 @@ class DuckDBReader(DuckDBRollups):
             return "requests", None
         cutoff = utcnow() - since
         days = [d for d in self._days() if d >= cutoff.date()]
-        return f"({schema.duckdb_union(schema.REQUESTS, days)})", cutoff
+        return f"({schema.duckdb_union(schema.REQUESTS, days, self._columns())})", cutoff
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         return self._query(sql, params)
@@ -245,7 +245,11 @@ class DuckDBReader(DuckDBRollups):
         req = self._query("SELECT * FROM requests WHERE trace_id = ? LIMIT 1", [tid])[0]
         day = req["ts"].date()
         exists = day in self._days()
-        calls_src = quote(schema.day_table(schema.CALLS, day)) if exists else "calls"
+        calls_src = (
+            f"({schema.duckdb_day_select(schema.CALLS, day, self._columns())})"
+            if exists
+            else "calls"
+        )
         attrs_src = quote(schema.day_table(schema.ATTRIBUTES, day)) if exists else "attributes"
         attrs = self._con.execute(
             f"SELECT kind, key, value, num FROM {attrs_src} WHERE trace_id = ?", [tid]

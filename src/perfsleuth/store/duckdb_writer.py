@@ -8,7 +8,9 @@ from datetime import date, datetime, timedelta
 from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from perfsleuth.store import rollups, schema, spool
 from perfsleuth.store.base import IngestReport, Progress, StoreError, disk_full
@@ -46,11 +48,13 @@ class DuckDBWriter(DuckDBRollups):
     # An .open segment whose writer is dead is final once unchanged this long.
     open_idle_seconds = 60.0
     _known_days: set[date]  # the days whose tables exist, while ingesting
+    _compact_calls: set[date]  # ... and of those, the days whose calls have the compact layout
 
     def ingest(self, progress: Progress | None = None) -> IngestReport:
         """Ingest everything new in the spool (see :mod:`perfsleuth.store.ingest`)."""
         self._writable("ingest")
         self._known_days = set(self._days())
+        self._compact_calls = self._compact_call_days()
         limits = Limits(self.batch_requests, self.batch_bytes, self.open_idle_seconds)
         report = ingest_spool(self, self.spool_dir, limits, progress)
         self.compact_committed(final=True)
@@ -62,6 +66,7 @@ class DuckDBWriter(DuckDBRollups):
         out."""
         self._writable("ingest")
         self._known_days = set(self._days())
+        self._compact_calls = self._compact_call_days()
         self.commit(batch, tables)
 
     def committed_offsets(self) -> dict[str, Offset]:
@@ -90,12 +95,15 @@ class DuckDBWriter(DuckDBRollups):
             new_days = [d for d in tables.days if d not in days]
             for d in new_days:
                 for t in schema.EVENT_TABLES:
-                    con.execute(schema.duckdb_create(t, schema.day_table(t, d)))
+                    physical = schema.duckdb_physical(t)
+                    con.execute(schema.duckdb_create(physical, schema.day_table(t, d)))
             if new_days:
                 self._create_views(sorted(days | set(new_days)))
+            compact = self._compact_calls | set(new_days)
             for d, parts in tables.days.items():
+                self._insert_requests(d, parts, compact=d in compact)
                 for t in schema.EVENT_TABLES:
-                    if t.name in parts:
+                    if t.name in parts and t.name not in ("requests", "calls"):
                         self._insert(schema.day_table(t, d), parts[t.name])
             self._insert_rollups(tables)
             for name, tbl in (
@@ -123,7 +131,42 @@ class DuckDBWriter(DuckDBRollups):
                 raise full from e
             raise
         days.update(new_days)
+        self._compact_calls.update(new_days)
         self.compact_committed()
+
+    def _insert_requests(self, d: date, parts: dict[str, pa.Table], *, compact: bool) -> None:
+        """A day's requests and calls. Their ``rid`` (the batch's numbers) become the day
+        table's: the next after the largest stored, in the requests' order; a compact calls
+        table stores each call with its request's, a day of the logical layout its columns."""
+        req, calls = parts.get("requests"), parts.get("calls")
+        req_name = schema.day_table(schema.REQUESTS, d)
+        calls_name = schema.day_table(schema.CALLS, d)
+        if req is None or not req.num_rows:
+            return  # no calls without their request
+        local = req["rid"]
+        top = self._con.execute(f"SELECT max(rid) FROM {quote(req_name)}").fetchall()[0][0]
+        base = 0 if top is None else int(top) + 1
+        n = req.num_rows
+        rid_at = req.schema.get_field_index("rid")
+        req = req.set_column(rid_at, "rid", pa.array(np.arange(base, base + n, dtype=np.int64)))
+        self._insert(req_name, req)
+        if calls is None or not calls.num_rows:
+            return
+        if not compact:
+            self._insert(calls_name, calls.drop_columns(["rid"]))
+            return
+        pos = pc.index_in(calls["rid"], value_set=local)
+        if pos.null_count:
+            calls, pos = calls.filter(pc.is_valid(pos)), pos.drop_null()
+        rid = pc.add(pc.cast(pos, pa.int64()), pa.scalar(base, pa.int64()))
+        calls = calls.set_column(calls.schema.get_field_index("rid"), "rid", rid)
+        ph_at = calls.schema.get_field_index("params_hash")
+        calls = calls.set_column(ph_at, "params_hash", params_numbers(rid, calls["params_hash"]))
+        self._con.register("_ps_batch", calls)
+        try:
+            self._con.execute(schema.duckdb_insert_calls(calls_name, "_ps_batch"))
+        finally:
+            self._con.unregister("_ps_batch")
 
     def _drop_known_traces(self, tables: Tables) -> None:
         """Requests already in the store (a record repeated, a segment copied under another
@@ -219,3 +262,27 @@ class DuckDBWriter(DuckDBRollups):
             con.rollback()
             raise
         return [d.isoformat() for d in old]
+
+
+def params_numbers(rid: pa.Array, params_hash: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """What DuckDB's compact calls keep of ``params_hash`` (schema.DUCKDB_CALLS): within each
+    request (``rid``), the calls' distinct hashes numbered 0, 1, ... in the order of their
+    values; NULL stays NULL. Calls of one request have the same number exactly when they
+    have the same hash: repeated_query, the one reader, compares them only within a
+    request. A few bits a call, where a 63-bit hash took 8 bytes."""
+    ph = params_hash.combine_chunks() if isinstance(params_hash, pa.ChunkedArray) else params_hash
+    out = np.zeros(len(ph), np.int32)
+    valid = np.flatnonzero(pc.is_valid(ph).to_numpy(zero_copy_only=False))
+    if len(valid):
+        r = rid.to_numpy(zero_copy_only=False)[valid]
+        h = ph.to_numpy(zero_copy_only=False)[valid]
+        order = np.lexsort((h, r))
+        r, h = r[order], h[order]
+        first_of_request = np.empty(len(r), bool)
+        first_of_request[0] = True
+        np.not_equal(r[1:], r[:-1], out=first_of_request[1:])
+        new_value = first_of_request.copy()
+        new_value[1:] |= h[1:] != h[:-1]
+        n = np.cumsum(new_value)
+        out[valid[order]] = n - np.maximum.accumulate(np.where(first_of_request, n, 0))
+    return pa.array(out, pa.int32(), mask=pc.is_null(ph).to_numpy(zero_copy_only=False))

@@ -103,7 +103,9 @@ CALLS = Table(
 # DuckDB's requests day tables, left out of the ``requests`` view) and a call row names its
 # request by it; the ``calls`` view joins them back, with the logical columns above. Offsets,
 # durations and waits are whole microseconds (integers compress; ns / 1e6 doubles did not),
-# and ``params_hash`` keeps the low 32 bits of the agent's 63-bit hash (see DUCKDB_PARAMS_HASH).
+# and ``params_hash`` numbers the distinct hashes of a request's calls 0, 1, ... (equal
+# exactly when the agent's 63-bit hashes are: duckdb_writer.params_numbers); only ever
+# compared within a request (repeated_query), it takes a few bits where a hash took 8 bytes.
 # ClickHouse keeps the logical layout. Day tables written before this (``calls_d…`` with
 # ``trace_id``) stay as they are: the view reads each day in its own layout.
 DUCKDB_CALLS = Table(
@@ -332,24 +334,14 @@ _COMPACT_READ = {
     "offset_ms": "CAST(c.offset_us AS DOUBLE) / 1000",
     "duration_ms": "CAST(c.duration_us AS DOUBLE) / 1000",
     "wait_ms": "CAST(c.wait_us AS DOUBLE) / 1000",
-    "params_hash": "CAST(c.params_hash AS BIGINT) & 4294967295",
+    "params_hash": "CAST(c.params_hash AS BIGINT)",
 }
 # ... and the other way, at insert: physical -> SQL over a logical row (with ``rid``).
 _COMPACT_WRITE = {
     "offset_us": "CAST(round(offset_ms * 1000) AS BIGINT)",
     "duration_us": "CAST(round(duration_ms * 1000) AS BIGINT)",
     "wait_us": "CAST(round(wait_ms * 1000) AS BIGINT)",
-    # the low 32 bits as a signed INTEGER (the view reads them back unsigned)
-    "params_hash": "CAST(CASE WHEN params_hash & 2147483648 = 0 THEN params_hash & 2147483647"
-    " ELSE (params_hash & 2147483647) - 2147483648 END AS INTEGER)",
 }
-# ``params_hash`` is only ever compared between the calls of one request with the same
-# statement (repeated_query). Two calls with different parameters look alike when the low 32
-# bits of their hashes match: for k calls of one statement in a request, with k(k-1)/2 pairs,
-# the chance is k(k-1)/2 / 2**32: 1.1e-8 for k = 10, 1.2e-4 for k = 1,000. A finding needs
-# min_repeats in each of min_requests requests and a share of the endpoint's requests and time:
-# one look-alike pair in a request does not make one.
-DUCKDB_PARAMS_HASH_BITS = 32
 
 
 def duckdb_physical(table: Table) -> Table:

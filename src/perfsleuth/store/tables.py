@@ -1,8 +1,10 @@
 """A batch of records -> the Arrow tables one transaction adds (:func:`build_tables`).
 
 Request rows become rows of ``requests``; their calls rows of ``calls`` (with the request's ts,
-trace id, service and endpoint copied in) and per-request aggregates (db/http/cache calls and
-time) computed once here so ``top`` is one scan. Event tables are split by day (the store keeps
+trace id, service and endpoint copied in, and ``rid``, a number the batch's request and its
+calls share: DuckDB stores calls by it, see schema.DUCKDB_CALLS; ClickHouse leaves it out)
+and per-request aggregates (db/http/cache calls and time) computed once here so ``top`` is
+one scan. Event tables are split by day (the store keeps
 a table per day). Dictionary records and agent counters become their tables; runtime evidence
 and captures are converted by :mod:`perfsleuth.store.evidence` and
 :mod:`perfsleuth.store.captures`.
@@ -14,6 +16,7 @@ and attributes. Nothing here depends on the engine the tables go to.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 from typing import Any
@@ -44,6 +47,21 @@ class Tables:
     captures: pa.Table | None = None
     requests: int = 0
     calls: int = 0
+
+
+# ``rid``: unique among the tables built by this process (OTLP payloads' tables are merged
+# before a commit), renumbered by the DuckDB writer into its day table's numbers.
+_rid_lock = threading.Lock()
+_rid_next = 0
+
+
+def _rids(n: int) -> int:
+    """The first of ``n`` new request numbers."""
+    global _rid_next
+    with _rid_lock:
+        base = _rid_next
+        _rid_next += n
+    return base
 
 
 def build_tables(batch: Batch, now_ns: int) -> Tables:
@@ -221,15 +239,19 @@ def event_tables(
     cf = dict(zip([f.name for f in CALL_WIRE], flat.flatten(), strict=True))
     ckind = _internal_kind(pc.fill_null(cf["kind"], "unknown"), cf["fp"])
     cdur = _ms(cf["dur"])
-    cdur_np = to_numpy(cdur, 0.0)
+    # Sums of whole nanoseconds (exact below 2**53), then ms like a single call's: a sum of
+    # ms doubles is no short decimal, which DuckDB's ALP does not compress (7 -> ~3 B each).
+    cdur_ns = to_numpy(cf["dur"], 0).astype(np.float64)
     parent_pa = pa.array(parent)
 
     agg: dict[str, Any] = {}
-    for k in ("db", "http", "cache"):
+    kind_code = np.zeros(m, np.int8)  # to sort calls by: 1 db, 2 http, 3 cache, 0 others
+    for code, k in enumerate(("db", "http", "cache"), 1):
         mask = to_numpy(pc.equal(ckind, k), False).astype(bool)
+        kind_code[mask] = code
         p = parent[mask]
         agg[f"{k}_calls"] = pa.array(np.bincount(p, minlength=n).astype(np.int32))
-        agg[f"{k}_ms"] = pa.array(np.bincount(p, weights=cdur_np[mask], minlength=n))
+        agg[f"{k}_ms"] = pa.array(np.bincount(p, weights=cdur_ns[mask], minlength=n) / 1e6)
 
     req = pa.table(
         {
@@ -258,7 +280,9 @@ def event_tables(
         },
         schema=schema.REQUESTS.arrow_schema(),
     )
-    # Repeated per call: dictionary-encoded, DuckDB stores them as plain VARCHAR.
+    base = _rids(n)
+    req = req.append_column("rid", pa.array(np.arange(base, base + n, dtype=np.int64)))
+    # Repeated per call: dictionary-encoded (DuckDB keeps a request number instead).
     service_dict = pc.dictionary_encode(service)
     endpoint_dict = pc.dictionary_encode(endpoint)
     call = pa.table(
@@ -267,6 +291,7 @@ def event_tables(
             "trace_id": pc.take(pc.dictionary_encode(trace_id), parent_pa),
             "service": pc.take(service_dict, parent_pa),
             "endpoint": pc.take(endpoint_dict, parent_pa),
+            "rid": pa.array(parent + base),
             "seq": pa.array(seq.astype(np.int32)),
             "kind": ckind,
             "system": cf["system"],
@@ -286,18 +311,13 @@ def event_tables(
             "unfinished": cf["unfinished"],
         }
     )
-    # Stored side by side, the calls of one statement of one endpoint compress to runs (their
-    # fingerprint, site, stack, kind...): sorted by (service, endpoint, fingerprint), in
-    # request order within each, the calls table takes ~40 % less room (benchmarks/ingest.py).
+    # Stored side by side, the calls of one statement compress to runs (their fingerprint,
+    # site, stack, kind, the columns their kind leaves empty...) and their request numbers
+    # grow by little: sorted by (kind, fingerprint), in request order within each, DuckDB's
+    # compact calls take ~40 % less room than in request order (benchmarks/ingest.py).
     # Readers order a request's calls by seq.
     if m > 1:
-        order = np.lexsort(
-            (
-                to_numpy(cf["fp"], wcalls.NULL),
-                _codes(endpoint_dict)[parent],
-                _codes(service_dict)[parent],
-            )
-        )
+        order = np.lexsort((to_numpy(cf["fp"], wcalls.NULL), kind_code))
         call = call.take(pa.array(order))
         parent = parent[order]
     attr_rows, attr_cols = _attributes(attr_objs)
@@ -327,14 +347,6 @@ def event_tables(
                 "attributes": attrs.filter(pa.array(in_day[np.asarray(attr_rows, np.int64)])),
             }
         out.days[key] = parts
-
-
-def _codes(encoded: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """The indices of a dictionary-encoded array, for sorting by it."""
-    if isinstance(encoded, pa.ChunkedArray):
-        chunks = encoded.unify_dictionaries().chunks
-        return np.concatenate([to_numpy(c.indices, 0) for c in chunks] or [np.empty(0, np.int64)])
-    return to_numpy(encoded.indices, 0)
 
 
 def _internal_kind(kind: pa.Array, fp: pa.Array) -> pa.Array:
