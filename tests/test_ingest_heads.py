@@ -10,9 +10,11 @@ import gc
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 
 from perfsleuth.store import records
+from perfsleuth.store.decode import hex_ids
 from perfsleuth.store.duckdb_store import DuckDBStore
 from perfsleuth.store.spool import loads_json
 from perfsleuth.wire import batch as wbatch
@@ -133,3 +135,14 @@ def test_heads_are_read_with_the_collector_off_and_by_loads_json(
         store.close()
     assert [s for s in seen if s[0]] == [(True, False)] * 3
     assert len(parsed) == 3
+
+
+def test_hex_ids_are_the_16_hex_digits_of_the_64_bits() -> None:
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-(2**63), 2**63 - 1, 1000, dtype=np.int64, endpoint=True)
+    ids[:6] = [0, 1, -1, -(2**63), 2**63 - 1, 0x0123456789ABCDEF]
+    got = hex_ids(ids)
+    got.validate(full=True)
+    assert got.to_pylist() == [f"{v & (2**64 - 1):016x}" for v in ids.tolist()]
+    assert hex_ids(ids[::7]).to_pylist() == [f"{v & (2**64 - 1):016x}" for v in ids[::7].tolist()]
+    assert hex_ids(np.empty(0, np.int64)).to_pylist() == []

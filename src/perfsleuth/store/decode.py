@@ -242,7 +242,7 @@ def _agent_table(records: list[_Record]) -> tuple[pa.Table, list[tuple[int, int,
     for j, name in enumerate(wbatch.INT_COLUMNS):
         col = np.ascontiguousarray(ints[:, j])
         if name == "id":
-            cols[name] = pa.array([f"{v:016x}" for v in col.view(np.uint64).tolist()], pa.string())
+            cols[name] = hex_ids(col)
         elif name in REQUEST_WIRE.names:
             cols[name] = pa.array(col, pa.int64(), mask=col == wcalls.NULL)
     for name in wbatch.STRING_COLUMNS:
@@ -257,6 +257,24 @@ def _agent_table(records: list[_Record]) -> tuple[pa.Table, list[tuple[int, int,
     rec_of = np.repeat(np.arange(len(records)), ns)
     bad = [records[i] for i in rec_of[bad_rows].tolist()]
     return table, [(seg, start, end) for seg, _, start, end in bad]
+
+
+_HEX_DIGITS = np.frombuffer(b"0123456789abcdef", np.uint8)
+
+
+def hex_ids(ids: np.ndarray) -> pa.Array:
+    """int64 trace ids as 16 lowercase hex digits of their 64 bits (``f"{v & 2**64-1:016x}"``),
+    made a byte at a time in numpy instead of a Python string per id."""
+    n = len(ids)
+    octets = np.ascontiguousarray(ids, np.int64).view(np.uint64).astype(">u8").view(np.uint8)
+    octets = octets.reshape(n, 8)
+    text = np.empty((n, 16), np.uint8)
+    text[:, 0::2] = _HEX_DIGITS[octets >> 4]
+    text[:, 1::2] = _HEX_DIGITS[octets & 15]
+    offsets = np.arange(0, 16 * n + 1, 16, dtype=np.int32)
+    return pa.Array.from_buffers(
+        pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(text.reshape(-1))]
+    )
 
 
 def _agent_calls(
