@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from perfsleuth.agent import capture, recorder
+from perfsleuth.agent import accel, capture, recorder
+from perfsleuth.agent.frameworks import common
 from perfsleuth.agent.frameworks.common import content_length, endpoint, read_environ
 
 _get_ident = threading.get_ident
@@ -62,10 +63,13 @@ class PerfsleuthWSGI:
         return f"PerfsleuthWSGI({self.app!r})"
 
 
-def record_wsgi(
+def python_record_wsgi(
     app: Callable[..., Any], environ: dict[str, Any], start_response: Callable[..., Any]
 ) -> Any:
-    """Run ``app(environ, start_response)`` as one recorded request (unless one already runs)."""
+    """Run ``app(environ, start_response)`` as one recorded request (unless one already runs).
+
+    The reference: ``record_wsgi`` is this, or the same in C (agent/_wsgi.c) when the
+    accelerator is there."""
     try:
         req = recorder.begin(
             "web", environ.get("REQUEST_METHOD") or "", environ.get("PATH_INFO") or "/", cpu=True
@@ -73,11 +77,7 @@ def record_wsgi(
     except Exception:
         req = None
     if req is None:
-        outer = _current.get()
-        if outer is not None and not outer.endpoint and _flask_request is not None:
-            # A Flask app inside a recorded request (mounted in Starlette, say): it names it.
-            return app(environ, _NamingStartResponse(outer, start_response))
-        return app(environ, start_response)
+        return _unrecorded(app, environ, start_response)
     # every field of _Body (it has no __init__: one Python call less a request)
     body = _new(_Body)
     body._req = req
@@ -150,15 +150,7 @@ class _Body:
             write = self._start_response(status, headers, exc_info)
         if write is None:
             return write
-
-        def counted_write(data: bytes) -> Any:  # the legacy write() callable (PEP 3333)
-            try:
-                self._sent += len(data)
-            except Exception:
-                pass
-            return write(data)
-
-        return counted_write
+        return _counted_write(self, write)
 
     # -- the application returned ------------------------------------------------------------
 
@@ -182,7 +174,7 @@ class _Body:
             file_wrapper = environ.get("wsgi.file_wrapper")
             if isinstance(file_wrapper, type) and isinstance(result, file_wrapper):
                 # Keep the server's sendfile() path: the size is the declared Content-Length.
-                self._sent = self._declared_length() or 0
+                self._sent = _declared_length(self._headers) or 0
                 self._finish()
                 return result
             self._iterable = result
@@ -191,12 +183,6 @@ class _Body:
             recorder.internal_error()
             self._finish()
             return result
-
-    def _declared_length(self) -> int | None:
-        for name, value in self._headers or ():
-            if str(name).lower() == "content-length":
-                return content_length(value)
-        return None
 
     # -- iteration by the server ---------------------------------------------------------------
 
@@ -288,6 +274,38 @@ class _Body:
         if capture.on:
             capture.finish_wsgi(req, self._environ, self._tap)
         self._environ = self._tap = None
+
+
+def _unrecorded(
+    app: Callable[..., Any], environ: dict[str, Any], start_response: Callable[..., Any]
+) -> Any:
+    """A request not recorded here (one already runs in this context, or the agent is off)."""
+    outer = _current.get()
+    if outer is not None and not outer.endpoint and _flask_request is not None:
+        # A Flask app inside a recorded request (mounted in Starlette, say): it names it.
+        return app(environ, _NamingStartResponse(outer, start_response))
+    return app(environ, start_response)
+
+
+def _counted_write(body: Any, write: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """The legacy write() callable (PEP 3333) of a body (a _Body or _wsgi.Body), counted."""
+
+    def counted_write(data: bytes) -> Any:
+        try:
+            body._sent += len(data)
+        except Exception:
+            pass
+        return write(data)
+
+    return counted_write
+
+
+def _declared_length(headers: Any) -> int | None:
+    """The Content-Length among a response's headers."""
+    for name, value in headers or ():
+        if str(name).lower() == "content-length":
+            return content_length(value)
+    return None
 
 
 def _reset(token: Any) -> None:
@@ -436,7 +454,9 @@ def patch_flask(module: ModuleType) -> None:
         return record_wsgi(original.__get__(self, type(self)), environ, start_response)
 
     __call__._perfsleuth_original = original  # type: ignore[attr-defined]
-    cls.__call__ = __call__
+    # In C when it is there (_wsgi.FlaskCall: the same, without this Python frame and the bound
+    # method a request); its attribute ``python`` is this one.
+    cls.__call__ = __call__ if _c_wsgi is None else _c_wsgi.FlaskCall(original, __call__)
     connect_flask()
 
 
@@ -446,5 +466,25 @@ def unpatch_flask(module: ModuleType) -> None:
     if cls is not None and original is not None:
         cls.__call__ = original
 
+
+def _load_c() -> Any:
+    """agent/_wsgi.c, configured, when the accelerator is on and it was built; else None."""
+    if not accel.on:
+        return None
+    try:
+        from perfsleuth.agent import _wsgi  # type: ignore[attr-defined]
+
+        _wsgi.configure(
+            recorder=recorder, capture=capture, common=common, wsgi=sys.modules[__name__]
+        )
+    except Exception:
+        return None
+    return _wsgi
+
+
+_c_wsgi: Any = _load_c()
+# What PerfsleuthWSGI and the Flask patch call (a global looked up at each request): the C
+# version when it is there (the same, case for case), else python_record_wsgi.
+record_wsgi: Callable[..., Any] = _c_wsgi.record_wsgi if _c_wsgi is not None else python_record_wsgi
 
 __all__ = ["PerfsleuthWSGI", "patch_flask", "record_wsgi"]
