@@ -142,10 +142,15 @@ def _day_rollups(req: pa.Table) -> dict[str, pa.Table]:
     m0 = int(minute.min())
     period = minute - m0
     dim_parts = [(dims[c][0], len(dims[c][1])) for c in _DIMS]
-    stats, hist = [], []
+    # Each level's columns, concatenated and made into one table at the end (a table per
+    # level cost three times the Arrow calls: most of the ~3 ms of a 100-request batch).
+    stats: dict[str, list[np.ndarray]] = {}
+    hist: dict[str, list[np.ndarray]] = {}
     row_codes = {c: dims[c][0] for c in _DIMS}
     row_max = dur
     row_hist = (np.flatnonzero(timed), bucket[timed], np.ones(int(timed.sum())))
+    # NaN (no value) counts as 0 in the sums; the sums of the finer level have none
+    cols = {c: np.nan_to_num(v) for c, v in cols.items()}
     for res in RESOLUTIONS:
         # coarser levels group the rows of the finer one: sums of sums, max of maxes
         step = res // MINUTE
@@ -153,74 +158,61 @@ def _day_rollups(req: pa.Table) -> dict[str, pa.Table]:
         p_code = p - p.min()
         first, inv = _group([(p_code, int(p_code.max()) + 1), *dim_parts])
         g = len(first)
-        sums = {c: np.bincount(inv, weights=np.nan_to_num(v), minlength=g) for c, v in cols.items()}
+        sums = {c: np.bincount(inv, weights=v, minlength=g) for c, v in cols.items()}
         mx = _max_by(inv, g, row_max)
         key = {c: row_codes[c][first] for c in _DIMS}
         ts = ((p[first] + m0) * MINUTE * 1_000_000).astype(np.int64)
-        stats.append(_stats_table(res, ts, key, dims, sums, mx))
+        _add(stats, res=np.full(g, res, np.int32), ts=ts, **key, **sums, max_ms=mx)
         rows, b, counts = row_hist
         hk = inv[rows] * _NB + b
         uk, hc = _sum_by_key(hk, counts)
         grp = uk // _NB
-        hist.append(_hist_table(res, ts[grp], {c: key[c][grp] for c in _DIMS}, dims, uk % _NB, hc))
+        _add(
+            hist,
+            res=np.full(len(uk), res, np.int32),
+            ts=ts[grp],
+            **{c: key[c][grp] for c in _DIMS},
+            bucket=(uk % _NB).astype(np.int32),
+            requests=hc,
+        )
         # the next level starts from this one's groups
         period, cols, row_max = p[first], sums, mx
         row_codes = key
         dim_parts = [(key[c], len(dims[c][1])) for c in _DIMS]
         row_hist = (grp, uk % _NB, hc)
     return {
-        "rollup_stats": _as(schema.ROLLUP_STATS, pa.concat_tables(stats)),
-        "rollup_hist": _as(schema.ROLLUP_HIST, pa.concat_tables(hist)),
+        "rollup_stats": _table(schema.ROLLUP_STATS, stats, dims),
+        "rollup_hist": _table(schema.ROLLUP_HIST, hist, dims),
     }
+
+
+def _add(into: dict[str, list[np.ndarray]], **cols: np.ndarray) -> None:
+    for c, v in cols.items():
+        into.setdefault(c, []).append(v)
+
+
+def _table(
+    t: schema.Table, parts: dict[str, list[np.ndarray]], dims: dict[str, tuple[Any, pa.Array]]
+) -> pa.Table:
+    """The rows of every level, as ``t``'s columns: dimension codes looked up, counts as
+    whole numbers, sums as doubles, a NaN max as NULL."""
+    cols: dict[str, Any] = {}
+    for c, chunks in parts.items():
+        v = np.concatenate(chunks)
+        if c in _DIMS:
+            cols[c] = dims[c][1].take(pa.array(v))
+        elif c == "max_ms":
+            cols[c] = pa.array(v, from_pandas=True)
+        elif c in _SUMS or c in ("ts", "res", "bucket"):
+            cols[c] = pa.array(v)
+        else:  # counts: requests, errors, calls, over_*
+            cols[c] = pa.array(np.rint(v).astype(np.int64))
+    return _as(t, pa.table(cols))
 
 
 def _sum_by_key(key: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     uk, inv = np.unique(key, return_inverse=True)
     return uk, np.bincount(inv.reshape(-1), weights=weights, minlength=len(uk))
-
-
-def _key_columns(
-    res: int, ts: np.ndarray, key: dict[str, np.ndarray], dims: dict[str, tuple[Any, pa.Array]]
-) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "ts": pa.array(ts, pa.int64()),
-        "res": pa.array(np.full(len(ts), res, np.int32)),
-    }
-    for c in _DIMS:
-        out[c] = pc.take(dims[c][1], pa.array(key[c]))
-    return out
-
-
-def _stats_table(
-    res: int,
-    ts: np.ndarray,
-    key: dict[str, np.ndarray],
-    dims: dict[str, tuple[Any, pa.Array]],
-    sums: dict[str, np.ndarray],
-    mx: np.ndarray,
-) -> pa.Table:
-    cols = _key_columns(res, ts, key, dims)
-    for c, v in sums.items():
-        if c in _SUMS:
-            cols[c] = pa.array(v)
-        else:
-            cols[c] = pa.array(np.rint(v).astype(np.int64))
-    cols["max_ms"] = pa.array(mx, from_pandas=True)
-    return pa.table(cols)
-
-
-def _hist_table(
-    res: int,
-    ts: np.ndarray,
-    key: dict[str, np.ndarray],
-    dims: dict[str, tuple[Any, pa.Array]],
-    bucket: np.ndarray,
-    counts: np.ndarray,
-) -> pa.Table:
-    cols = _key_columns(res, ts, key, dims)
-    cols["bucket"] = pa.array(bucket.astype(np.int32))
-    cols["requests"] = pa.array(np.rint(counts).astype(np.int64))
-    return pa.table(cols)
 
 
 def _as(t: schema.Table, data: pa.Table) -> pa.Table:
