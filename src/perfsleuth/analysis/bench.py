@@ -68,7 +68,7 @@ def build(data: str, requests: int, per_request: int) -> None:
                 + (i % {ENDPOINTS} = 11)::INT * (i % 1000) / 5, NULL,
             CASE WHEN i % {ENDPOINTS} = 11 THEN (i % 1000) * 2000 ELSE 0 END, 500,
             'u' || (i % 2000), 't' || (i % 20), {per_request}, 20.0, 0, 0.0, 0, 0.0, 0,
-            0.5, 1
+            0.5, 1, NULL
         FROM range(0, {requests}) t(i)"""
     )
     # Calls: trace = i // per_request. Endpoints 0-4 loop one statement (N+1), 5-6 repeat a
