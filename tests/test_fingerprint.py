@@ -128,3 +128,27 @@ def test_normalize_with_and_without_c_tokenizer_agree(monkeypatch: pytest.Monkey
         fpr.normalize_sql("SELECT * FROM t WHERE x ıN (1, 2)") == "SELECT * FROM t WHERE x ıN (...)"
     )
     assert fpr.normalize_sql("insert into t values (DEFAULT, NULL)") == "insert into t values (...)"
+
+
+@pytest.mark.skipif(fpr._c_tokens is None, reason="C tokenizer not built")
+def test_tokens_scanned_in_a_batch_are_the_tokens_of_each() -> None:
+    import random
+
+    rng = random.Random(11)
+    pieces = [*"abX_ eE019.-'\"`[]()%s?:;,\n", "é", "😀", "--", "/*", "$$", "0x1F", " IN ("]
+    batch: list[object] = [
+        "".join(rng.choice(pieces) for _ in range(rng.randint(0, 40))) for _ in range(500)
+    ]
+    batch[3:3] = [b"SELECT 1", None, 7, ""]  # not str: None in the answer
+    res = fpr.sql_tokens_many(batch)
+    assert res is not None
+    tokens, ns = res
+    assert ns >= 0
+    assert tokens == [fpr._tokens(s) if type(s) is str else None for s in batch]
+    empty = fpr.sql_tokens_many([])
+    assert empty is not None and empty[0] == []
+
+
+def test_normalize_is_the_tokens_then_the_rest() -> None:
+    for sql in ODD_SQL:
+        assert fpr.finish_sql(fpr.sql_tokens(sql)) == fpr.normalize_sql(sql), sql

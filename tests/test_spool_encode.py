@@ -152,3 +152,72 @@ def test_the_agent_writes_what_encode_requests_makes(tmp_path: Path) -> None:
     assert data.endswith(encoded)
     assert [t for t, _ in records(data[len(FILE_MAGIC) : -len(encoded)])] == [HEADER]
     assert sum(len(o) for t, o in records(encoded) if t == REQUESTS) == 150
+
+
+def statements_page(oid: int) -> None:
+    """Twenty statements never seen before (literals inline), one shape."""
+    req = recorder.begin("web", "GET", f"/report/{oid}")
+    assert req is not None
+    for j in range(20):
+        ids = ", ".join(str(oid * 31 + k) for k in range(j % 5 + 1))
+        sql = (
+            f"/* trace={oid:x}-{j} */ SELECT id FROM orders WHERE id IN ({ids}) AND note <> 'n{j}'"
+        )
+        call = recorder.start_call("db", "postgresql", sql)
+        assert call is not None
+        call.finish()
+    recorder.end(req)
+
+
+def test_statements_with_literals_inline_share_one_fingerprint_and_fill_no_cache(
+    recorded: list[recorder.ActiveRequest],
+) -> None:
+    # Each statement comes once: it is fingerprinted (one FINGERPRINT record for the shape,
+    # found by its tokens), but neither it nor its site is kept in the writer's caches.
+    # Before: every such site and statement was kept (60 entries each), the caches reset and
+    # the segment rotated every few thousand statements.
+    for oid in (1, 2, 3):
+        statements_page(oid)
+    enc = Encoder(fingerprint_cpu_pct=None)
+    recs = records(encode_requests(recorded, Interned(), encoder=enc))
+    fps = [o for t, o in recs if t == FINGERPRINT]
+    assert [o["text"] for o in fps] == ["SELECT id FROM orders WHERE id IN (...) AND note <> ?"]
+    assert len(enc.sites) == 0 and len(enc.fps) == 0
+    assert len(enc.fp_tokens) == 5  # one a length of the IN list
+    # a site seen again is kept from then on
+    recorded.clear()
+    for oid in (1, 1):
+        statements_page(oid)
+    encode_requests(recorded, Interned(), encoder=enc)
+    assert len(enc.sites) == 20 and len(enc.fps) == 20
+
+
+def test_a_batchs_new_statements_are_scanned_together_within_the_budget(
+    recorded: list[recorder.ActiveRequest], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from perfsleuth.wire import fingerprint as fpr
+
+    if fpr._c_tokens is None:
+        pytest.skip("C tokenizer not built")
+    calls: list[int] = []
+    many = fpr.sql_tokens_many
+
+    def counted(statements: list[Any]) -> Any:
+        calls.append(len(statements))
+        return many(statements)
+
+    monkeypatch.setattr(fpr, "sql_tokens_many", counted)
+    for oid in range(4):
+        statements_page(oid)
+    enc = Encoder(fingerprint_cpu_pct=5.0)
+    encode_requests(recorded, Interned(), encoder=enc)
+    assert calls == [80]  # one call for the batch's 80 new statements
+    # with no budget left, nothing is scanned and the statements are written as hashes
+    calls.clear()
+    recorded.clear()
+    statements_page(9)
+    enc = Encoder(fingerprint_cpu_pct=0.0)
+    recs = records(encode_requests(recorded, Interned(), encoder=enc))
+    assert calls == []
+    texts = {o["text"].split(":")[0] for t, o in recs if t == FINGERPRINT}
+    assert texts == {"[not fingerprinted"}

@@ -11,13 +11,17 @@ import os
 import re
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "cache_key_template",
+    "finish_sql",
     "normalize_sql",
     "params_hash",
     "sql_fingerprint_id",
     "sql_operation",
+    "sql_tokens",
+    "sql_tokens_many",
     "stable_id",
     "url_template",
 ]
@@ -47,6 +51,17 @@ _VALUES = re.compile(r"(?i)\bVALUES\s*\([^()]*\)(?:\s*,\s*\([^()]*\))*")
 _NEG = re.compile(r"-(?<=[=<>(,\s]-)\s*\?")
 
 
+def _load_c_tokens_many() -> Callable[[list[Any]], tuple[list[str | None], int]] | None:
+    """The C tokenizer's batch form (scans with the interpreter lock released), or None."""
+    if _c_tokens is None:
+        return None
+    try:
+        from perfsleuth.wire._fingerprint import tokens_many
+    except ImportError:
+        return None
+    return tokens_many  # type: ignore[no-any-return]
+
+
 def _load_c_tokens() -> Callable[[str], str] | None:
     """The C tokenizer (wire/_fingerprint.c, built at install when a compiler is there);
     PERFSLEUTH_SPEEDUPS=0 or no build: the Python one, which gives the same text."""
@@ -60,6 +75,7 @@ def _load_c_tokens() -> Callable[[str], str] | None:
 
 
 _c_tokens = _load_c_tokens()
+_c_tokens_many = _load_c_tokens_many()
 
 try:  # the agent imports this module at start: hashlib (and OpenSSL) cost milliseconds
     from _blake2 import blake2b as _blake2b
@@ -79,7 +95,30 @@ def normalize_sql(sql: str) -> str:
 def _normalize(sql: str) -> str:
     if isinstance(sql, bytes):
         sql = sql.decode("utf-8", "replace")
-    text = _c_tokens(sql) if _c_tokens is not None and type(sql) is str else _tokens(sql)
+    return finish_sql(sql_tokens(sql))
+
+
+def sql_tokens(sql: str) -> str:
+    """The tokenizer pass of :func:`normalize_sql` (literals and placeholders -> ``?``,
+    comments removed, whitespace folded): ``normalize_sql(sql) == finish_sql(sql_tokens(sql))``
+    for a str that does not make either raise. Statements differing only in their literals
+    mostly share their tokens (IN lists and VALUES rows of other lengths aside): the agent
+    caches the rest of the work by them."""
+    return _c_tokens(sql) if _c_tokens is not None and type(sql) is str else _tokens(sql)
+
+
+def sql_tokens_many(statements: list[Any]) -> tuple[list[str | None], int] | None:
+    """:func:`sql_tokens` of each statement (None for one that is not a str) and the thread CPU
+    nanoseconds spent, the statements scanned in C with the interpreter lock released (other
+    threads run meanwhile); None without the C tokenizer. Each statement takes four bytes a
+    character of scratch memory while scanned: callers bound the list's total length."""
+    many = _c_tokens_many if _c_tokens is not None else None
+    return None if many is None else many(statements)
+
+
+def finish_sql(text: str) -> str:
+    """The rest of :func:`normalize_sql` after :func:`sql_tokens`: negative placeholders, IN
+    lists and VALUES rows collapsed, trailing semicolons off, the length capped."""
     # Each rewrite only where its pattern can match: the text's whitespace is folded to single
     # spaces, and only "V" and "v" match V without regard to case.
     if "-" in text:

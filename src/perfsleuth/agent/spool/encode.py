@@ -36,6 +36,11 @@ from perfsleuth.wire.segment import encode_record
 BATCH_MAX = 64
 SEEN_BYTES = 72  # an id in a segment's set of what it holds: the int and its slot
 FLAT_MEMO_BYTES = 150  # an entry of Encoder.flats: its key, tuple and ints
+# Characters of statements scanned in one release of the interpreter lock at most (their
+# scratch memory: four bytes a character)
+PRETOKENIZE_CHARS = 1 << 18
+FPS_ENTRY_BYTES = 150  # an entry of Encoder.fps: its key tuple and ints (the value is shared)
+ONCE_MAX = 8192  # hashes in Encoder.once at most
 DEFAULT_CACHE_LIMIT = 4 << 20
 
 _serials = itertools.count(1)
@@ -88,6 +93,16 @@ class Encoder:
         # statements would fill the cache with their literals); str hashes are cached by
         # CPython, so a hit costs no pass over the text.
         self.fps: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}
+        # A statement's tokens (fpr.sql_tokens) -> its (id, FINGERPRINT body): statements
+        # differing only in their literals share them, and the rest of the work.
+        self.fp_tokens: dict[str, tuple[int, dict[str, Any]]] = {}
+        # Hashes of the site keys seen once (see site): a statement is kept in the caches from
+        # its second sighting on. At most ONCE_MAX (then cleared: a repeated statement is then
+        # kept one sighting later).
+        self.once: set[int] = set()
+        # A batch's new statements -> their tokens, scanned together beforehand with the
+        # interpreter lock released (_pretokenize); emptied after the batch.
+        self.pre: dict[str, str | None] = {}
         # Bytes the caches hold (statements, fingerprint texts, stacks), estimated as they
         # are added; past the cache budget they are all cleared (cache_resets).
         self.cache_bytes = 0
@@ -115,7 +130,8 @@ class Encoder:
 
     def reset(self) -> None:
         """Empty the caches."""
-        for cache in (self.locs, self.stack_ids, self.fps, self.sites, self.flats):
+        caches = (self.locs, self.stack_ids, self.fps, self.fp_tokens, self.sites, self.flats)
+        for cache in (*caches, self.once):
             cache.clear()  # type: ignore[attr-defined]
         self.cache_bytes = 0
         stats["cache_resets"] += 1
@@ -166,7 +182,56 @@ class Encoder:
             out.append(encode_record(STACK, {"id": hit[0], "frames": hit[1]}))
         return hit[0], hit[3]
 
-    def fingerprint(self, seg: Interned, out: list[bytes], kind: str, target: Any) -> int:
+    def _over_budget(self) -> bool:
+        """Whether this second's fingerprinting time is spent (a new second starts anew)."""
+        now = _perf_ns()
+        if now - self.fp_window >= 1_000_000_000:
+            self.fp_window, self.fp_spent_ns = now, 0
+        return self.fp_budget_ns is not None and self.fp_spent_ns >= self.fp_budget_ns
+
+    def _pretokenize(self, reqs: Sequence[recorder.ActiveRequest]) -> None:
+        """Scan the tokens of the batch's statements not met before (fpr.sql_tokens_many) in
+        a few C calls that release the interpreter lock: the application's threads run on
+        another core meanwhile, where scanning them one by one in fingerprint() would hold the
+        lock throughout. The scanning's thread CPU time counts in the fingerprinting budget;
+        statements past it are left to fingerprint() (which skips them)."""
+        if fpr._c_tokens is None:
+            return
+        sites, fps = self.sites, self.fps
+        todo: list[str] = []
+        unique = {id(e): e for req in reqs if req.calls for e in (req.site_list or ())}
+        for e in unique.values():
+            target = e[2]
+            if (
+                type(target) is str
+                and e[0] == "db"
+                and e[4] not in sites
+                and ("db", hash(target)) not in fps
+            ):
+                todo.append(target)
+        pre = self.pre
+        lo = 0
+        while lo < len(todo) and not self._over_budget():
+            hi, chars = lo, 0
+            while hi < len(todo) and chars < PRETOKENIZE_CHARS:
+                chars += len(todo[hi])
+                hi += 1
+            chunk = todo[lo:hi]
+            res = fpr.sql_tokens_many(chunk)
+            if res is None:
+                return
+            tokens, ns = res
+            self.fp_spent_ns += ns
+            pre.update(zip(chunk, tokens, strict=True))
+            lo = hi
+
+    def fingerprint(
+        self, seg: Interned, out: list[bytes], kind: str, target: Any, keep: bool = True
+    ) -> int:
+        """The fingerprint id of a call's target, its FINGERPRINT record added to ``out`` when
+        the segment has not got it yet. ``keep``: remember the target (by a hash of its text)
+        for the next time; a statement seen once is not kept (most such are one-offs: literals
+        in their text), its tokens' fingerprint is."""
         self.skipped = False
         try:
             key = (kind, hash(target))
@@ -174,10 +239,7 @@ class Encoder:
             key = (kind, hash(repr(target)))
         hit = self.fps.get(key)
         if hit is None:
-            now = _perf_ns()
-            if now - self.fp_window >= 1_000_000_000:
-                self.fp_window, self.fp_spent_ns = now, 0
-            if self.fp_budget_ns is not None and self.fp_spent_ns >= self.fp_budget_ns:
+            if self._over_budget():
                 # Over budget: detail goes, speed stays. Not cached, so the target gets its
                 # fingerprint when it comes again within budget.
                 stats["fingerprints_skipped"] += 1
@@ -188,17 +250,48 @@ class Encoder:
                     self.cache_bytes += SEEN_BYTES
                     out.append(record)
                 return fid
-            else:
-                text, op = targets.fingerprint_text(kind, target)
-                fid = fpr.stable_id(kind, text)
-                hit = self.fps[key] = (fid, {"id": fid, "kind": kind, "text": text, "op": op})
-                self.cache_bytes += 250 + len(text)
-                self.fp_spent_ns += _perf_ns() - now
+            now = _perf_ns()
+            hit = self._normalised(kind, target)
+            if keep:
+                self.fps[key] = hit
+                self.cache_bytes += FPS_ENTRY_BYTES
+            self.fp_spent_ns += _perf_ns() - now
         if hit[0] not in seg.fingerprints:
             seg.fingerprints.add(hit[0])
             self.cache_bytes += SEEN_BYTES
             out.append(encode_record(FINGERPRINT, hit[1]))
         return hit[0]
+
+    def _normalised(self, kind: str, target: Any) -> tuple[int, dict[str, Any]]:
+        """(id, FINGERPRINT body) of a target. A statement's tokens (fpr.sql_tokens: the pass
+        over its text; statements differing only in literals share them) are looked up first:
+        the rest of the work (IN lists, VALUES rows, the id) is done once per tokens."""
+        if kind == "db" and type(target) is str:
+            tokens = self.pre.get(target)  # scanned by the batch's _pretokenize
+            if tokens is None:
+                try:
+                    tokens = fpr.sql_tokens(target)
+                except Exception:  # odd input: normalize_sql's own fallback below
+                    tokens = None
+            if tokens is not None:
+                hit = self.fp_tokens.get(tokens)
+                if hit is None:
+                    try:
+                        text = fpr.finish_sql(tokens)
+                        hit = self._made(kind, text, fpr.sql_operation(text))
+                    except Exception:
+                        hit = self._made(kind, *targets.fingerprint_text(kind, target))
+                    self.fp_tokens[tokens] = hit
+                    self.cache_bytes += 250 + len(tokens) + len(hit[1]["text"])
+                return hit
+        hit = self._made(kind, *targets.fingerprint_text(kind, target))
+        self.cache_bytes += 250 + len(hit[1]["text"])
+        return hit
+
+    @staticmethod
+    def _made(kind: str, text: str, op: str) -> tuple[int, dict[str, Any]]:
+        fid = fpr.stable_id(kind, text)
+        return fid, {"id": fid, "kind": kind, "text": text, "op": op}
 
     def site(self, seg: Interned, out: list[bytes], entry: tuple[Any, ...]) -> list[int]:
         """The ``sites`` entry of a request's site (recorder.ActiveRequest.site_list):
@@ -227,7 +320,19 @@ class Encoder:
                 self.flats[id(flat)] = (flat, seg.serial, sid, where)
         else:
             sid = where = NULL
-        fid = NULL if target is None else self.fingerprint(seg, out, kind, target)
+        # Kept in the caches from the second sighting of the site on: a statement with
+        # literals in its text comes once, and would fill them (and its FINGERPRINT is found
+        # by its tokens anyway).
+        h = hash(key)
+        again = h in self.once
+        if not again:
+            once = self.once
+            if len(once) >= ONCE_MAX:
+                self.cache_bytes -= len(once) * SEEN_BYTES
+                once.clear()
+            once.add(h)
+            self.cache_bytes += SEEN_BYTES
+        fid = NULL if target is None else self.fingerprint(seg, out, kind, target, again)
         skipped = self.skipped and target is not None
         resolved = [
             fid,
@@ -238,7 +343,7 @@ class Encoder:
         ]
         if resolved[3] == wcalls.OTHER or resolved[4] == wcalls.OTHER:
             self.unlisted = True
-        if not skipped:  # a site whose fingerprint was skipped is resolved again next time
+        if again and not skipped:  # a site whose fingerprint was skipped: resolved again
             self.sites[key] = [flat, resolved, kind, system, seg.serial]
             # the statement and stack it keeps
             self.cache_bytes += 120 + 16 * len(flat) + (len(target) if type(target) is str else 0)
@@ -315,6 +420,18 @@ class Encoder:
         this segment, then one REQUESTS record (wire.batch). Per request, a row of references
         gathered into columns; the encoding is done once for all. A request that cannot be
         encoded is left out (and counted as an internal error)."""
+        try:
+            self._pretokenize(reqs)
+        except Exception:
+            recorder.internal_error()
+        try:
+            return self._batch(seg, reqs)
+        finally:
+            self.pre.clear()
+
+    def _batch(
+        self, seg: Interned, reqs: Sequence[recorder.ActiveRequest]
+    ) -> tuple[list[bytes], int]:
         out: list[bytes] = []
         rows: list[tuple[Any, ...]] = []
         calls_of: list[bytearray] = []  # the agent rows of each request, in order
