@@ -239,8 +239,9 @@ def event_tables(
     cf = dict(zip([f.name for f in CALL_WIRE], flat.flatten(), strict=True))
     ckind = _internal_kind(pc.fill_null(cf["kind"], "unknown"), cf["fp"])
     cdur = _ms(cf["dur"])
-    # Sums of whole nanoseconds (exact below 2**53), then ms like a single call's: a sum of
-    # ms doubles is no short decimal, which DuckDB's ALP does not compress (7 -> ~3 B each).
+    # Sums of whole nanoseconds (exact below 2**53) in ms rounded to whole microseconds, what
+    # DuckDB keeps of a call: a short decimal, which DuckDB's ALP compresses (a sum of ms
+    # doubles is none: 7 -> 2.6 B a request each, benchmarks/ingest.py).
     cdur_ns = to_numpy(cf["dur"], 0).astype(np.float64)
     parent_pa = pa.array(parent)
 
@@ -251,7 +252,8 @@ def event_tables(
         kind_code[mask] = code
         p = parent[mask]
         agg[f"{k}_calls"] = pa.array(np.bincount(p, minlength=n).astype(np.int32))
-        agg[f"{k}_ms"] = pa.array(np.bincount(p, weights=cdur_ns[mask], minlength=n) / 1e6)
+        sums = np.bincount(p, weights=cdur_ns[mask], minlength=n)
+        agg[f"{k}_ms"] = pa.array(np.round(sums / 1e3) / 1e3)
 
     req = pa.table(
         {
