@@ -2,7 +2,7 @@
 ingest into DuckDB, the same spool through a collector, and timed queries.
 
     .venv/bin/python benchmarks/ingest.py [--requests 100000] [--calls 10] [--dir DIR]
-                                          [--no-collector]
+                                          [--no-collector] [--phases]
 
 The spool is written by the agent's encoder (tests/spoolwrite.py): 8 MB segments of REQUESTS
 records of BATCH_MAX requests, each after the L/S/F dictionary records it uses; 300
@@ -209,6 +209,57 @@ def write_spool(data_dir: str, n_requests: int, calls_per_request: int, seed: in
     return total
 
 
+# What --phases times (CPU of the process, inclusive: a step's time includes the steps it
+# calls), as (label, module under perfsleuth., attribute); one a module lacks is left out.
+PHASES = (
+    ("read segments (mmap, frame, crc)", "store.spool", "read_file"),
+    ("  split REQUESTS records (JSON heads)", "wire.batch", "split"),
+    ("build tables (store.tables)", "store.tables", "build_tables"),
+    ("  bulk read of records (store.decode)", "store.decode", "parse_requests"),
+    ("    cx values", "store.decode", "_apply_cx"),
+    ("  requests/calls tables", "store.tables", "event_tables"),
+    ("commit (one transaction per batch)", "store.duckdb_writer", "DuckDBWriter.commit"),
+    ("  known traces left out", "store.duckdb_writer", "DuckDBWriter._drop_known_traces"),
+    ("  requests + calls insert", "store.duckdb_writer", "DuckDBWriter._insert_requests"),
+    ("  rollups (make + insert)", "store.duckdb_rollups", "DuckDBRollups._insert_rollups"),
+    ("    rollups_of", "store.rollups", "rollups_of"),
+    ("  DuckDB commit", "store.duckdb_writer", "DuckDBWriter._commit"),
+    ("rollup compaction", "store.duckdb_rollups", "DuckDBRollups.compact_committed"),
+)  # fmt: skip
+
+
+def timed_phases() -> dict[str, list[float]]:
+    """Wrap the PHASES functions with process_time counters: {label: [seconds, calls]}."""
+    import importlib
+
+    spent: dict[str, list[float]] = {}
+    for label, module, attr in PHASES:
+        owner: Any = importlib.import_module("perfsleuth." + module)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
+        spent[label] = [0.0, 0]
+
+        def wrapped(*a: Any, _fn: Any = fn, _acc: list[float] = spent[label], **k: Any) -> Any:
+            t = time.process_time()
+            try:
+                return _fn(*a, **k)
+            finally:
+                _acc[0] += time.process_time() - t
+                _acc[1] += 1
+
+        setattr(owner, name, wrapped)
+        # modules that imported the function by name call their own reference
+        for other in ("store.ingest", "store.tables"):
+            m = importlib.import_module("perfsleuth." + other)
+            if not path and getattr(m, name, None) is fn:
+                setattr(m, name, wrapped)
+    return spent
+
+
 def chdb_run(segments: str) -> None:
     """Ingest the segments into a chDB store; print requests per CPU second and bytes of
     its active parts per request, fresh (as the inserts left them) and after ``OPTIMIZE ...
@@ -264,6 +315,9 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="data dir to use (default: a temporary one)")
     ap.add_argument("--no-collector", action="store_true", help="skip the collector run")
     ap.add_argument(
+        "--phases", action="store_true", help="print the spool ingest's CPU per step (slower)"
+    )
+    ap.add_argument(
         "--engines",
         default="duckdb,chdb" if _chdb_installed() else "duckdb",
         help="also ingest into chdb (ClickHouse in-process) when it is named",
@@ -282,6 +336,7 @@ def main() -> None:
         if not args.no_collector or "chdb" in engines:  # the same segments, for other runs
             for name in os.listdir(os.path.join(data_dir, "spool")):
                 shutil.copy(os.path.join(data_dir, "spool", name), segments)
+        spent = timed_phases() if args.phases else {}
         store = DuckDBStore(data_dir)
         c0, t0 = time.process_time(), time.perf_counter()
         rep = store.ingest()
@@ -294,6 +349,8 @@ def main() -> None:
             f"CPU second; wall {dt:.2f} s = {rep.requests / dt:,.0f} requests/s, "
             f"{spool_bytes / dt / 1e6:.1f} MB/s of spool"
         )
+        for label, (secs, calls) in spent.items():
+            print(f"  {label:<44} {secs:6.2f} CPU s {secs / cpu:5.0%}  ({calls:,.0f} calls)")
         store.close()
         db_bytes = os.path.getsize(os.path.join(data_dir, "perfsleuth.duckdb"))
         per_request = db_bytes / max(1, rep.requests)
