@@ -381,3 +381,74 @@ def test_the_cpu_meter_takes_what_await_takes(agent_data_dir: str) -> None:
             assert asyncio.run(main()) == "legacy"
     finally:
         recorder.end(req)
+
+
+@pytest.mark.skipif(
+    hasattr(__import__("inspect"), "markcoroutinefunction"),
+    reason="3.12+: the hand-off keeps a Python wrapper marked async",
+)
+def test_a_framework_s_hand_off_runs_no_python_code_of_the_agent(agent_data_dir: str) -> None:
+    """FastAPI hands a sync endpoint and its response's serialisation to the thread pool: the
+    C hand-off checks the dispatch itself (handoff._dispatch's walk) and marks the worker, with
+    no Python frame of the agent's per hand-off (the wrapper, its _getframe and its walk were
+    most of a hand-off's cost on the loop). A hand-off from the application's code is still
+    stitched (test_handoff)."""
+    import sys
+
+    import anyio.to_thread
+    from fastapi import FastAPI
+
+    from perfsleuth.agent.instrument import threads
+
+    threads.patch_anyio(anyio.to_thread)
+    app = FastAPI()
+
+    @app.get("/sync")
+    def sync_endpoint() -> dict[str, int]:
+        return {"ok": 1}
+
+    async def call() -> int:
+        status = 0
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "GET",
+            "scheme": "http",
+            "path": "/sync",
+            "raw_path": b"/sync",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"host", b"t")],
+            "client": ("127.0.0.1", 1),
+            "server": ("t", 80),
+        }
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+
+        await app(scope, receive, send)
+        return status
+
+    seen: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "instrument" in frame.f_code.co_filename:
+            seen.append(frame.f_code.co_name)
+
+    async def main() -> int:
+        await call()  # routes and the worker warmed up
+        sys.setprofile(profile)
+        try:
+            return await call()
+        finally:
+            sys.setprofile(None)
+
+    assert asyncio.run(main()) == 200
+    assert seen == []  # before: handoff's wrapper and _dispatch, twice a request
+    assert isinstance(anyio.to_thread.run_sync, recorder.speedups.HandOff)

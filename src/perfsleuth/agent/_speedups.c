@@ -1813,6 +1813,27 @@ cpu_used(long long cpu0, long long wall0)
     return cpu < 0 ? 0 : cpu < used ? cpu : used;
 }
 
+/* A run's start in a pool worker (Marked): the thread's last reading as it is when under
+ * WORKER_GAP_NS old, else a reading of its own. A worker's last reading is the end of its
+ * previous run (cpu_used), and since then it has mostly waited for work: its clock moved only
+ * by the pool's own bookkeeping between the two runs (handing the result back, taking the next
+ * work item: a few microseconds, counted to this run), and by no more than the gap (a thread's
+ * clock runs no faster than the wall clock). Not cpu_at's estimate (the last reading plus the
+ * wall time since), which would take the whole wait out of the run. In a thread-pool server
+ * the next run comes well within the gap (FastAPI: ~0.1-0.3 ms later), so a run costs one CPU
+ * clock reading (a system call), not two. */
+#define WORKER_GAP_NS 1000000LL
+
+static inline long long
+worker_cpu_at(long long wall)
+{
+    if (wall - last_wall < WORKER_GAP_NS && last_wall > 0)
+        return last_cpu;
+    last_cpu = thread_cpu_ns();
+    last_wall = wall;
+    return last_cpu;
+}
+
 /* A request's CPU clock at its start: the thread's last reading plus the wall time since when
  * that reading is under REQUEST_GAP_NS old (a loop calling the app, or a server whose next
  * request was already read: 9-15 us after the previous request's end), else a reading of its
@@ -1888,6 +1909,7 @@ typedef struct {
     PyObject *req;
     PyObject *aw; /* the awaitable */
     PyObject *it; /* what it awaits: the coroutine itself, or aw.__await__() */
+    long long used; /* CPU time of the steps so far, added to req.cpu_ns when the last ends */
 } MeterObject;
 
 static PyObject *s_send, *s_throw, *s_close, *s_cr_frame, *s_cr_await;
@@ -1920,13 +1942,19 @@ meter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     m->req = Py_NewRef(req);
     m->aw = Py_NewRef(aw);
     m->it = it;
+    m->used = 0;
     return (PyObject *)m;
 }
 
+/* Add the steps' CPU time to req.cpu_ns (once, when the awaitable is done: no int made and
+ * added at every step; nothing reads a request's cpu_ns before it ends). */
 static void
-meter_add(MeterObject *m, long long cpu0, long long wall0)
+meter_flush(MeterObject *m)
 {
-    long long used = cpu_used(cpu0, wall0);
+    long long used = m->used;
+    m->used = 0;
+    if (used == 0 || m->req == NULL)
+        return;
     Layout *layout = layout_of(Py_TYPE(m->req));
     if (layout == NULL) {
         PyObject *type, *value, *tb;
@@ -1944,7 +1972,9 @@ meter_am_send(MeterObject *m, PyObject *arg, PyObject **result)
 {
     long long wall0 = wall_ns(), cpu0 = cpu_at(wall0);
     PySendResult r = PyIter_Send(m->it, arg, result);
-    meter_add(m, cpu0, wall0);
+    m->used += cpu_used(cpu0, wall0);
+    if (r != PYGEN_NEXT) /* returned or raised: the last step */
+        meter_flush(m);
     return r;
 }
 
@@ -1995,7 +2025,9 @@ meter_throw(MeterObject *m, PyObject *const *args, Py_ssize_t nargs)
     PyObject *exc = nargs >= 2 && args[1] != Py_None ? args[1] : args[0];
     long long wall0 = wall_ns(), cpu0 = cpu_at(wall0);
     PyObject *result = PyObject_CallMethodOneArg(m->it, s_throw, exc);
-    meter_add(m, cpu0, wall0);
+    m->used += cpu_used(cpu0, wall0);
+    if (result == NULL) /* returned (StopIteration) or raised: the last step */
+        meter_flush(m);
     return result;
 }
 
@@ -2058,6 +2090,7 @@ static void
 meter_dealloc(MeterObject *m)
 {
     PyObject_GC_UnTrack(m);
+    meter_flush(m); /* closed or dropped before its end: what its steps used still counts */
     meter_clear(m);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
@@ -2150,7 +2183,7 @@ marked_vectorcall(MarkedObject *m, PyObject *const *args, size_t nargsf, PyObjec
     }
     if (PyErr_Occurred())
         failed();
-    long long wall0 = wall_ns(), cpu0 = cpu_at(wall0);
+    long long wall0 = wall_ns(), cpu0 = worker_cpu_at(wall0);
     PyObject *result = PyObject_Vectorcall(m->func, args, nargsf, kwnames);
     if (prev != NULL) {
         set_field(m->req, layout, F_WORKER, prev); /* steals prev back */
@@ -2199,8 +2232,32 @@ static PyTypeObject MarkedType = {
 typedef struct {
     PyObject_HEAD
     PyObject *original;
+    PyObject *stitch; /* handoff.stitched(req, frame, func), or NULL: marking only */
     vectorcallfunc vectorcall;
 } HandOffObject;
+
+/* agent.instrument.handoff._dispatch in C: whether the work is handed over from a framework's
+ * own dispatch (the DISPATCH_DEPTH frames from frame up are all library code): 1 yes, 0 no,
+ * -1 on an error. No Python frame of its own (the Python wrapper's call, its _getframe and its
+ * walk were most of a hand-off's cost on the event loop). */
+#define DISPATCH_DEPTH 3
+static int
+from_dispatch(PyFrameObject *frame)
+{
+    PyFrameObject *f = (PyFrameObject *)Py_XNewRef(frame);
+    for (int k = 0; k < DISPATCH_DEPTH; k++) {
+        if (f == NULL)
+            return 1;
+        int kind = kind_of(f);
+        if (kind != 0) { /* the application's (1), the agent's (-1), or an error (-2) */
+            Py_DECREF(f);
+            return kind == -2 ? -1 : 0;
+        }
+        f = up(f);
+    }
+    Py_XDECREF(f);
+    return 1;
+}
 
 static PyObject *
 handoff_vectorcall(HandOffObject *h, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -2230,6 +2287,20 @@ handoff_vectorcall(HandOffObject *h, PyObject *const *args, size_t nargsf, PyObj
     }
     m->req = req; /* the reference PyContextVar_Get gave */
     m->func = Py_NewRef(args[0]);
+    if (h->stitch != NULL) {
+        /* handoff.wrap's part: the caller's stack stitched on, unless a framework's dispatch
+         * hands the work over (then nothing more is done) */
+        PyFrameObject *frame = PyEval_GetFrame(); /* borrowed: the caller of run_sync */
+        int dispatch = frame == NULL || code_kinds == NULL ? 1 : from_dispatch(frame);
+        if (dispatch == 0) {
+            PyObject *stitch_args[3] = {req, (PyObject *)frame, m->func};
+            PyObject *func = PyObject_Vectorcall(h->stitch, stitch_args, 3, NULL);
+            if (func != NULL)
+                Py_SETREF(m->func, func);
+        }
+        if (PyErr_Occurred())
+            failed();
+    }
     m->vectorcall = (vectorcallfunc)marked_vectorcall;
     PyObject_GC_Track(m);
     call_args[0] = (PyObject *)m;
@@ -2245,13 +2316,14 @@ handoff_vectorcall(HandOffObject *h, PyObject *const *args, size_t nargsf, PyObj
 static PyObject *
 handoff_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *original;
-    if (!PyArg_ParseTuple(args, "O:HandOff", &original))
+    PyObject *original, *stitch = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O:HandOff", &original, &stitch))
         return NULL;
     HandOffObject *h = (HandOffObject *)type->tp_alloc(type, 0);
     if (h == NULL)
         return NULL;
     h->original = Py_NewRef(original);
+    h->stitch = stitch == Py_None ? NULL : Py_NewRef(stitch);
     h->vectorcall = (vectorcallfunc)handoff_vectorcall;
     return (PyObject *)h;
 }
@@ -2260,6 +2332,7 @@ static int
 handoff_traverse(HandOffObject *h, visitproc visit, void *arg)
 {
     Py_VISIT(h->original);
+    Py_VISIT(h->stitch);
     return 0;
 }
 
@@ -2268,6 +2341,7 @@ handoff_dealloc(HandOffObject *h)
 {
     PyObject_GC_UnTrack(h);
     Py_CLEAR(h->original);
+    Py_CLEAR(h->stitch);
     Py_TYPE(h)->tp_free((PyObject *)h);
 }
 
@@ -2292,8 +2366,9 @@ static PyGetSetDef handoff_getset[] = {
 static PyTypeObject HandOffType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "perfsleuth.agent._speedups.HandOff",
-    .tp_doc = "HandOff(run_sync): run_sync(func, ...) marking the worker that runs func for a "
-              "recorded request.",
+    .tp_doc = "HandOff(run_sync, stitch=None): run_sync(func, ...) marking the worker that runs "
+              "func for a recorded request; with stitch (handoff.stitched), also the caller's "
+              "stack stitched on when the hand-off is not a framework's dispatch.",
     .tp_basicsize = sizeof(HandOffObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_new = handoff_new,

@@ -270,6 +270,15 @@ def _origin(frame: FrameType) -> tuple[Any, ...]:
     return flat
 
 
+def stitched(req: recorder.ActiveRequest, frame: FrameType, func: Callable[..., Any]) -> Any:
+    """``func`` to hand over from ``frame`` (not a framework's dispatch) for ``req``: wrapped
+    with the stack above ``frame``, or as it is when there is none. The C hand-off
+    (``_speedups.HandOff(run_sync, stitched)``) calls it after its own dispatch check, as
+    :func:`wrap`'s wrapper does."""
+    origin = _origin(frame)
+    return _partial(_run_stitched, req, origin, func) if origin else func
+
+
 def wrap(run_sync: Callable[..., Any]) -> Callable[..., Any]:
     """``run_sync(func, *args, **kwargs)`` (anyio's ``to_thread.run_sync``, ``asyncio.to_thread``,
     already marked by :mod:`perfsleuth.agent.instrument.threads`) handing over ``func``

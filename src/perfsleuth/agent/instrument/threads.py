@@ -79,18 +79,33 @@ def _python_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _hand_off(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (a run_sync) marking the worker (above) and stitching the caller's stack
+    to the worker's (agent.instrument.handoff). Where Python has no
+    ``inspect.markcoroutinefunction`` (3.11: a wrapper does not look async there either), the
+    C accelerator's HandOff does both, with no Python frame per hand-off; else the Python
+    stitching wrapper (marked async) goes around the marking one."""
+    hand_off = accel.pick("HandOff", None)
+    if hand_off is not None and getattr(inspect, "markcoroutinefunction", None) is None:
+        try:
+            return hand_off(original, handoff.stitched)  # type: ignore[no-any-return]
+        except Exception:
+            recorder.internal_error()
+    return handoff.wrap(_wrap_async(original))
+
+
 def patch_anyio(module: ModuleType) -> None:
     run_sync = getattr(module, "run_sync", None)
     if run_sync is not None and not getattr(run_sync, "__perfsleuth__", False):
         # handoff: the worker's stacks carry the caller's
-        module.run_sync = handoff.wrap(_wrap_async(run_sync))  # type: ignore[attr-defined]
+        module.run_sync = _hand_off(run_sync)  # type: ignore[attr-defined]
 
 
 def patch_asyncio_threads(module: ModuleType) -> None:
     to_thread = getattr(module, "to_thread", None)
     if to_thread is None or getattr(to_thread, "__perfsleuth__", False):
         return
-    wrapped = handoff.wrap(_wrap_async(to_thread))
+    wrapped = _hand_off(to_thread)
     module.to_thread = wrapped  # type: ignore[attr-defined]
     import asyncio
 
