@@ -179,11 +179,19 @@ def test_statements_with_literals_inline_share_one_fingerprint_and_fill_no_cache
     for oid in (1, 2, 3):
         statements_page(oid)
     enc = Encoder(fingerprint_cpu_pct=None)
-    recs = records(encode_requests(recorded, Interned(), encoder=enc))
+    data = encode_requests(recorded, Interned(), encoder=enc)
+    recs = records(data)
     fps = [o for t, o in recs if t == FINGERPRINT]
     assert [o["text"] for o in fps] == ["SELECT id FROM orders WHERE id IN (...) AND note <> ?"]
     assert len(enc.sites) == 0 and len(enc.fps) == 0
     assert len(enc.fp_tokens) == 5  # one a length of the IN list
+    # statements of one shape made at one place share a site: 5 in the batch's site table
+    # (one a length of the IN list; 60 before), every call read back with its fingerprint
+    at = data.index(b'"site_table":') + len(b'"site_table":')
+    table, _ = json.JSONDecoder().raw_decode(data[at:].decode("utf-8", "replace"))
+    assert len(table) == 5 and len(enc.shapes) == 5
+    (batch,) = [o for t, o in recs if t == REQUESTS]
+    assert [c["fp"] for r in batch for c in r["calls"]] == [fps[0]["id"]] * 60
     # a site seen again is kept from then on
     recorded.clear()
     for oid in (1, 1):

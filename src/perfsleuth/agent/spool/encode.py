@@ -39,6 +39,7 @@ FLAT_MEMO_BYTES = 150  # an entry of Encoder.flats: its key, tuple and ints
 # Characters of statements scanned in one release of the interpreter lock at most (their
 # scratch memory: four bytes a character)
 PRETOKENIZE_CHARS = 1 << 18
+SHAPE_BYTES = 200  # an entry of Encoder.shapes beside its tokens
 FPS_ENTRY_BYTES = 150  # an entry of Encoder.fps: its key tuple and ints (the value is shared)
 ONCE_MAX = 8192  # hashes in Encoder.once at most
 DEFAULT_CACHE_LIMIT = 4 << 20
@@ -103,6 +104,10 @@ class Encoder:
         # A batch's new statements -> their tokens, scanned together beforehand with the
         # interpreter lock released (_pretokenize); emptied after the batch.
         self.pre: dict[str, str | None] = {}
+        # (tokens, id(stack tuple)) -> (the stack, kind, system, serial of the segment, its
+        # sites entry): a new statement of a known shape at a known place resolves to the
+        # sites entry made for the first one (see site); holds the stacks, so ids stay unique
+        self.shapes: dict[tuple[str, int], tuple[Any, str, str, int, list[int]]] = {}
         # Bytes the caches hold (statements, fingerprint texts, stacks), estimated as they
         # are added; past the cache budget they are all cleared (cache_resets).
         self.cache_bytes = 0
@@ -131,7 +136,7 @@ class Encoder:
     def reset(self) -> None:
         """Empty the caches."""
         caches = (self.locs, self.stack_ids, self.fps, self.fp_tokens, self.sites, self.flats)
-        for cache in (*caches, self.once):
+        for cache in (*caches, self.shapes, self.once):
             cache.clear()  # type: ignore[attr-defined]
         self.cache_bytes = 0
         stats["cache_resets"] += 1
@@ -305,6 +310,33 @@ class Encoder:
                 self._intern_site(seg, out, kind, target, flat)
                 hit[4] = seg.serial
             return hit[1]  # type: ignore[no-any-return]
+        # Kept in the caches from the second sighting of the site on: a statement with
+        # literals in its text comes once, and would fill them (and its FINGERPRINT is found
+        # by its tokens anyway).
+        h = hash(key)
+        again = h in self.once
+        tokens = None
+        if not again:
+            once = self.once
+            if len(once) >= ONCE_MAX:
+                self.cache_bytes -= len(once) * SEEN_BYTES
+                once.clear()
+            once.add(h)
+            self.cache_bytes += SEEN_BYTES
+            # Seen once, tokens scanned for this batch: a statement of a shape already made
+            # at this place (same tokens, same stack object) in this segment is that site.
+            if type(target) is str and self.pre:
+                tokens = self.pre.get(target)
+                if tokens is not None:
+                    shape = self.shapes.get((tokens, id(flat)))
+                    if (
+                        shape is not None
+                        and shape[0] is flat
+                        and shape[1] is kind
+                        and shape[2] is system
+                        and shape[3] == seg.serial
+                    ):
+                        return shape[4]  # type: ignore[no-any-return]
         # A new site: mostly a statement never seen (literals in its text) made where others
         # were, its stack the object the recorder captured there before (recorder._stack_cache).
         # That stack's ids are remembered by the object for the segment: no key of its frames
@@ -320,18 +352,6 @@ class Encoder:
                 self.flats[id(flat)] = (flat, seg.serial, sid, where)
         else:
             sid = where = NULL
-        # Kept in the caches from the second sighting of the site on: a statement with
-        # literals in its text comes once, and would fill them (and its FINGERPRINT is found
-        # by its tokens anyway).
-        h = hash(key)
-        again = h in self.once
-        if not again:
-            once = self.once
-            if len(once) >= ONCE_MAX:
-                self.cache_bytes -= len(once) * SEEN_BYTES
-                once.clear()
-            once.add(h)
-            self.cache_bytes += SEEN_BYTES
         fid = NULL if target is None else self.fingerprint(seg, out, kind, target, again)
         skipped = self.skipped and target is not None
         resolved = [
@@ -343,6 +363,11 @@ class Encoder:
         ]
         if resolved[3] == wcalls.OTHER or resolved[4] == wcalls.OTHER:
             self.unlisted = True
+        if tokens is not None and not skipped:
+            skey = (tokens, id(flat))
+            if skey not in self.shapes:
+                self.cache_bytes += SHAPE_BYTES + len(tokens)
+            self.shapes[skey] = (flat, kind, system, seg.serial, resolved)
         if again and not skipped:  # a site whose fingerprint was skipped: resolved again
             self.sites[key] = [flat, resolved, kind, system, seg.serial]
             # the statement and stack it keeps
@@ -494,8 +519,13 @@ class Encoder:
             for entry in req.site_list or ():
                 j = table_of.get(id(entry))
                 if j is None:
-                    j = table_of[id(entry)] = len(table)
-                    table.append(self.site(seg, out, entry))
+                    # sites of one shape share their entry (Encoder.shapes): one in the table
+                    resolved = self.site(seg, out, entry)
+                    j = table_of.get(id(resolved))
+                    if j is None:
+                        j = table_of[id(resolved)] = len(table)
+                        table.append(resolved)
+                    table_of[id(entry)] = j
                 sites.append(j)
             if req.more is not None or self.unlisted:
                 ext = self._extras(seg, out, req, [table[j] for j in sites])
