@@ -164,7 +164,7 @@ def test_a_store_of_the_previous_layout_opens_reads_and_takes_new_rows(tmp_path:
     with DuckDBStore(old, read_only=True) as store:  # no migration: as it is
         assert _calls(store) == want
         assert [c["seq"] for c in store.trace(sent[1]["id"])["calls"]] == list(range(9))
-    with DuckDBStore(old) as store:  # migrated: requests gain rid, old calls stay
+    with DuckDBStore(old) as store:  # opened for writing: the old day keeps its layout
         assert _calls(store) == want
         assert sorted((f.kind, f.endpoint) for f in find(store)) == want_found
         assert "rid" not in store.query("SELECT * FROM requests LIMIT 1")[0]
@@ -182,7 +182,8 @@ def test_a_store_of_the_previous_layout_opens_reads_and_takes_new_rows(tmp_path:
     yday = datetime.fromtimestamp(yesterday[0]["ts"] / 1e9, UTC)
     assert "rid" in _columns(path, f"calls_d{yday:%Y%m%d}")
     assert "trace_id" not in _columns(path, f"calls_d{yday:%Y%m%d}")
-    assert "rid" in _columns(path, f"requests_d{_today()}")
+    assert "rid" not in _columns(path, f"requests_d{_today()}")  # left as it was
+    assert "rid" in _columns(path, f"requests_d{yday:%Y%m%d}")
 
 
 def test_params_numbers_are_equal_exactly_when_the_hashes_are_within_a_request() -> None:

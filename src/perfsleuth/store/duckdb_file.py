@@ -148,12 +148,15 @@ class DuckDBFile:
         have = self._columns()
         tables = [(t, t.name) for t in schema.GLOBAL_TABLES]
         for d in days:
+            calls = have.get(schema.day_table(schema.CALLS, d))
+            # a day written before the compact layout keeps the logical one (its calls name
+            # their request by trace id: its requests need no rid)
+            logical = calls is not None and not schema.duckdb_compact(calls)
             for t in schema.EVENT_TABLES:
                 name = schema.day_table(t, d)
                 if name not in have:
                     self._con.execute(schema.duckdb_create(schema.duckdb_physical(t), name))
-                elif t.name == "calls" and not schema.duckdb_compact(have[name]):
-                    # a day written before the compact layout keeps the logical one
+                elif logical and t.name in ("requests", "calls"):
                     tables.append((t, name))
                 else:
                     tables.append((schema.duckdb_physical(t), name))

@@ -136,13 +136,19 @@ class DuckDBWriter(DuckDBRollups):
 
     def _insert_requests(self, d: date, parts: dict[str, pa.Table], *, compact: bool) -> None:
         """A day's requests and calls. Their ``rid`` (the batch's numbers) become the day
-        table's: the next after the largest stored, in the requests' order; a compact calls
-        table stores each call with its request's, a day of the logical layout its columns."""
+        table's: the next after the largest stored, in the requests' order, and a compact
+        calls table stores each call with its request's; a day of the logical layout (written
+        by an older version) takes the rows as they are, without them."""
         req, calls = parts.get("requests"), parts.get("calls")
         req_name = schema.day_table(schema.REQUESTS, d)
         calls_name = schema.day_table(schema.CALLS, d)
         if req is None or not req.num_rows:
             return  # no calls without their request
+        if not compact:  # a day of the logical layout: calls name their request by trace id
+            self._insert(req_name, req.drop_columns(["rid"]))
+            if calls is not None:
+                self._insert(calls_name, calls.drop_columns(["rid"]))
+            return
         local = req["rid"]
         top = self._con.execute(f"SELECT max(rid) FROM {quote(req_name)}").fetchall()[0][0]
         base = 0 if top is None else int(top) + 1
@@ -151,9 +157,6 @@ class DuckDBWriter(DuckDBRollups):
         req = req.set_column(rid_at, "rid", pa.array(np.arange(base, base + n, dtype=np.int64)))
         self._insert(req_name, req)
         if calls is None or not calls.num_rows:
-            return
-        if not compact:
-            self._insert(calls_name, calls.drop_columns(["rid"]))
             return
         pos = pc.index_in(calls["rid"], value_set=local)
         if pos.null_count:
