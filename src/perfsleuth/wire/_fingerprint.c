@@ -10,6 +10,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
 #include <time.h>
 
 typedef struct {
@@ -26,8 +27,11 @@ HOT Py_UCS4 at(const Text *t, Py_ssize_t i) {
 
 /* ASCII answered from a table (most statements are ASCII throughout); the rest by Python's
  * Unicode database, as re does. */
-enum { W = 1, D = 2, S = 4 };
-static const unsigned char ascii_class[128] = {
+enum { W = 1, D = 2, S = 4, P = 8 };
+/* P (plain: emitted as it is, starting no token of its own; set at import): whitespace and
+ * the punctuation that opens nothing, i.e. not alphanumeric, "_" nor one of PLAIN_NOT. */
+static const char PLAIN_NOT[] = "-/$'\"`[%?:.";
+static unsigned char ascii_class[128] = {
     ['\t'] = S, ['\n'] = S, ['\v'] = S, ['\f'] = S, ['\r'] = S, [0x1c] = S, [0x1d] = S,
     [0x1e] = S, [0x1f] = S, [' '] = S,
     ['0'] = W | D, ['1'] = W | D, ['2'] = W | D, ['3'] = W | D, ['4'] = W | D,
@@ -83,6 +87,16 @@ HOT void emit_range(Out *o, const Text *t, Py_ssize_t lo, Py_ssize_t hi) {
         emit(o, PyUnicode_READ(t->kind, t->data, i));
 }
 
+/* A run of characters none of which is whitespace (an identifier), as emit would. */
+HOT void emit_word(Out *o, const Text *t, Py_ssize_t lo, Py_ssize_t hi) {
+    if (o->pending_space) {
+        o->buf[o->len++] = ' ';
+        o->pending_space = 0;
+    }
+    for (Py_ssize_t i = lo; i < hi; i++)
+        o->buf[o->len++] = PyUnicode_READ(t->kind, t->data, i);
+}
+
 /* End of a dollar-quoted string starting at pos, or -1 when pos does not open one. */
 HOT Py_ssize_t dollar_end(const Text *t, Py_ssize_t pos) {
     Py_ssize_t n = t->n, tag = pos + 1, tag_len = 0, body;
@@ -122,6 +136,21 @@ HOT Py_ssize_t dollar_end(const Text *t, Py_ssize_t pos) {
 /* End of a quoted run opened at pos by q, where a doubled q is an escaped one. */
 HOT Py_ssize_t quoted_end(const Text *t, Py_ssize_t pos, Py_UCS4 q) {
     Py_ssize_t i = pos + 1, n = t->n;
+    if (t->kind == PyUnicode_1BYTE_KIND) { /* memchr to the next quote */
+        const Py_UCS1 *d = t->data;
+        while (i < n) {
+            const Py_UCS1 *p = memchr(d + i, (int)q, (size_t)(n - i));
+            if (p == NULL)
+                return n;
+            i = p - d;
+            if (i + 1 < n && d[i + 1] == q) {
+                i += 2;
+                continue;
+            }
+            return i + 1;
+        }
+        return n;
+    }
     while (i < n) {
         if (at(t, i) == q) {
             if (i + 1 < n && at(t, i + 1) == q) {
@@ -213,7 +242,13 @@ HOT void scan(const Text *tp, Out *o) {
     const Text t = *tp;
     Py_ssize_t n = t.n, pos = 0;
     while (pos < n) {
-        Py_UCS4 c = at(&t, pos), next = at(&t, pos + 1);
+        Py_UCS4 c = at(&t, pos), next;
+        if (c < 128 && (ascii_class[c] & P)) { /* what the alternatives below all pass by */
+            emit(o, c);
+            pos++;
+            continue;
+        }
+        next = at(&t, pos + 1);
         int has_next = pos + 1 < n;
         Py_ssize_t end;
         /* comment */
@@ -289,7 +324,7 @@ HOT void scan(const Text *tp, Out *o) {
             end = pos + 1;
             while (end < n && (is_word(at(&t, end)) || at(&t, end) == '$'))
                 end++;
-            emit_range(o, &t, pos, end);
+            emit_word(o, &t, pos, end);
             pos = end;
             continue;
         }
@@ -447,4 +482,9 @@ static struct PyModuleDef module = {
     "C tokenizer pass of perfsleuth.wire.fingerprint.normalize_sql", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__fingerprint(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fingerprint(void) {
+    for (int c = 0; c < 128; c++)
+        if (!(ascii_class[c] & W) && strchr(PLAIN_NOT, c) == NULL)
+            ascii_class[c] |= P;
+    return PyModule_Create(&module);
+}
