@@ -692,9 +692,12 @@ def run_child(args: argparse.Namespace) -> None:
     time (``run FIRST N`` on stdin: a result line on stdout), then ``check TOTAL``."""
     if args.cpu >= 0:  # before any thread starts, so that every thread inherits it
         os.sched_setaffinity(0, {args.cpu})
+    variant, _, src = args.variant.partition("@")
+    if src:  # another checkout's agent (an A/B of two versions): imported from there
+        sys.path.insert(0, src)
     tmp = tempfile.mkdtemp(prefix="perfsleuth-overhead-")
     try:
-        app, flush, check = SETUPS[args.variant](args.db, tmp, args.stack)
+        app, flush, check = SETUPS[variant](args.db, tmp, args.stack)
         if args.stack == "fastapi-sqlite":
             serve_asgi(app, flush, check, args.warmup)
         else:  # no event loop in the process: Django refuses DB access under a running one
@@ -905,7 +908,12 @@ def main() -> None:
     )
     ap.add_argument("--warmup", type=int, help="untimed requests first (default by stack)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the variants")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(SETUPS)}")
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"among {', '.join(SETUPS)}; VARIANT@DIR imports perfsleuth from DIR (a src/ of "
+        "another checkout: two versions of the agent in one paired run)",
+    )
     ap.add_argument("--cpu", type=int, default=default_cpu(), help="pin children; -1: don't")
     ap.add_argument("--json", metavar="FILE", help="also write the results here")
     ap.add_argument("--quick", action="store_true", help="a short run, for development")
@@ -918,7 +926,7 @@ def main() -> None:
     if set(stacks) - set(STACKS):
         ap.error(f"--stack must be one of {', '.join(STACKS)} or all")
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if "bare" not in names or set(names) - set(SETUPS):
+    if "bare" not in names or {n.partition("@")[0] for n in names} - set(SETUPS):
         ap.error(f"--variants must include bare, among: {', '.join(SETUPS)}")
     given = {"requests": args.requests, "warmup": args.warmup, "repeats": args.repeats}
 
@@ -946,7 +954,9 @@ def main() -> None:
             f"{STACK_CALLS[stack]} queries per request (an N+1 of {LINES})\n"
         )
         needs = NEEDS[stack]
-        skipped = [v for v in names if any(version(d) is None for d in needs.get(v, ()))]
+        skipped = [
+            v for v in names if any(version(d) is None for d in needs.get(v.partition("@")[0], ()))
+        ]
         if "bare" in skipped:
             print(f"{stack}: skipped ({', '.join(needs['bare'])} not all installed)")
             continue
