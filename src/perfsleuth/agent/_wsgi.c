@@ -297,6 +297,10 @@ body_next(BodyObject *b)
         PyObject *it = b->it;
         return Py_TYPE(it)->tp_iternext(it);
     }
+    if (b->iterable == NULL) { /* iterated before the app returned it (start_response.__self__) */
+        PyErr_SetString(PyExc_TypeError, "not a response yet");
+        return NULL;
+    }
     PyObject *token = PyContextVar_Set(current_var, req);
     if (token == NULL)
         return NULL;

@@ -18,6 +18,13 @@ is recorded as ``"<METHOD> <unmatched>"``: the raw path is never used as an endp
 scanners cannot blow up the number of endpoints.
 
 The helpers shared with the ASGI and Django integrations are in :mod:`.common`.
+
+With the C accelerator, ``record_wsgi`` and Flask's patched ``__call__`` are agent/_wsgi.c's
+(``record_wsgi``, ``FlaskCall``): the same code path case for case, without the ~8 Python calls
+a request of the classes below (``python_record_wsgi`` and ``_Body``, the reference, kept for
+``PERFSLEUTH_SPEEDUPS=0`` and tested against it: tests/test_wsgi_c.py). The rare cases call back
+into this module's helpers (``_unrecorded``, ``_name_from_flask``, ``_counted_write``,
+``_declared_length``, ``_name_on_request_started``), whose names the C code looks up here.
 """
 
 from __future__ import annotations
