@@ -271,3 +271,29 @@ def test_capture_decision(impl: str, captured: Captured, monkeypatch: pytest.Mon
     assert [p for p, _ in kept[:2]] == ["/error", "/flagged"]
     assert kept[0][1] == "error"
     assert len(captured()) == 6
+
+
+def test_a_body_used_before_the_app_returned_it(impl: str, captured: Captured) -> None:
+    """The app can reach the response iterable through its start_response (``__self__``):
+    iterated before it holds the app's response, it raises TypeError and the request ends as a
+    500 (iter(None)); closed, the request ends. The app's response then passes as it is (the C
+    body read a NULL iterable, then a NULL request, before)."""
+    seen: list[str] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        start_response("200 OK", [])
+        if environ["PATH_INFO"] == "/early-iter":
+            try:
+                next(iter(start_response.__self__))
+            except TypeError:
+                seen.append("TypeError")
+        else:
+            start_response.__self__.close()
+        return iter([b"ok"])
+
+    for path in ("/early-iter", "/early-close"):
+        assert list(ps_wsgi.record_wsgi(app, env(path), lambda *a: None)) == [b"ok"]
+    assert seen == ["TypeError"]
+    failed, closed = captured()
+    assert failed["status"] == 500 and failed["error"] == "TypeError"
+    assert closed["status"] == 200 and closed["resp_bytes"] == 0

@@ -297,17 +297,17 @@ body_next(BodyObject *b)
         PyObject *it = b->it;
         return Py_TYPE(it)->tp_iternext(it);
     }
-    if (b->iterable == NULL) { /* iterated before the app returned it (start_response.__self__) */
-        PyErr_SetString(PyExc_TypeError, "not a response yet");
-        return NULL;
-    }
     PyObject *token = PyContextVar_Set(current_var, req);
     if (token == NULL)
         return NULL;
     Py_INCREF(req); /* finish() drops the body's reference */
     PyObject *chunk = NULL;
-    if (b->it == NULL)
-        b->it = PyObject_GetIter(b->iterable);
+    if (b->it == NULL) {
+        if (b->iterable != NULL)
+            b->it = PyObject_GetIter(b->iterable);
+        else /* iterated before the app returned it (start_response.__self__): as iter(None) */
+            PyErr_SetString(PyExc_TypeError, "'NoneType' object is not iterable");
+    }
     if (b->it != NULL)
         chunk = PyIter_Next(b->it); /* NULL and no error at the end */
     if (chunk == NULL && PyErr_Occurred()) {
@@ -636,6 +636,8 @@ static PyObject *
 wrap(BodyObject *b, PyObject *result)
 {
     PyObject *req = b->req;
+    if (req == NULL) /* ended already (the app closed or iterated its start_response's body) */
+        return Py_NewRef(result);
     /* Leave the thread's context clean: it is restored around each iteration step. */
     PyObject *token = get(req, F_TOKEN);
     if (token == NULL || set(req, F_TOKEN, Py_NewRef(Py_None)) < 0)
