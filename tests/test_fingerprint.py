@@ -147,6 +147,11 @@ def test_tokens_scanned_in_a_batch_are_the_tokens_of_each() -> None:
     assert tokens == [fpr._tokens(s) if type(s) is str else None for s in batch]
     empty = fpr.sql_tokens_many([])
     assert empty is not None and empty[0] == []
+    # equal tokens come as one str (made and hashed once)
+    same = fpr.sql_tokens_many(["SELECT 1", "SELECT 'a'", "select 1", "SELECT 2"])
+    assert same is not None
+    a, b, c, d = same[0]
+    assert a == b == d == "SELECT ?" and a is b is d and c == "select ?"
 
 
 def test_normalize_is_the_tokens_then_the_rest() -> None:

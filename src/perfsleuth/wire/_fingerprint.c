@@ -401,7 +401,16 @@ typedef struct {
     const void *data;
     Py_ssize_t n;
     Out o;
+    unsigned long long h; /* FNV-1a of the tokens: equal tokens share one str (see below) */
+    PyObject *r;          /* the result (borrowed from the list) */
 } Job;
+
+static unsigned long long fnv(const Out *o) {
+    unsigned long long h = 1469598103934665603ULL;
+    for (Py_ssize_t i = 0; i < o->len; i++)
+        h = (h ^ o->buf[i]) * 1099511628211ULL;
+    return h;
+}
 
 static PyObject *tokens_many(PyObject *self, PyObject *arg) {
     PyObject *held = PySequence_Tuple(arg); /* keeps every str alive while the lock is off */
@@ -438,24 +447,59 @@ static PyObject *tokens_many(PyObject *self, PyObject *arg) {
     struct timespec t0, t1;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
     for (Py_ssize_t i = 0; i < m; i++)
-        if (jobs[i].n >= 0)
+        if (jobs[i].n >= 0) {
             scan_any(jobs[i].kind, jobs[i].data, jobs[i].n, &jobs[i].o);
+            jobs[i].h = fnv(&jobs[i].o);
+        }
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
     ns = (long long)(t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
     Py_END_ALLOW_THREADS
     list = PyList_New(m);
     if (list == NULL)
         goto done;
+    /* Statements differing only in literals mostly have equal tokens: one str for each
+     * distinct tokens (made once, hashed once by whoever looks it up). An open-addressing
+     * table of job indexes by hash; without memory for it, a str each. */
+    size_t cap = 1;
+    while (cap < 2 * (size_t)m)
+        cap <<= 1;
+    Py_ssize_t *slots = PyMem_RawMalloc(cap * sizeof(Py_ssize_t));
+    if (slots != NULL)
+        for (size_t k = 0; k < cap; k++)
+            slots[k] = -1;
     for (Py_ssize_t i = 0; i < m; i++) {
-        PyObject *r;
-        if (jobs[i].n < 0) {
+        Job *j = &jobs[i];
+        PyObject *r = NULL;
+        size_t k = 0;
+        if (j->n < 0) {
             r = Py_None;
             Py_INCREF(r);
-        } else if ((r = result_of(&jobs[i].o, jobs[i].ascii)) == NULL) {
-            goto done;
+            PyList_SET_ITEM(list, i, r);
+            continue;
         }
+        if (slots != NULL) {
+            for (k = (size_t)j->h & (cap - 1); slots[k] >= 0; k = (k + 1) & (cap - 1)) {
+                Job *p = &jobs[slots[k]];
+                if (p->h == j->h && p->o.len == j->o.len &&
+                    memcmp(p->o.buf, j->o.buf, sizeof(Py_UCS4) * (size_t)j->o.len) == 0) {
+                    r = p->r;
+                    Py_INCREF(r);
+                    break;
+                }
+            }
+        }
+        if (r == NULL) {
+            if ((r = result_of(&j->o, j->ascii)) == NULL) {
+                PyMem_RawFree(slots);
+                goto done;
+            }
+            if (slots != NULL)
+                slots[k] = i;
+        }
+        j->r = r;
         PyList_SET_ITEM(list, i, r);
     }
+    PyMem_RawFree(slots);
     out = Py_BuildValue("(OL)", list, ns);
 done:
     Py_XDECREF(list);
