@@ -873,7 +873,8 @@ def test_gc_pressure_is_not_a_few_requests_that_met_a_full_collection(synth: Any
         for i in range(20):
             unlucky = i in (3, 11)
             w.request("GET /clean", dur_ms=90.0 if unlucky else 30.0,
-                      gc_ns=60 * ms if unlucky else 0, gc_count=1 if unlucky else 0)  # fmt: skip
+                      gc_ns=60 * ms if unlucky else 0, gc_count=1 if unlucky else 0,
+                      trace_id=f"{0xC000 + i:016x}")  # fmt: skip
             w.request("GET /allocates", dur_ms=30.0, gc_ns=5 * ms, gc_count=2)
 
     store = synth(fill)
@@ -884,8 +885,11 @@ def test_gc_pressure_is_not_a_few_requests_that_met_a_full_collection(synth: Any
     lax = Config()
     lax.apply("gc_pressure.trim_share=0")  # counting every request, /clean was reported
     lax.apply("gc_pressure.min_requests=1")
-    lax_found = {f.endpoint for f in find(store, config=lax) if f.kind == "gc_pressure"}
-    assert lax_found == {"GET /allocates", "GET /clean"}
+    lax_found = {f.endpoint: f for f in find(store, config=lax) if f.kind == "gc_pressure"}
+    assert set(lax_found) == {"GET /allocates", "GET /clean"}
+    # its examples are the requests that collected, on every engine (a request without a
+    # collection has no gc_ms: DuckDB ranked those NULLs first, ClickHouse last)
+    assert sorted(lax_found["GET /clean"].example_trace_ids) == [f"{0xC003:016x}", f"{0xC00B:016x}"]
 
 
 def test_repeated_query_must_cost_something(synth: Any) -> None:

@@ -33,7 +33,8 @@ WITH ranked AS (
 )
 SELECT endpoint, count(*) AS requests, sum(duration_ms) AS ms,
     coalesce(sum(gc_ms), 0) AS gc_ms, coalesce(sum(gc_count), 0) AS collections,
-    max(gc_ms) AS max_gc_ms, max_by(trace_id, (gc_ms, trace_id), 3) AS examples,
+    max(gc_ms) AS max_gc_ms,
+    max_by(CASE WHEN gc_ms > 0 THEN trace_id END, (coalesce(gc_ms, 0), trace_id), 3) AS examples,
     min(ts) AS first_ts, max(ts) AS last_ts, list(DISTINCT service) AS services,
     count(*) FILTER (WHERE rk > cut) AS typical_requests,
     sum(duration_ms) FILTER (WHERE rk > cut) AS typical_ms,
@@ -92,7 +93,7 @@ def _endpoint_finding(ctx: Context, r: dict[str, Any]) -> Finding:
         endpoint=r["endpoint"],
         title=title,
         impact_ms_per_min=ctx.per_min(r["gc_ms"]),
-        example_trace_ids=list(r["examples"] or []),
+        example_trace_ids=[t for t in r["examples"] or () if t],  # requests that collected
         first_seen=iso(r["first_ts"]),
         last_seen=iso(r["last_ts"]),
         suggestion=(
@@ -132,7 +133,9 @@ def _service_finding(
         f"{text.pct(max(shares))}):{size} scanned by every full collection, whichever request "
         f"starts it ({text.ms(gc_ms / requests)} per request)."
     )
-    examples = [t for r in sorted(flagged, key=lambda r: -r["gc_ms"]) for t in r["examples"] or ()]
+    examples = [
+        t for r in sorted(flagged, key=lambda r: -r["gc_ms"]) for t in r["examples"] or () if t
+    ]
     return Finding(
         id=stable_id(KIND, SERVICE, tuple(services)),
         kind=KIND,
