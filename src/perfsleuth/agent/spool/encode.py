@@ -14,6 +14,7 @@ written with a hash of its text in place of its normalised text (``fingerprints_
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -200,8 +201,6 @@ class Encoder:
         another core meanwhile, where scanning them one by one in fingerprint() would hold the
         lock throughout. The scanning's thread CPU time counts in the fingerprinting budget;
         statements past it are left to fingerprint() (which skips them)."""
-        if fpr._c_tokens is None:
-            return
         sites, fps = self.sites, self.fps
         todo: list[str] = []
         unique = {id(e): e for req in reqs if req.calls for e in (req.site_list or ())}
@@ -215,6 +214,15 @@ class Encoder:
             ):
                 todo.append(target)
         pre = self.pre
+        if fpr._c_tokens is None:  # the Python tokenizer (PERFSLEUTH_SPEEDUPS=0): one by one
+            for target in todo:
+                if self._over_budget():
+                    break
+                now = _perf_ns()
+                with contextlib.suppress(Exception):  # odd input: fingerprint() falls back
+                    pre[target] = fpr.sql_tokens(target)
+                self.fp_spent_ns += _perf_ns() - now
+            return
         lo = 0
         while lo < len(todo) and not self._over_budget():
             hi, chars = lo, 0
