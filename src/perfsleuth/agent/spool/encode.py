@@ -268,6 +268,8 @@ class Encoder:
             if keep:
                 self.fps[key] = hit
                 self.cache_bytes += FPS_ENTRY_BYTES
+                if kind != "db" or type(target) is not str:  # its own record, not a tokens'
+                    self.cache_bytes += 250 + len(hit[1]["text"])
             self.fp_spent_ns += _perf_ns() - now
         if hit[0] not in seg.fingerprints:
             seg.fingerprints.add(hit[0])
@@ -297,9 +299,7 @@ class Encoder:
                     self.fp_tokens[tokens] = hit
                     self.cache_bytes += 250 + len(tokens) + len(hit[1]["text"])
                 return hit
-        hit = self._made(kind, *targets.fingerprint_text(kind, target))
-        self.cache_bytes += 250 + len(hit[1]["text"])
-        return hit
+        return self._made(kind, *targets.fingerprint_text(kind, target))
 
     @staticmethod
     def _made(kind: str, text: str, op: str) -> tuple[int, dict[str, Any]]:
