@@ -145,6 +145,11 @@ def test_tokens_scanned_in_a_batch_are_the_tokens_of_each() -> None:
     tokens, ns = res
     assert ns >= 0
     assert tokens == [fpr._tokens(s) if type(s) is str else None for s in batch]
+    # past 16,384 characters the lock is released while scanning: the same tokens
+    big = [*batch, "SELECT " + ", ".join(f"'{k}' AS c{k}" for k in range(3000))] * 2
+    res = fpr.sql_tokens_many(big)
+    assert res is not None
+    assert res[0] == [fpr._tokens(s) if type(s) is str else None for s in big]
     empty = fpr.sql_tokens_many([])
     assert empty is not None and empty[0] == []
     # equal tokens come as one str (made and hashed once)
