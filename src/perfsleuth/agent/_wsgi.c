@@ -268,7 +268,11 @@ fail(BodyObject *b)
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *name = type ? PyObject_GetAttrString(type, "__name__") : NULL;
-    if (set(b->req, F_STATUS, PyLong_FromLong(500)) < 0 || set(b->req, F_ERROR, name) < 0)
+    if (set(b->req, F_STATUS, PyLong_FromLong(500)) < 0) { /* name not taken: drop it */
+        Py_XDECREF(name);
+        PyErr_Clear();
+    }
+    else if (set(b->req, F_ERROR, name) < 0)
         PyErr_Clear();
     finish(b);
     PyErr_Restore(type, value, tb);
@@ -294,8 +298,13 @@ body_next(BodyObject *b)
             if (b->it == NULL)
                 return NULL;
         }
+        /* guarded as below: a body iterating itself recurses (RecursionError, as wsgi.py) */
+        if (Py_EnterRecursiveCall(" in a WSGI response"))
+            return NULL;
         PyObject *it = b->it;
-        return Py_TYPE(it)->tp_iternext(it);
+        PyObject *chunk = Py_TYPE(it)->tp_iternext(it);
+        Py_LeaveRecursiveCall();
+        return chunk;
     }
     PyObject *token = PyContextVar_Set(current_var, req);
     if (token == NULL)
@@ -308,8 +317,13 @@ body_next(BodyObject *b)
         else /* iterated before the app returned it (start_response.__self__): as iter(None) */
             PyErr_SetString(PyExc_TypeError, "'NoneType' object is not iterable");
     }
-    if (b->it != NULL)
+    /* The app's own response can be this body (start_response.__self__ returned): iterating it
+     * recurses here; the guard makes that a RecursionError, as wsgi.py's next(it) does, not a
+     * C stack overflow. */
+    if (b->it != NULL && !Py_EnterRecursiveCall(" in a WSGI response")) {
         chunk = PyIter_Next(b->it); /* NULL and no error at the end */
+        Py_LeaveRecursiveCall();
+    }
     if (chunk == NULL && PyErr_Occurred()) {
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
@@ -931,7 +945,11 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
         if (dicts[k] == NULL)
             return NULL;
     }
-    PyObject *var = PyDict_GetItemWithError(dicts[0], PyUnicode_InternFromString("_current"));
+    PyObject *key = PyUnicode_InternFromString("_current");
+    if (key == NULL)
+        return NULL;
+    PyObject *var = PyDict_GetItemWithError(dicts[0], key); /* borrowed */
+    Py_DECREF(key);
     if (var == NULL || !PyContextVar_CheckExact(var)) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_TypeError, "recorder._current is not a ContextVar");
