@@ -1784,8 +1784,8 @@ wall_ns(void)
  * worker. So a run reads the wall clock at both ends, and its CPU time is:
  * - its wall time when shorter than SHORT_RUN_NS: too short to have waited for the CPU or
  *   blocked in a way that matters (a preemption or a blocking call makes it longer than that);
- * - else the CPU clock at its end less the CPU clock at its start (run_cpu_at below says
- *   which reading that is), clamped to [0, wall time]. */
+ * - else the CPU clock at its end less the CPU clock at its start (run_cpu_at and step_cpu_at
+ *   below say which reading that is), clamped to [0, wall time]. */
 #define SHORT_RUN_NS 50000LL
 static _Thread_local long long last_cpu, last_wall = -1;
 
@@ -1803,20 +1803,15 @@ cpu_used(long long cpu0, long long wall0)
     return cpu < 0 ? 0 : cpu < used ? cpu : used;
 }
 
-/* A run's start (a function run in a pool worker, Marked; a step of a metered task on the
- * loop, CpuMeter): the thread's last reading as it is when under RUN_GAP_NS old, else a
- * reading of its own. A thread's last reading is the end of its previous long run or step
- * (cpu_used). A pool worker has mostly waited for work since: its clock moved only by the
- * pool's own bookkeeping (handing the result back, taking the next work item: a few
- * microseconds, counted to this run). An event loop has waited in select, run the callbacks
- * that woke this task, or run other tasks' steps: what it did counts to this step, clamped as
- * always to the step's wall time, and never more than the gap (a thread's clock runs no faster
- * than the wall clock). Not the last reading plus the wall time since (the estimate used
- * before, within 0.1 ms), which takes the whole wait out of the run (a step after a worker's
- * 0.1 ms run would count nothing). Within the gap, a run or a step costs at most one CPU clock reading (a system
- * call), at its end and only when it lasted SHORT_RUN_NS or more: FastAPI's next hand-off or
- * step comes ~0.1-0.3 ms after the last reading, so a sync endpoint's request made ~6.4 of them
- * (2.7 on the worker, 3.7 on the loop) and makes ~2.5. */
+/* A run's start in a pool worker (Marked): the thread's last reading as it is when under
+ * RUN_GAP_NS old, else a reading of its own. A thread's last reading is the end of its
+ * previous long run or step (cpu_used). A pool worker has mostly waited for work since: its
+ * clock moved only by the pool's own bookkeeping (handing the result back, taking the next
+ * work item: a few microseconds, counted to this run, and never more than the gap: a thread's
+ * clock runs no faster than the wall clock). Not step_cpu_at's estimate (the last reading plus
+ * the wall time since), which would take the whole wait out of the run. Within the gap, a run
+ * costs at most one CPU clock reading (a system call), at its end and only when it lasted
+ * SHORT_RUN_NS or more: FastAPI's next hand-off comes ~0.1-0.3 ms after the last reading. */
 #define RUN_GAP_NS 1000000LL
 
 static inline long long
@@ -1829,12 +1824,32 @@ run_cpu_at(long long wall)
     return last_cpu;
 }
 
+/* A step's start (a step of a metered task on the loop, CpuMeter): the thread's last reading
+ * plus the wall time since when that reading is under STEP_GAP_NS old, else a reading of its
+ * own. Not run_cpu_at's (the last reading as it is, within 1 ms): between two steps of a task
+ * the loop runs other tasks' steps and the server's code, and that would count to the step
+ * (up to its wall time: a step blocking 0.4 ms after another task's 0.8 ms of CPU counted
+ * ~0.4 ms too much). This estimate is never earlier than the clock's true value (a thread's
+ * clock runs no faster than the wall clock), so a step counts at most STEP_GAP_NS too little,
+ * never too much. */
+#define STEP_GAP_NS 100000LL
+
+static inline long long
+step_cpu_at(long long wall)
+{
+    if (wall - last_wall < STEP_GAP_NS && last_wall > 0)
+        return last_cpu + (wall - last_wall);
+    last_cpu = thread_cpu_ns();
+    last_wall = wall;
+    return last_cpu;
+}
+
 /* A request's CPU clock at its start: the thread's last reading plus the wall time since when
  * that reading is under REQUEST_GAP_NS old (a loop calling the app, or a server whose next
  * request was already read: 9-15 us after the previous request's end), else a reading of its
- * own. Not cpu_at's bound: the gap between two requests is mostly time off the CPU in a server
- * (recv, the interpreter lock), and the estimate counts it as CPU, so a request counts at most
- * REQUEST_GAP_NS too little. recorder.begin does the same. */
+ * own. Not step_cpu_at's bound (STEP_GAP_NS): the gap between two requests is mostly time off
+ * the CPU in a server (recv, the interpreter lock), and the estimate counts it as CPU, so a
+ * request counts at most REQUEST_GAP_NS too little. recorder.begin does the same. */
 #define REQUEST_GAP_NS 20000LL
 
 static PyObject *
@@ -1965,7 +1980,7 @@ meter_flush(MeterObject *m)
 static PySendResult
 meter_am_send(MeterObject *m, PyObject *arg, PyObject **result)
 {
-    long long wall0 = wall_ns(), cpu0 = run_cpu_at(wall0);
+    long long wall0 = wall_ns(), cpu0 = step_cpu_at(wall0);
     PySendResult r = PyIter_Send(m->it, arg, result);
     m->used += cpu_used(cpu0, wall0);
     if (r != PYGEN_NEXT) /* returned or raised: the last step */
@@ -2018,7 +2033,7 @@ meter_throw(MeterObject *m, PyObject *const *args, Py_ssize_t nargs)
     }
     /* the exception itself: the three-argument form is deprecated from 3.12 */
     PyObject *exc = nargs >= 2 && args[1] != Py_None ? args[1] : args[0];
-    long long wall0 = wall_ns(), cpu0 = run_cpu_at(wall0);
+    long long wall0 = wall_ns(), cpu0 = step_cpu_at(wall0);
     PyObject *result = PyObject_CallMethodOneArg(m->it, s_throw, exc);
     m->used += cpu_used(cpu0, wall0);
     if (result == NULL) /* returned (StopIteration) or raised: the last step */
