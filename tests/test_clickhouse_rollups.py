@@ -139,9 +139,8 @@ def test_api_pages_from_rollups_are_the_same_on_both_engines(
 def test_rollups_are_written_once_across_a_crash_and_a_rerun(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A crash after the rollups' insert, before the requests': the re-run of the same ranges
-    inserts the rollups again with the same token, which the server drops. Fails when the
-    rollups go in without the batch's token (rolled up twice)."""
+    """A crash at the requests' insert: no rollups were written (they follow their requests),
+    the re-run writes them once."""
     data = str(tmp_path / "data")
     write(
         data,
@@ -165,7 +164,7 @@ def test_rollups_are_written_once_across_a_crash_and_a_rerun(
         with pytest.raises(OSError):
             store.ingest()
         monkeypatch.setattr(client, "insert_arrow", real)
-        assert sums_per_res(store) == {60: 400, 3600: 400, 86400: 400}
+        assert sums_per_res(store) == {}  # rollups go in after their requests
         store.ingest()
         store.ingest()  # nothing new
         assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 400}]
@@ -333,6 +332,177 @@ def test_batches_without_spool_ranges_are_all_stored(tmp_path: Path) -> None:
             store.insert_tables(Batch(), Tables(days={t.date(): {"requests": req}}))
         assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 2}]
         assert sums_per_res(store) == {60: 2, 3600: 2, 86400: 2}
+    finally:
+        store.close()
+        store_engines.reset()
+
+
+def otlp_requests(ids: list[str], t: datetime, endpoint: str = "GET /a") -> Any:
+    """One day's tables of requests ``ids`` at ``t`` (an OTLP payload's, no spool ranges)."""
+    from perfsleuth.store.tables import Tables
+
+    req = pa.Table.from_pylist(
+        [
+            {
+                "ts": t + timedelta(seconds=i),
+                "trace_id": tid,
+                "service": "shop",
+                "kind": "web",
+                "endpoint": endpoint,
+                "duration_ms": 5.0 + i,
+                "db_calls": 0,
+                "db_ms": 0.0,
+                "http_calls": 0,
+                "http_ms": 0.0,
+                "cache_calls": 0,
+                "cache_ms": 0.0,
+                "calls_dropped": 0,
+            }
+            for i, tid in enumerate(ids)
+        ],
+        schema=schema.REQUESTS.arrow_schema(),
+    )
+    return Tables(days={t.date(): {"requests": req}})
+
+
+def failing(store: Any, monkeypatch: pytest.MonkeyPatch, table: str, after: bool) -> Any:
+    """Make the next insert into ``table`` fail once: before it reaches the server, or
+    (``after``) once the server has stored it (the answer lost)."""
+    client = store._client
+    real = client.insert_arrow
+    left = [1]
+
+    def insert(name: str, tbl: pa.Table, settings: dict[str, Any]) -> None:
+        if name == table and left:
+            left.pop()
+            if after:
+                real(name, tbl, settings)
+            raise OSError(f"the insert into {name} failed")
+        real(name, tbl, settings)
+
+    monkeypatch.setattr(client, "insert_arrow", insert)
+
+
+@pytest.mark.parametrize(
+    ("table", "after"),
+    [("requests", False), ("rollup_stats", False), ("rollup_hist", True), ("rollup_hist", False)],
+)
+def test_otlp_rollups_follow_the_stored_requests_across_a_group_retried_payload_by_payload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, table: str, after: bool
+) -> None:
+    """An OTLP group commit (two payloads, no spool ranges) fails at one insert, then each
+    payload is committed on its own (server/otlp.py), and an exporter sends the first again:
+    every request stored once, rolled up once. Failed before at the requests' insert: the
+    rollups went in first, without deduplication, and were made again (4 per resolution);
+    at the rollups' insert (after the requests, as now) without the retry's repair: 0 or 1."""
+    from perfsleuth.store.records import Batch
+    from perfsleuth.store.tables import Tables
+
+    t = datetime.utcnow().replace(second=0, microsecond=0) - timedelta(hours=1)
+    p1, p2 = otlp_requests(["a1", "a2"], t), otlp_requests(["b1"], t, "GET /b")
+    group = Tables(
+        days={
+            t.date(): {
+                "requests": pa.concat_tables(
+                    [p1.days[t.date()]["requests"], p2.days[t.date()]["requests"]]
+                )
+            }
+        }
+    )
+    store = store_engines.open_engine("chdb", str(tmp_path / "data"))
+    try:
+        failing(store, monkeypatch, table, after)
+        with pytest.raises(OSError):
+            store.insert_tables(Batch(), group)
+        for p in (p1, p2, p1):  # each alone, then an exporter's retry of the first
+            store.insert_tables(
+                Batch(),
+                otlp_requests(
+                    [str(i) for i in p.days[t.date()]["requests"]["trace_id"].to_pylist()],
+                    t,
+                    p.days[t.date()]["requests"]["endpoint"][0].as_py(),
+                ),
+            )
+        assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 3}]
+        assert sums_per_res(store) == {60: 3, 3600: 3, 86400: 3}
+        hist = store.query("SELECT res, sum(requests) AS n FROM rollup_hist GROUP BY res")
+        assert {int(r["res"]): int(r["n"]) for r in hist} == {60: 3, 3600: 3, 86400: 3}
+        monkeypatch.setattr(clickhouse_rollups, "RAW_MAX_REQUESTS", -1)
+        rows, ans = store.top_answered(since=timedelta(hours=3))
+        assert ans["source"] == "rollups"
+        assert {r["endpoint"]: r["count"] for r in rows} == {"GET /a": 2, "GET /b": 1}
+    finally:
+        store.close()
+        store_engines.reset()
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_spool_rollups_are_written_once_when_their_insert_fails_after_the_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, after: bool
+) -> None:
+    """A crash at the rollups' insert (before or after the server stored it): the re-run of
+    the same ranges finds the requests stored and writes their rollups if missing, once."""
+    data = str(tmp_path / "data")
+    write(
+        data,
+        random.Random(5),
+        300,
+        endpoints={"GET /a": skewed},
+        span_ns=HOUR_NS,
+        end_ns=time.time_ns(),
+    )
+    store = store_engines.open_engine("chdb", data)
+    try:
+        failing(store, monkeypatch, "rollup_stats", after)
+        with pytest.raises(OSError):
+            store.ingest()
+        assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 300}]
+        store.ingest()
+        store.ingest()  # nothing new
+        assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 300}]
+        assert sums_per_res(store) == {60: 300, 3600: 300, 86400: 300}
+    finally:
+        store.close()
+        store_engines.reset()
+
+
+def test_a_rerun_over_a_grown_segment_rolls_up_the_stored_and_the_new_requests_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollups' insert landed but the collector died before hearing so (offsets not
+    written); the segment grows by more requests of the same minute and endpoint before the
+    re-run. The re-run's batch holds the stored requests and the new ones: only the new ones
+    are rolled up (the requests table's count of that minute includes only what was stored
+    before this attempt's requests went in)."""
+    from perfsleuth.wire import HEADER
+    from perfsleuth.wire.segment import encode_record
+    from spoolwrite import SegmentWriter
+
+    data = str(tmp_path / "data")
+    w = SegmentWriter(data, host="web-1", service="shop", seq=1, header=False)
+    w.write(encode_record(HEADER, {"v": 1, "host": "web-1", "pid": 1, "service": "shop"}))
+    t0 = (time.time_ns() - 2 * HOUR_NS) // 60_000_000_000 * 60_000_000_000
+
+    def specs(start: int, n: int) -> list[dict[str, Any]]:
+        return [
+            {"endpoint": "GET /a", "ts_ns": t0 + (start + i) * 10**8, "dur_ms": 3.0 + i}
+            for i in range(n)
+        ]
+
+    w.write_requests(specs(0, 5))
+    store = store_engines.open_engine("chdb", data)
+    try:
+        failing(store, monkeypatch, "rollup_hist", True)
+        with pytest.raises(OSError):
+            store.ingest()
+        w.write_requests(specs(5, 8))
+        w.close()
+        store.ingest()
+        store.ingest()
+        assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 13}]
+        assert sums_per_res(store) == {60: 13, 3600: 13, 86400: 13}
+        hist = store.query("SELECT res, sum(requests) AS n FROM rollup_hist GROUP BY res")
+        assert {int(r["res"]): int(r["n"]) for r in hist} == {60: 13, 3600: 13, 86400: 13}
     finally:
         store.close()
         store_engines.reset()

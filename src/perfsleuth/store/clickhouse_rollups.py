@@ -11,20 +11,33 @@ yet; partitioned by (day, resolution), so retention drops a day's minute rows on
 gone (default 7 days) and the whole day after ROLLUP_DAYS (90), as partitions, never as
 row-by-row DELETE.
 
-Exactly-once: a batch's rollups are made from its requests after those already stored were
-left out, and inserted just before the requests with the batch's deduplication token (table,
-day): a re-run of the same ranges after a crash between the two inserts is dropped by the
-server. Not covered: a crash between the rollups' insert and the requests', then a re-run
-over a segment that grew meanwhile (another token): those requests are rolled up twice.
+Exactly-once, without a transaction: a batch's requests are inserted first, then the rollups
+of those new in this attempt, with a deduplication token made of their day and trace ids (the
+same requests make the same token whatever batch or payload brought them). A later attempt
+that finds some of its requests already stored (a crash or a failed insert between the two
+inserts: the spool re-read, an OTLP group committed again payload by payload, an exporter's
+retry) writes their rollups too where they are missing: per rollup table and minute key
+(service, host, kind, endpoint, minute), when that table's minute rows count at least as many
+requests fewer than the requests table holds (with a duration, for ``rollup_hist``) as this
+batch found stored there, asked before this attempt's own requests go in
+(:meth:`_missing_rollups`). They go in with the new requests' rollups under one token (of all
+their trace ids), so the same attempt repeated is dropped by the server. Not covered (README,
+ClickHouse): another writer's requests of the same minute key stored with their rollups not
+yet written when this check runs (this batch's stored requests are then rolled up again);
+requests whose rollups failed and that no later attempt brings again (they stay without
+rollups: an OTLP exporter that gives up); a minute key missing fewer requests than this batch
+found stored there (left as it is).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from datetime import date, datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from perfsleuth.store import rollups, schema
 from perfsleuth.store.duckdb_file import utcnow
@@ -60,14 +73,91 @@ class ClickHouseRollups(DuckDBReader):
 
     # ------------------------------------------------------------------------------ writing
 
+    def _missing_rollups_ch(
+        self, stored: dict[date, pa.Table]
+    ) -> dict[tuple[date, str], pa.Table | None]:
+        """Per (day, rollup table), the requests of ``stored`` (the batch's requests a previous
+        attempt stored) whose rows in that table are missing: asked before this attempt
+        inserts its own requests (:meth:`_missing_rollups`)."""
+        return {
+            (d, t.name): self._missing_rollups(d, req, t.name)
+            for d, req in stored.items()
+            for t in schema.ROLLUP_TABLES
+        }
+
     def _insert_rollups_ch(
-        self, tables: Tables, insert: Callable[[str, pa.Table | None, str], None]
+        self,
+        tables: Tables,
+        missing: dict[tuple[date, str], pa.Table | None],
+        insert: Callable[[str, pa.Table | None, str, str], None],
     ) -> None:
-        """Insert the rollups of the batch's (new) requests, one insert per table and day,
-        each with the batch's token (``insert``)."""
-        for d, parts in sorted(rollups.rollups_of(tables.days).items()):
+        """Insert the rollups of the batch's new requests (``tables``, after those stored were
+        left out) and of the stored ones whose rollups are ``missing``
+        (:meth:`_missing_rollups_ch`): one insert per table and day, with a token of the day
+        and the trace ids rolled up (``insert``'s last argument)."""
+        for d in sorted(set(tables.days) | {d for d, _ in missing}):
+            new = tables.days.get(d, {}).get("requests")
+            made: dict[tuple[str, ...], tuple[str, dict[str, pa.Table]]] = {}
             for t in schema.ROLLUP_TABLES:
-                insert(t.name, parts[t.name], f"-{d:%Y%m%d}")
+                parts = [new, missing.get((d, t.name))]
+                req = [
+                    p.drop_columns(["rid"]) if "rid" in p.column_names else p
+                    for p in parts
+                    if p is not None and p.num_rows
+                ]
+                if not req:
+                    continue
+                rows = pa.concat_tables(req, promote_options="permissive")
+                ids = tuple(sorted(str(i) for i in rows["trace_id"].to_pylist()))
+                if ids not in made:  # the same requests for both tables: rolled up once
+                    text = f"{d}|{len(ids)}|{','.join(ids)}"
+                    token = "r" + hashlib.sha256(text.encode()).hexdigest()[:32]
+                    made[ids] = token, rollups.rollups_of({d: {"requests": rows}}).get(d, {})
+                token, tbls = made[ids]
+                insert(t.name, tbls.get(t.name), f"-{d:%Y%m%d}", token)
+
+    def _missing_rollups(self, d: date, req: pa.Table | None, table: str) -> pa.Table | None:
+        """Of ``req`` (requests of day ``d`` found stored), those whose rows in rollup table
+        ``table`` are missing: the requests of each minute key (service, host, kind,
+        endpoint, minute) where the table's minute rows count at least as many fewer requests
+        than the requests table holds (with a duration, for ``rollup_hist``) as ``req`` has
+        there (rollups are written after their requests, so a previous attempt whose rollup
+        insert failed left that many out)."""
+        if req is None or not req.num_rows:
+            return None
+        dims = ("service", "host", "kind", "endpoint")
+        hist = table == "rollup_hist"
+        minute = pc.divide(pc.cast(req["ts"], pa.int64()), 60_000_000).to_pylist()
+        cols = [req[c].to_pylist() for c in dims]
+        keys = [(m * 60, *k) for m, *k in zip(minute, *cols, strict=True)]
+        timed = req["duration_ms"].is_valid().to_pylist() if hist else [True] * len(keys)
+        ours: dict[tuple[Any, ...], int] = {}
+        for k, counted in zip(keys, timed, strict=True):
+            ours[k] = ours.get(k, 0) + int(bool(counted))
+        lo = datetime(1970, 1, 1) + timedelta(seconds=min(k[0] for k in keys))
+        hi = datetime(1970, 1, 1) + timedelta(seconds=max(k[0] for k in keys) + 60)
+        span = f"ts >= {_lit(lo)} AND ts < {_lit(hi)}"
+        group = ", ".join(schema.quote(c) for c in dims)
+        n = "countIf(duration_ms IS NOT NULL)" if hist else "count()"
+        raw = self._q(
+            f"SELECT toUnixTimestamp(toStartOfMinute(ts)) AS m, {group}, {n} "
+            f"FROM {self._tbl('requests')} WHERE toDate(ts) = {_lit(d)} AND {span} "
+            f"GROUP BY m, {group}"
+        )
+        rolled = self._q(
+            f"SELECT toUnixTimestamp(ts) AS m, {group}, sum(requests) "
+            f"FROM {self._tbl(table)} WHERE res = {rollups.MINUTE} AND {span} "
+            f"GROUP BY m, {group}"
+        )
+        have = {tuple(r[:-1]): int(r[-1]) for r in rolled}
+        short = {tuple(r[:-1]): int(r[-1]) - have.get(tuple(r[:-1]), 0) for r in raw}
+        missing = {k for k, c in ours.items() if short.get(k, 0) >= c}
+        if not missing:
+            return None
+        return req.filter(pa.array([k in missing for k in keys], pa.bool_()))
+
+    def _tbl(self, name: str) -> str:
+        return f"{schema.quote(self.database)}.{schema.quote(name)}"
 
     # ---------------------------------------------------------------------------- partitions
 

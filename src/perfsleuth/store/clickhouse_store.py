@@ -20,9 +20,10 @@ transaction over several inserts, so a batch is committed as
    server for the tables without trace ids (samples, gc pauses, agent counters);
 3. the dictionary tables (fingerprints, locations, stacks, captures) get only ids not yet
    stored (ReplacingMergeTree merges any left-over duplicates);
-4. requests go last but one, and the segments' offsets last: offsets are read back
-   (``FINAL``) before the next batch, so a batch whose offsets were not written is read again
-   and steps 1-2 keep it from doubling.
+4. requests go after the other event tables, then their rollups
+   (:mod:`perfsleuth.store.clickhouse_rollups`), and the segments' offsets last: offsets are
+   read back (``FINAL``) before the next batch, so a batch whose offsets were not written is
+   read again and steps 1-2 keep it from doubling.
 """
 
 from __future__ import annotations
@@ -294,24 +295,30 @@ class ClickHouseStore(ClickHouseRollups):
         ranges = ";".join(f"{s.base}:{s.offset}:{s.final}" for s in batch.segments)
         token = hashlib.sha256(ranges.encode()).hexdigest()[:32]
 
-        def insert(name: str, data: pa.Table | None, part: str = "") -> None:
+        def insert(name: str, data: pa.Table | None, part: str = "", own: str = "") -> None:
             if data is None or data.num_rows == 0:
                 return
             if "rid" in data.column_names:  # DuckDB's request numbers (store.tables)
                 data = data.drop_columns(["rid"])
             settings: dict[str, Any] = {
                 "insert_deduplicate": 1,
-                "insert_deduplication_token": f"{token}-{name}{part}",
+                "insert_deduplication_token": f"{own or token}-{name}{part}",
             }
-            if not batch.segments:
+            if not batch.segments and not own:
                 # no spool ranges (an OTLP payload): every such batch would have the same
                 # token and the server would drop all but the first; the traces already
                 # stored are left out above instead
                 settings = {"insert_deduplicate": 0}
             self._client.insert_arrow(name, data, settings)
 
+        stored: dict[date, pa.Table] = {}  # the batch's requests a previous attempt stored
         for d, parts in sorted(tables.days.items()):
+            sent = parts.get("requests")
             self._drop_stored_traces(d, parts)
+            left = parts.get("requests")
+            if sent is not None and left is not None and left.num_rows < sent.num_rows:
+                mask = pc.is_in(sent["trace_id"], value_set=left["trace_id"])
+                stored[d] = sent.filter(pc.invert(mask))
         for name, tbl in (
             ("fingerprints", tables.fingerprints),
             ("locations", tables.locations),
@@ -324,11 +331,12 @@ class ClickHouseStore(ClickHouseRollups):
             for t in schema.EVENT_TABLES:
                 if t.name != "requests":
                     insert(t.name, parts.get(t.name), f"-{d:%Y%m%d}")
-        # the rollups of the requests left (store.clickhouse_rollups), then the requests:
-        # after everything else of their batch
-        self._insert_rollups_ch(tables, insert)
+        # the requests after everything else of their batch, then their rollups (and those
+        # of a previous attempt's requests whose rollups are missing: store.clickhouse_rollups)
+        missing = self._missing_rollups_ch(stored)  # before this attempt's requests count
         for d, parts in sorted(tables.days.items()):
             insert("requests", parts.get("requests"), f"-{d:%Y%m%d}")
+        self._insert_rollups_ch(tables, missing, insert)
         insert("ingest_offsets", offsets_table(batch, utcnow()))
 
     def _drop_stored_traces(self, day: date, parts: dict[str, pa.Table]) -> None:
