@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
+import store_engines
 from perfsleuth.server import queries
 from perfsleuth.server.window import window
-from perfsleuth.store import duckdb_rollups, rollups, schema
+from perfsleuth.store import clickhouse_rollups, duckdb_rollups, rollups, schema
 from perfsleuth.store.duckdb_store import DuckDBStore
 from perfsleuth.store.records import Batch
 from perfsleuth.store.tables import Tables
@@ -444,3 +445,51 @@ def test_a_day_of_one_batch_is_not_rebuilt_and_a_second_batch_compacts_it(
     assert len(rebuilt) == 1  # two batches' rows for one day: compacted
     assert store.sql(dup)[1] == [(0,)]
     assert store.sql("SELECT sum(requests) FROM rollup_stats WHERE res = 60")[1] == [(80,)]
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "duckdb",
+        pytest.param(
+            "chdb",
+            marks=pytest.mark.skipif(
+                not store_engines.chdb_available(), reason="chdb is not installed"
+            ),
+        ),
+    ],
+)
+def test_a_window_starting_before_the_first_rollup_day_is_answered_by_raw_rows(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """Rollups begin later than the raw rows (a store upgraded two days ago: its older days
+    have no rollups; made here by dropping them): a 7-day ``top`` (and one over everything)
+    reads the raw rows, which hold the whole window, not the two days of rollups; a window
+    within the rollup days still reads rollups. Failed before on both engines: rollups
+    answered for the shorter window (counts of two or three days of five)."""
+    data = str(tmp_path / "data")
+    write(
+        data,
+        random.Random(7),
+        300,
+        endpoints={"GET /a": skewed},
+        span_ns=5 * DAY_NS,
+        end_ns=time.time_ns(),
+    )
+    store = store_engines.open_engine(engine, data)
+    try:
+        store.ingest()
+        store.apply_retention(days=30, rollup_days=2)  # rollups of the last days only
+        first = store.query("SELECT min(ts) AS t FROM rollup_stats")[0]["t"]
+        raw_first = store.query("SELECT min(ts) AS t FROM requests")[0]["t"]
+        assert raw_first.date() < first.date()
+        monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
+        monkeypatch.setattr(clickhouse_rollups, "RAW_MAX_REQUESTS", -1)
+        for since in (timedelta(days=7), None):
+            rows, ans = store.top_answered(since=since, by=("endpoint",))
+            assert ans["source"] == "raw", since
+            assert [r["count"] for r in rows] == [300]
+        assert store.top_answered(since=timedelta(hours=12))[1]["source"] == "rollups"
+    finally:
+        store.close()
+        store_engines.reset()

@@ -211,7 +211,8 @@ class ClickHouseRollups(DuckDBReader):
         only: dict[str, str] | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         """``top`` from rollups over [start, now), as on DuckDB
-        (:meth:`DuckDBRollups.rollup_top`): None when raw rows should answer."""
+        (:meth:`DuckDBRollups.rollup_top`): None when raw rows should answer (also a window
+        starting before the first rollup day when raw rows begin earlier)."""
         if any(b not in ROLLUP_GROUPS for b in by):
             return None
         days, minute_days, raw_first = self._rollup_days()
@@ -219,6 +220,11 @@ class ClickHouseRollups(DuckDBReader):
             return None
         end = utcnow() + timedelta(minutes=1)
         first = datetime.combine(days[0], datetime.min.time())
+        early = raw_first is not None and raw_first < days[0]
+        if not force and (start is None or start < first) and early:
+            # rollups begin later than asked (written from the upgrade on) and the raw rows
+            # hold more of the window: they answer, not a shorter window of rollups
+            return None
         lo = max(start, first) if start is not None else first
         if lo.date() not in minute_days:  # retention left hours: start at a whole hour
             lo = rollups.ceil_to(lo, rollups.HOUR)

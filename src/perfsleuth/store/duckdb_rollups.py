@@ -254,7 +254,9 @@ class DuckDBRollups(DuckDBFile):
         only: dict[str, str] | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         """``top`` from rollups over [start, now) (start None: all), with what answered; None
-        when raw rows should answer: a grouping rollups lack (user, tenant, ...), or a window
+        when raw rows should answer: a grouping rollups lack (user, tenant, ...), a window
+        starting before the first rollup day when raw rows begin earlier (rollups are written
+        from the upgrade on: they would answer for a shorter window than asked), or a window
         whose raw rows are all kept and few (RAW_MAX_REQUESTS), unless ``force``."""
         if any(b not in ROLLUP_GROUPS for b in by):
             return None
@@ -264,6 +266,11 @@ class DuckDBRollups(DuckDBFile):
             return None
         end = utcnow() + timedelta(minutes=1)
         first = datetime.combine(days[0], datetime.min.time())
+        raw_days = self._days()
+        if not force and (start is None or start < first) and raw_days and raw_days[0] < days[0]:
+            # rollups begin later than asked (written from the upgrade on) and the raw rows
+            # hold more of the window: they answer, not a shorter window of rollups
+            return None
         lo = max(start, first) if start is not None else first
         if not self._has_minutes(lo.date()):  # retention left hours: start at a whole hour
             lo = rollups.ceil_to(lo, rollups.HOUR)
@@ -279,7 +286,6 @@ class DuckDBRollups(DuckDBFile):
         stats_src = self._span_source(schema.ROLLUP_STATS, spans, days)
         hist_src = self._span_source(schema.ROLLUP_HIST, spans, days)
         # Raw rows are complete for the window unless retention dropped days rollups still hold.
-        raw_days = self._days()
         in_window = [d for d in days if d >= first_day]
         raw_complete = not in_window or (bool(raw_days) and raw_days[0] <= in_window[0])
         if not force and raw_complete:
