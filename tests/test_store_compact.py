@@ -11,12 +11,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
+import pytest
 
 from perfsleuth.analysis import find
 from perfsleuth.store import schema
 from perfsleuth.store.duckdb_store import DB_NAME, DuckDBStore
 from perfsleuth.store.duckdb_writer import params_numbers
+from perfsleuth.store.records import Batch
+from perfsleuth.store.tables import Tables, _ms, whole_us
 from spoolwrite import MS, SegmentWriter, call
 
 DAY_NS = 86_400 * 10**9
@@ -193,3 +197,191 @@ def test_params_numbers_are_equal_exactly_when_the_hashes_are_within_a_request()
     # request 5: 1 < 1 + 2**40 < 2**62 + 1 (the low 32 bits of all three are the same)
     assert got == [2, 0, None, 1, 0, 0, 0, None]
     assert params_numbers(pa.array([], pa.int64()), pa.array([], pa.int64())).to_pylist() == []
+
+
+def test_a_requests_db_ms_is_the_sum_of_its_calls_stored_durations(tmp_path: Any) -> None:
+    """Requests' db/http/cache_ms and the compact calls round whole microseconds the same way
+    (halves up): a 2,500 ns call is 3 us, and its request's db_ms 0.003 (was 0.002: np.round
+    took halves to even, DuckDB's round() away from zero, and the sum was rounded, not its
+    calls)."""
+    data = str(tmp_path / "data")
+    durs = [0.0025, 0.0035, 0.0015, 1.0005, 0.0004995, 0.0025, 0.0105]  # ms
+    w = SegmentWriter(data)
+    sent = [
+        w.request(
+            "GET /r",
+            trace_id=f"d{i:015x}",
+            dur_ms=20,
+            calls=[call("db", "SELECT 1", dur_ms=d, off_ms=j) for j, d in enumerate(durs[i:])]
+            + [call("cache", "GET k", dur_ms=0.0025, off_ms=9)],
+        )
+        for i in range(3)
+    ]
+    w.close()
+    with DuckDBStore(data) as store:
+        store.ingest()
+        for req in sent:
+            got = store.trace(req["id"])
+            stored = {
+                k: sum(round(c["duration_ms"] * 1000) for c in got["calls"] if c["kind"] == k)
+                for k in ("db", "cache")
+            }
+            assert round(got["db_ms"] * 1000) == stored["db"]
+            assert got["db_ms"] == stored["db"] / 1000
+            assert got["cache_ms"] == stored["cache"] / 1000 == 0.003
+        first = store.trace(sent[0]["id"])["calls"]
+        assert [round(c["duration_ms"] * 1000) for c in first][:4] == [3, 4, 2, 1001]
+
+
+def test_whole_us_rounds_halves_up_as_the_compact_calls_do() -> None:
+    ns = np.array([0, 499, 500, 1500, 2500, 3500, 10**12 + 500, 2_500_000_000_500], np.int64)
+    want = [0, 0, 1, 2, 3, 4, 10**9 + 1, 2_500_000_001]
+    assert whole_us(ns).tolist() == want
+    con = duckdb.connect()
+    try:
+        con.register("t", pa.table({"duration_ms": _ms(pa.array(ns))}))
+        got = con.execute(f"SELECT {schema._COMPACT_WRITE['duration_us']} FROM t").fetchall()
+    finally:
+        con.close()
+    assert [r[0] for r in got] == want
+
+
+def test_the_compact_calls_layout_is_made_from_calls() -> None:
+    assert schema.duckdb_compact_calls(schema.CALLS) == schema.DUCKDB_CALLS
+    extra = schema.Column("retries", "int32")
+    wider = schema.Table("calls", (*schema.CALLS.columns, extra), by_day=True)
+    compact = schema.duckdb_compact_calls(wider)
+    assert compact.columns == (*schema.DUCKDB_CALLS.columns, extra)
+    names = compact.column_names
+    assert names[0] == "rid" and not {"ts", "trace_id", "service", "endpoint"} & set(names)
+    assert {"offset_us", "duration_us", "wait_us"} <= set(names)
+
+
+def test_a_compact_calls_day_missing_a_column_still_reads(tmp_path: Any) -> None:
+    """A compact calls day table written without a column its version did not have (here:
+    ``wait_us`` and ``unfinished`` dropped) reads it as NULL, read-only; opened for writing,
+    the migration adds it back and new rows fill it."""
+    data = str(tmp_path / "data")
+    sent = _write(data)
+    with DuckDBStore(data) as store:
+        store.ingest()
+        want = _calls(store)
+    con = duckdb.connect(os.path.join(data, DB_NAME))
+    try:
+        for col in ("wait_us", "unfinished"):
+            con.execute(f"ALTER TABLE calls_d{_today()} DROP COLUMN {col}")
+    finally:
+        con.close()
+    blank = [{**c, "wait_ms": None, "unfinished": None} for c in want]
+    with DuckDBStore(data, read_only=True) as store:
+        assert _calls(store) == blank
+        got = store.trace(sent[1]["id"])["calls"]
+        assert [c["seq"] for c in got] == list(range(9))
+        assert {c["wait_ms"] for c in got} == {None}
+    with DuckDBStore(data) as store:
+        assert _calls(store) == blank
+        more = _write(data, prefix="b")
+        store.ingest()
+        got = store.trace(more[0]["id"])["calls"]
+        assert [c["duration_ms"] for c in got] == [c["dur"] / MS for c in more[0]["calls"]]
+    assert {"wait_us", "unfinished"} <= set(
+        _columns(os.path.join(data, DB_NAME), f"calls_d{_today()}")
+    )
+
+
+def _logical_tables(day: datetime, prefix: str) -> Tables:
+    """Requests and calls as other code may build them: the logical columns, no ``rid``."""
+    ts = day.replace(tzinfo=None)
+    req = pa.Table.from_pylist(
+        [
+            {
+                "ts": ts,
+                "trace_id": f"{prefix}{i}",
+                "service": "other",
+                "kind": "web",
+                "endpoint": f"GET /x{i}",
+                "duration_ms": 10.0,
+                "db_calls": 2 - i,
+                "db_ms": 2.0 - i,
+                "http_calls": 0,
+                "http_ms": 0.0,
+                "cache_calls": 0,
+                "cache_ms": 0.0,
+                "calls_dropped": 0,
+            }
+            for i in range(2)
+        ],
+        schema=schema.REQUESTS.arrow_schema(),
+    )
+    calls = pa.Table.from_pylist(
+        [
+            {
+                "ts": ts,
+                "trace_id": f"{prefix}{i}",
+                "service": "other",
+                "endpoint": f"GET /x{i}",
+                "seq": seq,
+                "kind": "db",
+                "duration_ms": 1.0,
+                "offset_ms": float(seq),
+                "params_hash": 7,
+            }
+            for i, seq in ((1, 0), (0, 0), (0, 1))
+        ],
+        schema=schema.CALLS.arrow_schema(),
+    )
+    return Tables(days={ts.date(): {"requests": req, "calls": calls}})
+
+
+def test_insert_tables_numbers_requests_given_without_rid(tmp_path: Any) -> None:
+    """insert_tables takes requests and calls without ``rid`` (KeyError before): requests are
+    numbered at insert, calls find theirs by trace id; a day of the logical layout takes
+    them as they are."""
+    now = datetime.now(UTC)
+    new, old = str(tmp_path / "new"), str(tmp_path / "old")
+    _write(new)
+    with DuckDBStore(new) as store:
+        store.ingest()
+    _old_store(new, old)
+    for data, prefix in ((new, "n"), (old, "o")):
+        with DuckDBStore(data) as store:
+            store.insert_tables(Batch(), _logical_tables(now, prefix))
+            for i, n in ((0, 2), (1, 1)):
+                got = store.trace(f"{prefix}{i}")
+                assert got["endpoint"] == f"GET /x{i}"
+                assert [c["offset_ms"] for c in got["calls"]] == [float(s) for s in range(n)]
+                assert {c["params_hash"] for c in got["calls"]} == {0 if data == new else 7}
+    cols = _columns(os.path.join(new, DB_NAME), f"requests_d{_today()}")
+    assert "rid" in cols
+    con = duckdb.connect(os.path.join(new, DB_NAME), read_only=True)
+    try:
+        rids = con.execute(f"SELECT rid FROM requests_d{_today()} ORDER BY rid").fetchall()
+    finally:
+        con.close()
+    assert [r[0] for r in rids] == list(range(6))  # after the 4 ingested
+
+
+def test_request_numbers_go_on_after_a_rolled_back_commit(tmp_path: Any, monkeypatch: Any) -> None:
+    """The writer keeps each day's next ``rid`` (no max(rid) a commit); a commit that fails
+    rolls its numbers back with its rows, and a reader sees a day made after it looked."""
+    data = str(tmp_path / "data")
+    now = datetime.now(UTC)
+    with DuckDBStore(data) as store:
+        store.insert_tables(Batch(), _logical_tables(now, "a"))
+        assert store.trace("a0")["calls"]  # the layouts looked up, and kept
+        real = store._commit
+
+        def fail() -> None:
+            raise duckdb.IOException("disk trouble")
+
+        monkeypatch.setattr(store, "_commit", fail)
+        with pytest.raises(duckdb.IOException):
+            store.insert_tables(Batch(), _logical_tables(now, "b"))
+        monkeypatch.setattr(store, "_commit", real)
+        store.insert_tables(Batch(), _logical_tables(now, "c"))
+        _write(data, day_offset=1, prefix="e")  # a new day, after the reader looked
+        store.ingest()
+        assert len(store.trace("e000000000000001")["calls"]) == 9
+        assert [c["seq"] for c in store.trace("c0")["calls"]] == [0, 1]
+        rids = store.query(f"SELECT rid, trace_id FROM requests_d{_today()} ORDER BY rid")
+    assert [(r["rid"], r["trace_id"]) for r in rids] == [(0, "a0"), (1, "a1"), (2, "c0"), (3, "c1")]

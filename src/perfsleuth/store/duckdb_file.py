@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Set as AbstractSet
 from datetime import UTC, date, datetime
 
 import duckdb
@@ -65,6 +66,10 @@ class DuckDBFile:
         self.agents_dir = os.path.join(self.data_dir, "agents")
         self.path = os.path.join(self.data_dir, DB_NAME)
         self.read_only = read_only
+        # The layouts of the day tables (see _layouts), with the set of tables they are of.
+        self._layout_cache: tuple[frozenset[str], dict[str, frozenset[str]]] | None = None
+        # The writer's next ``rid`` of each requests day table it wrote (duckdb_writer).
+        self._next_rid: dict[date, int] = {}
         os.makedirs(self.data_dir, exist_ok=True)
         if not os.path.exists(self.path) or _is_stub(self.path):
             # Readers too get an empty store, so that they work before anything was ingested.
@@ -175,6 +180,7 @@ class DuckDBFile:
                 "CAST(regexp_extract(segment, '-([0-9]{1,20})-[0-9]+$', 1) AS BIGINT) // 1000) "
                 "WHERE started IS NULL AND regexp_matches(segment, '-[0-9]{1,20}-[0-9]+$')"
             )
+        self._layout_cache = None  # columns were added
 
     def _columns(self) -> dict[str, set[str]]:
         """Each table of the store's file with its columns."""
@@ -186,10 +192,32 @@ class DuckDBFile:
             have.setdefault(table, set()).add(column)
         return have
 
-    def _compact_call_days(self) -> set[date]:
+    def _layouts(self, names: AbstractSet[str] | None = None) -> dict[str, frozenset[str]]:
+        """The columns of each requests and calls day table: what a day's layout is read by
+        (schema.duckdb_day_select). Asking the catalogue for them costs ~20 us a table (every
+        table's columns were 7-25 ms at 210-540 days), so they are kept while the store's set
+        of tables (``names``: _table_names(), which the caller often has) stays the same: a day
+        made or dropped, here or by another process, asks again; a migration, which adds
+        columns, and retention, after which a day may be made again, forget them."""
+        key = frozenset(self._table_names() if names is None else names)
+        cached = self._layout_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        have: dict[str, set[str]] = {}
+        for table, column in self._con.execute(
+            "SELECT table_name, column_name FROM duckdb_columns() WHERE schema_name = 'main' "
+            "AND database_name = current_database() "
+            "AND (starts_with(table_name, 'calls_d') OR starts_with(table_name, 'requests_d'))"
+        ).fetchall():
+            have.setdefault(table, set()).add(column)
+        layouts = {t: frozenset(cols) for t, cols in have.items()}
+        self._layout_cache = (key, layouts)
+        return layouts
+
+    def _compact_call_days(self, names: AbstractSet[str] | None = None) -> set[date]:
         """The days whose calls table has the compact layout (schema.DUCKDB_CALLS)."""
         out = set()
-        for name, cols in self._columns().items():
+        for name, cols in self._layouts(names).items():
             parsed = schema.parse_day_table(name)
             if parsed is not None and parsed[0] == "calls" and schema.duckdb_compact(cols):
                 out.add(parsed[1])
@@ -205,16 +233,12 @@ class DuckDBFile:
         if self.read_only:
             raise StoreError(f"the store was opened read-only; {what} needs a writable store")
 
-    def _day_tables(self) -> dict[str, set[date]]:
-        """Days for which each event table exists."""
-        rows = self._con.execute(
-            "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' "
-            "AND database_name = current_database()"
-        ).fetchall()
+    def _day_tables(self, names: AbstractSet[str] | None = None) -> dict[str, set[date]]:
+        """Days for which each event table exists (``names``: _table_names(), if at hand)."""
         out: dict[str, set[date]] = {
             t.name: set() for t in schema.EVENT_TABLES + schema.ROLLUP_TABLES
         }
-        for (name,) in rows:
+        for name in self._table_names() if names is None else names:
             parsed = schema.parse_day_table(name)
             if parsed is not None:
                 out[parsed[0]].add(parsed[1])
@@ -227,10 +251,11 @@ class DuckDBFile:
     def _create_views(self, days: list[date], *, temp: bool = False) -> None:
         # A store written by an older version, opened read-only, may lack a newer table on
         # some days: each view covers the days its table exists.
-        have = self._day_tables()
+        names = self._table_names()
+        have = self._day_tables(names)
         # Each day's tables are read in their own layout (calls: the compact one or, written
         # by an older version, the logical one).
-        columns = self._columns()
+        columns = self._layouts(names)
         wanted = [
             (
                 t,

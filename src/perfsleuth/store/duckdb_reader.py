@@ -45,8 +45,9 @@ class DuckDBReader(DuckDBRollups):
         if since is None:
             return "requests", None
         cutoff = utcnow() - since
-        days = [d for d in self._days() if d >= cutoff.date()]
-        return f"({schema.duckdb_union(schema.REQUESTS, days, self._columns())})", cutoff
+        names = self._table_names()
+        days = sorted(d for d in self._day_tables(names)["requests"] if d >= cutoff.date())
+        return f"({schema.duckdb_union(schema.REQUESTS, days, self._layouts(names))})", cutoff
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         return self._query(sql, params)
@@ -244,9 +245,10 @@ class DuckDBReader(DuckDBRollups):
         tid = ids[0]
         req = self._query("SELECT * FROM requests WHERE trace_id = ? LIMIT 1", [tid])[0]
         day = req["ts"].date()
-        exists = day in self._days()
+        names = self._table_names()
+        exists = day in self._day_tables(names)["requests"]  # none on ClickHouse
         calls_src = (
-            f"({schema.duckdb_day_select(schema.CALLS, day, self._columns())})"
+            f"({schema.duckdb_day_select(schema.CALLS, day, self._layouts(names))})"
             if exists
             else "calls"
         )

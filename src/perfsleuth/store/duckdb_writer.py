@@ -53,8 +53,9 @@ class DuckDBWriter(DuckDBRollups):
     def ingest(self, progress: Progress | None = None) -> IngestReport:
         """Ingest everything new in the spool (see :mod:`perfsleuth.store.ingest`)."""
         self._writable("ingest")
-        self._known_days = set(self._days())
-        self._compact_calls = self._compact_call_days()
+        names = self._table_names()
+        self._known_days = self._day_tables(names)["requests"]
+        self._compact_calls = self._compact_call_days(names)
         limits = Limits(self.batch_requests, self.batch_bytes, self.open_idle_seconds)
         report = ingest_spool(self, self.spool_dir, limits, progress)
         self.compact_committed(final=True)
@@ -65,8 +66,9 @@ class DuckDBWriter(DuckDBRollups):
         with the segments of ``batch``, in one transaction: requests already held are left
         out."""
         self._writable("ingest")
-        self._known_days = set(self._days())
-        self._compact_calls = self._compact_call_days()
+        names = self._table_names()
+        self._known_days = self._day_tables(names)["requests"]
+        self._compact_calls = self._compact_call_days(names)
         self.commit(batch, tables)
 
     def committed_offsets(self) -> dict[str, Offset]:
@@ -97,6 +99,7 @@ class DuckDBWriter(DuckDBRollups):
                 for t in schema.EVENT_TABLES:
                     physical = schema.duckdb_physical(t)
                     con.execute(schema.duckdb_create(physical, schema.day_table(t, d)))
+                self._next_rid[d] = 0
             if new_days:
                 self._create_views(sorted(days | set(new_days)))
             compact = self._compact_calls | set(new_days)
@@ -122,6 +125,7 @@ class DuckDBWriter(DuckDBRollups):
             self._commit()
         except BaseException as e:
             self._rollup_new_days = set()  # their tables are rolled back
+            self._next_rid = {}  # ... and their rows: asked again (max(rid)) when next needed
             try:
                 con.rollback()
             except duckdb.Error:
@@ -145,14 +149,18 @@ class DuckDBWriter(DuckDBRollups):
         if req is None or not req.num_rows:
             return  # no calls without their request
         if not compact:  # a day of the logical layout: calls name their request by trace id
-            self._insert(req_name, req.drop_columns(["rid"]))
+            self._insert(req_name, _without_rid(req))
             if calls is not None:
-                self._insert(calls_name, calls.drop_columns(["rid"]))
+                self._insert(calls_name, _without_rid(calls))
             return
+        req, calls = _with_rid(req, calls)
         local = req["rid"]
-        top = self._con.execute(f"SELECT max(rid) FROM {quote(req_name)}").fetchall()[0][0]
-        base = 0 if top is None else int(top) + 1
         n = req.num_rows
+        base = self._next_rid.get(d)
+        if base is None:  # the first rows of this day since the store opened (or a rollback)
+            top = self._con.execute(f"SELECT max(rid) FROM {quote(req_name)}").fetchall()[0][0]
+            base = 0 if top is None else int(top) + 1
+        self._next_rid[d] = base + n
         rid_at = req.schema.get_field_index("rid")
         req = req.set_column(rid_at, "rid", pa.array(np.arange(base, base + n, dtype=np.int64)))
         self._insert(req_name, req)
@@ -243,6 +251,8 @@ class DuckDBWriter(DuckDBRollups):
             if datetime.combine(d + timedelta(days=1), datetime.min.time()) <= cutoff
         ]
         con = self._con
+        self._next_rid = {}
+        self._layout_cache = None  # a day dropped may be made again, in the compact layout
         con.begin()
         try:
             self._create_views([d for d in existing if d not in old])
@@ -265,6 +275,25 @@ class DuckDBWriter(DuckDBRollups):
             con.rollback()
             raise
         return [d.isoformat() for d in old]
+
+
+def _without_rid(t: pa.Table) -> pa.Table:
+    return t.drop_columns(["rid"]) if "rid" in t.column_names else t
+
+
+def _with_rid(req: pa.Table, calls: pa.Table | None) -> tuple[pa.Table, pa.Table | None]:
+    """``req`` and ``calls`` with ``rid`` (store.tables numbers a batch's requests; tables made
+    by other code may not): requests without are numbered 0, 1, ... and calls without name
+    their request's by its trace id."""
+    if "rid" not in req.column_names:
+        req = req.append_column("rid", pa.array(np.arange(req.num_rows, dtype=np.int64)))
+    if calls is not None and "rid" not in calls.column_names:
+        tid = calls["trace_id"]
+        if pa.types.is_dictionary(tid.type):
+            tid = pc.cast(tid, pa.string())
+        pos = pc.index_in(tid, value_set=req["trace_id"])
+        calls = calls.append_column("rid", pc.take(req["rid"], pos))
+    return req, calls
 
 
 def params_numbers(rid: pa.Array, params_hash: pa.Array | pa.ChunkedArray) -> pa.Array:

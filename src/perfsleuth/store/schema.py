@@ -16,7 +16,9 @@ fit a signed 64-bit integer in both engines.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, replace
 from datetime import date
 
 import pyarrow as pa
@@ -96,28 +98,6 @@ CALLS = Table(
     ),
     by_day=True,
     order_by=EVENT_ORDER,
-)
-
-# DuckDB keeps a call row without copies of its request's columns (issue 20: 212 -> ~130
-# bytes per request with 10 calls): ``rid`` numbers the requests of a day table (a column of
-# DuckDB's requests day tables, left out of the ``requests`` view) and a call row names its
-# request by it; the ``calls`` view joins them back, with the logical columns above. Offsets,
-# durations and waits are whole microseconds (integers compress; ns / 1e6 doubles did not),
-# and ``params_hash`` numbers the distinct hashes of a request's calls 0, 1, ... (equal
-# exactly when the agent's 63-bit hashes are: duckdb_writer.params_numbers); only ever
-# compared within a request (repeated_query), it takes a few bits where a hash took 8 bytes.
-# ClickHouse keeps the logical layout. Day tables written before this (``calls_d…`` with
-# ``trace_id``) stay as they are: the view reads each day in its own layout.
-DUCKDB_CALLS = Table(
-    "calls",
-    _c(
-        "rid int64!, seq int32!, kind string!~, system string~, fingerprint_id id,"
-        " offset_us int64, duration_us int64, rows int64, bytes int64, params_hash int32,"
-        " stack_id id, site_id id, host string~, status int32, hit bool, wait_us int64,"
-        " error string, unfinished bool"
-    ),
-    by_day=True,
-    order_by=("fingerprint_id", "rid"),
 )
 
 ATTRIBUTES = Table(
@@ -318,6 +298,41 @@ def duckdb_empty(table: Table) -> str:
     return f"SELECT {cols} WHERE false"
 
 
+# DuckDB keeps a call row without copies of its request's columns (issue 20: 212 -> ~130
+# bytes per request with 10 calls): ``rid`` numbers the requests of a day table (a column of
+# DuckDB's requests day tables, left out of the ``requests`` view) and a call row names its
+# request by it; the ``calls`` view joins them back, with the logical columns of CALLS.
+# Offsets, durations and waits are whole microseconds (integers compress; ns / 1e6 doubles did
+# not), and ``params_hash`` numbers the distinct hashes of a request's calls 0, 1, ... (equal
+# exactly when the agent's 63-bit hashes are: duckdb_writer.params_numbers); only ever
+# compared within a request (repeated_query), it takes a few bits where a hash took 8 bytes.
+# ClickHouse keeps the logical layout. Day tables written before this (``calls_d…`` with
+# ``trace_id``) stay as they are: the view reads each day in its own layout.
+# The compact layout is made from CALLS (a column added there is added here):
+_CALL_OF_REQUEST = ("ts", "trace_id", "service", "endpoint")  # read from its request
+# logical -> (physical column, its type) where the compact layout keeps it in another unit
+_COMPACT_COLUMN = {
+    "offset_ms": ("offset_us", "int64"),
+    "duration_ms": ("duration_us", "int64"),
+    "wait_ms": ("wait_us", "int64"),
+    "params_hash": ("params_hash", "int32"),
+}
+
+
+def duckdb_compact_calls(calls: Table) -> Table:
+    """DuckDB's compact calls day table for the logical ``calls`` table (see above): ``rid``,
+    then the call's own columns, in whole microseconds where CALLS has ms."""
+    cols = [Column("rid", "int64", nullable=False)]
+    for c in calls.columns:
+        if c.name in _CALL_OF_REQUEST:
+            continue
+        name, typ = _COMPACT_COLUMN.get(c.name, (c.name, c.type))
+        cols.append(replace(c, name=name, type=typ))
+    return Table(calls.name, tuple(cols), by_day=True, order_by=("fingerprint_id", "rid"))
+
+
+DUCKDB_CALLS = duckdb_compact_calls(CALLS)
+
 # The physical day tables of DuckDB where they differ from the logical ones: requests gain
 # ``rid`` (the key calls name their request by), calls lose the request's columns.
 DUCKDB_REQUESTS = Table(
@@ -336,11 +351,21 @@ _COMPACT_READ = {
     "wait_ms": "CAST(c.wait_us AS DOUBLE) / 1000",
     "params_hash": "CAST(c.params_hash AS BIGINT)",
 }
+
+
+def _whole_us(ms: str) -> str:
+    """SQL: a logical ms column (ns / 1e6) in whole microseconds, halves up: the ns it was
+    made of (recovered exactly below ~10 days), then floor(ns / 1000 + 0.5) as
+    tables.whole_us does, so a request's db/http/cache_ms are the sums of its calls' stored
+    durations."""
+    return f"CAST(floor(round({ms} * 1e6) / 1000 + 0.5) AS BIGINT)"
+
+
 # ... and the other way, at insert: physical -> SQL over a logical row (with ``rid``).
 _COMPACT_WRITE = {
-    "offset_us": "CAST(round(offset_ms * 1000) AS BIGINT)",
-    "duration_us": "CAST(round(duration_ms * 1000) AS BIGINT)",
-    "wait_us": "CAST(round(wait_ms * 1000) AS BIGINT)",
+    "offset_us": _whole_us("offset_ms"),
+    "duration_us": _whole_us("duration_ms"),
+    "wait_us": _whole_us("wait_ms"),
 }
 
 
@@ -349,7 +374,7 @@ def duckdb_physical(table: Table) -> Table:
     return _DUCKDB_PHYSICAL.get(table.name, table)
 
 
-def duckdb_compact(columns: set[str] | frozenset[str]) -> bool:
+def duckdb_compact(columns: AbstractSet[str]) -> bool:
     """Whether a calls day table with these columns has the compact layout (DUCKDB_CALLS)."""
     return "rid" in columns and "trace_id" not in columns
 
@@ -363,25 +388,34 @@ def duckdb_insert_calls(physical: str, source: str) -> str:
     return f"INSERT INTO {quote(physical)} ({names}) SELECT {values} FROM {source}"
 
 
-def duckdb_day_select(table: Table, d: date, columns: dict[str, set[str]] | None = None) -> str:
+def duckdb_day_select(
+    table: Table, d: date, columns: Mapping[str, AbstractSet[str]] | None = None
+) -> str:
     """SELECT of one day of an event table with the logical columns, whatever its layout
     (``columns``: physical table -> its columns; None: the logical layout, as tables made by
-    ``duckdb_create(table, ...)``)."""
+    ``duckdb_create(table, ...)``). A compact calls table lacking a column (written by an
+    older version, opened read-only) reads it as NULL."""
     name = day_table(table, d)
     have = (columns or {}).get(name, set())
     if table.name == "calls" and duckdb_compact(have):
         req = quote(day_table(REQUESTS, d))
-        cols = ", ".join(
-            f"{_COMPACT_READ.get(c.name, 'c.' + quote(c.name))} AS {quote(c.name)}"
-            for c in table.columns
-        )
-        return f"SELECT {cols} FROM {quote(name)} c JOIN {req} r ON r.rid = c.rid"
+        cols = []
+        for c in table.columns:
+            physical = _COMPACT_COLUMN.get(c.name, (c.name, ""))[0]
+            if c.name in _CALL_OF_REQUEST or physical in have:
+                sql = _COMPACT_READ.get(c.name, "c." + quote(c.name))
+            else:
+                sql = f"CAST(NULL AS {_TYPES[c.type][0]})"
+            cols.append(f"{sql} AS {quote(c.name)}")
+        return f"SELECT {', '.join(cols)} FROM {quote(name)} c JOIN {req} r ON r.rid = c.rid"
     if table.name == "requests" and "rid" in have:
         return f"SELECT * EXCLUDE (rid) FROM {quote(name)}"
     return f"SELECT * FROM {quote(name)}"
 
 
-def duckdb_union(table: Table, days: list[date], columns: dict[str, set[str]] | None = None) -> str:
+def duckdb_union(
+    table: Table, days: list[date], columns: Mapping[str, AbstractSet[str]] | None = None
+) -> str:
     """SELECT over the given days of an event table (by name, so older days missing a newer
     column still line up), or the typed empty SELECT. ``columns``: see duckdb_day_select."""
     if not days:
@@ -396,7 +430,7 @@ def duckdb_view(
     days: list[date],
     *,
     temp: bool = False,
-    columns: dict[str, set[str]] | None = None,
+    columns: Mapping[str, AbstractSet[str]] | None = None,
 ) -> str:
     kind = "TEMP VIEW" if temp else "VIEW"
     return f"CREATE OR REPLACE {kind} {quote(table.name)} AS {duckdb_union(table, days, columns)}"

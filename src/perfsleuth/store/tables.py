@@ -239,10 +239,11 @@ def event_tables(
     cf = dict(zip([f.name for f in CALL_WIRE], flat.flatten(), strict=True))
     ckind = _internal_kind(pc.fill_null(cf["kind"], "unknown"), cf["fp"])
     cdur = _ms(cf["dur"])
-    # Sums of whole nanoseconds (exact below 2**53) in ms rounded to whole microseconds, what
-    # DuckDB keeps of a call: a short decimal, which DuckDB's ALP compresses (a sum of ms
-    # doubles is none: 7 -> 2.6 B a request each, benchmarks/ingest.py).
-    cdur_ns = to_numpy(cf["dur"], 0).astype(np.float64)
+    # Sums of the calls' durations in whole microseconds (what DuckDB keeps of a call, rounded
+    # the same way: a request's db_ms is the sum of its calls' stored durations), in ms: a
+    # short decimal, which DuckDB's ALP compresses (a sum of ms doubles is none: 7 -> 2.6 B a
+    # request each, benchmarks/ingest.py).
+    cdur_us = whole_us(to_numpy(cf["dur"], 0))
     parent_pa = pa.array(parent)
 
     agg: dict[str, Any] = {}
@@ -252,8 +253,8 @@ def event_tables(
         kind_code[mask] = code
         p = parent[mask]
         agg[f"{k}_calls"] = pa.array(np.bincount(p, minlength=n).astype(np.int32))
-        sums = np.bincount(p, weights=cdur_ns[mask], minlength=n)
-        agg[f"{k}_ms"] = pa.array(np.round(sums / 1e3) / 1e3)
+        sums = np.bincount(p, weights=cdur_us[mask], minlength=n)  # exact below 2**53
+        agg[f"{k}_ms"] = pa.array(sums / 1e3)
 
     req = pa.table(
         {
@@ -392,6 +393,13 @@ def _attributes(objs: list[tuple[int, Any]]) -> tuple[list[int], dict[str, list[
                     float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
                 )
     return rows, {"kind": kind, "key": key, "value": value, "num": num}
+
+
+def whole_us(ns: np.ndarray) -> np.ndarray:
+    """Nanoseconds in whole microseconds (float64), halves up: floor(ns / 1000 + 0.5), as
+    DuckDB's compact calls store durations (schema._whole_us); np.round would take halves to
+    even (2,500 ns -> 2 us where the call keeps 3)."""
+    return np.floor(ns.astype(np.float64) / 1e3 + 0.5)
 
 
 def _ms(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
