@@ -60,6 +60,7 @@ export interface Call {
   hit: boolean | null;
   wait_ms: number | null;
   error: string | null;
+  /** Equal within a request when the call's parameters are equal (compare it only between calls of one trace: its values mean nothing across requests). */
   params_hash?: string | number | null;
   unfinished: boolean | null;
   site: Frame | null;

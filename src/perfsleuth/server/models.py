@@ -331,7 +331,11 @@ class Call(Model):
     hit: bool | None
     wait_ms: float | None
     error: str | None
-    params_hash: str | int | None = None
+    params_hash: str | int | None = Field(
+        default=None,
+        description="Equal within a request when the call's parameters are equal (compare it "
+        "only between calls of one trace: its values mean nothing across requests).",
+    )
     unfinished: bool | None
     site: Frame | None
     stack: list[Frame]
