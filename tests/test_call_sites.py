@@ -218,3 +218,67 @@ def test_a_library_call_s_known_site_takes_no_python_site_path(
     assert app_frames(req.site_list[0][3])[0] == (
         "test_a_library_call_s_known_site_takes_no_python_site_path"
     )
+
+
+def test_a_request_s_first_call_at_a_known_place_compares_the_frames_above_it(
+    in_request: Callable[..., Any], site_path: str
+) -> None:
+    """The C site path remembers what a place's first call found (the site and its entry), so
+    the next request's first call there skips the walk for the site: it still compares the
+    frames above, and a call from the same line under other callers gets its own stack."""
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY)")
+
+    def helper() -> None:
+        db.execute("SELECT id FROM t WHERE id = ?", (1,)).fetchall()
+        _library["execute"](recorder.start_call, "SELECT * FROM p WHERE id = %s", (1,))
+
+    def caller_a() -> None:
+        helper()
+
+    def caller_b() -> None:
+        helper()
+
+    seen = []
+    for caller in (caller_a, caller_a, caller_b, caller_a):
+        with in_request("GET /memo") as req:
+            caller()
+        assert req.site_list is not None and len(req.site_list) == 2
+        seen.append(req.site_list)
+    a1, a2, b, a3 = seen
+    for k in (0, 1):
+        assert a2[k] is a1[k]  # the same frames: the entry reused
+        assert b[k] is not a1[k]  # the same line under another caller: a new stack
+        assert app_frames(b[k][3])[:2] == ["helper", "caller_b"]
+        assert b[k][4] == a1[k][4]  # the same site (helper's line)
+        assert app_frames(a3[k][3])[:2] == ["helper", "caller_a"]
+    recorder.forget_sites()
+    with in_request("GET /memo") as req:
+        caller_a()
+    assert req.site_list is not None
+    assert [e[4] for e in req.site_list] == [e[4] for e in a1]
+    assert all(e is not old for e, old in zip(req.site_list, a1, strict=True))  # made anew
+
+
+def test_a_code_classified_anew_moves_a_known_place_s_site_at_the_next_request(
+    in_request: Callable[..., Any], site_path: str
+) -> None:
+    """What the C site path remembers of a place holds only while the code kinds are as they
+    were: a library frame turned application code is the site from the next request on,
+    without the caches being forgotten."""
+    run = _library["run"].__code__
+    sql = "SELECT * FROM p WHERE id = %s"
+    keys = []
+    try:
+        for turn in range(4):
+            if turn == 2:
+                stacks._kind[id(run)] = (run, True)
+            with in_request("GET /kinds") as req:
+                _library["execute"](recorder.start_call, sql, (1,))
+            assert req.site_list is not None
+            keys.append(req.site_list[-1][4][1])
+    finally:
+        stacks._kind.pop(id(run), None)
+        recorder.forget_sites()
+    assert keys[0] == keys[1] != id(run)
+    assert keys[2] == keys[3] == id(run)

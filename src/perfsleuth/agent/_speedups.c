@@ -675,15 +675,17 @@ stack_at(PyFrameObject *frame, PyObject *key)
  * frame (else the first frame that is not the agent's), as recorder's Python path finds it,
  * walking at most max_depth frames; *templated: whether a template engine's frame is among the
  * frames stacks.capture(frame) walks (only looked for while engines are known), found in the
- * same walk. Returns 0 with *site a new reference (NULL: no frame), -1 on error. */
+ * same walk; *depth: how many frames above frame the site is when it is an application frame,
+ * else -1. Returns 0 with *site a new reference (NULL: no frame), -1 on error. */
 static int
-find_site(PyFrameObject *frame, PyFrameObject **site, int *templated)
+find_site(PyFrameObject *frame, PyFrameObject **site, int *templated, Py_ssize_t *depth)
 {
     PyFrameObject *f = (PyFrameObject *)Py_XNewRef(frame), *leaf = NULL;
     int found = 0, site_done = 0, tpl_done = engines == NULL, started = 0;
     Py_ssize_t site_depth = 0, tpl_depth = 0;
     *site = NULL;
     *templated = 0;
+    *depth = -1;
     while (f != NULL && !(site_done && tpl_done)) {
         int k = kind_of(f);
         if (k == -2)
@@ -694,6 +696,7 @@ find_site(PyFrameObject *frame, PyFrameObject **site, int *templated)
             }
             else if (k == 1) {
                 *site = (PyFrameObject *)Py_NewRef(f);
+                *depth = site_depth;
                 found = site_done = 1;
             }
             else if (k == 0 && leaf == NULL) {
@@ -777,6 +780,61 @@ note_params(PyObject *req, Layout *layout, Py_ssize_t i, PyObject *params)
     return r;
 }
 
+/* What record_site found for a statement made from a frame (its code and instruction): the
+ * site entry it used (the one in site_cache under the entry's key). A request's first call at
+ * the same place, with the same frames above it (same_stack against the entry's stack, the
+ * check record_site makes before reusing an entry anyway), then skips the walk for the call
+ * site and the template frames, whose answers depend on the frames' code only: the site is the
+ * same frame of the same stack, and no template frame is among them. Kept only for a site that
+ * is an application frame within the stack and no template frame; used only while site_cache
+ * still maps the key to that entry (forget_sites or a full cache clear it) and while the code
+ * kinds and the template engines' dicts are as they were (their version tags, as kind_of's memo:
+ * a code classified anew moves the site). Direct-mapped, by the statement's, the code's and the
+ * instruction's address; holds the statement and the entry (which holds the frame's code, the
+ * stack's first); emptied by configure and forget_memo. CPython 3.11 only (the version tags). */
+#define SITE_MEMO_SIZE 64 /* a power of two */
+typedef struct {
+    PyObject *sql;
+    const void *code;
+    int lasti;
+    uint64_t kinds_version, engines_version;
+    PyObject *entry;
+} SiteMemo;
+static SiteMemo site_memo[SITE_MEMO_SIZE];
+
+#if PY_VERSION_HEX < 0x030C0000
+#define SITE_MEMO 1
+static inline uint64_t
+dict_version(PyObject *dict) /* 0: no dict */
+{
+    return dict != NULL && PyDict_CheckExact(dict) ? ((PyDictObject *)dict)->ma_version_tag : 0;
+}
+#else
+#define SITE_MEMO 0
+#define dict_version(dict) 0
+#endif
+
+static inline SiteMemo *
+site_memo_slot(PyObject *sql, const void *code, int lasti)
+{
+    uintptr_t h = ((uintptr_t)sql >> 4) ^ ((uintptr_t)code >> 6) ^ (uintptr_t)(unsigned)lasti;
+    return &site_memo[(h ^ (h >> 7)) & (SITE_MEMO_SIZE - 1)];
+}
+
+static void
+clear_site_memo(void)
+{
+    for (int i = 0; i < SITE_MEMO_SIZE; i++) {
+        SiteMemo *m = &site_memo[i];
+        PyObject *sql = m->sql, *entry = m->entry;
+        m->sql = m->entry = NULL;
+        m->code = NULL;
+        m->lasti = -1;
+        Py_XDECREF(sql);
+        Py_XDECREF(entry);
+    }
+}
+
 /* record_call's slow path (recorder.ActiveRequest._record_call) for a statement (an exact
  * str) made from frame (borrowed: the wrapper's caller), its parameters a tuple, None (none)
  * or anything else (a dict, a list: noted on the row for the writer to hash): the call site,
@@ -834,7 +892,32 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
         params = NULL;
     }
     int templated = 0;
-    if (find_site(frame, &f, &templated) < 0)
+    Py_ssize_t site_depth = -1;
+    PyCodeObject *fcode = PyFrame_GetCode(frame);
+    int flasti = PyFrame_GetLasti(frame);
+    Py_DECREF(fcode); /* the frame holds it */
+    SiteMemo *memo = site_memo_slot(sql, fcode, flasti);
+    if (SITE_MEMO && memo->sql == sql && memo->code == fcode && memo->lasti == flasti &&
+        memo->kinds_version == dict_version(code_kinds) &&
+        memo->engines_version == dict_version(engines)) {
+        PyObject *known = memo->entry, *known_key = PyTuple_GET_ITEM(known, 4);
+        if (PyTuple_GET_ITEM(known, 0) == kind && PyTuple_GET_ITEM(known, 1) == system &&
+            PyDict_GetItemWithError(site_cache, known_key) == known) {
+            entry = Py_NewRef(known); /* held: same_stack may run Python code */
+            int same = same_stack(frame, PyTuple_GET_ITEM(entry, 3));
+            if (same < 0)
+                goto done;
+            if (same) {
+                key = Py_NewRef(PyTuple_GET_ITEM(entry, 4));
+                goto have_entry;
+            }
+            Py_CLEAR(entry);
+        }
+        else if (PyErr_Occurred()) {
+            goto done;
+        }
+    }
+    if (find_site(frame, &f, &templated, &site_depth) < 0)
         goto done;
     PyObject *where, *lasti;
     if (f != NULL) {
@@ -869,8 +952,22 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
     Py_XDECREF(lasti);
     if (key == NULL)
         goto done;
+have_entry:;
     PyObject *slot = PyDict_GetItemWithError(sites, key); /* borrowed */
-    if (slot == NULL) {
+    if (slot == NULL && entry != NULL) { /* a memo's entry, its stack compared: reused */
+        if (PyErr_Occurred())
+            goto done;
+        if (PyList_Append(site_list, entry) < 0)
+            goto done;
+        PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(site_list) - 1);
+        if (index == NULL || PyDict_SetItem(sites, key, index) < 0) {
+            Py_XDECREF(index);
+            goto done;
+        }
+        slot = index;
+        Py_DECREF(index); /* the dict holds it */
+    }
+    else if (slot == NULL) {
         if (PyErr_Occurred())
             goto done;
         entry = PyDict_GetItemWithError(site_cache, key); /* borrowed */
@@ -902,6 +999,21 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
                 PyDict_Clear(site_cache);
             if (PyDict_SetItem(site_cache, key, entry) < 0)
                 goto done;
+        }
+        PyObject *flat = PyTuple_GET_ITEM(entry, 3);
+        if (SITE_MEMO && !templated && site_depth >= 0 && PyTuple_GET_SIZE(key) == 3 &&
+            PyTuple_CheckExact(flat) && 2 * site_depth < PyTuple_GET_SIZE(flat) &&
+            PyTuple_GET_ITEM(flat, 0) == (PyObject *)fcode) {
+            /* the stack starts at frame (not the agent's) and holds the site */
+            PyObject *old_sql = memo->sql, *old_entry = memo->entry;
+            memo->sql = Py_NewRef(sql);
+            memo->code = fcode;
+            memo->lasti = flasti;
+            memo->kinds_version = dict_version(code_kinds);
+            memo->engines_version = dict_version(engines);
+            memo->entry = Py_NewRef(entry);
+            Py_XDECREF(old_sql);
+            Py_XDECREF(old_entry);
         }
         if (PyList_Append(site_list, entry) < 0)
             goto done;
@@ -2468,6 +2580,14 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
         max_sites = sites;
     if (per_site > 0)
         one_stack_per_site = per_site == 1;
+    clear_site_memo(); /* what it found may depend on what changed (template engines) */
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+forget_memo(PyObject *module, PyObject *unused)
+{
+    clear_site_memo();
     Py_RETURN_NONE;
 }
 
@@ -2493,6 +2613,9 @@ static PyMethodDef module_methods[] = {
     {"begin", (PyCFunction)(void (*)(void))begin, METH_FASTCALL | METH_KEYWORDS,
      "begin(kind, method='', path='', *, cpu=False, cls=request_class): recorder.begin."},
     {"end", (PyCFunction)end, METH_O, "end(req): recorder.end."},
+    {"forget_memo", (PyCFunction)forget_memo, METH_NOARGS,
+     "forget_memo(): drop what record_site remembers of the places statements were made "
+     "(recorder.forget_sites)."},
     {"cpu_clock_reads", (PyCFunction)cpu_clock_reads, METH_NOARGS,
      "cpu_clock_reads(): how many times the thread CPU clock was read (a system call each)."},
     {"row", (PyCFunction)(void (*)(void))row, METH_FASTCALL,

@@ -133,6 +133,12 @@ def forget_sites() -> None:
     accelerator holds the same dicts."""
     _site_cache.clear()
     _stack_cache.clear()
+    forget_memo = getattr(speedups, "forget_memo", None)  # record_site's memo of places
+    if forget_memo is not None:
+        try:
+            forget_memo()
+        except Exception:
+            internal_error()
     for hook in forget_hooks:
         try:
             hook()
