@@ -2584,6 +2584,105 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
     Py_RETURN_NONE;
 }
 
+/* spool.queue.enqueue's common case in C (the request fits: the queue is not full, the
+ * recorder's site cache did not grow, the bytes fit the queue's share of the budget): the same
+ * reads and writes of the queue module's globals, in the same order, without a Python frame.
+ * Anything else (a drop, a site cache that grew, an odd value) is the Python enqueue's, which
+ * then decides from the same globals; nothing is changed before handing over. */
+static PyObject *queue_ns;       /* spool.queue's globals */
+static PyObject *queue_fallback; /* spool.queue.python_enqueue */
+static PyObject *s_queue_size, *s_queue, *s_sizes, *s_queue_bytes, *s_queue_limit,
+    *s_site_cache, *s_sites_seen, *s_request_bytes, *s_wake_at, *s_wake, *s_append, *s_set;
+
+static int
+ns_ll(PyObject *name, long long *out) /* an exact int global: 1, else 0 (error cleared) */
+{
+    PyObject *v = PyDict_GetItemWithError(queue_ns, name); /* borrowed */
+    if (v == NULL || !PyLong_CheckExact(v))
+        return 0;
+    *out = PyLong_AsLongLong(v);
+    return !(*out == -1 && PyErr_Occurred());
+}
+
+static PyObject *
+c_enqueue(PyObject *module, PyObject *req)
+{
+    if (queue_ns == NULL || queue_fallback == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "configure_queue first");
+        return NULL;
+    }
+    Layout *layout = layout_of(Py_TYPE(req));
+    long long cap, size, queued_bytes, limit, wake_at;
+    PyObject *q, *sizes;
+    if (layout == NULL || !ns_ll(s_queue_size, &cap) || !ns_ll(s_request_bytes, &size) ||
+        !ns_ll(s_queue_bytes, &queued_bytes) || !ns_ll(s_queue_limit, &limit) ||
+        !ns_ll(s_wake_at, &wake_at) ||
+        (q = PyDict_GetItemWithError(queue_ns, s_queue)) == NULL ||
+        (sizes = PyDict_GetItemWithError(queue_ns, s_sizes)) == NULL)
+        goto python;
+    Py_ssize_t n = PyObject_Size(q);
+    if (n < 0 || n >= cap)
+        goto python;
+    PyObject *calls = get_field(req, layout, F_CALLS);
+    if (calls != NULL && calls != Py_None) {
+        long long seen;
+        PyObject *cache = PyDict_GetItemWithError(queue_ns, s_site_cache);
+        if (!PyByteArray_CheckExact(calls) || cache == NULL || !PyDict_CheckExact(cache) ||
+            !ns_ll(s_sites_seen, &seen) || PyDict_GET_SIZE(cache) != seen)
+            goto python;
+        size += PyByteArray_GET_SIZE(calls);
+    }
+    PyObject *attrs = get_field(req, layout, F_ATTRS);
+    if (attrs != NULL && attrs != Py_None) {
+        Py_ssize_t k = PyObject_Size(attrs);
+        if (k < 0)
+            goto python;
+        size += 128 * (long long)k;
+    }
+    if (queued_bytes + size > limit)
+        goto python;
+    q = Py_NewRef(q); /* held: the calls below may run Python code */
+    sizes = Py_NewRef(sizes);
+    PyObject *total = PyLong_FromLongLong(queued_bytes + size);
+    PyObject *one_size = total ? PyLong_FromLongLong(size) : NULL;
+    int bad = one_size == NULL || PyDict_SetItem(queue_ns, s_queue_bytes, total) < 0;
+    PyObject *r = bad ? NULL : PyObject_CallMethodOneArg(sizes, s_append, one_size);
+    bad |= r == NULL;
+    Py_XDECREF(r);
+    r = bad ? NULL : PyObject_CallMethodOneArg(q, s_append, req);
+    bad |= r == NULL;
+    Py_XDECREF(r);
+    Py_XDECREF(total);
+    Py_XDECREF(one_size);
+    if (!bad && PyObject_Size(q) == wake_at) {
+        PyObject *wake = PyDict_GetItemWithError(queue_ns, s_wake); /* borrowed */
+        r = wake ? PyObject_CallMethodNoArgs(wake, s_set) : NULL;
+        bad |= r == NULL;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(q);
+    Py_DECREF(sizes);
+    if (bad)
+        return NULL;
+    Py_RETURN_NONE;
+python:
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    return PyObject_CallOneArg(queue_fallback, req);
+}
+
+static PyObject *
+configure_queue(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyDict_CheckExact(args[0]) || !PyCallable_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "configure_queue(queue module globals, python_enqueue)");
+        return NULL;
+    }
+    Py_XSETREF(queue_ns, Py_NewRef(args[0]));
+    Py_XSETREF(queue_fallback, Py_NewRef(args[1]));
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 forget_memo(PyObject *module, PyObject *unused)
 {
@@ -2613,6 +2712,10 @@ static PyMethodDef module_methods[] = {
     {"begin", (PyCFunction)(void (*)(void))begin, METH_FASTCALL | METH_KEYWORDS,
      "begin(kind, method='', path='', *, cpu=False, cls=request_class): recorder.begin."},
     {"end", (PyCFunction)end, METH_O, "end(req): recorder.end."},
+    {"enqueue", (PyCFunction)c_enqueue, METH_O,
+     "enqueue(req): spool.queue.enqueue (its common case here, the rest through Python's)."},
+    {"configure_queue", (PyCFunction)(void (*)(void))configure_queue, METH_FASTCALL,
+     "configure_queue(globals, python_enqueue): the queue module enqueue works on."},
     {"forget_memo", (PyCFunction)forget_memo, METH_NOARGS,
      "forget_memo(): drop what record_site remembers of the places statements were made "
      "(recorder.forget_sites)."},
@@ -2660,6 +2763,18 @@ PyInit__speedups(void)
     INTERN(s_pathsend, "http.response.pathsend");
     INTERN(s_zerocopy, "http.response.zerocopy");
     INTERN(s_empty, "");
+    INTERN(s_queue_size, "queue_size");
+    INTERN(s_queue, "_queue");
+    INTERN(s_sizes, "_sizes");
+    INTERN(s_queue_bytes, "_queue_bytes");
+    INTERN(s_queue_limit, "queue_limit");
+    INTERN(s_site_cache, "_site_cache");
+    INTERN(s_sites_seen, "_sites_seen");
+    INTERN(s_request_bytes, "REQUEST_BYTES");
+    INTERN(s_wake_at, "WAKE_AT");
+    INTERN(s_wake, "wake");
+    INTERN(s_append, "append");
+    INTERN(s_set, "set");
     INTERN(s_send, "send");
     INTERN(s_throw, "throw");
     INTERN(s_close, "close");

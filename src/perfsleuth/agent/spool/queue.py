@@ -112,6 +112,17 @@ def enqueue(req: recorder.ActiveRequest) -> None:
         wake.set()
 
 
+# enqueue's common case in C when the accelerator is there (agent/_speedups.c: the same reads and
+# writes of this module's globals; the rest, drops and a grown site cache, goes to this one).
+python_enqueue = enqueue
+if recorder.speedups is not None and hasattr(recorder.speedups, "enqueue"):
+    try:
+        recorder.speedups.configure_queue(globals(), python_enqueue)
+        enqueue = recorder.speedups.enqueue
+    except Exception:
+        recorder.internal_error()
+
+
 def emit(rtype: bytes, build: Build) -> bool:
     """Queue one event record (a wire.EVENT_TYPES type); never blocks. ``build`` runs on the
     writer thread, so the caller hands over references and does no encoding. Returns False

@@ -1,0 +1,101 @@
+"""spool.queue.enqueue: the C accelerator's (its common case; the rest handed to Python's) and
+the Python one keep the same books: bytes, sizes, wake-ups and drops."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+import pytest
+
+from perfsleuth.agent import recorder
+from perfsleuth.agent.spool import queue
+
+IMPLEMENTATIONS = ["python"] + (["c"] if hasattr(recorder.speedups, "enqueue") else [])
+
+
+def request(calls: int | None = None, attrs: int | None = None, sites: int = 0) -> Any:
+    req = recorder.ActiveRequest.__new__(recorder.ActiveRequest)
+    req.calls = None if calls is None else bytearray(calls * recorder.ROW)
+    req.attrs = None if attrs is None else {f"a{k}": k for k in range(attrs)}
+    req.site_list = [("db", "sqlite", "SELECT " + "x" * k, (), None) for k in range(sites)]
+    return req
+
+
+def run(impl: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Enqueue a fixed sequence of requests through one implementation: what it left."""
+    enqueue = queue.python_enqueue if impl == "python" else recorder.speedups.enqueue
+    site_cache: dict[Any, Any] = {}
+    full: list[int] = []
+    wake = threading.Event()
+    stats = dict.fromkeys(["dropped_queue_full", "dropped_memory", "cache_resets"], 0)
+    for name, value in {
+        "queue_size": 6,
+        "queue_limit": 6000,
+        "cache_limit": 10_000,
+        "WAKE_AT": 3,
+        "_queue": collections.deque(),
+        "_sizes": collections.deque(),
+        "_queue_bytes": 0,
+        "_site_cache": site_cache,
+        "_sites_seen": 0,
+        "_site_cache_bytes": 0,
+        "wake": wake,
+        "on_full": lambda: full.append(1),
+        "stats": stats,
+    }.items():
+        monkeypatch.setattr(queue, name, value)
+    woke = []
+    enqueue(request())  # no calls
+    enqueue(request(calls=3))
+    woke.append(wake.is_set())
+    enqueue(request(calls=2, attrs=2))  # the third: wakes the writer
+    woke.append(wake.is_set())
+    site_cache["k"] = 1  # the site cache grew: this request's statements are counted
+    enqueue(request(calls=1, sites=2))
+    enqueue(request(calls=1))  # seen since: not counted again
+    enqueue(request(calls=40))  # over queue_limit: dropped
+    enqueue(request())
+    enqueue(request())  # the queue holds 6: dropped
+    return {
+        "queued": len(queue._queue),
+        "sizes": list(queue._sizes),
+        "bytes": queue._queue_bytes,
+        "sites_seen": queue._sites_seen,
+        "site_cache_bytes": queue._site_cache_bytes,
+        "woke": woke,
+        "full": len(full),
+        "stats": stats,
+    }
+
+
+def test_the_c_enqueue_keeps_the_python_one_s_books(monkeypatch: pytest.MonkeyPatch) -> None:
+    if "c" not in IMPLEMENTATIONS:
+        pytest.skip("the C accelerator is not built")
+    with monkeypatch.context() as m:
+        python = run("python", m)
+    with monkeypatch.context() as m:
+        c = run("c", m)
+    assert c == python
+    r = queue.REQUEST_BYTES
+    assert python["sizes"] == [
+        r,
+        r + 3 * recorder.ROW,
+        r + 2 * recorder.ROW + 256,
+        r + recorder.ROW + 2 * queue.SITE_ENTRY_BYTES + len("SELECT ") * 2 + 1,
+        r + recorder.ROW,
+        r,
+    ]
+    assert python["bytes"] == sum(python["sizes"])
+    assert python["woke"] == [False, True]
+    assert python["stats"] == {"dropped_queue_full": 1, "dropped_memory": 1, "cache_resets": 0}
+    assert python["full"] == 2
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_enqueue_is_the_queue_s_enqueue(impl: str) -> None:
+    if impl == "c":
+        assert queue.enqueue is recorder.speedups.enqueue
+    else:
+        assert queue.python_enqueue.__module__ == queue.__name__
