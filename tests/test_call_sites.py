@@ -282,3 +282,26 @@ def test_a_code_classified_anew_moves_a_known_place_s_site_at_the_next_request(
         recorder.forget_sites()
     assert keys[0] == keys[1] != id(run)
     assert keys[2] == keys[3] == id(run)
+
+
+def test_calls_alternating_between_statements_at_one_line_keep_their_sites(
+    in_request: Callable[..., Any],
+) -> None:
+    """The C wrappers remember the last site a request's statement took (record_site sets it
+    when the site is the calling frame): statements alternating at one line keep their own."""
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY)")
+    a, b = "SELECT id FROM t WHERE id = ?", "SELECT id FROM t WHERE id > ?"
+    for _ in range(2):  # the second request: its first calls find the places known
+        with in_request("GET /alternate") as req:
+            for sql in (a, b, a, a, b, b, a):
+                db.execute(sql, (1,)).fetchall()
+            db.execute(b, (2,)).fetchall()  # another line
+        assert req.site_list is not None and req.calls is not None
+        slots = [
+            recorder.get_field(req.calls, i + recorder.SLOT)
+            for i in range(0, len(req.calls), recorder.ROW)
+        ]
+        assert slots == [0, 1, 0, 0, 1, 1, 0, 2]
+        assert [e[2] for e in req.site_list] == [a, b, b]
+        assert req.site_list[1][4] != req.site_list[2][4]

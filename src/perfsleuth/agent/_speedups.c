@@ -812,6 +812,7 @@ typedef struct {
     PyObject *sql;
     const void *code;
     int lasti;
+    int at_frame; /* the site is the calling frame itself (site_depth 0) */
     uint64_t kinds_version, engines_version;
     PyObject *entry;
 } SiteMemo;
@@ -924,6 +925,7 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
                 goto done;
             if (same) {
                 key = Py_NewRef(PyTuple_GET_ITEM(entry, 4));
+                site_depth = memo->at_frame ? 0 : -1;
                 goto have_entry;
             }
             Py_CLEAR(entry);
@@ -1026,6 +1028,7 @@ have_entry:;
             memo->lasti = flasti;
             memo->kinds_version = dict_version(code_kinds);
             memo->engines_version = dict_version(engines);
+            memo->at_frame = site_depth == 0;
             memo->entry = Py_NewRef(entry);
             Py_XDECREF(old_sql);
             Py_XDECREF(old_entry);
@@ -1039,6 +1042,15 @@ have_entry:;
         }
         slot = index;
         Py_DECREF(index); /* the dict holds it */
+    }
+    if (site_depth == 0 && !templated && PyTuple_GET_SIZE(key) == 3) {
+        /* the site is the calling frame: record_fast's key is the site's, so its next call
+         * there in this request takes the slot without looking the key up */
+        Py_XSETREF(last_req, Py_NewRef(req));
+        Py_XSETREF(last_sql, Py_NewRef(sql));
+        Py_XSETREF(last_slot, Py_NewRef(slot));
+        last_code = fcode; /* kept alive by the site entry the slot names (its stack's first) */
+        last_lasti = flasti;
     }
     Py_ssize_t i = append_row(calls, slot, ph);
     if (i < 0)
