@@ -920,12 +920,13 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
         if (PyTuple_GET_ITEM(known, 0) == kind && PyTuple_GET_ITEM(known, 1) == system &&
             PyDict_GetItemWithError(site_cache, known_key) == known) {
             entry = Py_NewRef(known); /* held: same_stack may run Python code */
+            int at_frame = memo->at_frame; /* read now: that code may rewrite the slot */
             int same = same_stack(frame, PyTuple_GET_ITEM(entry, 3));
             if (same < 0)
                 goto done;
             if (same) {
                 key = Py_NewRef(PyTuple_GET_ITEM(entry, 4));
-                site_depth = memo->at_frame ? 0 : -1;
+                site_depth = at_frame ? 0 : -1;
                 goto have_entry;
             }
             Py_CLEAR(entry);
@@ -2661,10 +2662,10 @@ c_enqueue(PyObject *module, PyObject *req)
     }
     PyObject *attrs = get_field(req, layout, F_ATTRS);
     if (attrs != NULL && attrs != Py_None) {
-        Py_ssize_t k = PyObject_Size(attrs);
-        if (k < 0)
+        /* a dict's size runs no Python code (which could rebind the queue read above) */
+        if (!PyDict_CheckExact(attrs))
             goto python;
-        size += 128 * (long long)k;
+        size += 128 * (long long)PyDict_GET_SIZE(attrs);
     }
     if (queued_bytes + size > limit)
         goto python;
