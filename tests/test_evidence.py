@@ -390,6 +390,42 @@ def test_a_block_after_the_handler_returned_counts_with_the_handler(tmp_path: Pa
     assert theirs.evidence["after_return"] == 0
 
 
+def test_a_loop_waiting_for_a_new_pool_thread_to_start_is_not_a_blocker(tmp_path: Path) -> None:
+    """On an oversubscribed machine the loop waited 143 ms inside ``Thread.start`` (anyio's
+    pool growing for a sync endpoint: the new thread had no CPU to start on) and a clean
+    endpoint got an event_loop_blocker at threading.py's Condition.wait. Waiting for a thread
+    to be scheduled is the machine's (cpu_starved), not the endpoint's; a Condition.wait
+    reached otherwise (a future's result awaited synchronously) is still a blocker."""
+    data = tmp_path / "data"
+    w = SegmentWriter(str(data))
+    threading_py = "/usr/lib/python3.11/threading.py"
+    lib = ("/usr/lib/python3.11/asyncio/events.py", 80, "Handle._run", False)
+    wait = (threading_py, 327, "Condition.wait", False)
+    start = w.stack([lib, ("/venv/site-packages/anyio/to_thread.py", 56, "run_sync", False),
+                     (threading_py, 964, "Thread.start", False), (threading_py, 629, "Event.wait",
+                     False), wait])  # fmt: skip
+    result = w.stack([lib, ("/srv/app/main.py", 12, "report", True),
+                      ("/usr/lib/python3.11/concurrent/futures/_base.py", 451, "Future.result",
+                      False), wait])  # fmt: skip
+    for i, (endpoint, stack) in enumerate(
+        [("GET /orders/{id}", start), ("GET /report", result)] * 2
+    ):
+        trace = f"{i + 1:016x}"
+        w.request(endpoint, trace_id=trace, dur_ms=400)
+        w.event(
+            b"B",
+            {"ts": time.time_ns(), "dur": 140_000_000, "delayed": 10, "id": trace,
+             "endpoint": endpoint, "stacks": [[stack, 5]]},
+        )  # fmt: skip
+    w.close()
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+        found = {f.endpoint: f for f in find(store, kinds=["event_loop_blocker"])}
+    assert set(found) == {"GET /report"}
+    assert found["GET /report"].callsite is not None
+    assert found["GET /report"].callsite["line"] == 12
+
+
 def test_a_store_from_before_evidence_is_migrated(tmp_path: Path) -> None:
     data = tmp_path / "data"
     w = SegmentWriter(str(data))

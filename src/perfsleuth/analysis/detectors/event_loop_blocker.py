@@ -86,6 +86,16 @@ def _function_defs(path: str, mtime_ns: int) -> tuple[tuple[int, int, str, bool]
     return tuple(out)
 
 
+def starting_a_thread(stack: list[frames.Frame]) -> bool:
+    """Whether the loop was caught inside ``threading.Thread.start``: waiting for a thread it
+    started (a thread pool growing: anyio's workers, an executor's) to be scheduled. That
+    takes microseconds unless the machine has no CPU to give it; the block is the machine's
+    (cpu_starved reports it), not the endpoint's code, and no line of the app can fix it."""
+    return any(
+        f.function == "Thread.start" and (f.file or "").endswith("threading.py") for f in stack
+    )
+
+
 @register(KIND)
 def detect(ctx: Context) -> list[Finding]:
     rows = ctx.store.query(_SQL, [ctx.cutoff, ctx.cutoff, ctx.endpoint, ctx.endpoint])
@@ -100,6 +110,8 @@ def detect(ctx: Context) -> list[Finding]:
     handlers: dict[tuple[str, str | None, str | None], Counter[frames.Frame]] = {}
     for r in rows:
         st = stacks.get(r["stack_id"], [])
+        if starting_a_thread(st):
+            continue
         app = [f for f in st if f.app]
         f = app[-1] if app else (st[-1] if st else frames.UNKNOWN)
         entry = handler_frame(st) or f
