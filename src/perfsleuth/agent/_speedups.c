@@ -851,6 +851,22 @@ clear_site_memo(void)
     }
 }
 
+/* Append entry to the request's site list and map key to its index in the request's sites:
+ * the index (borrowed: the dict holds it), or NULL with an exception set. */
+static PyObject *
+add_site(PyObject *site_list, PyObject *sites, PyObject *key, PyObject *entry)
+{
+    if (PyList_Append(site_list, entry) < 0)
+        return NULL;
+    PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(site_list) - 1);
+    if (index == NULL || PyDict_SetItem(sites, key, index) < 0) {
+        Py_XDECREF(index);
+        return NULL;
+    }
+    Py_DECREF(index);
+    return index;
+}
+
 /* record_call's slow path (recorder.ActiveRequest._record_call) for a statement (an exact
  * str) made from frame (borrowed: the wrapper's caller), its parameters a tuple, None (none)
  * or anything else (a dict, a list: noted on the row for the writer to hash): the call site,
@@ -975,15 +991,9 @@ have_entry:;
     if (slot == NULL && entry != NULL) { /* a memo's entry, its stack compared: reused */
         if (PyErr_Occurred())
             goto done;
-        if (PyList_Append(site_list, entry) < 0)
+        slot = add_site(site_list, sites, key, entry);
+        if (slot == NULL)
             goto done;
-        PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(site_list) - 1);
-        if (index == NULL || PyDict_SetItem(sites, key, index) < 0) {
-            Py_XDECREF(index);
-            goto done;
-        }
-        slot = index;
-        Py_DECREF(index); /* the dict holds it */
     }
     else if (slot == NULL) {
         if (PyErr_Occurred())
@@ -1034,15 +1044,9 @@ have_entry:;
             Py_XDECREF(old_sql);
             Py_XDECREF(old_entry);
         }
-        if (PyList_Append(site_list, entry) < 0)
+        slot = add_site(site_list, sites, key, entry);
+        if (slot == NULL)
             goto done;
-        PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(site_list) - 1);
-        if (index == NULL || PyDict_SetItem(sites, key, index) < 0) {
-            Py_XDECREF(index);
-            goto done;
-        }
-        slot = index;
-        Py_DECREF(index); /* the dict holds it */
     }
     if (site_depth == 0 && !templated && PyTuple_GET_SIZE(key) == 3) {
         /* the site is the calling frame: record_fast's key is the site's, so its next call
