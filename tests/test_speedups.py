@@ -67,6 +67,94 @@ def test_begin_and_end_set_what_the_python_ones_set(
     assert c_req.token is None and c_req.sites is recorder._NO_SITES
 
 
+IMPLEMENTATIONS = {
+    "c": (lambda: recorder.speedups.begin, lambda: recorder.speedups.end),
+    "python": (lambda: recorder.python_begin, lambda: recorder.python_end),
+}
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+def test_a_collection_during_a_request_s_end_leaves_no_request_current(
+    agent_data_dir: str, impl: str
+) -> None:
+    """CPython 3.11: a collection that starts inside the reset of a context variable (the
+    reset's own allocation) and reads the variable (the agent's GC callback asked whose
+    request it was) leaves the variable's cache holding the value just removed. The ended
+    request stayed "current": every later begin() in that context returned None, and the
+    thread's requests went unrecorded (seen in the test suite: from the 19th request on).
+    Now the callback reads a copy of the context, and begin() clears an ended request left
+    current. (3.12 fixed the cache; the test passes there either way.)"""
+    import contextvars
+    import gc
+
+    from perfsleuth.agent import gcwatch
+
+    if not gcwatch._installed:
+        gcwatch.install(1.0)
+    begin, end = (get() for get in IMPLEMENTATIONS[impl])
+    got: list[recorder.ActiveRequest] = []
+    others = [contextvars.ContextVar(f"other{i}") for i in range(20)]
+
+    def requests() -> list[str]:
+        for i, var in enumerate(others):  # a context holding more than our variable
+            var.set(i)
+        problems = []
+        threshold = gc.get_threshold()
+        gc.set_threshold(1)  # a young collection at nearly every allocation
+        try:
+            for i in range(200):
+                req = begin("web", "GET", f"/p/{i}")
+                if req is None:
+                    problems.append(f"request {i} not recorded")
+                    continue
+                end(req)
+                if recorder.current() is not None:
+                    problems.append(f"request {i} still current after its end")
+        finally:
+            gc.set_threshold(*threshold)
+        return problems
+
+    recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
+    try:
+        problems = contextvars.Context().run(requests)
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    assert problems == [] and len(got) == 200
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+def test_begin_records_in_place_of_an_ended_request_left_current(
+    agent_data_dir: str, impl: str
+) -> None:
+    begin, end = (get() for get in IMPLEMENTATIONS[impl])
+    got: list[recorder.ActiveRequest] = []
+
+    def run() -> tuple[Any, Any, Any]:
+        outer = begin("web", "GET", "/outer")
+        nested = begin("web", "GET", "/nested")  # a live request: the outer one records
+        end(outer)
+        recorder._current.set(outer)  # ended, yet current (what a stale cache returned)
+        after = begin("web", "GET", "/after")
+        if after is not None:
+            end(after)
+        return outer, nested, after
+
+    recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
+    try:
+        outer, nested, after = contextvars_run(run)
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    assert outer is not None and nested is None
+    assert after is not None and after.path == "/after" and recorder.current() is None
+    assert [r.path for r in got] == ["/outer", "/after"]
+
+
+def contextvars_run(fn: Callable[[], Any]) -> Any:
+    import contextvars
+
+    return contextvars.Context().run(fn)
+
+
 def test_begin_records_nothing_while_the_agent_is_off(agent_data_dir: str) -> None:
     recorder.configure(None, max_calls=20000, stacks_per_site=1)
     try:

@@ -1479,9 +1479,27 @@ begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnam
         failed();
         Py_RETURN_NONE;
     }
-    if (running != NULL && running != Py_None) { /* nested: the outer framework records */
+    if (running != NULL && running != Py_None) {
+        /* nested: the outer framework records. Unless that request has ended: a stale read
+         * (CPython 3.11's variable cache, left holding the value a reset removed when code
+         * read the variable during the reset's own allocation: a collection's callback, a
+         * finaliser); clear it and record this one. */
+        Layout *held = layout_of(Py_TYPE(running));
+        PyObject *ended = held ? get_field(running, held, F_END) : NULL;
+        int stale = ended != NULL && PyLong_CheckExact(ended) && ended != zero &&
+                    PyObject_IsTrue(ended) == 1;
+        if (held == NULL)
+            PyErr_Clear();
         Py_DECREF(running);
-        Py_RETURN_NONE;
+        if (!stale)
+            Py_RETURN_NONE;
+        PyObject *t = PyContextVar_Set(current_var, Py_None);
+        if (t == NULL) {
+            failed();
+            Py_RETURN_NONE;
+        }
+        Py_DECREF(t);
+        running = NULL;
     }
     Py_XDECREF(running);
     PyTypeObject *cls = (PyTypeObject *)(values[4] && values[4] != Py_None ? values[4]

@@ -28,6 +28,7 @@ SystemError (seen in CI).
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import os
 import sys
@@ -46,7 +47,12 @@ recorder.stats.update(
     {"gc_collections": 0, "gc_events_dropped": 0, "gc_full_collections": 0, "gc_heap_objects": 0}
 )
 
-_current_get = recorder.current_get
+# The request in whose context a collection ran, read from a copy of the context: not by the
+# variable's get(), whose cache CPython 3.11 leaves stale when a collection runs inside a
+# reset that removes the variable (the reset's allocation) and reads it meanwhile; the ended
+# request then stayed "current" and the thread's next requests went unrecorded.
+_copy_context = contextvars.copy_context
+_current_var = recorder._current
 _start = [0]
 _min_ns = 1_000_000
 # (ts, dur, generation, collected, charged trace id or None, ids in flight, delayed)
@@ -71,7 +77,7 @@ def _callback(phase: str, info: dict[str, Any]) -> None:
             stats["gc_full_collections"] += 1
             if recorder.inflight:  # a process serving nothing (a server's master) ships none
                 _heap_due[0] = True
-        charged = _current_get()
+        charged = _copy_context().get(_current_var)
         if charged is not None and not charged.end:  # (end set: a context that outlived it)
             charged.gc_ns += dur
             charged.gc_count += 1

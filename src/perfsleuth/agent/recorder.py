@@ -554,8 +554,15 @@ def begin(
     """Start recording a request in the current context. None when the agent is off or when a
     request is already being recorded here (nested frameworks record the outer one only).
     ``cls``: a subclass with more slots (the ASGI integration's)."""
-    if _sink is None or _current.get() is not None:
+    if _sink is None:
         return None
+    running = _current.get()
+    if running is not None:
+        # nested: the outer framework records; unless that request has ended (a stale read
+        # of CPython 3.11's variable cache: see _speedups.c's begin): cleared, recorded
+        if not getattr(running, "end", 0):
+            return None
+        _current.set(None)
     try:
         req = _new(cls)
         req.trace_id = _getrandbits(64) or 1
