@@ -229,3 +229,67 @@ def test_a_batchs_new_statements_are_scanned_together_within_the_budget(
     assert calls == []
     texts = {o["text"].split(":")[0] for t, o in recs if t == FINGERPRINT}
     assert texts == {"[not fingerprinted"}
+
+
+def test_a_scan_that_spent_the_budget_still_fingerprints_what_it_scanned(
+    recorded: list[recorder.ActiveRequest], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The batch's scan is the costly part of fingerprinting, and it is spent when it returns:
+    # a scan that takes the writer past its budget leaves no statement it scanned hash-only.
+    # Before: the 20 statements scanned were all written "[not fingerprinted ...]".
+    from perfsleuth.wire import fingerprint as fpr
+
+    if fpr._c_tokens is None:
+        pytest.skip("C tokenizer not built")
+    many = fpr.sql_tokens_many
+
+    def long_scan(statements: list[Any]) -> Any:
+        res = many(statements)
+        return None if res is None else (res[0], 10**12)  # as if it took 1,000 s
+
+    monkeypatch.setattr(fpr, "sql_tokens_many", long_scan)
+    statements_page(7)
+    enc = Encoder(fingerprint_cpu_pct=5.0)
+    recs = records(encode_requests(recorded, Interned(), encoder=enc))
+    texts = {o["text"] for t, o in recs if t == FINGERPRINT}
+    assert texts == {"SELECT id FROM orders WHERE id IN (...) AND note <> ?"}
+    # the next batch's new statements find the budget spent: hashes, counted
+    recorded.clear()
+    statements_page(8)
+    recs = records(encode_requests(recorded, Interned(), encoder=enc))
+    assert {o["text"].split(":")[0] for t, o in recs if t == FINGERPRINT} == {"[not fingerprinted"}
+
+
+def test_one_off_urls_and_cache_keys_are_kept_from_their_second_sighting(
+    recorded: list[recorder.ActiveRequest],
+) -> None:
+    # A call's own target (an HTTP call's URL, a cache key) mostly carries an id and comes
+    # once; like a site, it is kept in the writer's caches only when it comes again. Before:
+    # every distinct URL and key was kept (100 entries here), filling the 4 MB of caches
+    # after ~10k such calls (then everything was cleared and the segment rotated).
+    def page(oid: int) -> None:
+        req = recorder.begin("web", "GET", f"/users/{oid}")
+        assert req is not None
+        for j in range(5):  # as agent.instrument.http and .cache record them
+            for kind, system, target in (
+                ("http", "http", ("GET", f"http://api.internal/users/{oid * 10 + j}")),
+                ("cache", "redis", ("GET", f"user:{oid * 10 + j}")),
+            ):
+                call = recorder.start_call(kind, system, None)
+                assert call is not None
+                call.target = target
+                call.finish()
+        recorder.end(req)
+
+    for oid in range(20):
+        page(oid)
+    enc = Encoder(fingerprint_cpu_pct=None)
+    recs = records(encode_requests(recorded, Interned(), encoder=enc))
+    (batch,) = [o for t, o in recs if t == REQUESTS]
+    assert all(c.get("fp") is not None for r in batch for c in r["calls"])
+    assert len(enc.fps) == 0  # none kept: 200 before
+    recorded.clear()
+    for oid in (3, 3):
+        page(oid)
+    encode_requests(recorded, Interned(), encoder=enc)
+    assert len(enc.fps) == 10  # the targets seen again: kept

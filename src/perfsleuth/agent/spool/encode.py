@@ -238,6 +238,19 @@ class Encoder:
             pre.update(zip(chunk, tokens, strict=True))
             lo = hi
 
+    def _seen_before(self, h: int) -> bool:
+        """Whether the hash ``h`` (of a site key, of a call's own target) was seen before;
+        remembers it if not (up to ONCE_MAX hashes, then starts again)."""
+        once = self.once
+        if h in once:
+            return True
+        if len(once) >= ONCE_MAX:
+            self.cache_bytes -= len(once) * SEEN_BYTES
+            once.clear()
+        once.add(h)
+        self.cache_bytes += SEEN_BYTES
+        return False
+
     def fingerprint(
         self, seg: Interned, out: list[bytes], kind: str, target: Any, keep: bool = True
     ) -> int:
@@ -252,7 +265,10 @@ class Encoder:
             key = (kind, hash(repr(target)))
         hit = self.fps.get(key)
         if hit is None:
-            if self._over_budget():
+            # a statement the batch's pass has scanned is finished whatever the budget: its
+            # scan, the costly part, is spent already
+            scanned = kind == "db" and type(target) is str and target in self.pre
+            if not scanned and self._over_budget():
                 # Over budget: detail goes, speed stays. Not cached, so the target gets its
                 # fingerprint when it comes again within budget.
                 stats["fingerprints_skipped"] += 1
@@ -321,30 +337,22 @@ class Encoder:
         # Kept in the caches from the second sighting of the site on: a statement with
         # literals in its text comes once, and would fill them (and its FINGERPRINT is found
         # by its tokens anyway).
-        h = hash(key)
-        again = h in self.once
+        again = self._seen_before(hash(key))
         tokens = None
-        if not again:
-            once = self.once
-            if len(once) >= ONCE_MAX:
-                self.cache_bytes -= len(once) * SEEN_BYTES
-                once.clear()
-            once.add(h)
-            self.cache_bytes += SEEN_BYTES
-            # Seen once, tokens scanned for this batch: a statement of a shape already made
-            # at this place (same tokens, same stack object) in this segment is that site.
-            if type(target) is str and self.pre:
-                tokens = self.pre.get(target)
-                if tokens is not None:
-                    shape = self.shapes.get((tokens, id(flat)))
-                    if (
-                        shape is not None
-                        and shape[0] is flat
-                        and shape[1] is kind
-                        and shape[2] is system
-                        and shape[3] == seg.serial
-                    ):
-                        return shape[4]  # type: ignore[no-any-return]
+        # Seen once, tokens scanned for this batch: a statement of a shape already made at
+        # this place (same tokens, same stack object) in this segment is that site.
+        if not again and type(target) is str and self.pre:
+            tokens = self.pre.get(target)
+            if tokens is not None:
+                shape = self.shapes.get((tokens, id(flat)))
+                if (
+                    shape is not None
+                    and shape[0] is flat
+                    and shape[1] is kind
+                    and shape[2] is system
+                    and shape[3] == seg.serial
+                ):
+                    return shape[4]  # type: ignore[no-any-return]
         # A new site: mostly a statement never seen (literals in its text) made where others
         # were, its stack the object the recorder captured there before (recorder._stack_cache).
         # That stack's ids are remembered by the object for the segment: no key of its frames
@@ -422,7 +430,13 @@ class Encoder:
                 x["extra"] = more["extra"]
             target = more.get("target")
             if target is not None:
-                x["fp"] = self.fingerprint(seg, out, kind, target)
+                # a call's own target (a URL, a cache key) is kept from its second sighting
+                # on, as a site is: most carry an id and come once
+                try:
+                    h = hash((kind, target))
+                except TypeError:  # an unhashable target (a list of URL parts): its text
+                    h = hash((kind, repr(target)))
+                x["fp"] = self.fingerprint(seg, out, kind, target, self._seen_before(h))
                 if kind == "http":
                     x["host"] = targets.host_of(target)
             if "params" in more:
