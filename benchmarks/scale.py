@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 
 from perfsleuth.server import queries
 from perfsleuth.server.window import window
-from perfsleuth.store import clickhouse_rollups, duckdb_rollups, rollups, schema
+from perfsleuth.store import rollups, schema
 from perfsleuth.store.clickhouse_store import ClickHouseStore
 from perfsleuth.store.duckdb_store import DuckDBStore
 from perfsleuth.store.duckdb_writer import RAW_DAYS
@@ -328,13 +328,12 @@ def report(data: str, engine: str = "duckdb") -> int:
         ep, *t = timed(lambda name=name: queries.endpoint_detail(store, w30, name))
         line(f"endpoint {name}, 30 days", *t, f"  [{ep['source']['source']}]")
     w7 = timedelta(days=7)
-    old = duckdb_rollups.RAW_MAX_REQUESTS, clickhouse_rollups.RAW_MAX_REQUESTS
-    duckdb_rollups.RAW_MAX_REQUESTS = 10**12  # raw rows whatever their number
-    clickhouse_rollups.RAW_MAX_REQUESTS = 10**12
+    old = rollups.RAW_MAX_REQUESTS
+    rollups.RAW_MAX_REQUESTS = 10**12  # raw rows whatever their number
     try:
         (raw, ans), *t = timed(lambda: store.top_answered(since=w7))
     finally:
-        duckdb_rollups.RAW_MAX_REQUESTS, clickhouse_rollups.RAW_MAX_REQUESTS = old
+        rollups.RAW_MAX_REQUESTS = old
     assert ans["source"] == "raw"
     line("p50/p95/p99 per endpoint, 7 days, raw rows", *t)
     (roll, ans), *t = timed(

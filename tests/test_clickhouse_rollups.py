@@ -32,8 +32,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 def force_rollups(monkeypatch: pytest.MonkeyPatch) -> None:
     """top() reads rollups whatever the number of requests, on both engines."""
-    monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
-    monkeypatch.setattr(clickhouse_rollups, "RAW_MAX_REQUESTS", -1)
+    monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", -1)
 
 
 @contextmanager
@@ -90,8 +89,7 @@ def test_top_from_chdb_rollups_is_within_2_percent_and_as_duckdbs(
         for by in (("endpoint",), ("service", "host"), ("endpoint", "kind")):
             raw, ans = ch.top_answered(since=timedelta(days=2), by=by)
             assert ans["source"] == "raw"
-            monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
-            monkeypatch.setattr(clickhouse_rollups, "RAW_MAX_REQUESTS", -1)
+            monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", -1)
             roll, ans = ch.top_answered(since=timedelta(days=2), by=by)
             duck_roll, duck_ans = duck.top_answered(since=timedelta(days=2), by=by)
             monkeypatch.undo()
@@ -122,11 +120,11 @@ def test_api_pages_from_rollups_are_the_same_on_both_engines(
         # the chart series from chDB's rollups against the raw rows: counts exact, p95 2 %
         w = window("6h", service="billing")
         roll = queries.overview(ch, w)
-        clickhouse_rollups.RAW_MAX_REQUESTS = 10**12
+        rollups.RAW_MAX_REQUESTS = 10**12
         try:
             raw = queries.overview(ch, w)
         finally:
-            clickhouse_rollups.RAW_MAX_REQUESTS = -1
+            rollups.RAW_MAX_REQUESTS = -1
         assert raw["source"]["charts"] == "raw"
         assert roll["throughput"] == raw["throughput"]
         for s, r in zip(roll["p95"]["series"], raw["p95"]["series"], strict=True):
@@ -170,7 +168,7 @@ def test_rollups_are_written_once_across_a_crash_and_a_rerun(
         assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 400}]
         assert sums_per_res(store) == {60: 400, 3600: 400, 86400: 400}
         # ClickHouse's merges sum rows of equal key: no figure changes
-        monkeypatch.setattr(clickhouse_rollups, "RAW_MAX_REQUESTS", -1)
+        monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", -1)
         before = store.top_answered(by=("endpoint",))
         for t in schema.ROLLUP_TABLES:
             store._client.command(f"OPTIMIZE TABLE {store._t(t.name)} FINAL")
@@ -239,7 +237,7 @@ def test_retention_drops_minute_partitions_after_7_days_and_rollup_days_after_90
         parts = store._parts(["rollup_stats", "rollup_hist"])
         assert parts and all(isinstance(partition_day(p)[1], int) for _, p in parts)
         # a window over the 10-day-old day begins at its first whole hour, from hour rows
-        monkeypatch.setattr(clickhouse_rollups, "RAW_MAX_REQUESTS", -1)
+        monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", -1)
         rows, ans = store.top_answered(since=timedelta(days=30))
         assert ans["source"] == "rollups" and ans["resolution_s"] == 60
         assert {r["endpoint"]: r["count"] for r in rows} == {"GET /a": 20, "GET /old": 10}
@@ -427,7 +425,7 @@ def test_otlp_rollups_follow_the_stored_requests_across_a_group_retried_payload_
         assert sums_per_res(store) == {60: 3, 3600: 3, 86400: 3}
         hist = store.query("SELECT res, sum(requests) AS n FROM rollup_hist GROUP BY res")
         assert {int(r["res"]): int(r["n"]) for r in hist} == {60: 3, 3600: 3, 86400: 3}
-        monkeypatch.setattr(clickhouse_rollups, "RAW_MAX_REQUESTS", -1)
+        monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", -1)
         rows, ans = store.top_answered(since=timedelta(hours=3))
         assert ans["source"] == "rollups"
         assert {r["endpoint"]: r["count"] for r in rows} == {"GET /a": 2, "GET /b": 1}

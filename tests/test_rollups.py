@@ -18,7 +18,7 @@ import pytest
 import store_engines
 from perfsleuth.server import queries
 from perfsleuth.server.window import window
-from perfsleuth.store import clickhouse_rollups, duckdb_rollups, rollups, schema
+from perfsleuth.store import duckdb_rollups, rollups, schema
 from perfsleuth.store.duckdb_store import DuckDBStore
 from perfsleuth.store.records import Batch
 from perfsleuth.store.tables import Tables
@@ -45,7 +45,7 @@ def store(data_dir: str) -> Iterator[DuckDBStore]:
 @pytest.fixture
 def from_rollups(monkeypatch: pytest.MonkeyPatch) -> None:
     """top() reads rollups whatever the number of requests."""
-    monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
+    monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", -1)
 
 
 def skewed(rng: random.Random) -> float:
@@ -135,7 +135,7 @@ def test_percentiles_from_rollups_are_within_2_percent_of_exact(
     for by in (("endpoint",), ("service", "host", "endpoint")):
         raw, answered = store.top_answered(by=by)
         assert answered["source"] == "raw"  # few requests: exact figures
-        monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
+        monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", -1)
         roll, answered = store.top_answered(by=by)
         monkeypatch.undo()
         assert answered["source"] == "rollups" and answered["resolution_s"] == 60
@@ -175,7 +175,7 @@ def test_rollups_of_many_batches_merge_and_compaction_changes_no_figure(
     hist = store.sql("SELECT res, sum(requests) FROM rollup_hist GROUP BY 1")[1]
     assert dict(hist) == by_res
     raw, _ = store.top_answered()
-    monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
+    monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", -1)
     before, _ = store.top_answered()
     compare(raw, before, ("endpoint",))
 
@@ -383,7 +383,7 @@ def test_chart_series_from_rollups_match_the_raw_ones_with_fleet_filters(
         raw_ov = queries.overview(store, w)
         raw_ep = queries.endpoint_detail(store, w, "GET /a")
         assert raw_ov["source"]["charts"] == "raw"
-        monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
+        monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", -1)
         ov = queries.overview(store, w)
         ep = queries.endpoint_detail(store, w, "GET /a")
         monkeypatch.undo()
@@ -483,8 +483,7 @@ def test_a_window_starting_before_the_first_rollup_day_is_answered_by_raw_rows(
         first = store.query("SELECT min(ts) AS t FROM rollup_stats")[0]["t"]
         raw_first = store.query("SELECT min(ts) AS t FROM requests")[0]["t"]
         assert raw_first.date() < first.date()
-        monkeypatch.setattr(duckdb_rollups, "RAW_MAX_REQUESTS", -1)
-        monkeypatch.setattr(clickhouse_rollups, "RAW_MAX_REQUESTS", -1)
+        monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", -1)
         for since in (timedelta(days=7), None):
             rows, ans = store.top_answered(since=since, by=("endpoint",))
             assert ans["source"] == "raw", since

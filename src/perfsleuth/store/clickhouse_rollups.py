@@ -45,11 +45,6 @@ from perfsleuth.store.duckdb_reader import DuckDBReader
 from perfsleuth.store.filters import only_where
 from perfsleuth.store.tables import Tables
 
-ROLLUP_GROUPS = ("endpoint", "service", "host", "kind")
-# top() reads rollups when the window holds more requests than this, or starts before the
-# raw rows kept (as on DuckDB: duckdb_rollups.RAW_MAX_REQUESTS).
-RAW_MAX_REQUESTS = 5_000_000
-
 
 def partition_day(partition: str) -> tuple[date, int | None]:
     """(day, res) of a partition id as system.parts writes it: ``2026-11-20`` (event tables)
@@ -211,25 +206,15 @@ class ClickHouseRollups(DuckDBReader):
         only: dict[str, str] | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         """``top`` from rollups over [start, now), as on DuckDB
-        (:meth:`DuckDBRollups.rollup_top`): None when raw rows should answer (also a window
-        starting before the first rollup day when raw rows begin earlier)."""
-        if any(b not in ROLLUP_GROUPS for b in by):
-            return None
+        (:meth:`DuckDBRollups.rollup_top`): None when raw rows should answer
+        (:func:`rollups.choose`, or a window of few requests whose raw rows are all kept)."""
         days, minute_days, raw_first = self._rollup_days()
-        if not days:
+        choice = rollups.choose(
+            start, by, days, raw_first, minute_days.__contains__, utcnow(), force=force
+        )
+        if choice is None:
             return None
-        end = utcnow() + timedelta(minutes=1)
-        first = datetime.combine(days[0], datetime.min.time())
-        early = raw_first is not None and raw_first < days[0]
-        if not force and (start is None or start < first) and early:
-            # rollups begin later than asked (written from the upgrade on) and the raw rows
-            # hold more of the window: they answer, not a shorter window of rollups
-            return None
-        lo = max(start, first) if start is not None else first
-        if lo.date() not in minute_days:  # retention left hours: start at a whole hour
-            lo = rollups.ceil_to(lo, rollups.HOUR)
-        spans = rollups.plan(lo, end)
-        span_sql, span_params = rollups.span_where(spans)
+        span_sql, span_params = rollups.span_where(choice.spans)
         cond, cond_params = "true", []
         if kind is not None:
             cond += " AND kind = ?"
@@ -238,22 +223,20 @@ class ClickHouseRollups(DuckDBReader):
         cond += f" AND {only_sql}"
         cond_params.extend(only_params)
         where, params = f"{span_sql} AND {cond}", [*span_params, *cond_params]
-        in_window = [d for d in days if d >= lo.date()]
-        raw_complete = not in_window or (raw_first is not None and raw_first <= in_window[0])
-        if not force and raw_complete:
+        if choice.raw_if_few:
             n = self._con.execute(
                 f"SELECT coalesce(sum(requests), 0) FROM rollup_stats WHERE {where}", params
             ).fetchone()
-            if n is None or int(n[0]) <= RAW_MAX_REQUESTS:
+            if n is None or int(n[0]) <= rollups.RAW_MAX_REQUESTS:
                 return None
         stats_sql, hist_sql = rollups.top_sql("rollup_stats", "rollup_hist", by, where)
         stats = self._rows(stats_sql, params)
         hist = self._rows(hist_sql, params)
-        answer = self._rollup_answer(spans)
+        answer = rollups.answered_by(choice.spans)
         if not stats:
             return [], answer
         if minutes is None:
-            minutes = self._finest_minutes(lo, cond, cond_params)
+            minutes = self._finest_minutes(choice.lo, cond, cond_params)
         return rollups.top_rows(stats, hist, by, max(minutes, 1.0)), answer
 
     def _finest_minutes(self, lo: datetime, where: str, params: list[Any]) -> float:

@@ -20,17 +20,13 @@ from typing import Any
 import pyarrow as pa
 
 from perfsleuth.store import rollups, schema
-from perfsleuth.store.duckdb_file import DuckDBFile, iso, utcnow
+from perfsleuth.store.duckdb_file import DuckDBFile, utcnow
 from perfsleuth.store.filters import only_where
 from perfsleuth.store.schema import quote
 from perfsleuth.store.tables import Tables
 
 # Compact a day's rollups once they grew past twice their compacted size, and this many rows.
 COMPACT_MIN_ROWS = 20_000
-# top() reads rollups when the window holds more requests than this (raw quantiles over this
-# many rows take ~0.3 s here; see benchmarks/scale.py), or starts before the raw rows kept.
-RAW_MAX_REQUESTS = 5_000_000
-ROLLUP_GROUPS = ("endpoint", "service", "host", "kind")
 
 log = logging.getLogger("perfsleuth.store")
 
@@ -254,27 +250,22 @@ class DuckDBRollups(DuckDBFile):
         only: dict[str, str] | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         """``top`` from rollups over [start, now) (start None: all), with what answered; None
-        when raw rows should answer: a grouping rollups lack (user, tenant, ...), a window
-        starting before the first rollup day when raw rows begin earlier (rollups are written
-        from the upgrade on: they would answer for a shorter window than asked), or a window
-        whose raw rows are all kept and few (RAW_MAX_REQUESTS), unless ``force``."""
-        if any(b not in ROLLUP_GROUPS for b in by):
-            return None
+        when raw rows should answer (:func:`rollups.choose`), or when the window's raw rows
+        are all kept and few (RAW_MAX_REQUESTS), unless ``force``."""
         have = self._day_tables()
         days = sorted(have["rollup_stats"] & have["rollup_hist"])
-        if not days:
-            return None
-        end = utcnow() + timedelta(minutes=1)
-        first = datetime.combine(days[0], datetime.min.time())
         raw_days = self._days()
-        if not force and (start is None or start < first) and raw_days and raw_days[0] < days[0]:
-            # rollups begin later than asked (written from the upgrade on) and the raw rows
-            # hold more of the window: they answer, not a shorter window of rollups
+        choice = rollups.choose(
+            start,
+            by,
+            days,
+            raw_days[0] if raw_days else None,
+            self._has_minutes,
+            utcnow(),
+            force=force,
+        )
+        if choice is None:
             return None
-        lo = max(start, first) if start is not None else first
-        if not self._has_minutes(lo.date()):  # retention left hours: start at a whole hour
-            lo = rollups.ceil_to(lo, rollups.HOUR)
-        spans = rollups.plan(lo, end)
         where, params = "true", []
         if kind is not None:
             where += " AND kind = ?"
@@ -282,27 +273,24 @@ class DuckDBRollups(DuckDBFile):
         only_sql, only_params = only_where(only)  # the fleet filters: rollups are keyed by them
         where += f" AND {only_sql}"
         params.extend(only_params)
-        first_day = lo.date()
-        stats_src = self._span_source(schema.ROLLUP_STATS, spans, days)
-        hist_src = self._span_source(schema.ROLLUP_HIST, spans, days)
-        # Raw rows are complete for the window unless retention dropped days rollups still hold.
-        in_window = [d for d in days if d >= first_day]
-        raw_complete = not in_window or (bool(raw_days) and raw_days[0] <= in_window[0])
-        if not force and raw_complete:
+        stats_src = self._span_source(schema.ROLLUP_STATS, choice.spans, days)
+        hist_src = self._span_source(schema.ROLLUP_HIST, choice.spans, days)
+        if choice.raw_if_few:
             n = self._con.execute(
                 f"SELECT coalesce(sum(requests), 0) FROM {stats_src} WHERE {where}", params
             ).fetchone()
-            if n is None or int(n[0]) <= RAW_MAX_REQUESTS:
+            if n is None or int(n[0]) <= rollups.RAW_MAX_REQUESTS:
                 return None
         stats_sql, hist_sql = rollups.top_sql(stats_src, hist_src, by, where)
         stats = self._rows(stats_sql, params)
         hist = self._rows(hist_sql, params)
+        answer = rollups.answered_by(choice.spans)
         if not stats:
-            return [], self._rollup_answer(spans)
+            return [], answer
         if minutes is None:
-            span = self._finest_span(days, lo, where, params)
+            span = self._finest_span(days, choice.lo, where, params)
             minutes = span.total_seconds() / 60 + 1
-        return rollups.top_rows(stats, hist, by, max(minutes, 1.0)), self._rollup_answer(spans)
+        return rollups.top_rows(stats, hist, by, max(minutes, 1.0)), answer
 
     def _finest_span(
         self, days: list[date], lo: datetime, where: str, params: list[Any]
@@ -326,14 +314,6 @@ class DuckDBRollups(DuckDBFile):
         if first is None or last is None:
             return timedelta(0)
         return max(last - first, timedelta(0))
-
-    @staticmethod
-    def _rollup_answer(spans: list[rollups.Span]) -> dict[str, Any]:
-        return {
-            "source": "rollups",
-            "resolution_s": min((s.res for s in spans), default=rollups.MINUTE),
-            "start": iso(min(s.lo for s in spans)) if spans else None,
-        }
 
     @staticmethod
     def _span_source(t: schema.Table, spans: list[rollups.Span], days: list[date]) -> str:

@@ -25,8 +25,9 @@ the arithmetic behind ``top`` from rollups.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -273,6 +274,65 @@ def plan(start: datetime, end: datetime) -> list[Span]:
     # the last minute may be partial: its row holds what is stored so far
     cut(lo, _ceil(end, MINUTE), (DAY, HOUR, MINUTE))
     return spans
+
+
+# Groupings rollups are keyed by (a top by user, tenant, ... reads raw rows).
+ROLLUP_GROUPS = ("endpoint", "service", "host", "kind")
+# top() reads rollups when the window holds more requests than this (raw quantiles over this
+# many rows take ~0.3 s here; see benchmarks/scale.py), or starts before the raw rows kept.
+RAW_MAX_REQUESTS = 5_000_000
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Rollups can answer ``top`` over [lo, now): read ``spans``. ``raw_if_few``: the raw
+    rows hold the whole window too, so they answer instead when it holds at most
+    RAW_MAX_REQUESTS requests (the engine counts them from the rollups' ``spans``)."""
+
+    lo: datetime
+    spans: list[Span]
+    raw_if_few: bool
+
+
+def choose(
+    start: datetime | None,
+    by: tuple[str, ...],
+    days: list[date],
+    raw_first: date | None,
+    has_minutes: Callable[[date], bool],
+    now: datetime,
+    *,
+    force: bool = False,
+) -> Choice | None:
+    """Whether rollups answer ``top`` over [start, now) (start None: all), the same decision
+    on every engine. ``days``: the days holding rollups (sorted), ``raw_first``: the first day
+    of raw requests (None: none), ``has_minutes(d)``: day d's rollups still hold minute rows
+    (retention keeps those only as long as raw rows). None (raw rows answer): a grouping
+    rollups lack (user, tenant, ...), no rollups, or, unless ``force``, a window starting
+    before the first rollup day when raw rows begin earlier (rollups are written from the
+    upgrade on: they would answer for a shorter window than asked)."""
+    if any(b not in ROLLUP_GROUPS for b in by) or not days:
+        return None
+    first = datetime.combine(days[0], datetime.min.time())
+    early = raw_first is not None and raw_first < days[0]
+    if not force and (start is None or start < first) and early:
+        return None
+    lo = max(start, first) if start is not None else first
+    if not has_minutes(lo.date()):  # retention left hours: start at a whole hour
+        lo = ceil_to(lo, HOUR)
+    # Raw rows are complete for the window unless retention dropped days rollups still hold.
+    in_window = [d for d in days if d >= lo.date()]
+    raw_complete = not in_window or (raw_first is not None and raw_first <= in_window[0])
+    return Choice(lo, plan(lo, now + timedelta(minutes=1)), raw_complete and not force)
+
+
+def answered_by(spans: list[Span]) -> dict[str, Any]:
+    """What answered a ``top`` from rollups (StoreReader.top_answered's second value)."""
+    return {
+        "source": "rollups",
+        "resolution_s": min((s.res for s in spans), default=MINUTE),
+        "start": min(s.lo for s in spans).replace(tzinfo=UTC).isoformat() if spans else None,
+    }
 
 
 def span_where(spans: list[Span]) -> tuple[str, list[Any]]:
