@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from operator import is_
 from typing import Any
 
 from perfsleuth.agent import recorder, stacks
@@ -484,10 +485,13 @@ class Encoder:
         calls_of: list[bytearray] = []  # the agent rows of each request, in order
         sparse: dict[str, Any] = {"attrs": {}, "tags": {}, "cx": {}, "site_table": []}
         table_of: dict[int, int] = {}  # id(site entry) -> its index in sparse["site_table"]
+        # the last request's site list and its indexes into the site table: most requests of
+        # a batch repeat the entries of the one before (recorder._site_cache shares them)
+        last: list[Any] = [None, None]
         ident = identity()
         for req in reqs:
             try:
-                row, calls = self._row(seg, out, req, ident, len(rows), sparse, table_of)
+                row, calls = self._row(seg, out, req, ident, len(rows), sparse, table_of, last)
             except Exception:
                 recorder.internal_error()
                 continue
@@ -521,38 +525,46 @@ class Encoder:
         i: int,
         sparse: dict[str, Any],
         table_of: dict[int, int],
+        last: list[Any],
     ) -> tuple[tuple[Any, ...], bytearray]:
         """One request's values (text columns, ints, sites: wire.batch) and its call rows; its
         attributes, tags and per-call extras go into ``sparse`` under its index ``i`` in the
         batch, its sites into the batch's site table (``table_of``: where each site entry is
         in it; requests share entries, recorder._site_cache). ``ident``: the identity
-        headers."""
+        headers. ``last``: [site list, its indexes] of the batch's last request with calls; a
+        request whose site list holds the same entry objects shares that list of indexes."""
         values = columns.request_values(req, ident)
-        key = str(i)
         if req.attrs:
-            sparse["attrs"][key] = {str(k): columns.scalar(v) for k, v in req.attrs.items()}
+            sparse["attrs"][str(i)] = {str(k): columns.scalar(v) for k, v in req.attrs.items()}
         if req.tags:
-            sparse["tags"][key] = req.tags
+            sparse["tags"][str(i)] = req.tags
         calls = req.calls or columns.NO_CALLS
         sites = None
         if calls:
-            sites = []
             table = sparse["site_table"]
-            for entry in req.site_list or ():
-                j = table_of.get(id(entry))
-                if j is None:
-                    # sites of one shape share their entry (Encoder.shapes): one in the table
-                    resolved = self.site(seg, out, entry)
-                    j = table_of.get(id(resolved))
+            site_list = req.site_list or ()
+            prev = last[0]
+            # the same entries, by identity (C loops; no entry's __eq__ runs)
+            if prev is not None and len(prev) == len(site_list) and all(map(is_, prev, site_list)):
+                sites = last[1]
+            else:
+                sites = []
+                for entry in site_list:
+                    j = table_of.get(id(entry))
                     if j is None:
-                        j = table_of[id(resolved)] = len(table)
-                        table.append(resolved)
-                    table_of[id(entry)] = j
-                sites.append(j)
+                        # sites of one shape share their entry (Encoder.shapes): one in the table
+                        resolved = self.site(seg, out, entry)
+                        j = table_of.get(id(resolved))
+                        if j is None:
+                            j = table_of[id(resolved)] = len(table)
+                            table.append(resolved)
+                        table_of[id(entry)] = j
+                    sites.append(j)
+                last[0], last[1] = site_list, sites
             if req.more is not None or self.unlisted:
                 ext = self._extras(seg, out, req, [table[j] for j in sites])
                 if ext:
-                    sparse["cx"][key] = ext
+                    sparse["cx"][str(i)] = ext
         return (*values, sites), calls
 
 
