@@ -113,7 +113,9 @@ def test_c_tokenizer_gives_the_python_tokens_on_odd_inputs() -> None:
     # random strings over the characters each alternative of the scanner turns on
     pieces = [*"abXYZ_ eExXnN019.+-*/$'\"`[]()%s?:;,\n\t=<>", "é", "٣", "\u3000", "\x00",
               "😀", "--", "/*", "*/", "$$", "$a$", "''", "0x1F", "1e5", "%(x)s", "::",
-              " IN (", "VALUES", "İ", "ı", "ſ"]  # fmt: skip
+              " IN (", "VALUES", "İ", "ı", "ſ",
+              # Latin-1 letters and non-letters (a 1-byte str's identifier table), comment ends
+              "ª", "µ", "ÿ", "×", "\xa0", "\x85", "*", "/", "**/", "a$"]  # fmt: skip
     rng = random.Random(7)
     for _ in range(20000):
         sql = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))

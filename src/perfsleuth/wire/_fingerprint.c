@@ -234,6 +234,58 @@ HOT Py_ssize_t param_end(const Text *t, Py_ssize_t pos) {
     return -1;
 }
 
+/* 1 for a character that continues an identifier ([\w$]), for each character of a 1-byte
+ * str (set at import from the classes above and Python's Unicode database). */
+static unsigned char ident_1[256];
+
+/* End of the identifier whose first character is at pos - 1. */
+HOT Py_ssize_t ident_end(const Text *t, Py_ssize_t pos) {
+    Py_ssize_t n = t->n;
+    if (t->kind == PyUnicode_1BYTE_KIND) {
+        const Py_UCS1 *d = t->data;
+        while (pos < n && ident_1[d[pos]])
+            pos++;
+        return pos;
+    }
+    while (pos < n && (is_word(at(t, pos)) || at(t, pos) == '$'))
+        pos++;
+    return pos;
+}
+
+/* End of a "--" comment whose text starts at pos: the next newline (kept) or the end. */
+HOT Py_ssize_t line_comment_end(const Text *t, Py_ssize_t pos) {
+    Py_ssize_t n = t->n;
+    if (t->kind == PyUnicode_1BYTE_KIND) {
+        const Py_UCS1 *d = t->data;
+        const Py_UCS1 *p = pos < n ? memchr(d + pos, '\n', (size_t)(n - pos)) : NULL;
+        return p == NULL ? n : p - d;
+    }
+    while (pos < n && at(t, pos) != '\n')
+        pos++;
+    return pos;
+}
+
+/* Where the "*\/" closing a block comment whose text starts at pos is, or n. */
+HOT Py_ssize_t block_comment_close(const Text *t, Py_ssize_t pos) {
+    Py_ssize_t n = t->n;
+    if (t->kind == PyUnicode_1BYTE_KIND) {
+        const Py_UCS1 *d = t->data;
+        while (pos < n) {
+            const Py_UCS1 *p = memchr(d + pos, '*', (size_t)(n - pos));
+            if (p == NULL)
+                return n;
+            pos = p - d;
+            if (pos + 1 < n && d[pos + 1] == '/')
+                return pos;
+            pos++;
+        }
+        return n;
+    }
+    while (pos < n && !(at(t, pos) == '*' && pos + 1 < n && at(t, pos + 1) == '/'))
+        pos++;
+    return pos;
+}
+
 /* The tokenizer pass over the text into o->buf (room for t->n characters). Touches no Python
  * object (the str's data is immutable and kept alive by the caller), so it can run without the
  * interpreter lock. Inlined once per character width, so that reading a character costs no
@@ -243,27 +295,47 @@ HOT void scan(const Text *tp, Out *o) {
     Py_ssize_t n = t.n, pos = 0;
     while (pos < n) {
         Py_UCS4 c = at(&t, pos), next;
-        if (c < 128 && (ascii_class[c] & P)) { /* what the alternatives below all pass by */
-            emit(o, c);
-            pos++;
-            continue;
+        Py_ssize_t end;
+        if (c < 128) {
+            unsigned char cls = ascii_class[c];
+            if (cls & P) { /* what the alternatives below all pass by */
+                emit(o, c);
+                pos++;
+                continue;
+            }
+            /* An ASCII letter or "_" starts an identifier, or a string with a prefix letter:
+             * no other alternative starts with one. */
+            if (is_alpha_ascii(c)) {
+                if (at(&t, pos + 1) == '\'' && pos + 1 < n &&
+                    (c == 'E' || c == 'e' || c == 'B' || c == 'b' || c == 'X' || c == 'x' ||
+                     c == 'N' || c == 'n')) {
+                    emit(o, '?');
+                    pos = quoted_end(&t, pos + 1, '\'');
+                    continue;
+                }
+                end = ident_end(&t, pos + 1);
+                emit_word(o, &t, pos, end);
+                pos = end;
+                continue;
+            }
+            /* an ASCII digit starts a number, and nothing before it in the order */
+            if (cls & D) {
+                emit(o, '?');
+                pos = number_end(&t, pos);
+                continue;
+            }
         }
         next = at(&t, pos + 1);
         int has_next = pos + 1 < n;
-        Py_ssize_t end;
         /* comment */
         if (c == '-' && next == '-' && has_next) {
-            end = pos + 2;
-            while (end < n && at(&t, end) != '\n')
-                end++;
+            end = line_comment_end(&t, pos + 2);
             emit(o, ' ');
             pos = end;
             continue;
         }
         if (c == '/' && next == '*' && has_next) {
-            end = pos + 2;
-            while (end < n && !(at(&t, end) == '*' && end + 1 < n && at(&t, end + 1) == '/'))
-                end++;
+            end = block_comment_close(&t, pos + 2);
             pos = end < n ? end + 2 : n;
             emit(o, ' ');
             continue;
@@ -321,9 +393,7 @@ HOT void scan(const Text *tp, Out *o) {
         }
         /* identifier: kept */
         if (is_alpha_ascii(c)) {
-            end = pos + 1;
-            while (end < n && (is_word(at(&t, end)) || at(&t, end) == '$'))
-                end++;
+            end = ident_end(&t, pos + 1);
             emit_word(o, &t, pos, end);
             pos = end;
             continue;
@@ -409,7 +479,10 @@ typedef struct {
 
 static unsigned long long fnv(const Out *o) {
     unsigned long long h = 1469598103934665603ULL;
-    for (Py_ssize_t i = 0; i < o->len; i++)
+    Py_ssize_t i = 0;
+    for (; i + 1 < o->len; i += 2) /* two characters a step: a table key, checked by memcmp */
+        h = (h ^ (o->buf[i] | ((unsigned long long)o->buf[i + 1] << 32))) * 1099511628211ULL;
+    if (i < o->len)
         h = (h ^ o->buf[i]) * 1099511628211ULL;
     return h;
 }
@@ -539,5 +612,7 @@ PyMODINIT_FUNC PyInit__fingerprint(void) {
     for (int c = 0; c < 128; c++)
         if (!(ascii_class[c] & W) && strchr(PLAIN_NOT, c) == NULL)
             ascii_class[c] |= P;
+    for (int c = 0; c < 256; c++)
+        ident_1[c] = is_word((Py_UCS4)c) || c == '$';
     return PyModule_Create(&module);
 }
