@@ -159,6 +159,13 @@ def test_tokens_scanned_in_a_batch_are_the_tokens_of_each() -> None:
     assert same is not None
     a, b, c, d = same[0]
     assert a == b == d == "SELECT ?" and a is b is d and c == "select ?"
+    # texts of every width (ASCII, Latin-1, 2- and 4-byte characters) giving the same tokens,
+    # and tokens keeping their non-ASCII characters: the str of each is the reference's
+    widths = ["SELECT 'x'", "SELECT 'é'", "SELECT '٣'", "SELECT '😀'", "SELECT é", "SELECT ٣"]
+    res = fpr.sql_tokens_many(widths * 2)
+    assert res is not None
+    assert res[0] == [fpr._tokens(s) for s in widths * 2]
+    assert [t.isascii() for t in res[0][:4]] == [True] * 4
 
 
 def test_normalize_is_the_tokens_then_the_rest() -> None:

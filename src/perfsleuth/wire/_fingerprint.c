@@ -62,39 +62,58 @@ static inline int is_hex(Py_UCS4 c) {
     return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
 }
 
-/* The output, with whitespace folded as " ".join(text.split()) would. */
+/* The output, with whitespace folded as " ".join(text.split()) would. Its characters are the
+ * text's, " " and "?": one byte each for a 1-byte text, else four (out_width). */
 typedef struct {
-    Py_UCS4 *buf;
+    void *buf;
     Py_ssize_t len;
     int pending_space;
+    int kind; /* the text's */
 } Out;
 
-HOT void emit(Out *o, Py_UCS4 c) {
+static size_t out_width(int kind) {
+    return kind == PyUnicode_1BYTE_KIND ? 1 : sizeof(Py_UCS4);
+}
+
+/* ``kind``: o->kind, passed by the scan inlined for it, so the width is known at compile time */
+HOT void put(Out *o, int kind, Py_UCS4 c) {
+    if (kind == PyUnicode_1BYTE_KIND)
+        ((Py_UCS1 *)o->buf)[o->len++] = (Py_UCS1)c;
+    else
+        ((Py_UCS4 *)o->buf)[o->len++] = c;
+}
+
+HOT void emit(Out *o, int kind, Py_UCS4 c) {
     if (is_space(c)) {
         if (o->len)
             o->pending_space = 1;
         return;
     }
     if (o->pending_space) {
-        o->buf[o->len++] = ' ';
+        put(o, kind, ' ');
         o->pending_space = 0;
     }
-    o->buf[o->len++] = c;
+    put(o, kind, c);
 }
 
 HOT void emit_range(Out *o, const Text *t, Py_ssize_t lo, Py_ssize_t hi) {
     for (Py_ssize_t i = lo; i < hi; i++)
-        emit(o, PyUnicode_READ(t->kind, t->data, i));
+        emit(o, t->kind, PyUnicode_READ(t->kind, t->data, i));
 }
 
 /* A run of characters none of which is whitespace (an identifier), as emit would. */
 HOT void emit_word(Out *o, const Text *t, Py_ssize_t lo, Py_ssize_t hi) {
     if (o->pending_space) {
-        o->buf[o->len++] = ' ';
+        put(o, t->kind, ' ');
         o->pending_space = 0;
     }
+    if (t->kind == PyUnicode_1BYTE_KIND) {
+        memcpy((Py_UCS1 *)o->buf + o->len, (const Py_UCS1 *)t->data + lo, (size_t)(hi - lo));
+        o->len += hi - lo;
+        return;
+    }
     for (Py_ssize_t i = lo; i < hi; i++)
-        o->buf[o->len++] = PyUnicode_READ(t->kind, t->data, i);
+        put(o, t->kind, PyUnicode_READ(t->kind, t->data, i));
 }
 
 /* End of a dollar-quoted string starting at pos, or -1 when pos does not open one. */
@@ -286,7 +305,7 @@ HOT Py_ssize_t block_comment_close(const Text *t, Py_ssize_t pos) {
     return pos;
 }
 
-/* The tokenizer pass over the text into o->buf (room for t->n characters). Touches no Python
+/* The tokenizer pass over the text into o->buf (room for t->n characters of o's width). Touches no Python
  * object (the str's data is immutable and kept alive by the caller), so it can run without the
  * interpreter lock. Inlined once per character width, so that reading a character costs no
  * switch on the width. */
@@ -299,7 +318,7 @@ HOT void scan(const Text *tp, Out *o) {
         if (c < 128) {
             unsigned char cls = ascii_class[c];
             if (cls & P) { /* what the alternatives below all pass by */
-                emit(o, c);
+                emit(o, t.kind, c);
                 pos++;
                 continue;
             }
@@ -309,7 +328,7 @@ HOT void scan(const Text *tp, Out *o) {
                 if (at(&t, pos + 1) == '\'' && pos + 1 < n &&
                     (c == 'E' || c == 'e' || c == 'B' || c == 'b' || c == 'X' || c == 'x' ||
                      c == 'N' || c == 'n')) {
-                    emit(o, '?');
+                    emit(o, t.kind, '?');
                     pos = quoted_end(&t, pos + 1, '\'');
                     continue;
                 }
@@ -320,7 +339,7 @@ HOT void scan(const Text *tp, Out *o) {
             }
             /* an ASCII digit starts a number, and nothing before it in the order */
             if (cls & D) {
-                emit(o, '?');
+                emit(o, t.kind, '?');
                 pos = number_end(&t, pos);
                 continue;
             }
@@ -330,32 +349,32 @@ HOT void scan(const Text *tp, Out *o) {
         /* comment */
         if (c == '-' && next == '-' && has_next) {
             end = line_comment_end(&t, pos + 2);
-            emit(o, ' ');
+            emit(o, t.kind, ' ');
             pos = end;
             continue;
         }
         if (c == '/' && next == '*' && has_next) {
             end = block_comment_close(&t, pos + 2);
             pos = end < n ? end + 2 : n;
-            emit(o, ' ');
+            emit(o, t.kind, ' ');
             continue;
         }
         /* dollar-quoted string */
         if (c == '$' && (end = dollar_end(&t, pos)) >= 0) {
-            emit(o, '?');
+            emit(o, t.kind, '?');
             pos = end;
             continue;
         }
         /* string, with an optional prefix letter */
         if (c == '\'') {
-            emit(o, '?');
+            emit(o, t.kind, '?');
             pos = quoted_end(&t, pos, '\'');
             continue;
         }
         if (next == '\'' && has_next &&
             (c == 'E' || c == 'e' || c == 'B' || c == 'b' || c == 'X' || c == 'x' || c == 'N' ||
              c == 'n')) {
-            emit(o, '?');
+            emit(o, t.kind, '?');
             pos = quoted_end(&t, pos + 1, '\'');
             continue;
         }
@@ -387,7 +406,7 @@ HOT void scan(const Text *tp, Out *o) {
         }
         /* placeholder */
         if ((end = param_end(&t, pos)) >= 0) {
-            emit(o, '?');
+            emit(o, t.kind, '?');
             pos = end;
             continue;
         }
@@ -399,12 +418,12 @@ HOT void scan(const Text *tp, Out *o) {
             continue;
         }
         if ((end = number_end(&t, pos)) >= 0) {
-            emit(o, '?');
+            emit(o, t.kind, '?');
             pos = end;
             continue;
         }
         /* whitespace, operators and punctuation: emit folds the whitespace */
-        emit(o, c);
+        emit(o, t.kind, c);
         pos++;
     }
 }
@@ -435,14 +454,20 @@ static void scan_any(int kind, const void *data, Py_ssize_t n, Out *o) {
  * "?": an ASCII text gives an ASCII result). */
 static PyObject *result_of(const Out *o, int ascii) {
     if (!ascii)
-        return PyUnicode_FromKindAndData(PyUnicode_4BYTE_KIND, o->buf, o->len);
+        return PyUnicode_FromKindAndData(
+            o->kind == PyUnicode_1BYTE_KIND ? PyUnicode_1BYTE_KIND : PyUnicode_4BYTE_KIND, o->buf,
+            o->len);
     PyObject *r = PyUnicode_New(o->len, 127);
     if (r == NULL)
         return NULL;
-    Py_UCS1 *dst = PyUnicode_1BYTE_DATA(r);
-    for (Py_ssize_t i = 0; i < o->len; i++)
-        dst[i] = (Py_UCS1)o->buf[i];
+    memcpy(PyUnicode_1BYTE_DATA(r), o->buf, (size_t)o->len); /* an ASCII text: 1-byte output */
     return r;
+}
+
+/* Scratch output for a text of n characters of this kind (o->buf NULL: no memory). */
+static Out out_for(int kind, Py_ssize_t n) {
+    Out o = {PyMem_RawMalloc(out_width(kind) * (size_t)(n ? n : 1)), 0, 0, kind};
+    return o;
 }
 
 static PyObject *tokens(PyObject *self, PyObject *arg) {
@@ -451,7 +476,7 @@ static PyObject *tokens(PyObject *self, PyObject *arg) {
         return NULL;
     }
     Py_ssize_t n = PyUnicode_GET_LENGTH(arg);
-    Out o = {PyMem_RawMalloc(sizeof(Py_UCS4) * (size_t)(n ? n : 1)), 0, 0};
+    Out o = out_for(PyUnicode_KIND(arg), n);
     if (o.buf == NULL)
         return PyErr_NoMemory();
     scan_any(PyUnicode_KIND(arg), PyUnicode_DATA(arg), n, &o);
@@ -464,7 +489,7 @@ static PyObject *tokens(PyObject *self, PyObject *arg) {
  * statements scanned with the interpreter lock released, so that on another core the
  * application's threads run meanwhile. One release for the list (a thread taking the lock
  * back waits for the running one to give it up, up to the switch interval): the caller sizes
- * the list (each statement needs four bytes a character of scratch while scanned). An item
+ * the list (each statement needs up to four bytes a character of scratch while scanned). An item
  * that is not a str gives None. */
 #define RELEASE_AT 16384 /* characters in a tokens_many call for the lock to be released */
 
@@ -478,12 +503,15 @@ typedef struct {
 } Job;
 
 static unsigned long long fnv(const Out *o) {
-    unsigned long long h = 1469598103934665603ULL;
-    Py_ssize_t i = 0;
-    for (; i + 1 < o->len; i += 2) /* two characters a step: a table key, checked by memcmp */
-        h = (h ^ (o->buf[i] | ((unsigned long long)o->buf[i + 1] << 32))) * 1099511628211ULL;
-    if (i < o->len)
-        h = (h ^ o->buf[i]) * 1099511628211ULL;
+    unsigned long long h = 1469598103934665603ULL, word;
+    const unsigned char *b = o->buf;
+    size_t size = out_width(o->kind) * (size_t)o->len, i = 0;
+    for (; i + 8 <= size; i += 8) { /* eight bytes a step: a table key, checked by memcmp */
+        memcpy(&word, b + i, 8);
+        h = (h ^ word) * 1099511628211ULL;
+    }
+    for (; i < size; i++)
+        h = (h ^ b[i]) * 1099511628211ULL;
     return h;
 }
 
@@ -508,7 +536,7 @@ static PyObject *tokens_many(PyObject *self, PyObject *arg) {
             continue;
         }
         Py_ssize_t n = PyUnicode_GET_LENGTH(item);
-        j->o.buf = PyMem_RawMalloc(sizeof(Py_UCS4) * (size_t)(n ? n : 1));
+        j->o = out_for(PyUnicode_KIND(item), n);
         if (j->o.buf == NULL) {
             PyErr_NoMemory();
             goto done;
@@ -563,7 +591,8 @@ static PyObject *tokens_many(PyObject *self, PyObject *arg) {
             for (k = (size_t)j->h & (cap - 1); slots[k] >= 0; k = (k + 1) & (cap - 1)) {
                 Job *p = &jobs[slots[k]];
                 if (p->h == j->h && p->o.len == j->o.len &&
-                    memcmp(p->o.buf, j->o.buf, sizeof(Py_UCS4) * (size_t)j->o.len) == 0) {
+                    p->o.kind == j->o.kind &&
+                    memcmp(p->o.buf, j->o.buf, out_width(j->o.kind) * (size_t)j->o.len) == 0) {
                     r = p->r;
                     Py_INCREF(r);
                     break;

@@ -110,8 +110,9 @@ def sql_tokens(sql: str) -> str:
 def sql_tokens_many(statements: list[Any]) -> tuple[list[str | None], int] | None:
     """:func:`sql_tokens` of each statement (None for one that is not a str) and the thread CPU
     nanoseconds spent, the statements scanned in C with the interpreter lock released (other
-    threads run meanwhile); None without the C tokenizer. Each statement takes four bytes a
-    character of scratch memory while scanned: callers bound the list's total length."""
+    threads run meanwhile); None without the C tokenizer. Each statement takes up to four bytes
+    a character of scratch memory while scanned (one for a Latin-1 text): callers bound the
+    list's total length."""
     many = _c_tokens_many if _c_tokens is not None else None
     return None if many is None else many(statements)
 

@@ -39,7 +39,7 @@ BATCH_MAX = 64
 SEEN_BYTES = 72  # an id in a segment's set of what it holds: the int and its slot
 FLAT_MEMO_BYTES = 150  # an entry of Encoder.flats: its key, tuple and ints
 # Characters of statements scanned in one release of the interpreter lock at most (their
-# scratch memory: four bytes a character)
+# scratch memory: up to four bytes a character)
 PRETOKENIZE_CHARS = 1 << 18
 SHAPE_BYTES = 200  # an entry of Encoder.shapes beside its tokens
 FPS_ENTRY_BYTES = 150  # an entry of Encoder.fps: its key tuple and ints (the value is shared)
