@@ -107,12 +107,7 @@ HOT void emit_word(Out *o, const Text *t, Py_ssize_t lo, Py_ssize_t hi) {
         put(o, t->kind, ' ');
         o->pending_space = 0;
     }
-    if (t->kind == PyUnicode_1BYTE_KIND) {
-        memcpy((Py_UCS1 *)o->buf + o->len, (const Py_UCS1 *)t->data + lo, (size_t)(hi - lo));
-        o->len += hi - lo;
-        return;
-    }
-    for (Py_ssize_t i = lo; i < hi; i++)
+    for (Py_ssize_t i = lo; i < hi; i++) /* mostly a few characters: no memcpy call */
         put(o, t->kind, PyUnicode_READ(t->kind, t->data, i));
 }
 
