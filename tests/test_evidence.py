@@ -278,6 +278,19 @@ def test_gunicorn_sync_workers_are_sampled(tmp_path: Path) -> None:
         p = profile.load(store, "GET /checksum")
         hot, _ = p.hotspot()
         assert profile.load(store, "GET /health").samples == 0
+        offsets = store.query(
+            "SELECT r.trace_id, r.duration_ms, list(s.offset_ms ORDER BY s.offset_ms) AS at"
+            " FROM requests r JOIN samples s USING (trace_id) WHERE r.endpoint = ?"
+            " GROUP BY ALL",
+            ["GET /checksum"],
+        )
+    # Each request is sampled from the mark while it runs, on ticks an interval apart (the
+    # first may follow its arming tick sooner): at most (duration - 100) // 20 + 2 samples.
+    assert len(offsets) == 3, offsets
+    for r in offsets:
+        at = r["at"]
+        assert at[0] >= 100 and at[-1] <= r["duration_ms"], r
+        assert len(at) <= (r["duration_ms"] - 100) // 20 + 2, r
     assert hot is not None and hot.function == "checksum"
     assert hot.line in loop_lines("PLANTED-WSGI-HOTSPOT", WSGI)
     found = _findings(data)
@@ -451,3 +464,122 @@ def test_a_store_from_before_evidence_is_migrated(tmp_path: Path) -> None:
         store.ingest()
         assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 2}]
         assert store.query("SELECT count(*) AS n FROM gc_pauses") == [{"n": 1}]
+
+
+# ------------------------------------------------- when a slow request's samples are taken
+
+AFTER_MS, INTERVAL_MS = 100, 20  # the request below is sampled from 100 ms, every 20 ms
+
+
+def _sampled_offsets(duration_ms: int, phase_ms: int, late_ms: int) -> list[float]:
+    """The offsets (ms) of the samples the evidence thread's ticks take of one request in
+    flight for ``duration_ms`` (a real request on a real thread, parked on an event), when the
+    thread's last tick before the request was meant for ``phase_ms`` before it started and
+    every tick starts ``late_ms`` after its mark (waiting for the interpreter lock or a CPU).
+    The ticks run on the sampler's own clock, each at the time the evidence thread's loop sets
+    for it (evidence.next_tick), so what is counted is the policy, not the machine's speed."""
+    from perfsleuth.agent import evidence, recorder, sampler
+    from perfsleuth.agent.config import Config as AgentConfig
+
+    cfg = AgentConfig()
+    cfg.sample_after_ms, cfg.sample_interval_ms = AFTER_MS, INTERVAL_MS
+    s = sampler.Sampler(cfg)
+    started, release = threading.Event(), threading.Event()
+    got: dict[str, Any] = {}
+
+    def handler() -> None:
+        req = recorder.begin("web", "GET", "/known-length")
+        got["req"] = req
+        started.set()
+        release.wait(30)
+        recorder.end(req)
+
+    t = threading.Thread(target=handler)
+    t.start()
+    try:
+        assert started.wait(10)
+        req = got["req"]
+        assert req is not None
+        end = req.start + duration_ms * 1_000_000
+        target = req.start - phase_ms * 1_000_000  # the last tick's mark before it started
+        now = target + late_ms * 1_000_000
+        s.clock = lambda: now
+        while now <= end:
+            s.tick()
+            busy = bool(s.tracked) or s.armed
+            target = evidence.next_tick(s, busy, INTERVAL_MS * 1_000_000, target, now)
+            now = target + late_ms * 1_000_000
+        tracked = s.tracked.get(id(req))
+        return [] if tracked is None else [off / 1e6 for off, _, _ in tracked.samples]
+    finally:
+        release.set()
+        t.join(10)
+        s._forget(set())
+
+
+@pytest.mark.parametrize("late_ms", [0, 4])
+@pytest.mark.parametrize("phase_ms", [0, 1, 13, 30, 49])
+@pytest.mark.parametrize("duration_ms", [200, 330])
+def test_a_slow_request_is_sampled_from_the_mark_at_every_interval(
+    agent_data_dir: str, duration_ms: int, phase_ms: int, late_ms: int
+) -> None:
+    """A request in flight for D ms gets its first sample at PERFSLEUTH_SAMPLE_AFTER_MS and one
+    every PERFSLEUTH_SAMPLE_INTERVAL_MS after (each as late as the evidence thread's ticks
+    start, at most): (D - after - late) // interval + 1 samples or one more, whatever the idle
+    tick's phase.
+    Before, the thread looked every 50 ms (IDLE_TICK) until a request crossed the mark, that
+    look only read its thread, and each tick slept a whole interval after the last one ended:
+    a 200 ms request got 3-5 of 6 here (1-4 on a real, busy machine)."""
+    offsets = _sampled_offsets(duration_ms, phase_ms, late_ms)
+    assert offsets, offsets
+    first = offsets[0]
+    assert AFTER_MS <= first <= AFTER_MS + late_ms, offsets
+    want = int(duration_ms - first) // INTERVAL_MS + 1
+    assert offsets == pytest.approx([first + i * INTERVAL_MS for i in range(want)]), offsets
+
+
+def test_an_idle_evidence_thread_sleeps_a_whole_idle_tick(agent_data_dir: str) -> None:
+    """Nothing in flight: no wake-up before IDLE_TICK (no busy polling); a request in flight
+    short of the mark: a wake-up one interval before it, never later than IDLE_TICK."""
+    from perfsleuth.agent import evidence, recorder, sampler
+    from perfsleuth.agent.config import Config as AgentConfig
+
+    cfg = AgentConfig()
+    cfg.sample_after_ms, cfg.sample_interval_ms = AFTER_MS, INTERVAL_MS
+    s = sampler.Sampler(cfg)
+    ms = 1_000_000
+
+    def tick_at(now: int) -> int:
+        """Tick at ``now`` (its own mark); returns in how many ms the next tick is."""
+        s.clock = lambda: now
+        s.tick()
+        busy = bool(s.tracked) or s.armed
+        return (evidence.next_tick(s, busy, INTERVAL_MS * ms, now, now) - now) / ms
+
+    assert not recorder.inflight
+    assert tick_at(10**15) == evidence.IDLE_TICK * 1000 and s.wake_at == 0
+    started, release = threading.Event(), threading.Event()
+    got: dict[str, Any] = {}
+
+    def handler() -> None:
+        req = recorder.begin("web", "GET", "/idle-tick")
+        got["req"] = req
+        started.set()
+        release.wait(30)
+        recorder.end(req)
+
+    t = threading.Thread(target=handler)
+    t.start()
+    try:
+        assert started.wait(10)
+        start = got["req"].start
+        assert tick_at(start + 10 * ms) == 50  # the idle tick comes before the arming
+        assert s.wake_at == start + 80 * ms
+        assert tick_at(start + 70 * ms) == 10  # armed at 80 ms
+        assert tick_at(start + 80 * ms) == 20 and s.armed and not s.tracked
+        assert tick_at(start + 100 * ms) == 20  # due: sampled, then every interval
+        assert [off for off, _, _ in s.tracked[id(got["req"])].samples] == [100 * ms]
+    finally:
+        release.set()
+        t.join(10)
+        s._forget(set())

@@ -2,7 +2,11 @@
 
 One daemon thread ticks every ``sample_interval_ms`` while a slow request is being sampled or
 a request is in flight on a watched event loop (the watchdog pings the loop each tick),
-otherwise every 50 ms (enough to start sampling a request soon after it turns slow). It reads
+otherwise every 50 ms (IDLE_TICK: a new request is seen within it), or sooner when a request
+in flight is one fast tick short of ``sample_after_ms``: that tick reads its thread, the next
+takes its first sample at the mark, so a request of D ms gets about
+(D - sample_after_ms) / sample_interval_ms + 1 samples. Nothing on the request path wakes the
+thread: the wake-up time comes from the start times of the requests in flight. It reads
 all threads' frames once per tick, and only when something is slow or blocked, and hands them
 to the sampler and the watchdog. Everything it produces goes through
 ``shipper.emit``; it never touches application objects beyond reading frames and tasks.
@@ -20,6 +24,7 @@ from perfsleuth.agent.config import Config
 from perfsleuth.agent.sampler import Sampler
 
 IDLE_TICK = 0.05
+IDLE_TICK_NS = int(IDLE_TICK * 1e9)
 
 _cfg: Config | None = None
 _sampler: Sampler | None = None
@@ -55,8 +60,9 @@ def _run() -> None:
     cfg = _cfg
     if cfg is None:
         return
-    interval = max(0.001, cfg.sample_interval_ms / 1000)
+    interval_ns = int(max(0.001, cfg.sample_interval_ms / 1000) * 1e9)
     last_gc = time.monotonic()
+    target = time.perf_counter_ns()
     while True:
         try:
             busy = tick()
@@ -68,7 +74,27 @@ def _run() -> None:
             recorder.internal_error()
             last_error = f"{type(e).__name__}: {e}"
             busy = False
-        time.sleep(interval if busy else IDLE_TICK)
+        s = _sampler
+        clock = time.perf_counter_ns if s is None else s.clock
+        at = clock()
+        target = next_tick(s, busy, interval_ns, target, at)
+        time.sleep(max(0, target - at) / 1e9)
+
+
+def next_tick(s: Sampler | None, busy: bool, interval_ns: int, target: int, now: int) -> int:
+    """When the next tick is due (``s.clock``'s ns), after the tick meant for ``target`` that
+    ended at ``now``. While sampling (or arming) a request, or watching a loop with a request
+    in flight: one interval after ``target``, so ticks keep their cadence though each starts a
+    little late (the interpreter lock, a busy CPU); one that overran the next mark waits a
+    whole interval from its end. Otherwise: when the next request in flight is to be armed,
+    at most IDLE_TICK from now."""
+    if busy:
+        due = target + interval_ns
+        return due if due >= now else now + interval_ns
+    idle = now + IDLE_TICK_NS
+    if s is not None and s.wake_at:
+        return max(now, min(idle, s.wake_at))
+    return idle
 
 
 def tick() -> bool:
@@ -81,7 +107,7 @@ def tick() -> bool:
     with _lock:
         frames = w.tick()
         s.tick(frames)
-        return bool(s.tracked) or w.active or w.blocked()
+        return bool(s.tracked) or s.armed or w.active or w.blocked()
 
 
 def flush() -> None:

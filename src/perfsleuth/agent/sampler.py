@@ -307,6 +307,16 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class Sampler:
     def __init__(self, cfg: Config) -> None:
         self.after_ns = int(cfg.sample_after_ms * 1e6)
+        # The evidence thread's fast tick (evidence._run sleeps this long while sampling).
+        self.interval_ns = int(max(0.001, cfg.sample_interval_ms / 1000) * 1e9)
+        # A request's thread is read one tick before the request is due (it is "armed"), so
+        # that the due tick already has the interval to classify and takes the first sample
+        # at ``sample_after_ms``: a first read only sets a baseline.
+        self.armed = False  # this tick armed a request: the next tick is a fast one
+        # When the next request in flight is to be armed (perf_counter_ns; 0: none in flight
+        # short of it): the evidence thread sleeps until then rather than a whole idle tick.
+        self.wake_at = 0
+        self.clock = _perf  # the clock of requests' start times (a test can drive its own)
         self.limit = max(1, cfg.samples_per_request)
         self.tracked: dict[int, _Tracked] = {}
         # thread ident -> (when read ns, CPU ns, run-queue ns, slices or None, process CPU ns,
@@ -337,13 +347,13 @@ class Sampler:
         _samplers.add(self)
 
     def tick(self, frames: dict[int, FrameType] | None = None) -> None:
-        now = _perf()
+        now = self.clock()
         self.ticks += 1
         if now - self.figures_at >= FIGURES_EVERY_NS:
             self.figures_at = now
             self.ship_figures()
         inflight = list(recorder.inflight.values())
-        due = [r for r in inflight if now - r.start >= self.after_ns]
+        due, arm = self._due(inflight, now)
         for key in [k for k, t in self.tracked.items() if k not in recorder.inflight]:
             self._ship(self.tracked.pop(key), final=True)
         self.states = {}
@@ -359,6 +369,8 @@ class Sampler:
             self.looked_at = now
             for ident in {r.thread if r.worker is None else r.worker for r in inflight}:
                 self._state(ident)
+        for r in arm:
+            self._state(r.thread if r.worker is None else r.worker)
         if not due:
             self._settle(inflight)
             self.loop_tasks.clear()
@@ -374,6 +386,28 @@ class Sampler:
                 t = self.tracked[id(req)] = _Tracked(req, now)
             self._sample(t, frames, now)
         self._settle(inflight)
+
+    def _due(
+        self, inflight: list[recorder.ActiveRequest], now: int
+    ) -> tuple[list[recorder.ActiveRequest], list[recorder.ActiveRequest]]:
+        """The requests in flight for ``sample_after_ms`` (to sample now) and those that will
+        be by the next fast tick (to arm now); sets ``armed`` and ``wake_at`` (when the next
+        of the others is to be armed)."""
+        after, lead = self.after_ns, self.interval_ns
+        due: list[recorder.ActiveRequest] = []
+        arm: list[recorder.ActiveRequest] = []
+        wake = 0
+        for r in inflight:
+            at = r.start + after
+            if now >= at:
+                due.append(r)
+            elif now + lead >= at:
+                arm.append(r)
+            elif wake == 0 or at - lead < wake:
+                wake = at - lead
+        self.armed = bool(arm)
+        self.wake_at = wake
+        return due, arm
 
     def _settle(self, inflight: list[recorder.ActiveRequest]) -> None:
         """End of a tick: close the files of idle threads, forget those that ended, and the
@@ -463,13 +497,13 @@ class Sampler:
             fd = self._open(ident)
         if fd < 0:
             return None
-        at = _perf()
+        at = self.clock()
         got = read_schedstat(fd)
         if got is None:
             # The thread ended, and its ident may be another thread's now: start over.
             self._close(ident)
             fd = self._open(ident)
-            at = _perf()
+            at = self.clock()
             got = read_schedstat(fd) if fd >= 0 else None
         return None if got is None else (*got, at)
 
@@ -493,7 +527,7 @@ class Sampler:
                 # stale (pthread_getcpuclockid on it can crash the process). It has no state.
                 self.states[ident] = None
                 return None
-            at = _perf()
+            at = self.clock()
             try:
                 cpu = time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
             except (OSError, AttributeError, OverflowError):
