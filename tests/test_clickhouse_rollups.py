@@ -21,6 +21,7 @@ from perfsleuth.server import queries
 from perfsleuth.server import window as window_mod
 from perfsleuth.server.window import window
 from perfsleuth.store import clickhouse_rollups, duckdb_reader, duckdb_rollups, rollups, schema
+from perfsleuth.store.base import StoreError
 from perfsleuth.store.clickhouse_rollups import partition_day
 from test_rollups import HOUR_NS, bimodal, close_to, compare, narrow, skewed, write
 
@@ -132,6 +133,32 @@ def test_api_pages_from_rollups_are_the_same_on_both_engines(
                 assert (a is None) == (b is None)
                 if a is not None and b is not None:
                     assert close_to(a, b, 0.02), (s["endpoint"], a, b)
+
+
+def test_an_endpoint_page_s_summary_is_its_row_of_the_endpoint_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The endpoint page computes the percentiles of its own endpoint only
+    (top_answered's percentiles_for); its summary is still the endpoint table's row, time
+    share included, from raw rows and from rollups, on both engines; what answers is decided
+    on the whole window, as for the table."""
+    with both(tmp_path, shop(time.time_ns())) as (duck, ch):
+        now = datetime.utcnow() + timedelta(seconds=1)
+        for mod in (window_mod, duckdb_rollups, clickhouse_rollups, duckdb_reader):
+            monkeypatch.setattr(mod, "utcnow", lambda: now)
+        for limit in (10**12, -1):  # raw rows, then rollups
+            monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", limit)
+            for w in (window("24h"), window("all", host="web-2")):
+                for store in (duck, ch):
+                    table = queries.endpoint_table(store, w)
+                    for e in ("GET /bimodal", "GET /narrow", "GET /skewed"):
+                        row = next((r for r in table if r["endpoint"] == e), None)
+                        page = queries.endpoint_detail(store, w, e)
+                        assert page["source"]["source"] == ("raw" if limit > 0 else "rollups")
+                        assert row is not None
+                        store_engines.same(page["summary"], row, f"{limit} {w.label} {e}")
+        with pytest.raises(StoreError, match="grouped by endpoint"):
+            duck.top_answered(by=("host",), percentiles_for="GET /narrow")
 
 
 def test_rollups_are_written_once_across_a_crash_and_a_rerun(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol, cast
 
 from perfsleuth.server.window import WEEK, Window, step_seconds
 from perfsleuth.store import rollups
@@ -138,6 +138,9 @@ def _clean(v: Any) -> Any:
 
 
 def check_endpoint(store: Store, endpoint: str) -> None:
+    # a known endpoint stops at its first row; the list is read for an unknown one only
+    if store.query("SELECT 1 AS x FROM requests WHERE endpoint = ? LIMIT 1", [endpoint]):
+        return
     known = store.endpoints()
     if endpoint in known:
         return
@@ -154,9 +157,31 @@ def endpoint_table(store: Store, w: Window) -> list[dict[str, Any]]:
     return _endpoint_table(store, w)[0]
 
 
-def _endpoint_table(store: Store, w: Window) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """endpoint_table, and what answered it (store.top_answered's source)."""
-    rows, answered = store.top_answered(since=w.since, only=w.only)
+class _OneEndpointTop(Protocol):
+    """Both engines' top_answered takes ``percentiles_for`` (DuckDBReader.top_answered)."""
+
+    def top_answered(
+        self,
+        since: timedelta | None = None,
+        by: tuple[str, ...] = ("endpoint",),
+        kind: str | None = None,
+        only: dict[str, str] | None = None,
+        *,
+        percentiles_for: str | None = None,
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
+
+
+def _endpoint_table(
+    store: Store, w: Window, percentiles_for: str | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """endpoint_table, and what answered it (store.top_answered's source); with
+    ``percentiles_for``, the percentiles of that endpoint's row only (the others: None)."""
+    if percentiles_for is None:
+        rows, answered = store.top_answered(since=w.since, only=w.only)
+    else:
+        rows, answered = cast(_OneEndpointTop, store).top_answered(
+            since=w.since, only=w.only, percentiles_for=percentiles_for
+        )
     total = sum(float(r["total_ms"] or 0) for r in rows) or 1.0
     for r in rows:
         r["time_share"] = float(r["total_ms"] or 0) / total
@@ -315,7 +340,7 @@ def _where(w: Window, endpoint: str, alias: str = "", calls: bool = False) -> tu
 
 def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
     check_endpoint(store, endpoint)
-    table, answered = _endpoint_table(store, w)
+    table, answered = _endpoint_table(store, w, percentiles_for=endpoint)
     summary = next((r for r in table if r["endpoint"] == endpoint), None)
     start, end, step, res = _chart_axis(store, w, answered)
     x = _axis(start, end, step)

@@ -204,6 +204,7 @@ class ClickHouseRollups(DuckDBReader):
         *,
         force: bool = False,
         only: dict[str, str] | None = None,
+        percentiles_for: str | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         """``top`` from rollups over [start, now), as on DuckDB
         (:meth:`DuckDBRollups.rollup_top`): None when raw rows should answer
@@ -229,9 +230,11 @@ class ClickHouseRollups(DuckDBReader):
             ).fetchone()
             if n is None or int(n[0]) <= rollups.RAW_MAX_REQUESTS:
                 return None
-        stats_sql, hist_sql = rollups.top_sql("rollup_stats", "rollup_hist", by, where)
-        stats = self._rows(stats_sql, params)
-        hist = self._rows(hist_sql, params)
+        stats_q, hist_q = rollups.top_statements(
+            "rollup_stats", "rollup_hist", by, where, params, percentiles_for
+        )
+        stats = self._rows(*stats_q)
+        hist = self._rows(*hist_q)
         answer = rollups.answered_by(choice.spans)
         if not stats:
             return [], answer

@@ -75,23 +75,30 @@ class DuckDBReader(DuckDBRollups):
         by: tuple[str, ...] = ("endpoint",),
         kind: str | None = None,
         only: dict[str, str] | None = None,
+        *,
+        percentiles_for: str | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """:meth:`top`, and what answered: {source: "raw" | "rollups", resolution_s (None for
         raw rows), start (ISO 8601, None for all)}. Rollups answer long windows (see
-        :meth:`rollup_top`)."""
+        :meth:`rollup_top`). ``percentiles_for`` (grouping by endpoint only): the percentiles
+        of that endpoint's row alone are computed, the other rows' p50/p95/p99 are None (a
+        page showing one endpoint pays for its percentiles only, and the other rows' totals
+        still give its share of the time); what answers is decided as without it."""
         by = tuple(dict.fromkeys(by))
         if not by or any(b not in GROUP_COLUMNS for b in by):
             raise StoreError(
                 f"cannot group by {', '.join(by) or 'nothing'}; use any of: "
                 + ", ".join(GROUP_COLUMNS)
             )
+        if percentiles_for is not None and by != ("endpoint",):
+            raise StoreError("percentiles of one endpoint need a top grouped by endpoint")
         self._where(None, kind, None, only)  # a bad kind or filter is refused either way
         cutoff = None if since is None else utcnow() - since
         minutes = None if since is None else since.total_seconds() / 60
-        got = self.rollup_top(cutoff, by, kind, minutes, only=only)
+        got = self.rollup_top(cutoff, by, kind, minutes, only=only, percentiles_for=percentiles_for)
         if got is not None:
             return got
-        return self._raw_top(since, by, kind, only), {
+        return self._raw_top(since, by, kind, only, percentiles_for), {
             "source": "raw",
             "resolution_s": None,
             "start": iso(cutoff),
@@ -103,14 +110,19 @@ class DuckDBReader(DuckDBRollups):
         by: tuple[str, ...],
         kind: str | None,
         only: dict[str, str] | None = None,
+        percentiles_for: str | None = None,
     ) -> list[dict[str, Any]]:
         src, cutoff = self._source(since)
         where, params = self._where(cutoff, kind, None, only)
         g = ", ".join(quote(b) for b in by)
+        q_params: list[Any] = []
+        q_filter = ""
+        if percentiles_for is not None:  # the one endpoint's rows only feed the quantiles
+            q_filter, q_params = " FILTER (WHERE endpoint = ?)", [percentiles_for]
         rows = self._query(
             f"""
             SELECT {g}, count(*) AS count,
-                quantile_cont(duration_ms, [0.5, 0.95, 0.99]) AS q,
+                quantile_cont(duration_ms, [0.5, 0.95, 0.99]){q_filter} AS q,
                 max(duration_ms) AS max_ms,
                 avg(CASE WHEN status >= 500 OR error IS NOT NULL THEN 1.0 ELSE 0.0 END)
                     AS error_rate,
@@ -124,7 +136,7 @@ class DuckDBReader(DuckDBRollups):
             GROUP BY {g}
             ORDER BY total_ms DESC, count DESC, {g}
             """,
-            params,
+            [*q_params, *params],
         )
         if not rows:
             return []
@@ -190,6 +202,11 @@ class DuckDBReader(DuckDBRollups):
         return [r[0] for r in rows]
 
     def _check_endpoint(self, endpoint: str) -> None:
+        # a known endpoint stops at its first row; the list is read for an unknown one only
+        if self._con.execute(
+            "SELECT 1 FROM requests WHERE endpoint = ? LIMIT 1", [endpoint]
+        ).fetchone():
+            return
         known = self.endpoints()
         if endpoint in known:
             return

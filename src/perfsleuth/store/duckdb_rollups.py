@@ -248,6 +248,7 @@ class DuckDBRollups(DuckDBFile):
         *,
         force: bool = False,
         only: dict[str, str] | None = None,
+        percentiles_for: str | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         """``top`` from rollups over [start, now) (start None: all), with what answered; None
         when raw rows should answer (:func:`rollups.choose`), or when the window's raw rows
@@ -281,9 +282,11 @@ class DuckDBRollups(DuckDBFile):
             ).fetchone()
             if n is None or int(n[0]) <= rollups.RAW_MAX_REQUESTS:
                 return None
-        stats_sql, hist_sql = rollups.top_sql(stats_src, hist_src, by, where)
-        stats = self._rows(stats_sql, params)
-        hist = self._rows(hist_sql, params)
+        stats_q, hist_q = rollups.top_statements(
+            stats_src, hist_src, by, where, params, percentiles_for
+        )
+        stats = self._rows(*stats_q)
+        hist = self._rows(*hist_q)
         answer = rollups.answered_by(choice.spans)
         if not stats:
             return [], answer

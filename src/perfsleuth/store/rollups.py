@@ -379,6 +379,25 @@ def top_sql(stats: str, hist: str, by: tuple[str, ...], where: str) -> tuple[str
     return stats_sql, hist_sql
 
 
+def top_statements(
+    stats: str,
+    hist: str,
+    by: tuple[str, ...],
+    where: str,
+    params: list[Any],
+    percentiles_for: str | None = None,
+) -> tuple[tuple[str, list[Any]], tuple[str, list[Any]]]:
+    """:func:`top_sql`'s two statements with their parameters; ``percentiles_for``: the
+    histogram statement reads that endpoint's rows only (the other groups get no
+    percentiles)."""
+    hist_where, hist_params = where, params
+    if percentiles_for is not None:
+        hist_where, hist_params = f"{where} AND endpoint = ?", [*params, percentiles_for]
+    stats_sql = top_sql(stats, hist, by, where)[0]
+    hist_sql = top_sql(stats, hist, by, hist_where)[1]
+    return (stats_sql, params), (hist_sql, hist_params)
+
+
 def percentile(n: int, q: float, lo: int | None, hi: int | None, max_ms: float | None) -> Any:
     """The q-quantile of a group of n timed requests from the buckets of the ranks around
     q * (n - 1), interpolated like quantile_cont, never above the group's max."""
