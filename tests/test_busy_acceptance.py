@@ -226,11 +226,9 @@ def test_cpu_bound_code_is_classed_cpu_and_waits_waiting(evidence: EvidenceRun) 
         cpu = profile.load(store, "GET /cpu-sync")
         waits = {ep: profile.load(store, ep) for ep in WAITING}
     # Each /cpu-sync request burns 200 ms of CPU, so it is in flight at least 100 ms past
-    # PERFSLEUTH_SAMPLE_AFTER_MS (100). The evidence thread, idle until a request crosses that
-    # mark, looks every 50 ms (agent.evidence.IDLE_TICK), then every 20 ms: a quiet machine
-    # gives 1-3 samples a request (2.1 on average, measured at this commit and at a8adc16),
-    # more when starved; a request with none at all is rare. 16 requests clear the hotspot's
-    # floor of 20 samples with room (10 gave 19-23: the test failed about one run in six).
+    # PERFSLEUTH_SAMPLE_AFTER_MS (100): sampled from that mark every 20 ms, about 5 samples a
+    # request on a quiet machine (more when starved; tests/test_evidence.py checks the
+    # cadence), so 16 requests clear the hotspot's floor of 20 samples with room.
     assert cpu.requests >= CPU_REQUESTS - 2 and cpu.samples >= 20, cpu.states
     # CPU (or starved), however busy the machine: a sample's state is its thread's over the
     # interval between two reads of its counters, and a request gets none at a tick when its

@@ -34,7 +34,11 @@ CLASSES_APP = os.path.join(APPS, "sampler_classes_app.py")
 MIDDLEWARE_APP = os.path.join(APPS, "middleware_app.py")
 FAST_SAMPLING = {"PERFSLEUTH_SAMPLE_AFTER_MS": "100"}
 BUSY_PER_CORE = 4
-BUSY_SECONDS = 60  # a bound only: the test kills them as soon as its traffic is done
+# A bound only, for loops whose test could not kill them: each loop also ends as soon as the
+# process that started it is gone. The test kills them when its traffic is done, however long
+# that took (a busy machine slows the traffic: loops that end by themselves before it would
+# leave the rest of the traffic unstarved).
+BUSY_SECONDS = 900
 CPU_CLASSES = ("cpu", "starved")
 
 
@@ -48,9 +52,15 @@ def line_of(path: str, marker: str) -> int:
 @contextmanager
 def oversubscribed(seconds: float = BUSY_SECONDS) -> Iterator[None]:
     """BUSY_PER_CORE pure-Python busy loops per core, for as long as the block runs (each
-    ends by itself after ``seconds``)."""
+    ends by itself after ``seconds`` on the monotonic clock, or when the process that started
+    it is gone)."""
     n = BUSY_PER_CORE * (os.cpu_count() or 1)
-    code = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
+    code = (
+        "import os, time\n"
+        f"parent, end = os.getppid(), time.monotonic() + {seconds}\n"
+        "while os.getppid() == parent and time.monotonic() < end:\n"
+        "    for _ in range(100_000): pass\n"
+    )
     # Each in a session of its own, like the other services of a busy box: with the kernel's
     # autogroup scheduling (sched_autogroup_enabled) a session shares the CPUs fairly with the
     # others, so busy loops in one session would leave a server in its own session a core.
