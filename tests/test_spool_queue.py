@@ -99,3 +99,26 @@ def test_enqueue_is_the_queue_s_enqueue(impl: str) -> None:
         assert queue.enqueue is recorder.speedups.enqueue
     else:
         assert queue.python_enqueue.__module__ == queue.__name__
+
+
+def test_take_pops_the_queue_in_order_within_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """take: all that is queued when it fits the slice, else requests up to the slice's bytes
+    (at least one); the sizes of what is left stay the queue's, in order."""
+    reqs = [request(calls=k) for k in range(10)]
+    monkeypatch.setattr(queue, "_queue", collections.deque(reqs))
+    sizes = [1000 + k for k in range(10)]
+    # the Python enqueue appends a size before its request: one size more than requests
+    monkeypatch.setattr(queue, "_sizes", collections.deque([*sizes, 5000]))
+    monkeypatch.setattr(queue, "_queue_bytes", sum(sizes) + 5000)
+    first = queue.take(2500)  # over the queue's bytes: up to 2,500 of them
+    assert first == reqs[:3]
+    assert list(queue._sizes) == [*sizes[3:], 5000]
+    assert queue._queue_bytes == sum(sizes[3:]) + 5000
+    one = queue.take(1)  # at least one
+    assert one == reqs[3:4]
+    monkeypatch.setattr(queue, "_queue_bytes", sum(sizes[4:]))  # as enqueue left them
+    rest = queue.take(1 << 20)  # all of it
+    assert rest == reqs[4:]
+    assert list(queue._queue) == [] and list(queue._sizes) == [5000]
+    assert queue._queue_bytes == 5000
+    assert queue.take(1 << 20) == []

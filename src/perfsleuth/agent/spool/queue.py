@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable
+from itertools import repeat, starmap
 from typing import Any
 
 from perfsleuth.agent import recorder
@@ -143,13 +144,21 @@ def queued() -> int:
 
 
 def take(max_bytes: int) -> list[recorder.ActiveRequest]:
-    """Pop queued requests up to ``max_bytes`` of estimated size (at least one)."""
+    """Pop queued requests up to ``max_bytes`` of estimated size (at least one). The writer
+    (under its lock) is the only taker; the request path appends meanwhile."""
     global _queue_bytes
-    taken: list[recorder.ActiveRequest] = []
-    total = 0
-    while _queue and total < max_bytes:
-        taken.append(_queue.popleft())
-        total += _sizes.popleft() if _sizes else 0
+    n = len(_queue)
+    if _queue_bytes <= max_bytes:
+        # all the queue holds now, popped in C loops (what comes meanwhile stays queued);
+        # enqueue appends a request's size before the request, so the first n sizes are theirs
+        taken = list(starmap(_queue.popleft, repeat((), n)))
+        total = sum(starmap(_sizes.popleft, repeat((), min(n, len(_sizes)))))
+    else:
+        taken = []
+        total = 0
+        while _queue and total < max_bytes:
+            taken.append(_queue.popleft())
+            total += _sizes.popleft() if _sizes else 0
     _queue_bytes = sum(_sizes) if len(_sizes) < 4096 else max(0, _queue_bytes - total)
     return taken
 
