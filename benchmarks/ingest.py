@@ -2,7 +2,11 @@
 ingest into DuckDB, the same spool through a collector, and timed queries.
 
     .venv/bin/python benchmarks/ingest.py [--requests 100000] [--calls 10] [--dir DIR]
-                                          [--no-collector] [--phases]
+                                          [--no-collector] [--phases] [--spool-cache DIR]
+
+``--spool-cache DIR`` keeps the written spool in DIR (per --requests and --calls) and copies
+it from there on later runs: paired runs of two versions then ingest the same bytes, without
+~45 s of writing each.
 
 The spool is written by the agent's encoder (tests/spoolwrite.py): 8 MB segments of REQUESTS
 records of BATCH_MAX requests, each after the L/S/F dictionary records it uses; 300
@@ -218,9 +222,10 @@ PHASES = (
     ("  bulk read of records (store.decode)", "store.decode", "parse_requests"),
     ("    cx values", "store.decode", "_apply_cx"),
     ("  requests/calls tables", "store.tables", "event_tables"),
-    ("commit (one transaction per batch)", "store.duckdb_writer", "DuckDBWriter.commit"),
+    ("stage a batch in the group's transaction", "store.duckdb_writer", "DuckDBWriter.stage"),
     ("  known traces left out", "store.duckdb_writer", "DuckDBWriter._drop_known_traces"),
     ("  requests + calls insert", "store.duckdb_writer", "DuckDBWriter._insert_requests"),
+    ("commit a group (one transaction)", "store.duckdb_writer", "DuckDBWriter.commit_group"),
     ("  rollups (make + insert)", "store.duckdb_rollups", "DuckDBRollups._insert_rollups"),
     ("    rollups_of", "store.rollups", "rollups_of"),
     ("  DuckDB commit", "store.duckdb_writer", "DuckDBWriter._commit"),
@@ -318,6 +323,11 @@ def main() -> None:
         "--phases", action="store_true", help="print the spool ingest's CPU per step (slower)"
     )
     ap.add_argument(
+        "--spool-cache",
+        default=None,
+        help="keep the written spool here and copy it from here on later runs",
+    )
+    ap.add_argument(
         "--engines",
         default="duckdb,chdb" if _chdb_installed() else "duckdb",
         help="also ingest into chdb (ClickHouse in-process) when it is named",
@@ -326,10 +336,22 @@ def main() -> None:
     data_dir = args.dir or tempfile.mkdtemp(prefix="perfsleuth-bench-")
     try:
         t0 = time.perf_counter()
-        spool_bytes = write_spool(data_dir, args.requests, args.calls)
+        cached = None
+        if args.spool_cache:
+            cached = os.path.join(args.spool_cache, f"spool-{args.requests}x{args.calls}")
+        if cached is not None and os.path.isdir(cached):
+            shutil.copytree(cached, os.path.join(data_dir, "spool"), dirs_exist_ok=True)
+            spool_bytes = sum(os.path.getsize(os.path.join(cached, n)) for n in os.listdir(cached))
+            how = f"copied from {cached}"
+        else:
+            spool_bytes = write_spool(data_dir, args.requests, args.calls)
+            how = "written"
+            if cached is not None:
+                shutil.copytree(os.path.join(data_dir, "spool"), cached + ".tmp")
+                os.replace(cached + ".tmp", cached)
         print(
             f"spool: {args.requests:,} requests x {args.calls} calls, "
-            f"{spool_bytes / 1e6:.1f} MB, written in {time.perf_counter() - t0:.1f} s"
+            f"{spool_bytes / 1e6:.1f} MB, {how} in {time.perf_counter() - t0:.1f} s"
         )
         segments = tempfile.mkdtemp(prefix="perfsleuth-bench-segments-")
         engines = {e.strip() for e in args.engines.split(",")}

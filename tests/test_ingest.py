@@ -228,6 +228,7 @@ KILL_SCRIPT = textwrap.dedent(
 
     class Slow(DuckDBStore):
         batch_requests = 25
+        group_requests = 25  # a transaction per batch
         commits = 0
 
         def _commit(self):
@@ -264,6 +265,107 @@ def test_ingest_killed_mid_transaction_then_rerun_gives_exactly_n(data_dir: str)
         assert trace_ids(store) == ids
         assert count(store, "calls") == 480
         assert spool_names(data_dir) == []
+
+
+GROUP_KILL_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from perfsleuth.store.duckdb_store import DuckDBStore
+
+    class Slow(DuckDBStore):
+        batch_requests = 25
+        group_requests = 100  # four batches a transaction
+        commits = 0
+
+        def _commit(self):
+            Slow.commits += 1
+            print("commit", flush=True)
+            if Slow.commits == 2:
+                time.sleep(300)  # killed here: four batches are in, the transaction is open
+            super()._commit()
+
+    Slow(sys.argv[1]).ingest(progress=lambda done, total: print("batch", flush=True))
+    """
+)
+
+
+def test_ingest_killed_mid_group_transaction_then_rerun_gives_exactly_n(data_dir: str) -> None:
+    ids = write_segments(data_dir, 12, 20)  # 240 requests: groups of 100, 100 and 40
+    proc = subprocess.Popen(
+        [sys.executable, "-c", GROUP_KILL_SCRIPT, data_dir], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if lines.count("commit") == 2:  # one group committed, the second in flight
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # progress follows each batch, after the commit its batch completes
+    assert lines == ["batch"] * 3 + ["commit"] + ["batch"] * 4 + ["commit"]
+    with DuckDBStore(data_dir) as store:
+        assert count(store) == 100  # the first group, nothing of the second
+        assert 6 <= len(spool_names(data_dir)) < 12  # the first group's finished segments gone
+        rep = store.ingest()
+        assert rep.requests == 140
+        assert trace_ids(store) == ids
+        assert count(store, "calls") == 480
+        assert spool_names(data_dir) == []
+
+
+def test_a_backlog_is_committed_in_one_transaction(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches are converted 25 requests at a time and committed together: one commit, one
+    rollup insert per day (nothing for the compaction to merge), the segments retired after
+    it, and the same rows as a transaction per batch."""
+    ids = write_segments(data_dir, 12, 20)
+    monkeypatch.setattr(store, "batch_requests", 25)
+    commits: list[int] = []
+    real = store._commit
+
+    def commit() -> None:
+        commits.append(len(spool_names(data_dir)))
+        real()
+
+    monkeypatch.setattr(store, "_commit", commit)
+    rep = store.ingest()
+    assert commits == [12]  # one transaction; every segment still in the spool at its commit
+    assert (rep.requests, rep.calls, rep.segments_done) == (240, 480, 12)
+    assert trace_ids(store) == ids and count(store, "calls") == 480
+    assert spool_names(data_dir) == []
+    rolled = store.query("SELECT sum(requests) AS n FROM rollup_stats WHERE res = 60")
+    assert rolled[0]["n"] == 240
+    assert store.compact_rollups() == []
+
+
+def test_a_group_that_fails_mid_way_stores_none_of_it(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of a group failing rolls back the batches staged before it (their day tables
+    included); the same store then ingests everything, once."""
+    ids = write_segments(data_dir, 6, 20)
+    monkeypatch.setattr(store, "batch_requests", 25)
+    real = store._insert_requests
+    calls = 0
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("insert failed")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_insert_requests", failing)
+    with pytest.raises(RuntimeError):
+        store.ingest()
+    assert count(store) == 0 and len(spool_names(data_dir)) == 6
+    rep = store.ingest()
+    assert rep.requests == 120 and trace_ids(store) == ids
+    assert count(store, "calls") == 240 and spool_names(data_dir) == []
+    rolled = store.query("SELECT sum(requests) AS n FROM rollup_stats WHERE res = 60")
+    assert rolled[0]["n"] == 120
 
 
 def test_finished_segment_left_behind_is_never_reingested(
@@ -715,6 +817,7 @@ def test_the_cyclic_collector_runs_while_a_batch_is_committed(
 
     write_segments(data_dir, 3, 20)
     monkeypatch.setattr(store, "batch_requests", 20)
+    monkeypatch.setattr(store, "group_requests", 20)  # a transaction per batch
     seen: list[bool] = []
     real = store._commit
 

@@ -4,6 +4,7 @@ offsets, one transaction per batch) and retention (whole days dropped)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 from typing import Any
 
@@ -39,16 +40,33 @@ WHERE s.received < ? AND (s.started IS NULL OR s.started < ?)
 
 RAW_DAYS = 7  # raw rows are kept this long by default (rollups: rollups.ROLLUP_DAYS)
 
+# Columns of the requests rows that rollups_of does not read: not held until a group's commit
+_NOT_ROLLED_UP = ("trace_id", "path", "user", "tenant", "method", "version", "rid")
+
+
+@dataclass
+class _Group:
+    """An open group transaction (DuckDBWriter.stage): the day tables it made, and per day
+    its requests (for the rollups made at its commit)."""
+
+    new_days: set[date] = field(default_factory=set)
+    requests: dict[date, list[pa.Table]] = field(default_factory=dict)
+
 
 class DuckDBWriter(DuckDBRollups):
-    # Requests per ingest transaction (ClickHouse-sized batches: 10k-100k rows per insert).
+    # Requests per batch converted at once (ClickHouse-sized batches: 10k-100k rows per insert).
     batch_requests = 50_000
     # ... and payload bytes, which bounds memory when requests are large.
     batch_bytes = 256 * 1024 * 1024
+    # Requests per ingest transaction: a backlog's batches are committed in groups of this
+    # many (store.ingest.GroupTarget). One transaction of 100k requests x 10 calls stores them
+    # in 150 bytes a request, two of 50k in 176 (half-filled and freed blocks, per commit).
+    group_requests = 500_000
     # An .open segment whose writer is dead is final once unchanged this long.
     open_idle_seconds = 60.0
     _known_days: set[date]  # the days whose tables exist, while ingesting
     _compact_calls: set[date]  # ... and of those, the days whose calls have the compact layout
+    _group: _Group | None = None  # the open group transaction, if any
 
     def ingest(self, progress: Progress | None = None) -> IngestReport:
         """Ingest everything new in the spool (see :mod:`perfsleuth.store.ingest`)."""
@@ -56,8 +74,14 @@ class DuckDBWriter(DuckDBRollups):
         names = self._table_names()
         self._known_days = self._day_tables(names)["requests"]
         self._compact_calls = self._compact_call_days(names)
-        limits = Limits(self.batch_requests, self.batch_bytes, self.open_idle_seconds)
-        report = ingest_spool(self, self.spool_dir, limits, progress)
+        limits = Limits(
+            self.batch_requests, self.batch_bytes, self.open_idle_seconds, self.group_requests
+        )
+        try:
+            report = ingest_spool(self, self.spool_dir, limits, progress)
+        finally:
+            if self._group is not None:  # failed between two batches of a group: none of it
+                self._abort_group(None)
         self.compact_committed(final=True)
         return report
 
@@ -89,11 +113,23 @@ class DuckDBWriter(DuckDBRollups):
     def commit(self, batch: Batch, tables: Tables) -> None:
         """See :meth:`perfsleuth.store.ingest.IngestTarget.commit`: new day tables (and the
         views over them) are made in the same transaction."""
-        days = self._known_days
+        if self._group is not None:
+            raise StoreError("a batch committed alone while a group transaction is open")
+        self.stage(batch, tables)
+        self.commit_group()
+
+    def stage(self, batch: Batch, tables: Tables) -> None:
+        """See :meth:`perfsleuth.store.ingest.GroupTarget.stage`: the rows and offsets go in
+        at once; the rollups of the group's requests are made and inserted at its commit, one
+        insert per day (a day's rollup table made by one insert needs no compaction)."""
         con = self._con
-        con.begin()
+        group = self._group
+        if group is None:
+            con.begin()
+            group = self._group = _Group()
         try:
             self._drop_known_traces(tables)
+            days = self._known_days | group.new_days
             new_days = [d for d in tables.days if d not in days]
             for d in new_days:
                 for t in schema.EVENT_TABLES:
@@ -102,13 +138,19 @@ class DuckDBWriter(DuckDBRollups):
                 self._next_rid[d] = 0
             if new_days:
                 self._create_views(sorted(days | set(new_days)))
-            compact = self._compact_calls | set(new_days)
+                group.new_days.update(new_days)
+            compact = self._compact_calls | group.new_days
             for d, parts in tables.days.items():
                 self._insert_requests(d, parts, compact=d in compact)
                 for t in schema.EVENT_TABLES:
                     if t.name in parts and t.name not in ("requests", "calls"):
                         self._insert(schema.day_table(t, d), parts[t.name])
-            self._insert_rollups(tables)
+                req = parts.get("requests")
+                if req is not None and req.num_rows:
+                    # what rollups_of reads: the wide columns it does not are left out
+                    group.requests.setdefault(d, []).append(
+                        req.drop_columns([c for c in _NOT_ROLLED_UP if c in req.column_names])
+                    )
             for name, tbl in (
                 ("fingerprints", tables.fingerprints),
                 ("locations", tables.locations),
@@ -122,21 +164,40 @@ class DuckDBWriter(DuckDBRollups):
                 self._insert("captures", tables.captures, conflict="OR IGNORE")
             offs = offsets_table(batch, utcnow())
             self._insert("ingest_offsets", offs, conflict="OR REPLACE")
+        except BaseException as e:
+            self._abort_group(e)
+            raise
+
+    def commit_group(self) -> None:
+        """See :meth:`perfsleuth.store.ingest.GroupTarget.commit_group`."""
+        group = self._group
+        if group is None:
+            return
+        try:
+            days = {d: {"requests": pa.concat_tables(t)} for d, t in group.requests.items()}
+            self._insert_rollups(Tables(days=days))
             self._commit()
         except BaseException as e:
-            self._rollup_new_days = set()  # their tables are rolled back
-            self._next_rid = {}  # ... and their rows: asked again (max(rid)) when next needed
-            try:
-                con.rollback()
-            except duckdb.Error:
-                pass
-            full = disk_full(self.data_dir, e)
-            if full is not None:  # the offsets were not advanced: the spool keeps it all
-                raise full from e
+            self._abort_group(e)
             raise
-        days.update(new_days)
-        self._compact_calls.update(new_days)
+        self._group = None
+        self._known_days.update(group.new_days)
+        self._compact_calls.update(group.new_days)
         self.compact_committed()
+
+    def _abort_group(self, e: BaseException | None) -> None:
+        """Roll the open group's transaction back (raising ``e`` as a full disk if it is
+        one)."""
+        self._group = None
+        self._rollup_new_days = set()  # their tables are rolled back
+        self._next_rid = {}  # ... and their rows: asked again (max(rid)) when next needed
+        try:
+            self._con.rollback()
+        except duckdb.Error:
+            pass
+        full = disk_full(self.data_dir, e) if e is not None else None
+        if full is not None:  # the offsets were not advanced: the spool keeps it all
+            raise full from e
 
     def _insert_requests(self, d: date, parts: dict[str, pa.Table], *, compact: bool) -> None:
         """A day's requests and calls. Their ``rid`` (the batch's numbers) become the day

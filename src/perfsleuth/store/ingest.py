@@ -7,6 +7,13 @@ the engine, which commits rows and the segments' new offsets in one transaction
 the commit are finished segments removed from the spool (or, when they held damage, moved to
 ``spool/corrupt/``); a segment the offsets mark as finished is never read again.
 
+A backlog is committed in groups (:class:`GroupTarget`, ``Limits.group_requests``): each batch's
+tables, built with the memory of one batch, are added to a transaction that stays open across
+batches, with their offsets, and committed once the group holds ``group_requests`` requests or
+the spool is read. The per-transaction costs (the engine's commit and checkpoint, its
+half-filled blocks on disk, the rollups' one insert per day) are paid once a group; a crash
+before the group's commit stores none of it, and the next run reads it again.
+
 Everything here is engine-neutral: an engine implements :class:`IngestTarget`.
 """
 
@@ -16,7 +23,7 @@ import gc
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from perfsleuth.store import spool
 from perfsleuth.store.base import IngestReport, Progress
@@ -55,10 +62,28 @@ class IngestTarget(Protocol):
         ...
 
 
+@runtime_checkable
+class GroupTarget(IngestTarget, Protocol):
+    """An engine that can keep one transaction open over several batches."""
+
+    def stage(self, batch: Batch, tables: Tables) -> None:
+        """Add what :meth:`IngestTarget.commit` would commit to the open group transaction
+        (begun by the group's first batch), without committing. Raises on failure, having
+        rolled back the whole group (its earlier batches included)."""
+        ...
+
+    def commit_group(self) -> None:
+        """Commit the group's transaction. Raises (having stored none of it) on failure."""
+        ...
+
+
 class Limits(NamedTuple):
-    batch_requests: int  # requests per transaction
-    batch_bytes: int  # request payload bytes per transaction (bounds memory)
+    batch_requests: int  # requests per batch built at once (bounds the Python side's memory)
+    batch_bytes: int  # request payload bytes per batch (bounds memory)
     open_idle_seconds: float  # an .open segment whose writer is dead is final once this idle
+    # Requests per transaction of a GroupTarget: batches are committed together until their
+    # requests reach this (0: a transaction per batch)
+    group_requests: int = 0
 
 
 def commit_batch(target: IngestTarget, spool_dir: str, batch: Batch, report: IngestReport) -> None:
@@ -72,6 +97,49 @@ def commit_batch(target: IngestTarget, spool_dir: str, batch: Batch, report: Ing
     for s in batch.segments:
         if s.final:
             retire(spool_dir, s.base, damaged=s.damaged, report=report)
+
+
+class Group:
+    """The batches staged in a GroupTarget's open transaction, and what their commit owes:
+    the segments they finished (retired after the commit) and the report's counts."""
+
+    def __init__(self, target: GroupTarget, spool_dir: str, report: IngestReport) -> None:
+        self.target = target
+        self.spool_dir = spool_dir
+        self.report = report
+        self.batches = 0  # staged since the last commit
+        self.requests = 0
+        self.finished: dict[str, SegmentState] = {}
+        self.staged = IngestReport()
+
+    def stage(self, batch: Batch) -> None:
+        """Convert ``batch`` and add it to the open transaction."""
+        with frozen_when_made():
+            tables = build_tables(batch, time.time_ns())
+        self.target.stage(batch, tables)
+        self.batches += 1
+        self.requests += batch.requests
+        self.staged.requests += tables.requests
+        self.staged.calls += tables.calls
+        self.staged.damaged.extend(batch.damage)
+        # A segment is retired only when the offsets row the group commits says it is closed
+        # (s.final when its batch was converted: store.tables.offsets_table).
+        self.finished.update((s.base, s) for s in batch.segments if s.final)
+
+    def commit(self) -> None:
+        """Commit what was staged, count it, then retire the segments it finished."""
+        if not self.batches:
+            return
+        self.target.commit_group()
+        self.report.requests += self.staged.requests
+        self.report.calls += self.staged.calls
+        self.report.damaged.extend(self.staged.damaged)
+        finished = list(self.finished.values())
+        self.batches = self.requests = 0
+        self.finished = {}
+        self.staged = IngestReport()
+        for s in finished:
+            retire(self.spool_dir, s.base, damaged=s.damaged, report=self.report)
 
 
 def retire(spool_dir: str, base: str, *, damaged: bool, report: IngestReport) -> None:
@@ -129,13 +197,23 @@ def _ingest_spool(
     seen: set[bytes] = set()
     batch = Batch(seen)
     touched: set[str] = set()
+    group = (
+        Group(target, spool_dir, report)
+        if limits.group_requests > 0 and isinstance(target, GroupTarget)
+        else None
+    )
 
     def full() -> bool:
         return batch.requests >= limits.batch_requests or batch.request_bytes >= limits.batch_bytes
 
     def flush(current: int = 0) -> None:
         nonlocal batch, reported
-        commit_batch(target, spool_dir, batch, report)
+        if group is None:
+            commit_batch(target, spool_dir, batch, report)
+        else:
+            group.stage(batch)
+            if group.requests >= limits.group_requests:
+                group.commit()
         batch = Batch(seen)
         if progress is not None:
             reported = min(done_bytes + current, total)
@@ -204,6 +282,8 @@ def _ingest_spool(
             flush()
     if batch.segments:
         flush()
+    if group is not None:
+        group.commit()
     if progress is not None and reported != total:
         progress(total, total)
     report.segments_read = len(touched)
