@@ -204,7 +204,16 @@ class Encoder:
         statements past it are left to fingerprint() (which skips them)."""
         sites, fps = self.sites, self.fps
         todo: list[str] = []
-        unique = {id(e): e for req in reqs if req.calls for e in (req.site_list or ())}
+        unique: dict[int, Any] = {}
+        prev: Any = None
+        for req in reqs:
+            site_list = req.site_list
+            if not req.calls or not site_list:
+                continue
+            # most requests repeat the last one's entries (the same objects): looked at once
+            if prev is None or len(prev) != len(site_list) or not all(map(is_, prev, site_list)):
+                unique.update(zip(map(id, site_list), site_list, strict=True))
+                prev = site_list
         for e in unique.values():
             target = e[2]
             if (
