@@ -83,14 +83,17 @@ def _run() -> None:
 
 def next_tick(s: Sampler | None, busy: bool, interval_ns: int, target: int, now: int) -> int:
     """When the next tick is due (``s.clock``'s ns), after the tick meant for ``target`` that
-    ended at ``now``. While sampling (or arming) a request, or watching a loop with a request
-    in flight: one interval after ``target``, so ticks keep their cadence though each starts a
-    little late (the interpreter lock, a busy CPU); one that overran the next mark waits a
-    whole interval from its end. Otherwise: when the next request in flight is to be armed,
-    at most IDLE_TICK from now."""
-    if busy:
+    ended at ``now`` (``busy``: what tick() returned). While sampling or arming a request: one
+    interval after ``target``, so samples keep their cadence though each tick starts a little
+    late (the interpreter lock, a busy CPU); a tick that overran the next mark waits a whole
+    interval from its end. While only watching a loop with a request in flight (pings): one
+    interval from now. Otherwise: when the next request in flight is to be armed, at most
+    IDLE_TICK from now."""
+    if s is not None and (s.tracked or s.armed):
         due = target + interval_ns
         return due if due >= now else now + interval_ns
+    if busy:
+        return now + interval_ns
     idle = now + IDLE_TICK_NS
     if s is not None and s.wake_at:
         return max(now, min(idle, s.wake_at))
