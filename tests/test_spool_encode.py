@@ -293,3 +293,34 @@ def test_one_off_urls_and_cache_keys_are_kept_from_their_second_sighting(
         page(oid)
     encode_requests(recorded, Interned(), encoder=enc)
     assert len(enc.fps) == 10  # the targets seen again: kept
+
+
+def test_requests_with_equal_or_uncomparable_site_entries_read_back_as_recorded(
+    recorded: list[recorder.ActiveRequest],
+) -> None:
+    """The encoder shares the site indexes of a request whose site list equals the previous
+    one's: entries equal but made apart are the same sites, and an entry whose comparison
+    raises is resolved on its own (its request is not lost)."""
+
+    class Uncomparable(str):
+        def __eq__(self, other: object) -> bool:
+            raise RuntimeError("not comparable")
+
+        __hash__ = str.__hash__
+
+    for oid in (1, 2, 3):
+        order_page(oid, 2)
+    _, equal, odd = recorded
+    assert equal.site_list is not None and odd.site_list is not None
+    equal.site_list = [tuple(list(e)) for e in equal.site_list]
+    odd.site_list = [(*e[:2], Uncomparable(e[2]), *e[3:]) for e in odd.site_list]
+    recs = records(encode_requests(recorded))
+    fps = {o["id"]: o["text"] for t, o in recs if t == FINGERPRINT}
+    (batch,) = [o for t, o in recs if t == REQUESTS]
+    assert [r["path"] for r in batch] == ["/orders/1", "/orders/2", "/orders/3"]
+    for r in batch:
+        assert [fps[c["fp"]] for c in r["calls"]] == [
+            "SELECT * FROM orders WHERE id = ?",
+            "SELECT * FROM items WHERE id = ?",
+            "SELECT * FROM items WHERE id = ?",
+        ]

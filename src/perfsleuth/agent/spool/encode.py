@@ -18,7 +18,6 @@ import contextlib
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from operator import is_
 from typing import Any
 
 from perfsleuth.agent import recorder, stacks
@@ -211,7 +210,7 @@ class Encoder:
             if not req.calls or not site_list:
                 continue
             # most requests repeat the last one's entries (the same objects): looked at once
-            if prev is None or len(prev) != len(site_list) or not all(map(is_, prev, site_list)):
+            if not _same_entries(prev, site_list):
                 unique.update(zip(map(id, site_list), site_list, strict=True))
                 prev = site_list
         for e in unique.values():
@@ -552,9 +551,7 @@ class Encoder:
         if calls:
             table = sparse["site_table"]
             site_list = req.site_list or ()
-            prev = last[0]
-            # the same entries, by identity (C loops; no entry's __eq__ runs)
-            if prev is not None and len(prev) == len(site_list) and all(map(is_, prev, site_list)):
+            if _same_entries(last[0], site_list):
                 sites = last[1]
             else:
                 sites = []
@@ -578,3 +575,14 @@ class Encoder:
 
 
 _perf_ns = time.perf_counter_ns
+
+
+def _same_entries(a: Any, b: Any) -> bool:
+    """Whether two requests' site lists hold the same entries: list equality, which takes
+    entries that are the same object as equal without comparing them (the common case: the
+    recorder's site cache shares them); equal entries made apart are the same site too. An
+    entry that cannot be compared makes them different."""
+    try:
+        return a is not None and a == b
+    except Exception:
+        return False
