@@ -831,3 +831,33 @@ def test_the_cyclic_collector_runs_while_a_batch_is_committed(
     assert report.requests == 60
     assert len(seen) >= 3 and all(seen)
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_ingest_allocates_arrow_memory_from_malloc_and_restores_the_pool(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ingest's Arrow buffers come from the system allocator (store.ingest.malloc_pool); the
+    pool before is the default again after the run, also after a run that failed."""
+    import pyarrow as pa
+
+    before = pa.default_memory_pool().backend_name
+    write_segments(data_dir, 2, 10)
+    seen: list[str] = []
+    real = store._commit
+
+    def commit() -> None:
+        seen.append(pa.default_memory_pool().backend_name)
+        real()
+
+    monkeypatch.setattr(store, "_commit", commit)
+    assert store.ingest().requests == 20
+    assert seen == ["system"] and pa.default_memory_pool().backend_name == before
+
+    def failing() -> None:
+        raise RuntimeError("commit failed")
+
+    write_segments(data_dir, 1, 10)
+    monkeypatch.setattr(store, "_commit", failing)
+    with pytest.raises(RuntimeError):
+        store.ingest()
+    assert pa.default_memory_pool().backend_name == before
