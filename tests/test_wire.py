@@ -95,3 +95,10 @@ def test_the_retired_one_request_records_are_damage() -> None:
     res = read_segment(data[: ends[0]] + retired + data[ends[0] :])
     assert [o["id"] for t, o in res.records if t == LOCATION] == [0, 1]
     assert [(d.offset, d.reason) for d in res.damaged] == [(ends[0], "unknown record type b'R'")]
+
+
+def test_a_record_of_payload_parts_is_the_record_of_their_join() -> None:
+    from perfsleuth.wire.segment import encode_payload, encode_payload_parts
+
+    for parts in [(b"",), (b"{}",), (b'{"n":1}', b"\0", bytes(range(256)) * 9, b"")]:
+        assert encode_payload_parts(b"R", parts) == encode_payload(b"R", b"".join(parts))

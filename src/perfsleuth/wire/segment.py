@@ -71,6 +71,14 @@ def encode_payload(rtype: bytes, payload: bytes) -> bytes:
     return _HEAD.pack(REC_MAGIC, rtype, len(payload), crc) + payload
 
 
+def encode_payload_parts(rtype: bytes, parts: tuple[bytes, ...]) -> bytes:
+    """:func:`encode_payload` of ``b"".join(parts)``, the parts copied once, into the record."""
+    crc = zlib.crc32(rtype)
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return b"".join((_HEAD.pack(REC_MAGIC, rtype, sum(map(len, parts)), crc), *parts))
+
+
 class SegmentName(NamedTuple):
     """A spool file's name read: ``<host>-<pid>-<started_ns>-<seq>`` (the *base*) followed by
     OPEN_SUFFIX while its writer appends, CLOSED_SUFFIX once complete. ``host`` to ``seq`` are

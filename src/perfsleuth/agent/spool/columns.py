@@ -21,7 +21,7 @@ from perfsleuth.agent.frameworks.common import (
 from perfsleuth.wire import REQUESTS
 from perfsleuth.wire import batch as wbatch
 from perfsleuth.wire import calls as wcalls
-from perfsleuth.wire.segment import encode_json, encode_payload
+from perfsleuth.wire.segment import encode_json, encode_payload_parts
 
 
 def row_values(req: recorder.ActiveRequest) -> tuple[Any, ...]:
@@ -94,7 +94,7 @@ def requests_record(
         swapped = array.array("q", rows_bytes)
         swapped.byteswap()
         rows_bytes = swapped.tobytes()
-    return encode_payload(REQUESTS, encode_json(body) + wcalls.SEPARATOR + ints + rows_bytes)
+    return encode_payload_parts(REQUESTS, (encode_json(body), wcalls.SEPARATOR, ints, rows_bytes))
 
 
 NO_CALLS = bytearray()
