@@ -149,6 +149,82 @@ def test_begin_records_in_place_of_an_ended_request_left_current(
     assert [r.path for r in got] == ["/outer", "/after"]
 
 
+def test_an_ended_request_leaves_the_garbage_collector_s_lists(agent_data_dir: str) -> None:
+    """Queued for the writer, a tracked request and its site list were traversed by each of
+    the application's young collections and promoted into the older generations (the burst
+    app's gen1 held ~530 objects at each collection, 5 without them). The C end() untracks a
+    request that holds nothing that can lead back to it, and its site list; the Python
+    reference cannot (no API) and records the same values."""
+    import gc
+
+    got: list[recorder.ActiveRequest] = []
+
+    def run() -> None:
+        req = recorder.speedups.begin("web", "GET", "/p")
+        assert req is not None and gc.is_tracked(req)
+        req.record_call("db", "sqlite", "SELECT 1", (1,), 1)
+        req.record_call("db", "sqlite", "SELECT 2", None, 1)
+        recorder.attr("plan", "gold")
+        recorder.attr("items", 3)
+        recorder.speedups.end(req)
+
+    recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
+    try:
+        contextvars_run(run)
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    (req,) = got
+    assert [site[2] for site in req.site_list] == ["SELECT 1", "SELECT 2"]
+    assert req.attrs == {"plan": "gold", "items": 3}
+    assert not gc.is_tracked(req) and not gc.is_tracked(req.site_list)
+
+
+class _Holder:
+    """An application object that refers back to the request it is attached to."""
+
+    req: Any = None
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("where", ["attr", "nested_list", "deep"])
+def test_an_ended_request_in_a_reference_cycle_is_still_collected(
+    agent_data_dir: str, impl: str, where: str
+) -> None:
+    """A request that holds an object leading back to it (an attribute's value) stays tracked,
+    so the cycle is freed by the collector, not leaked."""
+    import gc
+    import weakref
+
+    begin, end = (get() for get in IMPLEMENTATIONS[impl])
+    got: list[recorder.ActiveRequest] = []
+
+    def run() -> weakref.ref[_Holder]:
+        req = begin("web", "GET", "/p")
+        holder = _Holder()
+        holder.req = req
+        if where == "attr":
+            recorder.attr("holder", holder)
+        elif where == "nested_list":  # the way back is inside plain containers
+            recorder.attr("rows", [(1, "a"), ({"h": holder},)])
+        else:  # deeper than the look goes: kept tracked without finding the way back
+            value: Any = holder
+            for _ in range(10):
+                value = [value]
+            recorder.attr("deep", value)
+        end(req)
+        return weakref.ref(holder)
+
+    recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
+    try:
+        holder = contextvars_run(run)
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    assert gc.is_tracked(got[0])
+    got.clear()  # the writer's reference, dropped once written
+    gc.collect()
+    assert holder() is None
+
+
 def contextvars_run(fn: Callable[[], Any]) -> Any:
     import contextvars
 
