@@ -1,7 +1,8 @@
 """Stack samples of slow requests, taken from the evidence thread (FusionReactor-style).
 
 Once a request has been in flight for ``sample_after_ms``, each tick takes one sample of where
-its code is:
+its code is (the tick before it gets there reads its thread, so that the first sample is taken
+at the mark: agent.evidence wakes for it, from the requests' start times):
 
 - a sync request (WSGI, or a sync endpoint running in a thread pool: ``req.worker``): the
   stack of its thread;
