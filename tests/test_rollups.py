@@ -337,6 +337,7 @@ def test_a_failed_compaction_does_not_fail_the_commit_that_stored_the_rows(
     monkeypatch.setattr(store, "_rebuild_day", full)
     monkeypatch.setattr(duckdb_rollups, "COMPACT_MIN_ROWS", 1)
     monkeypatch.setattr(store, "batch_requests", 25)
+    monkeypatch.setattr(store, "group_requests", 25)  # a commit per batch: the second grows the day
     report = store.ingest()
     assert report.requests == 50
     assert store.sql("SELECT count(*) FROM requests")[1] == [(50,)]
@@ -492,3 +493,50 @@ def test_a_window_starting_before_the_first_rollup_day_is_answered_by_raw_rows(
     finally:
         store.close()
         store_engines.reset()
+
+
+def test_numpy_merged_histograms_give_the_histogram_statement_s_rows() -> None:
+    """rollups.coded_hist_sql + coded_hist_rows (numpy sums by key, and by period and key)
+    give the rows of top_sql's histogram statement exactly: the same n and rank buckets per
+    group, a NULL key included, a key with one request, and keys without rows left out."""
+    import duckdb
+    import pyarrow as pa
+
+    rng = random.Random(3)
+    rows = []
+    for key, n in (("GET /a", 3000), ("GET /b", 1), (None, 40), ("GET /c", 700)):
+        for _ in range(n):
+            b = rng.choice((0, 60, 120))
+            rows.append((key, b, rng.randrange(0, 900), rng.randrange(1, 4)))
+    hist = pa.table(
+        {
+            "endpoint": pa.array([r[0] for r in rows], pa.string()),
+            "b": pa.array([r[1] for r in rows], pa.int64()),
+            "bucket": pa.array([r[2] for r in rows], pa.int32()),
+            "requests": pa.array([r[3] for r in rows], pa.int64()),
+        }
+    )
+    con = duckdb.connect()
+    con.register("h", hist)
+
+    def by_sql(by: tuple[str, ...]) -> dict[tuple[Any, ...], dict[str, Any]]:
+        sql = rollups.top_sql("h", "h", by, "bucket >= 0")[1]
+        cur = con.execute(sql)
+        cols = [d[0] for d in cur.description or ()]
+        out = {}
+        for r in cur.fetchall():
+            d = dict(zip(cols, r, strict=True))
+            out[tuple(d[b] for b in by)] = d
+        return out
+
+    keys = ["GET /a", "GET /b", None, "GET /c", "GET /none"]
+    t = con.sql(rollups.coded_hist_sql("h", "bucket >= 0", len(keys)), params=keys).to_arrow_table()
+    got = {(r["endpoint"],): r for r in rollups.coded_hist_rows(t, keys)}
+    assert got == by_sql(("endpoint",))
+    assert ("GET /none",) not in got
+    assert got[("GET /b",)]["n"] == sum(r[3] for r in rows if r[0] == "GET /b")
+    periods = [0, 60, 120, 180]
+    sql = rollups.coded_hist_sql("h", "bucket >= 0", len(keys), period=True)
+    t = con.sql(sql, params=keys).to_arrow_table()
+    got = {(r["b"], r["endpoint"]): r for r in rollups.coded_hist_rows(t, keys, periods)}
+    assert got == by_sql(("b", "endpoint"))

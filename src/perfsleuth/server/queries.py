@@ -8,8 +8,11 @@ per series with None where a bucket has no data.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol, cast
+
+import pyarrow as pa
 
 from perfsleuth.server.window import WEEK, Window, step_seconds
 from perfsleuth.store import rollups
@@ -157,8 +160,11 @@ def endpoint_table(store: Store, w: Window) -> list[dict[str, Any]]:
     return _endpoint_table(store, w)[0]
 
 
-class _OneEndpointTop(Protocol):
-    """Both engines' top_answered takes ``percentiles_for`` (DuckDBReader.top_answered)."""
+class _RollupReader(Protocol):
+    """What both engines' readers have beyond the Store interface: top_answered's
+    ``percentiles_for`` (DuckDBReader.top_answered) and query_arrow."""
+
+    def query_arrow(self, sql: str, params: Sequence[Any] = ()) -> pa.Table: ...
 
     def top_answered(
         self,
@@ -179,7 +185,7 @@ def _endpoint_table(
     if percentiles_for is None:
         rows, answered = store.top_answered(since=w.since, only=w.only)
     else:
-        rows, answered = cast(_OneEndpointTop, store).top_answered(
+        rows, answered = cast(_RollupReader, store).top_answered(
             since=w.since, only=w.only, percentiles_for=percentiles_for
         )
     total = sum(float(r["total_ms"] or 0) for r in rows) or 1.0
@@ -197,20 +203,30 @@ def _rollup_res(answered: dict[str, Any], step: int) -> int | None:
 
 
 def _rollup_percentiles(
-    store: Store, res: int, step: int, where: str, params: list[Any]
+    store: Store,
+    res: int,
+    step: int,
+    where: str,
+    params: list[Any],
+    endpoints: list[str],
+    periods: list[int],
 ) -> list[dict[str, Any]]:
-    """Per chart bucket ``b`` and endpoint: count and p50/p95/p99 from the rollups of
-    resolution ``res`` (rows filtered by ``where``)."""
+    """Per chart bucket ``b`` (of ``periods``) and endpoint (of ``endpoints``): count and
+    p50/p95/p99 from the rollups of resolution ``res`` (rows filtered by ``where``); the
+    histogram rows summed by numpy (rollups.coded_hist_rows), not by a GROUP BY of ~200,000
+    (bucket, endpoint, histogram bucket) groups."""
     src = "(SELECT *, {b} AS b FROM {t} WHERE res = {res})"
     by = ("b", "endpoint")
-    stats_sql, hist_sql = rollups.top_sql(
-        src.format(b=_bucket(step), t="rollup_stats", res=int(res)),
-        src.format(b=_bucket(step), t="rollup_hist", res=int(res)),
-        by,
-        where,
-    )
+    hist_src = src.format(b=_bucket(step), t="rollup_hist", res=int(res))
+    stats_sql = rollups.top_sql(
+        src.format(b=_bucket(step), t="rollup_stats", res=int(res)), hist_src, by, where
+    )[0]
     stats = store.query(stats_sql, params)
-    hist = store.query(hist_sql, params)
+    coded = cast(_RollupReader, store).query_arrow(
+        rollups.coded_hist_sql(hist_src, where, len(endpoints), period=True),
+        [*params, *endpoints],
+    )
+    hist = rollups.coded_hist_rows(coded, list(endpoints), periods)
     return rollups.top_rows(stats, hist, by, step / 60)
 
 
@@ -245,6 +261,8 @@ def overview(store: Store, w: Window) -> dict[str, Any]:
             # IN, not list_contains: ClickHouse prunes granules by it (its sort key), not by has()
             f"ts >= ? AND ts < ? AND endpoint IN ({', '.join('?' * len(top))}) AND {only}",
             [_floor(start, res), end, *top, *only_params],
+            top,
+            x,
         ):
             i = index.get(r["b"])
             if i is not None:
@@ -354,6 +372,8 @@ def endpoint_detail(store: Store, w: Window, endpoint: str) -> dict[str, Any]:
             step,
             f"endpoint = ? AND ts >= ? AND ts < ? AND {only}",
             [endpoint, _floor(start, res), end, *only_params],
+            [endpoint],
+            x,
         ):
             i = index.get(r["b"])
             if i is not None:

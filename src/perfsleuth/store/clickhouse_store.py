@@ -183,6 +183,10 @@ class ClickHouseStore(ClickHouseRollups):
         """A table of the store's database, quoted."""
         return f"{quote(self.database)}.{quote(name)}"
 
+    def query_arrow(self, sql: str, params: Sequence[Any] = ()) -> pa.Table:
+        """:meth:`DuckDBReader.query_arrow` on ClickHouse (the query transpiled)."""
+        return self._client.query_arrow(to_clickhouse(sql, params, self.database))
+
     def _q(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """Rows of ClickHouse SQL (already in its dialect) with ``?`` parameters (without
         parameters, ``sql`` is run as it is)."""

@@ -398,6 +398,89 @@ def top_statements(
     return (stats_sql, params), (hist_sql, hist_params)
 
 
+def coded_hist_sql(
+    hist: str, where: str, n_keys: int, key: str = "endpoint", period: bool = False
+) -> str:
+    """Portable SQL over the histogram rows ``hist`` (a table or a SELECT) kept by ``where``:
+    ``code`` (the index of the row's ``key`` among ``n_keys`` parameters, NULL for another
+    or a NULL one), ``bucket``, ``requests``, and with ``period`` the ``b`` that ``hist``
+    selects. The parameters: ``where``'s, then the keys. An integer per row lets
+    :func:`coded_hist_rows` sum the rows by key and bucket with numpy's direct indexing,
+    where an engine's GROUP BY endpoint, bucket hashed ~60,000 groups (~0.1 us a row)."""
+    values = ", ".join(f"(?, {i})" for i in range(n_keys)) or "(NULL, 0)"
+    cols = ", ".join((key, "bucket", "requests", *(("b",) if period else ())))
+    out = ", ".join(f"h.{c} AS {c}" for c in ("bucket", "requests", *(("b",) if period else ())))
+    return (
+        f"SELECT g.code AS code, {out} FROM (SELECT {cols} FROM {hist} WHERE {where}) AS h "
+        f"LEFT JOIN (VALUES {values}) AS g(key_value, code) ON h.{key} = g.key_value"
+    )
+
+
+def merged_buckets(
+    group: np.ndarray, bucket: np.ndarray, requests: np.ndarray, groups: int
+) -> list[dict[str, Any]]:
+    """Per group (0 <= group < ``groups``): ``n`` (requests counted) and, per percentile q,
+    the buckets holding the ranks either side of q * (n - 1) (``p95_lo``, ``p95_hi``), as the
+    histogram statement of :func:`top_sql` gives them; None where a group has no rows."""
+    if not len(group):
+        return [{"n": None} for _ in range(groups)]
+    nb = int(bucket.max()) + 1
+    flat = np.bincount(
+        group.astype(np.int64) * nb + bucket.astype(np.int64),
+        weights=requests.astype(np.float64),
+        minlength=groups * nb,
+    )
+    counts = np.rint(flat).astype(np.int64).reshape(groups, nb)
+    cum = np.cumsum(counts, axis=1)
+    n = cum[:, -1]
+    out: list[dict[str, Any]] = [{"n": int(x) if x else None} for x in n]
+    for q in PERCENTILES:
+        name = f"p{round(q * 100)}"
+        pos = q * (n - 1)
+        for side, rank in (("lo", np.floor(pos)), ("hi", np.ceil(pos))):
+            above = cum > rank[:, None]
+            first = np.argmax(above, axis=1)
+            found = above[np.arange(groups), first]
+            for i in range(groups):
+                out[i][f"{name}_{side}"] = int(first[i]) if n[i] and found[i] else None
+    return out
+
+
+def coded_hist_rows(
+    t: pa.Table, keys: list[Any], periods: list[int] | None = None, key: str = "endpoint"
+) -> list[dict[str, Any]]:
+    """The rows :func:`top_sql`'s histogram statement gives, grouped by ``key`` (by ``b`` and
+    ``key`` with ``periods``, the values of ``b``), from the rows of :func:`coded_hist_sql`
+    (``t``: code, bucket, requests, and b with ``periods``), summed with numpy."""
+    code = t["code"].to_numpy(zero_copy_only=False)
+    code = np.where(np.isnan(code), keys.index(None) if None in keys else -1, code)
+    group = code.astype(np.int64)
+    n_groups = len(keys)
+    if periods is not None:
+        index = {b: i for i, b in enumerate(periods)}
+        b = t["b"].to_numpy(zero_copy_only=False).astype(np.int64)
+        b_index = np.array([index.get(int(v), -1) for v in np.unique(b)], np.int64)
+        b_i = b_index[np.searchsorted(np.unique(b), b)] if len(b) else b
+        group = np.where((group >= 0) & (b_i >= 0), b_i * len(keys) + group, -1)
+        n_groups *= len(periods)
+    kept = group >= 0
+    rows = merged_buckets(
+        group[kept],
+        t["bucket"].to_numpy(zero_copy_only=False)[kept],
+        t["requests"].to_numpy(zero_copy_only=False)[kept],
+        n_groups,
+    )
+    out = []
+    for g, r in enumerate(rows):
+        if r["n"] is None:
+            continue
+        r[key] = keys[g % len(keys)]
+        if periods is not None:
+            r["b"] = periods[g // len(keys)]
+        out.append(r)
+    return out
+
+
 def percentile(n: int, q: float, lo: int | None, hi: int | None, max_ms: float | None) -> Any:
     """The q-quantile of a group of n timed requests from the buckets of the ranks around
     q * (n - 1), interpolated like quantile_cont, never above the group's max."""
