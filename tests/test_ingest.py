@@ -861,3 +861,46 @@ def test_ingest_allocates_arrow_memory_from_malloc_and_restores_the_pool(
     with pytest.raises(RuntimeError):
         store.ingest()
     assert pa.default_memory_pool().backend_name == before
+
+
+def test_dictionary_records_stored_by_an_earlier_run_are_not_decoded_again(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every segment repeats its locations, stacks and fingerprints: a later run of the same
+    store (a collector's next round) skips those it stored, unless the run before failed."""
+    from perfsleuth.store import records
+
+    decoded: list[bytes] = []
+    real_loads = records.loads
+
+    def loads(payload: bytes) -> Any:
+        decoded.append(payload)
+        return real_loads(payload)
+
+    monkeypatch.setattr(records, "loads", loads)
+    write_segments(data_dir, 2, 5)
+    store.ingest()
+    first = len(decoded)
+    assert first > 0
+    write_segments(data_dir, 2, 5)
+    decoded.clear()
+    assert store.ingest().requests == 10
+    assert not [p for p in decoded if b'"frames"' in p or b'"text"' in p]
+    assert count(store, "fingerprints") == 2 and count(store, "stacks") == 2
+    assert count(store, "locations") == 3
+    got = store.query("SELECT count(*) AS n FROM calls WHERE stack_id IS NOT NULL")
+    assert got[0]["n"] == 40
+
+    real_commit = store._commit
+
+    def failing() -> None:
+        raise RuntimeError("commit failed")
+
+    write_segments(data_dir, 1, 5)
+    monkeypatch.setattr(store, "_commit", failing)
+    with pytest.raises(RuntimeError):
+        store.ingest()
+    monkeypatch.setattr(store, "_commit", real_commit)
+    decoded.clear()
+    assert store.ingest().requests == 5
+    assert [p for p in decoded if b'"frames"' in p]  # read again after the failed run

@@ -40,6 +40,9 @@ WHERE s.received < ? AND (s.started IS NULL OR s.started < ?)
 
 RAW_DAYS = 7  # raw rows are kept this long by default (rollups: rollups.ROLLUP_DAYS)
 
+# Dictionary record payloads remembered between ingest runs, at most (~100-300 bytes each)
+DICTIONARY_SEEN_MAX = 100_000
+
 # Columns of the requests rows that rollups_of does not read: not held until a group's commit
 _NOT_ROLLED_UP = ("trace_id", "path", "user", "tenant", "method", "version", "rid")
 
@@ -67,6 +70,8 @@ class DuckDBWriter(DuckDBRollups):
     _known_days: set[date]  # the days whose tables exist, while ingesting
     _compact_calls: set[date]  # ... and of those, the days whose calls have the compact layout
     _group: _Group | None = None  # the open group transaction, if any
+    # payloads of the dictionary records stored by this process's runs (ingest_spool's seen)
+    _dictionary_seen: set[bytes] | None = None
 
     def ingest(self, progress: Progress | None = None) -> IngestReport:
         """Ingest everything new in the spool (see :mod:`perfsleuth.store.ingest`)."""
@@ -77,11 +82,20 @@ class DuckDBWriter(DuckDBRollups):
         limits = Limits(
             self.batch_requests, self.batch_bytes, self.open_idle_seconds, self.group_requests
         )
+        # Every segment repeats the dictionary records its requests use: those of the store
+        # are known from this process's earlier runs (a collector ingests every few seconds:
+        # ~1,500 records a segment of benchmarks/ingest.py were decoded and inserted again each
+        # round). Kept only after a run that committed all it read, without damage, and while
+        # not too many.
+        seen = self._dictionary_seen if self._dictionary_seen is not None else set()
+        self._dictionary_seen = None
         try:
-            report = ingest_spool(self, self.spool_dir, limits, progress)
+            report = ingest_spool(self, self.spool_dir, limits, progress, seen)
         finally:
             if self._group is not None:  # failed between two batches of a group: none of it
                 self._abort_group(None)
+        if len(seen) <= DICTIONARY_SEEN_MAX and not report.damaged:
+            self._dictionary_seen = seen  # (damage: a dictionary record may be unconverted)
         self.compact_committed(final=True)
         return report
 

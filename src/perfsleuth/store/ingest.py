@@ -193,20 +193,32 @@ def malloc_pool() -> Iterator[None]:
 
 
 def ingest_spool(
-    target: IngestTarget, spool_dir: str, limits: Limits, progress: Progress | None = None
+    target: IngestTarget,
+    spool_dir: str,
+    limits: Limits,
+    progress: Progress | None = None,
+    seen: set[bytes] | None = None,
 ) -> IngestReport:
-    """Ingest everything new in ``spool_dir`` into ``target`` (see the module docstring)."""
+    """Ingest everything new in ``spool_dir`` into ``target`` (see the module docstring).
+    ``seen``: the payloads of dictionary records (locations, stacks, fingerprints) ``target``
+    holds already, which are not decoded or inserted again; this run adds those it reads. A
+    caller that keeps it for its next run keeps it only when this run returns (a run that
+    raises may have read records it did not commit)."""
     frozen_before = gc.get_freeze_count()  # someone else's freeze (a pre-fork one) is kept
     try:
         with malloc_pool():
-            return _ingest_spool(target, spool_dir, limits, progress)
+            return _ingest_spool(target, spool_dir, limits, progress, seen)
     finally:
         if not frozen_before:
             gc.unfreeze()
 
 
 def _ingest_spool(
-    target: IngestTarget, spool_dir: str, limits: Limits, progress: Progress | None
+    target: IngestTarget,
+    spool_dir: str,
+    limits: Limits,
+    progress: Progress | None,
+    seen: set[bytes] | None,
 ) -> IngestReport:
     report = IngestReport()
     offsets = target.committed_offsets()
@@ -219,7 +231,8 @@ def _ingest_spool(
     reported = -1
     # A segment continued past its fingerprint records still files their calls apart.
     remember_internal_fingerprints(target.internal_fingerprint_ids())
-    seen: set[bytes] = set()
+    if seen is None:
+        seen = set()
     batch = Batch(seen)
     touched: set[str] = set()
     group = (
