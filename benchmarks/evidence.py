@@ -13,6 +13,9 @@ Three measurements, each in fresh child processes with the agent started, eviden
   request, evidence on relative to off (its slowdown while being profiled).
 - GC-heavy requests: requests that create cyclic garbage (many collections each): requests
   per CPU second, evidence on relative to off (the gc.callbacks hook's cost).
+- sampling cadence (evidence on only): 20 requests one after another, each burning CPU for
+  200 ms: samples a request, against the (200 - 100) / 20 + 1 = 6 that sampling from the
+  100 ms mark every 20 ms allows (ticks start a little late: the interpreter lock).
 
 The load figures for ordinary fast requests are in benchmarks/overhead.py (variant
 ``perfsleuth`` against ``perfsleuth-no-evidence``).
@@ -33,6 +36,7 @@ import time
 from typing import Any
 
 RESULT = "@@result "
+CADENCE_REQUESTS = 20
 
 
 def child(mode: str, seconds: float, evidence: bool) -> dict[str, Any]:
@@ -104,6 +108,19 @@ def child(mode: str, seconds: float, evidence: bool) -> dict[str, Any]:
             "requests_per_cpu_s": n / cpu,
             "collections": ps.stats().get("gc_collections", 0),
         }
+    if mode == "cadence":
+        counts = []
+        for _ in range(CADENCE_REQUESTS):
+            before = ps.stats().get("samples_taken", 0)
+            req = recorder.begin("web", "GET", "/two-hundred-ms")
+            assert req is not None
+            t_end = time.perf_counter() + 0.2
+            while time.perf_counter() < t_end:
+                pass
+            recorder.end(req)
+            time.sleep(0.1)  # the request's samples are shipped at the next tick
+            counts.append(ps.stats().get("samples_taken", 0) - before)
+        return {"samples_per_request": statistics.mean(counts), "fewest": min(counts)}
     raise SystemExit(f"unknown mode {mode}")
 
 
@@ -133,6 +150,7 @@ def main() -> None:
         for mode in ("idle", "slow", "gc"):
             for ev in (False, True):
                 res.setdefault((mode, ev), []).append(run(mode, args.seconds, ev))
+        res.setdefault(("cadence", True), []).append(run("cadence", args.seconds, True))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
     def med(mode: str, ev: bool, key: str) -> float:
@@ -160,6 +178,11 @@ def main() -> None:
     print(
         f"  GC-heavy request: {100 * (gc_off / gc_on - 1):+.2f} % CPU per request "
         f"({med('gc', True, 'collections'):.0f} collections)"
+    )
+    print(
+        f"  slow requests:    {med('cadence', True, 'samples_per_request'):.2f} samples a "
+        f"200 ms request (fewest {med('cadence', True, 'fewest'):.0f}; from the 100 ms mark "
+        "every 20 ms: at most 6)"
     )
 
 
