@@ -904,3 +904,44 @@ def test_dictionary_records_stored_by_an_earlier_run_are_not_decoded_again(
     decoded.clear()
     assert store.ingest().requests == 5
     assert [p for p in decoded if b'"frames"' in p]  # read again after the failed run
+
+
+DAY_NS = 86_400 * 10**9
+
+
+def test_stored_traces_are_looked_for_in_the_batch_s_time_span(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    """A request already stored is left out when it comes again (the same trace id and time);
+    the check reads only the stored requests of the batch's time span (zone maps prune the
+    rest), so a trace id stored two days before (another request) is not taken for it."""
+    now = __import__("time").time_ns()
+    w = SegmentWriter(data_dir, seq=1)
+    w.request("GET /a", trace_id="00000000000000aa", ts_ns=now - 2 * DAY_NS)
+    w.request("GET /b", trace_id="00000000000000bb", ts_ns=now - 60 * 10**9)
+    w.close()
+    assert store.ingest().requests == 2
+    w = SegmentWriter(data_dir, seq=2)
+    w.request("GET /a", trace_id="00000000000000aa", ts_ns=now)  # another request
+    w.request("GET /b", trace_id="00000000000000bb", ts_ns=now - 60 * 10**9)  # a copy
+    w.close()
+    assert store.ingest().requests == 1
+    got = store.query("SELECT trace_id, endpoint FROM requests ORDER BY ts")
+    assert [(r["trace_id"], r["endpoint"]) for r in got] == [
+        ("00000000000000aa", "GET /a"),
+        ("00000000000000bb", "GET /b"),
+        ("00000000000000aa", "GET /a"),
+    ]
+
+
+def test_a_copy_of_a_request_whose_ts_is_not_a_time_is_stored_once(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    """A request whose ts is not a time takes the time of its conversion, so its copy in a
+    later run has another ts: those batches are checked against every stored request."""
+    for seq in (1, 2):
+        w = SegmentWriter(data_dir, seq=seq)
+        w.request("GET /a", trace_id="00000000000000cc", ts_ns=0)
+        w.close()
+        store.ingest()
+    assert trace_ids(store) == ["00000000000000cc"]

@@ -256,15 +256,28 @@ class DuckDBWriter(DuckDBRollups):
 
     def _drop_known_traces(self, tables: Tables) -> None:
         """Requests already in the store (a record repeated, a segment copied under another
-        name) are not added again: one semi-join of the batch's trace ids."""
+        name, an exporter's retry) are not added again: one semi-join of the batch's trace ids
+        with the stored requests of the batch's time span (a copy has its original's ts), so
+        DuckDB reads only the row groups whose ts range meets it (a scan of every stored
+        trace id cost ~115 ms CPU per 5M requests, for each batch and OTLP payload). A batch
+        with a ts made up at conversion (tables.ts_substituted) is checked against all."""
         ids = trace_ids(tables)
         if not len(ids):
             return
+        span = ""
+        params: list[Any] = []
+        if not tables.ts_substituted:
+            ts = [p["requests"]["ts"] for p in tables.days.values() if "requests" in p]
+            bounds = pc.min_max(pa.chunked_array(ts, pa.timestamp("us")))
+            lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
+            if lo is not None and hi is not None:
+                span, params = "ts BETWEEN ? AND ? AND ", [lo, hi]
         self._con.register("_ps_ids", pa.table({"trace_id": ids}))
         try:
             known = self._con.execute(
-                "SELECT DISTINCT trace_id FROM requests "
-                "WHERE trace_id IN (SELECT trace_id FROM _ps_ids)"
+                f"SELECT DISTINCT trace_id FROM requests WHERE {span}"
+                "trace_id IN (SELECT trace_id FROM _ps_ids)",
+                params,
             ).fetchall()
         finally:
             self._con.unregister("_ps_ids")

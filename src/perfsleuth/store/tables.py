@@ -47,6 +47,9 @@ class Tables:
     captures: pa.Table | None = None
     requests: int = 0
     calls: int = 0
+    # a request's ts was not a time (<= 0 or past TS_MAX) and is the time of the conversion:
+    # a copy of it stored by an earlier run has another ts
+    ts_substituted: bool = False
 
 
 # ``rid``: unique among the tables built by this process (OTLP payloads' tables are merged
@@ -224,6 +227,7 @@ def event_tables(
     bad = (ts_ns <= 0) | (ts_ns >= TS_MAX)
     if bad.any():
         ts_ns = np.where(bad, now_ns, ts_ns)
+        out.ts_substituted = True
     ts = pa.array(ts_ns // 1000, pa.timestamp("us"))
     day = ts_ns // NS_PER_DAY
     trace_id = pc.fill_null(wire["id"], "")

@@ -120,6 +120,7 @@ def _merged(parts: list[Tables]) -> Tables:
         seen = pa.concat_arrays([seen, ids])
         out.requests += t.requests
         out.calls += t.calls
+        out.ts_substituted |= t.ts_substituted
         for d, tabs in t.days.items():
             day = out.days.setdefault(d, {})
             for name, tab in tabs.items():
