@@ -234,8 +234,10 @@ class ClickHouseRollups(DuckDBReader):
             "rollup_stats", "rollup_hist", by, where, params, percentiles_for
         )
         stats = self._rows(*stats_q)
-        # ClickHouse's GROUP BY endpoint, bucket costs what DuckDB's numpy path does
-        # (duckdb_rollups); its join of the keys' VALUES (300 UNION ALL selects) cost more
+        # ClickHouse's GROUP BY endpoint, bucket cost about what DuckDB's numpy path saves
+        # (the keys coded by transform() and summed by numpy or by GROUP BY code, bucket:
+        # 0.40 -> 0.36-0.42 s CPU paired, 30 days of 300 endpoints): reading the endpoint
+        # column is most of it
         hist = self._rows(*hist_q)
         answer = rollups.answered_by(choice.spans)
         if not stats:

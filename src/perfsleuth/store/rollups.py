@@ -451,10 +451,11 @@ def coded_hist_rows(
 ) -> list[dict[str, Any]]:
     """The rows :func:`top_sql`'s histogram statement gives, grouped by ``key`` (by ``b`` and
     ``key`` with ``periods``, the values of ``b``), from the rows of :func:`coded_hist_sql`
-    (``t``: code, bucket, requests, and b with ``periods``), summed with numpy."""
-    code = t["code"].to_numpy(zero_copy_only=False)
-    code = np.where(np.isnan(code), keys.index(None) if None in keys else -1, code)
-    group = code.astype(np.int64)
+    (``t``: code, bucket, requests, and b with ``periods``; a code that is NULL or not an
+    index of ``keys`` stands for the NULL key), summed with numpy."""
+    code = t["code"].to_numpy(zero_copy_only=False).astype(np.float64)
+    other = np.isnan(code) | (code < 0) | (code >= len(keys))  # a NULL key (or none of keys)
+    group = np.where(other, keys.index(None) if None in keys else -1, code).astype(np.int64)
     n_groups = len(keys)
     if periods is not None:
         index = {b: i for i, b in enumerate(periods)}
