@@ -64,7 +64,8 @@ class DuckDBWriter(DuckDBRollups):
     # Requests per ingest transaction: a backlog's batches are committed in groups of this
     # many (store.ingest.GroupTarget). One transaction of 100k requests x 10 calls stores them
     # in 150 bytes a request, two of 50k in 176 (half-filled and freed blocks, per commit).
-    group_requests = 500_000
+    # A group holds its requests' rollup columns until its commit: ~16 MB per 100k requests.
+    group_requests = 200_000
     # An .open segment whose writer is dead is final once unchanged this long.
     open_idle_seconds = 60.0
     _known_days: set[date]  # the days whose tables exist, while ingesting
