@@ -6,7 +6,8 @@ ingest into DuckDB, the same spool through a collector, and timed queries.
 
 ``--spool-cache DIR`` keeps the written spool in DIR (per --requests and --calls) and copies
 it from there on later runs: paired runs of two versions then ingest the same bytes, without
-~45 s of writing each.
+~45 s of writing each. Its requests keep the times they were written with (an hour before
+then): ``top since 30 min`` finds none in a copy.
 
 The spool is written by the agent's encoder (tests/spoolwrite.py): 8 MB segments of REQUESTS
 records of BATCH_MAX requests, each after the L/S/F dictionary records it uses; 300
