@@ -3,6 +3,8 @@ process, measured on the request thread: instructions under callgrind, or thread
 
     .venv/bin/python benchmarks/burst_profile.py callgrind [--variants bare,agent] [-n 1000]
     .venv/bin/python benchmarks/burst_profile.py time [--variants ...] [-n 20000] [--rounds 3]
+    .venv/bin/python benchmarks/burst_profile.py inproc [--modes full,drop,burn,off] [-n 2000]
+        [--rounds 16]
 
 callgrind: start-up and 300 warm-up requests run uncounted (``--instr-atstart=no``), then the
 child switches counting on, runs N requests with the collector off and flushes the agent's
@@ -10,6 +12,15 @@ writer; the counts over N are one request's instructions on each thread (thread 
 thread; with ``BURST_REQUEST_ONLY=1`` in the environment the flush is left out: the request
 path alone). time: ``time.thread_time_ns`` of the request thread over N requests (writer flushed
 outside the timed part) and the wall time, variants in turn, each in a fresh process.
+inproc: one process with the agent (no evidence thread), slices of N requests alternating
+between how its recorder is configured, so that the machine's drift hits them alike (the
+order reversed every other round): ``full`` (requests queued for the writer, flushed at the
+slice's end, as the agent runs), ``drop`` (recorded, then dropped: the request path alone),
+``off`` (the wrappers in place, recording nothing) and ``burn`` (``off`` plus a Python
+function of ~26.9k instructions a request, callgrind-counted: what that many of the app's
+kind of instructions cost here). Prints each mode's request-thread CPU a request and its
+paired ratio to ``off`` (median and middle half over the rounds).
+
 Variants: bare, agent (no evidence thread), agent-py (the same with the Python WSGI body,
 not agent/_wsgi.c), agent-evidence (with the evidence thread). ``PERFSLEUTH_SPEEDUPS``
 and the like pass through the environment (e.g. ``PERFSLEUTH_WSGI_C=0`` for the Python body).
@@ -92,6 +103,81 @@ def child(variant: str, n: int, mode: str) -> None:
                              "loop_us": (t1 - t0) / n * 1e6}))  # fmt: skip
 
 
+_BURN_TABLE = {i: i for i in range(64)}
+
+
+class _Burn:
+    __slots__ = ("a", "b")
+
+
+def burn() -> int:
+    """~26.9k instructions of attribute and dict work (callgrind: 5,000 calls 134.7M)."""
+    o, get, t = _Burn(), _BURN_TABLE.get, 0
+    for i in range(31):
+        o.a = i
+        o.b = get(i & 63, 0)
+        t += o.b
+    return t
+
+
+def inproc(modes: list[str], n: int, rounds: int) -> None:
+    """Alternating slices of one process's recorder modes; see the module docstring."""
+    import statistics
+
+    os.environ["PERFSLEUTH_EVIDENCE"] = "0"
+    sys.path.insert(0, HERE)
+    import perfsleuth.agent as ps
+    import pressure
+    from perfsleuth.agent import recorder, shipper
+
+    assert ps.start(tempfile.mkdtemp(prefix="perfsleuth-burst-"), service="burst")
+    app = pressure.make_app(3, False)
+    limits = {
+        "max_calls": recorder._max_rows // recorder.ROW,
+        "stacks_per_site": recorder._stacks_per_site,
+    }
+    sinks = {"full": shipper.enqueue, "drop": lambda req: None, "off": None, "burn": None}
+    k = [0]
+
+    def one() -> None:
+        k[0] += 1
+        body = app(pressure.environ(f"/orders/{k[0]}"), lambda *a: None)
+        for _ in body:
+            pass
+        body.close()
+
+    for _ in range(2000):
+        one()
+    ps.flush()
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            recorder.configure(sinks[mode], **limits)
+            for _ in range(200):
+                one()
+            ps.flush()
+            c0 = time.thread_time_ns()
+            if mode == "burn":
+                for _ in range(n):
+                    one()
+                    burn()
+            else:
+                for _ in range(n):
+                    one()
+            ps.flush()  # the slice's queued requests are encoded in it
+            cpu[mode].append((time.thread_time_ns() - c0) / n / 1000)
+    recorder.configure(shipper.enqueue, **limits)
+    base = cpu["off"] if "off" in cpu else cpu[modes[-1]]
+    for mode in modes:
+        ratios = [a / b for a, b in zip(cpu[mode], base, strict=True)]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        print(
+            f"{mode:5s} request thread {statistics.median(cpu[mode]):6.1f} us CPU, against off "
+            f"{statistics.median(ratios):.3f} (middle half {q[0]:.3f}..{q[2]:.3f})",
+            flush=True,
+        )
+
+
 def per_thread(out_dir: str) -> dict[int, int]:
     counts = {}
     for path in glob.glob(os.path.join(out_dir, "cg.out.*")):
@@ -106,12 +192,18 @@ def per_thread(out_dir: str) -> dict[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["callgrind", "time"])
+    ap.add_argument("mode", choices=["callgrind", "time", "inproc"])
     ap.add_argument("--variants", default="bare,agent")
-    ap.add_argument("-n", type=int, help="requests measured (1000 callgrind, 20000 time)")
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--modes", default="full,drop,burn,off", help="inproc: recorder modes")
+    ap.add_argument(
+        "-n", type=int, help="requests measured (1000 callgrind, 20000 time, 2000 a slice inproc)"
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="(inproc: default 16)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.mode == "inproc":
+        inproc(args.modes.split(","), args.n or 2000, args.rounds if args.rounds > 1 else 16)
+        return
     n = args.n or (1000 if args.mode == "callgrind" else 20000)
     if args.child:
         child(args.child[0], n, args.mode)
