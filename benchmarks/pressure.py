@@ -20,6 +20,12 @@ fullfs     The spool on a full filesystem (a 1 MB tmpfs mounted on DATA/spool an
            spool with room, in the same run; every drop shown by `perfsleuth top`.
 steady     A paced app (300 requests/s, mixed repeating and distinct statements) for 10 min
            (--quick: 60 s). RSS growth after the first minute (--quick: the first 15 s) <= 1 MB.
+drain      The writer's work a request: requests of the distinct app and of the burst's app
+           (repeating statements) recorded with the writer asleep, then written by
+           ``perfsleuth.agent.flush()`` on the app's thread, its thread CPU time a request
+           (median of 9 rounds of 100 distinct / 1,000 repeating requests; --quick: 5), the
+           tokenizer's lock-free scan included. No target: the writer's share of the
+           figures above, measured apart from the app.
 startup    ``import perfsleuth.agent`` (median of 9 fresh interpreters, compiled bytecode)
            <= 20 ms; gunicorn's first response under ``perfsleuth run`` <= 100 ms later than
            without (median of 10 rounds' differences, bare and each variant launched in turn;
@@ -227,6 +233,21 @@ class Child:
 
             out["stats"] = ps.stats()
         return out
+
+    def drain(self, n: int) -> dict[str, Any]:
+        """``n`` requests recorded with the writer asleep, then written on this thread: the
+        thread CPU seconds of writing them."""
+        import gc
+
+        from perfsleuth.agent.spool import queue
+
+        queue.WAKE_AT = 1 << 62  # with flush_seconds large: the writer thread stays asleep
+        for _ in range(n):
+            self.one()
+        gc.collect()
+        t = time.thread_time()
+        self.flush()
+        return {"cpu": time.thread_time() - t, "n": n}
 
     def stats(self) -> dict[str, Any]:
         if not self.agent:
@@ -467,6 +488,31 @@ def scenario_burst(tmp: str, quick: bool) -> dict[str, Any]:
     return r
 
 
+def scenario_drain(tmp: str, quick: bool) -> dict[str, Any]:
+    print("the writer's drain, timed on the app's thread (writer asleep)", flush=True)
+    out: dict[str, Any] = {}
+    rounds = 5 if quick else 9
+    for distinct, n in ((True, 100), (False, 1000)):
+        kind = "distinct" if distinct else "repeating"
+        opts = {"tmp": tmp, "per": 20 if distinct else 3, "distinct": distinct}
+        cfg = {"flush_seconds": 1000.0, "memory_budget_mb": 256.0, "evidence": False}
+        agent = Proc({**opts, "data": os.path.join(tmp, kind), "mode": "agent", "cfg": cfg})
+        try:
+            agent.ask("drain", n=50)  # warm: the encoder's caches, the segment
+            per = [r["cpu"] / r["n"] for r in (agent.ask("drain", n=n) for _ in range(rounds))]
+        finally:
+            last = agent.close()
+        med = statistics.median(per) * 1e6
+        say(
+            f"{kind}: drain CPU a request (median of {rounds})",
+            f"{med:.1f} us ({min(per) * 1e6:.1f}-{max(per) * 1e6:.1f})",
+            "-",
+            None,
+        )
+        out[kind] = {"cpu_us": med, "stats": last["stats"] if last else None}
+    return out
+
+
 def mount_tiny(path: str) -> str:
     os.makedirs(path, exist_ok=True)
     r = subprocess.run(
@@ -681,6 +727,7 @@ SCENARIOS = {
     "burst": scenario_burst,
     "fullfs": scenario_fullfs,
     "steady": scenario_steady,
+    "drain": scenario_drain,
     "startup": scenario_startup,
 }
 
