@@ -187,6 +187,9 @@ class ClickHouseStore(ClickHouseRollups):
         """:meth:`DuckDBReader.query_arrow` on ClickHouse (the query transpiled)."""
         return self._client.query_arrow(to_clickhouse(sql, params, self.database))
 
+    def _arrow_ch(self, sql: str) -> pa.Table:
+        return self._client.query_arrow(sql)
+
     def _q(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """Rows of ClickHouse SQL (already in its dialect) with ``?`` parameters (without
         parameters, ``sql`` is run as it is)."""

@@ -453,9 +453,10 @@ def coded_hist_rows(
     ``key`` with ``periods``, the values of ``b``), from the rows of :func:`coded_hist_sql`
     (``t``: code, bucket, requests, and b with ``periods``; a code that is NULL or not an
     index of ``keys`` stands for the NULL key), summed with numpy."""
-    code = t["code"].to_numpy(zero_copy_only=False).astype(np.float64)
-    other = np.isnan(code) | (code < 0) | (code >= len(keys))  # a NULL key (or none of keys)
-    group = np.where(other, keys.index(None) if None in keys else -1, code).astype(np.int64)
+    null_code = len(keys)  # a NULL code: another key's (none of keys: the NULL key's)
+    code = pc.fill_null(t["code"], null_code).to_numpy().astype(np.int64, copy=False)
+    other = (code < 0) | (code >= len(keys))
+    group = np.where(other, keys.index(None) if None in keys else -1, code)
     n_groups = len(keys)
     if periods is not None:
         index = {b: i for i, b in enumerate(periods)}
