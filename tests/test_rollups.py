@@ -495,8 +495,10 @@ def test_a_window_starting_before_the_first_rollup_day_is_answered_by_raw_rows(
         store_engines.reset()
 
 
-def test_numpy_merged_histograms_give_the_histogram_statement_s_rows() -> None:
-    """rollups.coded_hist_sql + coded_hist_rows (numpy sums by key, and by period and key)
+def test_numpy_merged_histograms_give_the_histogram_statement_s_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """rollups.coded_hist_query + coded_hist_rows (numpy sums by key, and by period and key)
     give the rows of top_sql's histogram statement exactly: the same n and rank buckets per
     group, a NULL key included, a key with one request, and keys without rows left out."""
     import duckdb
@@ -530,13 +532,16 @@ def test_numpy_merged_histograms_give_the_histogram_statement_s_rows() -> None:
         return out
 
     keys = ["GET /a", "GET /b", None, "GET /c", "GET /none"]
-    t = con.sql(rollups.coded_hist_sql("h", "bucket >= 0", len(keys)), params=keys).to_arrow_table()
-    got = {(r["endpoint"],): r for r in rollups.coded_hist_rows(t, keys)}
-    assert got == by_sql(("endpoint",))
-    assert ("GET /none",) not in got
-    assert got[("GET /b",)]["n"] == sum(r[3] for r in rows if r[0] == "GET /b")
     periods = [0, 60, 120, 180]
-    sql = rollups.coded_hist_sql("h", "bucket >= 0", len(keys), period=True)
-    t = con.sql(sql, params=keys).to_arrow_table()
-    got = {(r["b"], r["endpoint"]): r for r in rollups.coded_hist_rows(t, keys, periods)}
-    assert got == by_sql(("b", "endpoint"))
+    for many in (False, True):  # keys coded by a CASE, and by a join of VALUES
+        monkeypatch.setattr(rollups, "CASE_KEYS", 0 if many else 16)
+        sql, params = rollups.coded_hist_query("h", "bucket >= ?", [0], keys)
+        t = con.sql(sql, params=params).to_arrow_table()
+        got = {(r["endpoint"],): r for r in rollups.coded_hist_rows(t, keys)}
+        assert got == by_sql(("endpoint",))
+        assert ("GET /none",) not in got
+        assert got[("GET /b",)]["n"] == sum(r[3] for r in rows if r[0] == "GET /b")
+        sql, params = rollups.coded_hist_query("h", "bucket >= ?", [0], keys, period=True)
+        t = con.sql(sql, params=params).to_arrow_table()
+        got = {(r["b"], r["endpoint"]): r for r in rollups.coded_hist_rows(t, keys, periods)}
+        assert got == by_sql(("b", "endpoint"))

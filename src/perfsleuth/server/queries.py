@@ -223,8 +223,7 @@ def _rollup_percentiles(
     )[0]
     stats = store.query(stats_sql, params)
     coded = cast(_RollupReader, store).query_arrow(
-        rollups.coded_hist_sql(hist_src, where, len(endpoints), period=True),
-        [*params, *endpoints],
+        *rollups.coded_hist_query(hist_src, where, params, list(endpoints), period=True)
     )
     hist = rollups.coded_hist_rows(coded, list(endpoints), periods)
     return rollups.top_rows(stats, hist, by, step / 60)

@@ -247,7 +247,7 @@ class ClickHouseRollups(DuckDBReader):
         return rollups.top_rows(stats, hist, by, max(minutes, 1.0)), answer
 
     def _coded_hist(self, where: str, params: list[Any], keys: list[Any]) -> pa.Table:
-        """rollups.coded_hist_sql's rows for the endpoints ``keys``, each coded by
+        """rollups.coded_hist_query's rows for the endpoints ``keys``, each coded by
         ``transform`` (a hash look-up). 30 days of 300 endpoints after retention, CPU median
         of 8 paired: GROUP BY endpoint, bucket 0.39 s, this and numpy 0.31 s, coded and
         grouped by ClickHouse 0.36 s; the portable LEFT JOIN of the keys' VALUES (300 UNION

@@ -290,9 +290,7 @@ class DuckDBRollups(DuckDBFile):
         if by == ("endpoint",) and percentiles_for is None:  # the overview's table: numpy sums
             keys = [r["endpoint"] for r in stats]
             hist = rollups.coded_hist_rows(
-                self.query_arrow(
-                    rollups.coded_hist_sql(hist_src, where, len(keys)), [*params, *keys]
-                ),
+                self.query_arrow(*rollups.coded_hist_query(hist_src, where, params, keys)),
                 keys,
             )
         else:

@@ -398,21 +398,35 @@ def top_statements(
     return (stats_sql, params), (hist_sql, hist_params)
 
 
-def coded_hist_sql(
-    hist: str, where: str, n_keys: int, key: str = "endpoint", period: bool = False
-) -> str:
-    """Portable SQL over the histogram rows ``hist`` (a table or a SELECT) kept by ``where``:
-    ``code`` (the index of the row's ``key`` among ``n_keys`` parameters, NULL for another
-    or a NULL one), ``bucket``, ``requests``, and with ``period`` the ``b`` that ``hist``
-    selects. The parameters: ``where``'s, then the keys. An integer per row lets
+CASE_KEYS = 16  # coded_hist_query: up to this many keys by a CASE, more by a join of VALUES
+
+
+def coded_hist_query(
+    hist: str,
+    where: str,
+    params: list[Any],
+    keys: list[Any],
+    key: str = "endpoint",
+    period: bool = False,
+) -> tuple[str, list[Any]]:
+    """Portable SQL (and its parameters) over the histogram rows ``hist`` (a table or a
+    SELECT) kept by ``where`` (with ``params``): ``code`` (the index of the row's ``key``
+    among ``keys``, NULL for another or a NULL one), ``bucket``, ``requests``, and with
+    ``period`` the ``b`` that ``hist`` selects. An integer per row lets
     :func:`coded_hist_rows` sum the rows by key and bucket with numpy's direct indexing,
     where an engine's GROUP BY endpoint, bucket hashed ~60,000 groups (~0.1 us a row)."""
-    values = ", ".join(f"(?, {i})" for i in range(n_keys)) or "(NULL, 0)"
     cols = ", ".join((key, "bucket", "requests", *(("b",) if period else ())))
     out = ", ".join(f"h.{c} AS {c}" for c in ("bucket", "requests", *(("b",) if period else ())))
+    rows = f"(SELECT {cols} FROM {hist} WHERE {where}) AS h"
+    if len(keys) <= CASE_KEYS:  # a chart's few series: compared in turn, no join to plan
+        whens = " ".join(f"WHEN ? THEN {i}" for i in range(len(keys)))
+        code = f"CASE h.{key} {whens} END" if keys else "NULL"
+        return f"SELECT {code} AS code, {out} FROM {rows}", [*keys, *params]
+    values = ", ".join(f"(?, {i})" for i in range(len(keys)))
     return (
-        f"SELECT g.code AS code, {out} FROM (SELECT {cols} FROM {hist} WHERE {where}) AS h "
-        f"LEFT JOIN (VALUES {values}) AS g(key_value, code) ON h.{key} = g.key_value"
+        f"SELECT g.code AS code, {out} FROM {rows} "
+        f"LEFT JOIN (VALUES {values}) AS g(key_value, code) ON h.{key} = g.key_value",
+        [*params, *keys],
     )
 
 
@@ -450,7 +464,7 @@ def coded_hist_rows(
     t: pa.Table, keys: list[Any], periods: list[int] | None = None, key: str = "endpoint"
 ) -> list[dict[str, Any]]:
     """The rows :func:`top_sql`'s histogram statement gives, grouped by ``key`` (by ``b`` and
-    ``key`` with ``periods``, the values of ``b``), from the rows of :func:`coded_hist_sql`
+    ``key`` with ``periods``, the values of ``b``), from the rows of :func:`coded_hist_query`
     (``t``: code, bucket, requests, and b with ``periods``; a code that is NULL or not an
     index of ``keys`` stands for the NULL key), summed with numpy."""
     null_code = len(keys)  # a NULL code: another key's (none of keys: the NULL key's)
