@@ -471,11 +471,15 @@ def test_a_store_from_before_evidence_is_migrated(tmp_path: Path) -> None:
 AFTER_MS, INTERVAL_MS = 100, 20  # the request below is sampled from 100 ms, every 20 ms
 
 
-def _sampled_offsets(duration_ms: int, phase_ms: int, late_ms: int) -> list[float]:
+def _sampled_offsets(
+    duration_ms: int, phase_ms: int, late_ms: int, pinged: bool = False
+) -> list[float]:
     """The offsets (ms) of the samples the evidence thread's ticks take of one request in
     flight for ``duration_ms`` (a real request on a real thread, parked on an event), when the
     thread's last tick before the request was meant for ``phase_ms`` before it started and
-    every tick starts ``late_ms`` after its mark (waiting for the interpreter lock or a CPU).
+    every tick starts ``late_ms`` after its mark (waiting for the interpreter lock or a CPU);
+    ``pinged``: a watched event loop has a request in flight, so every tick pings it (tick()
+    returns true whatever the sampler does).
     The ticks run on the sampler's own clock, each at the time the evidence thread's loop sets
     for it (evidence.next_tick), so what is counted is the policy, not the machine's speed."""
     from perfsleuth.agent import evidence, recorder, sampler
@@ -506,7 +510,7 @@ def _sampled_offsets(duration_ms: int, phase_ms: int, late_ms: int) -> list[floa
         s.clock = lambda: now
         while now <= end:
             s.tick()
-            busy = bool(s.tracked) or s.armed
+            busy = bool(s.tracked) or s.armed or pinged
             target = evidence.next_tick(s, busy, INTERVAL_MS * 1_000_000, target, now)
             now = target + late_ms * 1_000_000
         tracked = s.tracked.get(id(req))
@@ -517,20 +521,25 @@ def _sampled_offsets(duration_ms: int, phase_ms: int, late_ms: int) -> list[floa
         s._forget(set())
 
 
+@pytest.mark.parametrize("pinged", [False, True], ids=["unwatched", "watched_loop"])
 @pytest.mark.parametrize("late_ms", [0, 4])
 @pytest.mark.parametrize("phase_ms", [0, 1, 13, 30, 49])
 @pytest.mark.parametrize("duration_ms", [200, 330])
 def test_a_slow_request_is_sampled_from_the_mark_at_every_interval(
-    agent_data_dir: str, duration_ms: int, phase_ms: int, late_ms: int
+    agent_data_dir: str, duration_ms: int, phase_ms: int, late_ms: int, pinged: bool
 ) -> None:
     """A request in flight for D ms gets its first sample at PERFSLEUTH_SAMPLE_AFTER_MS and one
     every PERFSLEUTH_SAMPLE_INTERVAL_MS after (each as late as the evidence thread's ticks
     start, at most): (D - after - late) // interval + 1 samples or one more, whatever the idle
-    tick's phase.
+    tick's phase, and whether or not the ticks also ping a watched event loop (an asyncio app
+    with a request in flight).
     Before, the thread looked every 50 ms (IDLE_TICK) until a request crossed the mark, that
     look only read its thread, and each tick slept a whole interval after the last one ended:
-    a 200 ms request got 3-5 of 6 here (1-4 on a real, busy machine)."""
-    offsets = _sampled_offsets(duration_ms, phase_ms, late_ms)
+    a 200 ms request got 3-5 of 6 here (1-4 on a real, busy machine). Pinging ticks, one
+    interval after each other, ignored when the request was to be armed: its first sample
+    came 7-20 ms after the mark (18 of the 20 watched_loop cases failed: all but phase 0
+    with ticks on time, whose pings fell on the arming tick)."""
+    offsets = _sampled_offsets(duration_ms, phase_ms, late_ms, pinged)
     assert offsets, offsets
     first = offsets[0]
     assert AFTER_MS <= first <= AFTER_MS + late_ms, offsets
@@ -579,6 +588,69 @@ def test_an_idle_evidence_thread_sleeps_a_whole_idle_tick(agent_data_dir: str) -
         assert tick_at(start + 80 * ms) == 20 and s.armed and not s.tracked
         assert tick_at(start + 100 * ms) == 20  # due: sampled, then every interval
         assert [off for off, _, _ in s.tracked[id(got["req"])].samples] == [100 * ms]
+    finally:
+        release.set()
+        t.join(10)
+        s._forget(set())
+
+
+class _StopLoop(Exception):
+    """Raised by the test's sleep to leave the evidence thread's loop."""
+
+
+def test_a_failing_tick_sleeps_a_whole_idle_tick(agent_data_dir: str) -> None:
+    """A tick that raises (a bug reading some frame) is followed by an IDLE_TICK sleep, even
+    when the last good tick set a wake-up time that is now past: the evidence thread must not
+    spin, taking the interpreter lock, for as long as its ticks fail.
+    Before, the loop scheduled from the last good tick's ``wake_at``: 0 s sleeps (a real
+    thread: ~6,000 ticks in 0.6 s, and on after the request ended)."""
+    from perfsleuth.agent import evidence, recorder, sampler
+    from perfsleuth.agent.config import Config as AgentConfig
+
+    cfg = AgentConfig()
+    cfg.sample_after_ms, cfg.sample_interval_ms = AFTER_MS, INTERVAL_MS
+    s = sampler.Sampler(cfg)
+    ms = 1_000_000
+    started, release = threading.Event(), threading.Event()
+    got: dict[str, Any] = {}
+
+    def handler() -> None:
+        req = recorder.begin("web", "GET", "/failing-tick")
+        got["req"] = req
+        started.set()
+        release.wait(30)
+        recorder.end(req)
+
+    t = threading.Thread(target=handler)
+    t.start()
+    try:
+        assert started.wait(10)
+        start = got["req"].start
+        now = start + 10 * ms
+        s.clock = lambda: now
+        ticks: list[int] = []
+        sleeps: list[float] = []
+
+        def tick_once() -> bool:
+            """The first tick is good (the request is to be armed at 80 ms); the next fail,
+            90 ms into the request and on."""
+            ticks.append(now)
+            if len(ticks) == 1:
+                s.tick()
+                assert s.wake_at == start + 80 * ms
+                return bool(s.tracked) or s.armed
+            raise RuntimeError("a bug reading frames")
+
+        def sleep(seconds: float) -> None:
+            nonlocal now
+            sleeps.append(seconds)
+            if len(sleeps) == 4:
+                raise _StopLoop
+            now = start + 90 * ms + (len(sleeps) - 1) * int(evidence.IDLE_TICK * 1e9)
+
+        with pytest.raises(_StopLoop):
+            evidence._loop(INTERVAL_MS * ms, s, tick_once, sleep)
+        assert sleeps == pytest.approx([0.05, 0.05, 0.05, 0.05]), sleeps
     finally:
         release.set()
         t.join(10)

@@ -18,6 +18,7 @@ import atexit
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from perfsleuth.agent import gcwatch, recorder, watchdog
 from perfsleuth.agent.config import Config
@@ -56,16 +57,31 @@ def _start_thread() -> None:
 
 
 def _run() -> None:
-    global last_error
     cfg = _cfg
     if cfg is None:
         return
     interval_ns = int(max(0.001, cfg.sample_interval_ms / 1000) * 1e9)
+    _loop(interval_ns, _sampler, tick, time.sleep)
+
+
+def _loop(
+    interval_ns: int,
+    s: Sampler | None,
+    tick_once: Callable[[], bool],
+    sleep: Callable[[float], None],
+) -> None:
+    """The evidence thread's loop: ``tick_once`` (tick), then ``sleep`` until the next tick is
+    due (next_tick). A tick that raised sleeps IDLE_TICK: the sampler's ``armed`` and
+    ``wake_at`` are those of an earlier tick (a wake-up time already past would make every
+    following tick due at once, a busy loop for as long as the ticks fail)."""
+    global last_error
     last_gc = time.monotonic()
-    target = time.perf_counter_ns()
+    clock = time.perf_counter_ns if s is None else s.clock
+    target = clock()
     while True:
+        failed = False
         try:
-            busy = tick()
+            busy = tick_once()
             now = time.monotonic()
             if now - last_gc >= 0.5:
                 last_gc = now
@@ -73,12 +89,10 @@ def _run() -> None:
         except Exception as e:  # keep ticking: one bad frame must not end the evidence
             recorder.internal_error()
             last_error = f"{type(e).__name__}: {e}"
-            busy = False
-        s = _sampler
-        clock = time.perf_counter_ns if s is None else s.clock
+            busy, failed = False, True
         at = clock()
-        target = next_tick(s, busy, interval_ns, target, at)
-        time.sleep(max(0, target - at) / 1e9)
+        target = at + IDLE_TICK_NS if failed else next_tick(s, busy, interval_ns, target, at)
+        sleep(max(0, target - at) / 1e9)
 
 
 def next_tick(s: Sampler | None, busy: bool, interval_ns: int, target: int, now: int) -> int:
@@ -87,17 +101,18 @@ def next_tick(s: Sampler | None, busy: bool, interval_ns: int, target: int, now:
     interval after ``target``, so samples keep their cadence though each tick starts a little
     late (the interpreter lock, a busy CPU); a tick that overran the next mark waits a whole
     interval from its end. While only watching a loop with a request in flight (pings): one
-    interval from now. Otherwise: when the next request in flight is to be armed, at most
-    IDLE_TICK from now."""
+    interval from now, or sooner when a request in flight is to be armed (``wake_at``), so
+    that its first sample is at the mark as on a thread. Otherwise: when the next request in
+    flight is to be armed, at most IDLE_TICK from now."""
     if s is not None and (s.tracked or s.armed):
         due = target + interval_ns
         return due if due >= now else now + interval_ns
+    wake_at = 0 if s is None else s.wake_at
     if busy:
-        return now + interval_ns
+        ping = now + interval_ns
+        return max(now, wake_at) if wake_at and wake_at < ping else ping
     idle = now + IDLE_TICK_NS
-    if s is not None and s.wake_at:
-        return max(now, min(idle, s.wake_at))
-    return idle
+    return max(now, min(idle, wake_at)) if wake_at else idle
 
 
 def tick() -> bool:
