@@ -225,6 +225,78 @@ def test_an_ended_request_in_a_reference_cycle_is_still_collected(
     assert holder() is None
 
 
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize(
+    "how", ["attr_list_later", "attr_dict_later", "left_current_attr", "params_list_later"]
+)
+def test_a_cycle_made_through_the_request_after_its_end_is_still_collected(
+    agent_data_dir: str, impl: str, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The application keeps a list or dict it gave the request (an attribute's value, a
+    statement's parameters), or the ended request itself left current, and after the end puts
+    into it an object leading back to the request. The C end() untracked a request whose
+    containers then held nothing trackable (an empty list, a dict CPython left untracked), so
+    that cycle was never collected: the c cases fail before (holder leaked). Only what cannot
+    change now counts as safe; the request's own containers only when the agent writes them,
+    and recorder.attr leaves an ended request alone."""
+    import contextvars
+    import gc
+    import weakref
+
+    begin, end = (get() for get in IMPLEMENTATIONS[impl])
+    if impl == "python":  # all Python: the C record_call remembers the last request it saw
+        monkeypatch.setattr(recorder, "_c_record_call", None)
+    got: list[recorder.ActiveRequest] = []
+
+    def run() -> weakref.ref[_Holder]:
+        holder = _Holder()
+        if how == "attr_list_later":
+            box: list[Any] = []
+            req = begin("web", "GET", "/p")
+            recorder.attr("box", box)  # the application's own list: empty at the end
+            end(req)
+            holder.req = req
+            box.append(holder)  # filled later
+        elif how == "attr_dict_later":
+            box2: dict[str, Any] = {"a": 1}  # untracked by CPython until a container goes in
+            req = begin("web", "GET", "/p")
+            recorder.attr("box", box2)
+            end(req)
+            holder.req = req
+            box2["h"] = holder
+        elif how == "left_current_attr":
+            req = begin("web", "GET", "/p")
+            recorder.attr("n", 1)
+            contextvars.copy_context().run(end, req)  # ended from another context
+            assert recorder.current() is req  # left current here
+            holder.req = req
+            recorder.attr("holder", holder)
+        else:
+            params: list[Any] = [1]
+            req = begin("web", "GET", "/p")
+            call = recorder.start_call("db", "sqlite", "SELECT ?", params)
+            assert call is not None
+            call.finish()
+            end(req)
+            holder.req = req
+            params.append(holder)  # the application reuses its parameter list
+        return weakref.ref(holder)
+
+    recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
+    try:
+        ref = contextvars_run(run)
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    (req,) = got
+    if how == "left_current_attr":
+        assert req.attrs == {"n": 1}  # nothing written into the ended request
+    tracked = gc.is_tracked(req)
+    del req
+    got.clear()  # the writer's reference, dropped once written
+    gc.collect()
+    assert ref() is None, f"cycle leaked (request tracked at its end: {tracked})"
+
+
 def contextvars_run(fn: Callable[[], Any]) -> Any:
     import contextvars
 

@@ -1591,48 +1591,76 @@ begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnam
  * full collection (a walk over the whole heap) nearer. The burst app (Flask, 3 sqlite
  * statements a request) counted ~1.1 such objects per request in every young collection.
  *
- * Untracking is safe when nothing the request references can lead back to it: then it is in no
- * reference cycle, and freeing it stays reference counting's job (the writer drops the last
- * reference). So the request is untracked only when every value it holds is itself untracked
- * (str, int, bytes, bytearray, None, a tuple or dict CPython has untracked), or an exact tuple,
- * list or dict of such values, looked at at most CYCLE_FREE_DEPTH deep and CYCLE_FREE_BUDGET
- * containers wide (a site list: a few site entries, each a tuple of strings and a stack
- * CPython untracked at its first collection). Anything else (a user's object in an attribute,
- * an ASGI request's body tap, a class with an instance __dict__) leaves it tracked, as
- * before. The look reads the class's object slots (Layout.slot_offset) and only reads: no
+ * Untracking is safe when nothing the request references can lead back to it, now or later:
+ * then it is in no reference cycle, and freeing it stays reference counting's job (the writer
+ * drops the last reference). Later matters: the application may keep a list or dict it gave
+ * the request (an attribute's value, a statement's parameters) and later put into it
+ * something leading back to the request, a cycle the collector would never see. So a value
+ * counts as safe only when it cannot change: an object of a non-GC type (str, int, bytes,
+ * bytearray, None), an untracked tuple, or an exact tuple of safe values. An exact list or
+ * dict counts only as one of the request's own containers, which only the agent writes to
+ * while the request is in flight (attrs, tags, site_list, headers, more and more's per-call
+ * dicts; recorder.attr and tag leave an ended request alone): its items must be safe. Looked
+ * at at most CYCLE_FREE_DEPTH deep and CYCLE_FREE_BUDGET containers wide (a site list: a few
+ * site entries, each a tuple of strings and a stack CPython untracked at its first
+ * collection). Anything else (a user's list, dict or object anywhere, an ASGI request's body
+ * tap, a class with an instance __dict__) leaves it tracked, as before. The look reads the class's object slots (Layout.slot_offset) and only reads: no
  * Python code runs, so nothing can change what it reads under it. Its site list is untracked with it (only
  * record_site appends to it, and only while the request is current). */
 #define CYCLE_FREE_DEPTH 3
 #define CYCLE_FREE_BUDGET 64
 
+/* How a value is held: OWN_NONE, an application's value (only what cannot change is safe);
+ * OWN_ITEMS, one of the request's own lists or dicts (its items are the application's);
+ * OWN_ENTRIES, the request's more ({row: {name: value}}: its values are the agent's dicts). */
+enum { OWN_NONE, OWN_ITEMS, OWN_ENTRIES };
+
 static int
-cycle_free(PyObject *op, int depth, int *budget)
+cycle_free(PyObject *op, int depth, int *budget, int owned)
 {
-    if (!PyType_IS_GC(Py_TYPE(op)) || !PyObject_GC_IsTracked(op))
+    if (!PyType_IS_GC(Py_TYPE(op)))
+        return 1;
+    if (PyTuple_CheckExact(op) && !PyObject_GC_IsTracked(op))
         return 1;
     if (depth <= 0 || --*budget < 0)
         return 0;
     if (PyTuple_CheckExact(op)) {
         for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(op); k++)
-            if (!cycle_free(PyTuple_GET_ITEM(op, k), depth - 1, budget))
+            if (!cycle_free(PyTuple_GET_ITEM(op, k), depth - 1, budget, OWN_NONE))
                 return 0;
         return 1;
     }
-    if (PyList_CheckExact(op)) {
+    if (owned != OWN_NONE && PyList_CheckExact(op)) {
         for (Py_ssize_t k = 0; k < PyList_GET_SIZE(op); k++)
-            if (!cycle_free(PyList_GET_ITEM(op, k), depth - 1, budget))
+            if (!cycle_free(PyList_GET_ITEM(op, k), depth - 1, budget, OWN_NONE))
                 return 0;
         return 1;
     }
-    if (PyDict_CheckExact(op)) {
+    if (owned != OWN_NONE && PyDict_CheckExact(op)) {
+        int values = owned == OWN_ENTRIES ? OWN_ITEMS : OWN_NONE;
         Py_ssize_t pos = 0;
         PyObject *key, *value;
         while (PyDict_Next(op, &pos, &key, &value))
-            if (!cycle_free(key, depth - 1, budget) || !cycle_free(value, depth - 1, budget))
+            if (!cycle_free(key, depth - 1, budget, OWN_NONE) ||
+                !cycle_free(value, depth - 1, budget, values))
                 return 0;
         return 1;
     }
     return 0;
+}
+
+/* How the request holds the value in the slot at offset: its own containers by name, the
+ * shared empty sites dict (never written to), else the application's. */
+static int
+owned_at(PyObject *value, Layout *layout, Py_ssize_t offset)
+{
+    if (offset == layout->offset[F_MORE])
+        return OWN_ENTRIES;
+    if (offset == layout->offset[F_ATTRS] || offset == layout->offset[F_TAGS] ||
+        offset == layout->offset[F_SITE_LIST] || offset == layout->offset[F_HEADERS] ||
+        (offset == layout->offset[F_SITES] && value == no_sites))
+        return OWN_ITEMS;
+    return OWN_NONE;
 }
 
 static void
@@ -1642,9 +1670,10 @@ untrack_ended(PyObject *req, Layout *layout)
         return;
     int budget = CYCLE_FREE_BUDGET;
     for (int k = 0; k < layout->n_slots; k++) {
-        PyObject *value = *(PyObject **)((char *)req + layout->slot_offset[k]);
+        Py_ssize_t offset = layout->slot_offset[k];
+        PyObject *value = *(PyObject **)((char *)req + offset);
         if (value != NULL && PyType_IS_GC(Py_TYPE(value)) &&
-            !cycle_free(value, CYCLE_FREE_DEPTH, &budget))
+            !cycle_free(value, CYCLE_FREE_DEPTH, &budget, owned_at(value, layout, offset)))
             return;
     }
     PyObject *site_list = get_field(req, layout, F_SITE_LIST);

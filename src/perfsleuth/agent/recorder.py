@@ -679,9 +679,12 @@ def start_call(kind: str, system: str, target: Any, params: Any = None, up: int 
 
 
 def attr(name: str, value: Any) -> None:
-    """Attach a custom attribute (number or short string) to the current request."""
+    """Attach a custom attribute (number or short string) to the current request. Not to an
+    ended request left current (ended from another context): the writer has it, and the C
+    end() may have left it to reference counting alone (a value put in after that could
+    close a cycle the collector never sees)."""
     req = _current.get()
-    if req is None:
+    if req is None or req.end:
         return
     try:
         if req.attrs is None:
@@ -695,9 +698,10 @@ def attr(name: str, value: Any) -> None:
 
 
 def tag(name: str, value: Any) -> None:
-    """Tag the current request (e.g. a feature-flag variant) for later comparison."""
+    """Tag the current request (e.g. a feature-flag variant) for later comparison (not an
+    ended one left current: see :func:`attr`)."""
     req = _current.get()
-    if req is None:
+    if req is None or req.end:
         return
     try:
         if req.tags is None:
