@@ -545,3 +545,30 @@ def test_numpy_merged_histograms_give_the_histogram_statement_s_rows(
         t = con.sql(sql, params=params).to_arrow_table()
         got = {(r["b"], r["endpoint"]): r for r in rollups.coded_hist_rows(t, keys, periods)}
         assert got == by_sql(("b", "endpoint"))
+
+
+def test_the_slowest_traces_found_in_two_steps_are_the_plain_top_n(
+    data_dir: str, store: DuckDBStore
+) -> None:
+    """traces(slowest=n) first finds the n-th longest duration, then sorts the rows at or
+    above it: the same rows, in the same order, as sorting all of them (ties at the n-th
+    duration broken by time), and all rows when there are fewer than n."""
+    rng = random.Random(9)
+    now = time.time_ns()
+
+    def tied(r: random.Random) -> float:
+        return r.choice((5.0, 7.0, 9.0))  # many requests share each duration
+
+    write(
+        data_dir, rng, 60, endpoints={"GET /t": tied, "GET /s": skewed}, span_ns=HOUR_NS, end_ns=now
+    )
+    store.ingest()
+    for endpoint in ("GET /t", "GET /s"):
+        for n in (1, 20, 59, 60, 80):
+            plain = store.query(
+                "SELECT trace_id FROM requests WHERE endpoint = ? "
+                "ORDER BY duration_ms DESC NULLS LAST, ts DESC LIMIT ?",
+                [endpoint, n],
+            )
+            got = store.traces(endpoint=endpoint, since=timedelta(days=1), slowest=n)
+            assert [r["trace_id"] for r in got] == [r["trace_id"] for r in plain], (endpoint, n)

@@ -62,6 +62,9 @@ class ClickHouseRollups(DuckDBReader):
 
     cluster: str | None
     database: str
+    # its top-N of traces(slowest=n) reads the sort column first by itself: 30 days, 30M
+    # requests, one endpoint's 20 slowest 0.13 s CPU, 0.21 s with DuckDB's two steps
+    _slowest_in_two_steps = False
 
     def _q(self, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:  # pragma: no cover
         raise NotImplementedError

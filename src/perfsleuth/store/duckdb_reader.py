@@ -40,6 +40,10 @@ _READ_ONLY_TYPES = {duckdb.StatementType.SELECT}
 
 
 class DuckDBReader(DuckDBRollups):
+    # traces(slowest=n) finds the n-th longest duration first (DuckDB's top-N reads every
+    # selected column of every row; ClickHouse's reads the sort column first by itself)
+    _slowest_in_two_steps = True
+
     def _source(self, since: timedelta | None) -> tuple[str, datetime | None]:
         """FROM-able SQL over the requests of the window (only the days it touches)."""
         if since is None:
@@ -231,6 +235,17 @@ class DuckDBReader(DuckDBRollups):
         where, params = self._where(cutoff, None, endpoint, only)
         order = "duration_ms DESC NULLS LAST, ts DESC" if slowest else "ts DESC"
         n = slowest if slowest else limit
+        if slowest and n > 0 and self._slowest_in_two_steps:
+            # The n-th longest duration first, reading that one column: the rows at or above
+            # it hold the n slowest (ties included), so the wide SELECT sorts only those (over
+            # 30 days of raw rows its top-N read every column of millions of rows: ~1.3 s).
+            nth = self._con.execute(
+                f"SELECT count(*), min(d) FROM (SELECT duration_ms AS d FROM {src} "
+                f"WHERE {where} AND duration_ms IS NOT NULL ORDER BY d DESC LIMIT ?)",
+                [*params, int(n)],
+            ).fetchone()
+            if nth is not None and int(nth[0]) >= n:  # else NULL durations make up the n
+                where, params = f"{where} AND duration_ms >= ?", [*params, nth[1]]
         rows = self._query(
             f"""
             SELECT trace_id, ts, endpoint, method, path, status, duration_ms,
