@@ -44,6 +44,11 @@ def count(store: DuckDBStore, table: str = "requests") -> int:
     return int(store.sql(f"SELECT count(*) FROM {table}")[1][0][0])
 
 
+def whole_us_ms(ns: int) -> float:
+    """ns in ms as DuckDB's compact calls keep them: whole microseconds, halves up."""
+    return (ns + 500) // 1000 / 1000
+
+
 def trace_ids(store: DuckDBStore) -> list[str]:
     return sorted(r[0] for r in store.sql("SELECT trace_id FROM requests", limit=10**9)[1])
 
@@ -704,9 +709,9 @@ def test_batched_records_ingest_as_the_python_decoder_reads_them(data_dir: str) 
             assert len(got["calls"]) == len(req["calls"])
             for c, want in zip(got["calls"], req["calls"], strict=True):
                 assert c["fingerprint"] == want["fingerprint"]
-                # DuckDB keeps a call's times in whole microseconds
-                assert c["offset_ms"] == pytest.approx(want["off"] / 1e6, abs=5e-4)
-                assert c["duration_ms"] == pytest.approx(want["dur"] / 1e6, abs=5e-4)
+                # DuckDB keeps a call's times in whole microseconds, halves up
+                assert c["offset_ms"] == pytest.approx(whole_us_ms(want["off"]), abs=1e-9)
+                assert c["duration_ms"] == pytest.approx(whole_us_ms(want["dur"]), abs=1e-9)
                 assert c["rows"] == want.get("rows")
                 assert c["error"] == want.get("error")
                 assert c["site"]["line"] == want["site_loc"]["line"]
@@ -912,9 +917,10 @@ DAY_NS = 86_400 * 10**9
 def test_stored_traces_are_looked_for_in_the_batch_s_time_span(
     data_dir: str, store: DuckDBStore
 ) -> None:
-    """A request already stored is left out when it comes again (the same trace id and time);
-    the check reads only the stored requests of the batch's time span (zone maps prune the
-    rest), so a trace id stored two days before (another request) is not taken for it."""
+    """A request already stored is left out when it comes again (the same trace id, at its
+    time or within the hour: a payload made again); the check reads only the stored requests
+    of the batch's time span and an hour around (zone maps prune the rest), so a trace id
+    stored two days before (another request) is not taken for it."""
     now = __import__("time").time_ns()
     w = SegmentWriter(data_dir, seq=1)
     w.request("GET /a", trace_id="00000000000000aa", ts_ns=now - 2 * DAY_NS)
@@ -926,6 +932,10 @@ def test_stored_traces_are_looked_for_in_the_batch_s_time_span(
     w.request("GET /b", trace_id="00000000000000bb", ts_ns=now - 60 * 10**9)  # a copy
     w.close()
     assert store.ingest().requests == 1
+    w = SegmentWriter(data_dir, seq=3)
+    w.request("GET /b", trace_id="00000000000000bb", ts_ns=now - 30 * 10**9)  # made again
+    w.close()
+    assert store.ingest().requests == 0
     got = store.query("SELECT trace_id, endpoint FROM requests ORDER BY ts")
     assert [(r["trace_id"], r["endpoint"]) for r in got] == [
         ("00000000000000aa", "GET /a"),

@@ -40,6 +40,10 @@ WHERE s.received < ? AND (s.started IS NULL OR s.started < ?)
 
 RAW_DAYS = 7  # raw rows are kept this long by default (rollups: rollups.ROLLUP_DAYS)
 
+# A request is a copy of a stored one with its trace id when their times are this close (see
+# DuckDBWriter._drop_known_traces); further apart, it is another request.
+KNOWN_TRACE_MARGIN = timedelta(hours=1)
+
 # Dictionary record payloads remembered between ingest runs, at most (~100-300 bytes each)
 DICTIONARY_SEEN_MAX = 100_000
 
@@ -258,10 +262,11 @@ class DuckDBWriter(DuckDBRollups):
     def _drop_known_traces(self, tables: Tables) -> None:
         """Requests already in the store (a record repeated, a segment copied under another
         name, an exporter's retry) are not added again: one semi-join of the batch's trace ids
-        with the stored requests of the batch's time span (a copy has its original's ts), so
-        DuckDB reads only the row groups whose ts range meets it (a scan of every stored
-        trace id cost ~115 ms CPU per 5M requests, for each batch and OTLP payload). A batch
-        with a ts made up at conversion (tables.ts_substituted) is checked against all."""
+        with the stored requests of the batch's time span widened by KNOWN_TRACE_MARGIN (a
+        copy has its original's ts, or one close to it: a payload made again), so DuckDB
+        reads only the row groups whose ts range meets it (a scan of every stored trace id
+        cost ~115 ms CPU per 5M requests, for each batch and OTLP payload). A batch with a ts
+        made up at conversion (tables.ts_substituted) is checked against all."""
         ids = trace_ids(tables)
         if not len(ids):
             return
@@ -272,7 +277,8 @@ class DuckDBWriter(DuckDBRollups):
             bounds = pc.min_max(pa.chunked_array(ts, pa.timestamp("us")))
             lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
             if lo is not None and hi is not None:
-                span, params = "ts BETWEEN ? AND ? AND ", [lo, hi]
+                span = "ts BETWEEN ? AND ? AND "
+                params = [lo - KNOWN_TRACE_MARGIN, hi + KNOWN_TRACE_MARGIN]
         self._con.register("_ps_ids", pa.table({"trace_id": ids}))
         try:
             known = self._con.execute(
