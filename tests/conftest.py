@@ -51,6 +51,25 @@ def captured(agent_data_dir: str) -> Iterator[Callable[[], list[dict[str, Any]]]
 
 
 @pytest.fixture
+def cpu_every_request(agent_data_dir: str) -> Iterator[None]:
+    """Every request's CPU time measured while the test runs (PERFSLEUTH_CPU_SAMPLE=1; the
+    default measures a random eighth), also when the test configures the recorder again."""
+    from perfsleuth.agent import recorder
+
+    before = os.environ.get("PERFSLEUTH_CPU_SAMPLE")
+    os.environ["PERFSLEUTH_CPU_SAMPLE"] = "1"
+    recorder.set_cpu_sample(None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PERFSLEUTH_CPU_SAMPLE", None)
+        else:
+            os.environ["PERFSLEUTH_CPU_SAMPLE"] = before
+        recorder.set_cpu_sample(None)
+
+
+@pytest.fixture
 def in_request(agent_data_dir: str) -> Callable[..., Any]:
     """A context manager recording a fake web request around a block (for library tests)."""
     from contextlib import contextmanager

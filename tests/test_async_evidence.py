@@ -83,7 +83,7 @@ def async_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     data = tmp / "data"
     with launched(
         tmp, data, uvicorn("async_evidence_app:app", "--loop", "asyncio"), service="aev",
-        ready="/health",
+        ready="/health", PERFSLEUTH_CPU_SAMPLE="1",
     ) as srv:  # fmt: skip
         drive(srv, 2)
         assert srv.stop() in (0, -15)
@@ -189,7 +189,7 @@ def test_cpu_time_of_asgi_requests_with_and_without_the_accelerator(
     data = tmp_path / "data"
     with launched(
         tmp_path, data, uvicorn("async_evidence_app:app"), service="cpu", ready="/health",
-        PERFSLEUTH_SPEEDUPS=speedups, PERFSLEUTH_EVIDENCE="0",
+        PERFSLEUTH_SPEEDUPS=speedups, PERFSLEUTH_EVIDENCE="0", PERFSLEUTH_CPU_SAMPLE="1",
     ) as srv:  # fmt: skip
         for path in ("/cpu-sync", "/sleep-sync", "/cpu-async", "/sleep-async", "/wait") * 2:
             assert srv.get(path)[0] == 200

@@ -278,6 +278,7 @@ async def test_fastapi_background_work_and_tasks(captured: Captured) -> None:
 
 
 @pytest.mark.parametrize("wrap", ["explicit", "auto"])
+@pytest.mark.usefixtures("cpu_every_request")
 def test_flask_endpoints_are_url_rules(captured: Captured, wrap: str) -> None:
     app = flask_app.create_app()
     client: Any = Client(ps.wsgi(app)) if wrap == "explicit" else app.test_client()

@@ -187,7 +187,7 @@ def test_gunicorn_four_workers_flask_exactly_once(tmp_path: Path) -> None:
     barrier = tmp_path / "barrier"
     barrier.mkdir()
     with launched(tmp_path, data, gunicorn("flask_app:app", 4), service="admin",
-                  ready="/health") as srv:  # fmt: skip
+                  ready="/health", PERFSLEUTH_CPU_SAMPLE="1") as srv:  # fmt: skip
         # Four concurrent barrier calls occupy the four sync workers: each serves one.
         pids = many(4, lambda _: json.loads(srv.get(f"/barrier/4?dir={barrier}")[1])["pid"], 4)
         assert len(set(pids)) == 4
@@ -316,7 +316,8 @@ def test_django_under_gunicorn(tmp_path: Path, settings: str) -> None:
     data = tmp_path / "data"
     rounds = 10
     with launched(tmp_path, data, gunicorn("djproject.wsgi:application", 2), service="dj",
-                  ready="/health/", DJANGO_SETTINGS_MODULE=settings) as srv:  # fmt: skip
+                  ready="/health/", DJANGO_SETTINGS_MODULE=settings,
+                  PERFSLEUTH_CPU_SAMPLE="1") as srv:  # fmt: skip
         for _ in range(rounds):
             for path, status, _ in DJANGO_REQUESTS:
                 assert srv.get(path, headers={"X-User": "dj"})[0] == status

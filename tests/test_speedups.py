@@ -38,6 +38,7 @@ def fields(req: recorder.ActiveRequest) -> dict[str, Any]:
 
 @pytest.mark.parametrize("cls", [recorder.ActiveRequest, ps_asgi._AsgiRequest])
 @pytest.mark.parametrize("cpu", [False, True])
+@pytest.mark.usefixtures("cpu_every_request")
 def test_begin_and_end_set_what_the_python_ones_set(
     agent_data_dir: str, cls: type, cpu: bool
 ) -> None:
@@ -463,6 +464,7 @@ def engine(which: tuple[str, str, str]) -> tuple[Any, Any]:
 
 
 @pytest.mark.parametrize("which", ENGINES)
+@pytest.mark.usefixtures("cpu_every_request")
 def test_a_request_after_an_idle_gap_counts_all_the_cpu_it_burns(
     agent_data_dir: str, which: tuple[str, str, str]
 ) -> None:
@@ -490,6 +492,7 @@ def test_a_request_after_an_idle_gap_counts_all_the_cpu_it_burns(
 
 
 @pytest.mark.parametrize("which", ENGINES)
+@pytest.mark.usefixtures("cpu_every_request")
 def test_a_request_shorter_than_the_short_run_bound_counts_its_wall_time(
     agent_data_dir: str, which: tuple[str, str, str]
 ) -> None:
@@ -508,6 +511,7 @@ def test_a_request_shorter_than_the_short_run_bound_counts_its_wall_time(
     assert req.cpu_ns == req.end - req.start
 
 
+@pytest.mark.usefixtures("cpu_every_request")
 def test_the_hand_off_adds_the_worker_s_cpu_time_like_the_python_one(
     agent_data_dir: str,
 ) -> None:
@@ -558,6 +562,7 @@ class Steps:
 
 
 @pytest.mark.parametrize("meter", ["c", "python"])
+@pytest.mark.usefixtures("cpu_every_request")
 def test_the_cpu_meter_counts_the_steps_it_forwards(agent_data_dir: str, meter: str) -> None:
     cls = recorder.speedups.CpuMeter if meter == "c" else ps_asgi.CpuMeter
 
@@ -596,6 +601,7 @@ def test_the_cpu_meter_counts_the_steps_it_forwards(agent_data_dir: str, meter: 
     assert out["cpu_ns"] >= 8 * 20_000_000
 
 
+@pytest.mark.usefixtures("cpu_every_request")
 def test_the_cpu_meter_takes_what_await_takes(agent_data_dir: str) -> None:
     import types
 
@@ -699,6 +705,7 @@ def test_a_framework_s_hand_off_runs_no_python_code_of_the_agent(agent_data_dir:
     assert isinstance(anyio.to_thread.run_sync, recorder.speedups.HandOff)
 
 
+@pytest.mark.usefixtures("cpu_every_request")
 def test_a_sync_endpoint_s_request_reads_the_cpu_clock_about_twice(
     agent_data_dir: str, captured: Callable[[], list[dict[str, Any]]]
 ) -> None:
@@ -732,6 +739,7 @@ def test_a_sync_endpoint_s_request_reads_the_cpu_clock_about_twice(
     assert reads / n <= 6.0, reads / n  # before issue 21: ~6.4
 
 
+@pytest.mark.usefixtures("cpu_every_request")
 def test_the_cpu_meter_does_not_count_the_loop_s_other_tasks(agent_data_dir: str) -> None:
     """A metered task's steps count its own CPU time, not what the loop ran between them (here
     another task burning 0.5 ms of CPU before each of its steps): the C meter took a step's

@@ -55,6 +55,7 @@ def test_the_accelerator_records_wsgi_and_flask_in_c(agent_data_dir: str) -> Non
 
 
 @pytest.mark.parametrize("wrap", ["explicit", "auto"])
+@pytest.mark.usefixtures("cpu_every_request")
 def test_flask_endpoints_are_url_rules(impl: str, captured: Captured, wrap: str) -> None:
     tf.test_flask_endpoints_are_url_rules(captured, wrap)
 
@@ -206,6 +207,7 @@ def test_exc_info_close_failure_and_generator_closed(impl: str, captured: Captur
     assert recs["/raise"]["status"] == 500 and recs["/raise"]["error"] == "LookupError"
 
 
+@pytest.mark.usefixtures("cpu_every_request")
 def test_identity_size_threads_and_nesting(impl: str, captured: Captured) -> None:
     log: list[Any] = []
 

@@ -1452,6 +1452,11 @@ static PyTypeObject WrapperType = {
 static PyObject *request_cpu_start(void);
 static PyObject *request_cpu_ns(long long cpu0, PyObject *start, PyObject *end);
 
+/* The requests whose CPU time is measured: those whose trace id's low 32 bits are under this
+ * (recorder.cpu_sampled and its CPU_SAMPLE_BITS say why; configure(cpu_threshold=) sets it:
+ * 0 none, 1 << 32 all). */
+static long long cpu_threshold = 1LL << 32;
+
 static PyObject *
 ns_of(clockid_t clock)
 {
@@ -1555,8 +1560,13 @@ begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnam
         set_field(req, layout, nones[k], Py_NewRef(Py_None));
     set_field(req, layout, F_SITES, Py_NewRef(no_sites));
     bad |= set_field(req, layout, F_THREAD, PyLong_FromUnsignedLong(PyThread_get_thread_ident()));
-    if (values[3] != NULL && PyObject_IsTrue(values[3]) == 1)
-        bad |= set_field(req, layout, F_CPU_START, request_cpu_start());
+    if (tid != NULL && values[3] != NULL && PyObject_IsTrue(values[3]) == 1) {
+        unsigned long long bits = PyLong_AsUnsignedLongLongMask(tid);
+        if (bits == (unsigned long long)-1 && PyErr_Occurred())
+            bad = 1;
+        else if ((long long)(bits & 0xFFFFFFFFULL) < cpu_threshold)
+            bad |= set_field(req, layout, F_CPU_START, request_cpu_start());
+    }
     PyObject *id = PyLong_FromVoidPtr(req);
     if (bad || id == NULL || PyDict_SetItem(inflight, id, req) < 0) {
         Py_XDECREF(id);
@@ -2475,11 +2485,20 @@ marked_vectorcall(MarkedObject *m, PyObject *const *args, size_t nargsf, PyObjec
     }
     if (PyErr_Occurred())
         failed();
-    long long wall0 = wall_ns(), cpu0 = run_cpu_at(wall0);
+    /* the worker's CPU time, when the request counts it that way (an int: an ASGI request in
+     * the CPU sample); else no clock is read */
+    PyObject *cpu = prev != NULL ? get_field(m->req, layout, F_CPU_NS) : NULL;
+    int counted = cpu != NULL && PyLong_CheckExact(cpu);
+    long long wall0 = 0, cpu0 = 0;
+    if (counted) {
+        wall0 = wall_ns();
+        cpu0 = run_cpu_at(wall0);
+    }
     PyObject *result = PyObject_Vectorcall(m->func, args, nargsf, kwnames);
     if (prev != NULL) {
         set_field(m->req, layout, F_WORKER, prev); /* steals prev back */
-        add_cpu(m->req, layout, cpu_used(cpu0, wall0));
+        if (counted)
+            add_cpu(m->req, layout, cpu_used(cpu0, wall0));
     }
     return result;
 }
@@ -2678,17 +2697,18 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
                             "code_kinds", "classify", "site_cache", "stack_cache", "max_depth", "max_sites",
                             "stacks_per_site", "sink", "inflight", "stats", "getrandbits",
                             "no_sites", "request_class", "template_key", "template_engines",
-                            "engine_of", NULL};
+                            "engine_of", "cpu_threshold", NULL};
     PyObject *current = NULL, *text = NULL, *error = NULL, *perf = NULL, *kinds = NULL,
              *classify = NULL, *cache = NULL, *stacks_cache = NULL, *new_sink = NULL, *flying = NULL,
              *counters = NULL, *random_bits = NULL, *empty_sites = NULL, *req_class = NULL,
              *tpl_key = NULL, *tpl_engines = NULL, *tpl_engine_of = NULL;
     Py_ssize_t rows = -1, depth = -1, sites = -1, per_site = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOnOOOOOnnnOOOOOOOOO:configure", names,
+    long long threshold = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOnOOOOOnnnOOOOOOOOOL:configure", names,
                                      &current, &text, &error, &rows, &perf, &kinds, &classify,
                                      &cache, &stacks_cache, &depth, &sites, &per_site, &new_sink, &flying,
                                      &counters, &random_bits, &empty_sites, &req_class,
-                                     &tpl_key, &tpl_engines, &tpl_engine_of))
+                                     &tpl_key, &tpl_engines, &tpl_engine_of, &threshold))
         return NULL;
     if ((tpl_key != NULL) != (tpl_engines != NULL) ||
         (tpl_key != NULL) != (tpl_engine_of != NULL) ||
@@ -2750,6 +2770,8 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
         max_sites = sites;
     if (per_site > 0)
         one_stack_per_site = per_site == 1;
+    if (threshold >= 0)
+        cpu_threshold = threshold;
     clear_site_memo(); /* what it found may depend on what changed (template engines) */
     Py_RETURN_NONE;
 }
@@ -2870,8 +2892,9 @@ static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "configure(*, current, sql_text, internal_error, max_rows, perf_counter, code_kinds, "
      "classify, site_cache, stack_cache, max_depth, max_sites, stacks_per_site, sink, inflight, stats, "
-     "getrandbits, no_sites, request_class, template_key, template_engines, engine_of): what "
-     "the wrappers use (each optional); perf_counter: time.perf_counter_ns when it is not "
+     "getrandbits, no_sites, request_class, template_key, template_engines, engine_of, "
+     "cpu_threshold): what the wrappers use (each optional); cpu_threshold: begin measures the "
+     "CPU time of a request whose trace id's low 32 bits are under it; perf_counter: time.perf_counter_ns when it is not "
      "CLOCK_MONOTONIC, else None; template_key (stacks.template_key, None: off), "
      "template_engines (templates._engine) and engine_of (templates.engine_of), given together "
      "once a template engine is loaded."},
@@ -2880,7 +2903,8 @@ static PyMethodDef module_methods[] = {
      "record_call for a str statement, up counted from the calling Python function's frame; "
      "the row offset, -1 when Python's path must do it, -2 when the request is full"},
     {"begin", (PyCFunction)(void (*)(void))begin, METH_FASTCALL | METH_KEYWORDS,
-     "begin(kind, method='', path='', *, cpu=False, cls=request_class): recorder.begin."},
+     "begin(kind, method='', path='', *, cpu=False, cls=request_class): recorder.begin (cpu: "
+     "in the CPU sample only)."},
     {"end", (PyCFunction)end, METH_O, "end(req): recorder.end."},
     {"enqueue", (PyCFunction)c_enqueue, METH_O,
      "enqueue(req): spool.queue.enqueue (its common case here, the rest through Python's)."},

@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from perfsleuth.agent import accel, stacks
+from perfsleuth.agent import accel, config, stacks
 from perfsleuth.wire import counters
 
 _perf = time.perf_counter_ns
@@ -151,6 +151,22 @@ _sink: Callable[[ActiveRequest], None] | None = None
 _max_rows = 20000 * ROW
 _stacks_per_site = 1
 
+# A request's CPU time is measured for a random sample of requests (PERFSLEUTH_CPU_SAMPLE): the
+# thread's CPU clock is a system call (no vDSO for thread clocks), ~4.5 µs inside a request
+# (the caches refilled after the kernel entry), one or two a request where the rest of the
+# agent's request path costs ~10 µs. The draw is the trace id's low 32 bits (random bits begin
+# draws anyway, from a generator the random module reseeds in a forked child): a request is
+# sampled when they are under CPU_SAMPLE_BITS * fraction (C and Python alike, so both make
+# the same choice for the same trace id), whatever its endpoint.
+CPU_SAMPLE_BITS = 1 << 32
+_cpu_threshold = round(config.Config.cpu_sample * CPU_SAMPLE_BITS)
+
+
+def cpu_sampled(req: ActiveRequest) -> bool:
+    """Whether ``req`` is one of the requests whose CPU time is measured (its trace id drew
+    it). Counted elsewhere than begin (the ASGI meter) asks this at the request's start."""
+    return (req.trace_id & 0xFFFFFFFF) < _cpu_threshold
+
 
 # The optional C accelerator of the sqlite3 cursor wrappers (agent/_speedups.c; built at
 # install when a compiler is there). PERFSLEUTH_SPEEDUPS=0 leaves it out: the Python wrappers
@@ -175,12 +191,18 @@ stacks.on_templates = _templates_in_c
 
 
 def configure(
-    sink: Callable[[ActiveRequest], None] | None, *, max_calls: int, stacks_per_site: int
+    sink: Callable[[ActiveRequest], None] | None,
+    *,
+    max_calls: int,
+    stacks_per_site: int,
+    cpu_sample: float | None = None,
 ) -> None:
+    """``cpu_sample``: as :func:`set_cpu_sample`."""
     global _sink, _max_rows, _stacks_per_site
     _sink = sink
     _max_rows = max(0, max_calls) * ROW
     _stacks_per_site = max(1, stacks_per_site)
+    set_cpu_sample(cpu_sample)
     if speedups is not None:
         clock = time.get_clock_info("perf_counter").implementation
         speedups.configure(
@@ -204,6 +226,16 @@ def configure(
             request_class=ActiveRequest,
         )
         stacks.check_engines()  # an engine loaded already: on_templates tells the accelerator
+
+
+def set_cpu_sample(fraction: float | None) -> None:
+    """Measure the CPU time of this share of the requests (0 to 1, see cpu_sampled); None: the
+    environment's PERFSLEUTH_CPU_SAMPLE (config.cpu_sample_of)."""
+    global _cpu_threshold
+    share = config.cpu_sample_of() if fraction is None else config.clamp_share(fraction)
+    _cpu_threshold = round(share * CPU_SAMPLE_BITS)
+    if speedups is not None:
+        speedups.configure(cpu_threshold=_cpu_threshold)
 
 
 def internal_error() -> None:
@@ -553,7 +585,9 @@ def begin(
 ) -> ActiveRequest | None:
     """Start recording a request in the current context. None when the agent is off or when a
     request is already being recorded here (nested frameworks record the outer one only).
-    ``cls``: a subclass with more slots (the ASGI integration's)."""
+    ``cpu``: measure its CPU time on this thread, when it is in the sample (cpu_sampled; else
+    ``cpu_start`` and ``cpu_ns`` stay None and no clock is read). ``cls``: a subclass with
+    more slots (the ASGI integration's)."""
     if _sink is None:
         return None
     running = _current.get()
@@ -578,7 +612,7 @@ def begin(
         req.sites = _NO_SITES
         req.task = req.worker = req.keep = None
         req.thread = _get_ident()
-        if cpu:
+        if cpu and (req.trace_id & 0xFFFFFFFF) < _cpu_threshold:
             # The thread's last reading plus the wall time since, when under REQUEST_GAP_NS
             # old, else a reading of its own (the C begin does the same: _speedups.c says why).
             last = _last_cpu

@@ -24,11 +24,13 @@ itself (FastAPI overrides ``build_middleware_stack`` without calling Starlette's
 ``__call__`` always goes through Starlette's). Mounted sub-applications and explicit wrapping on
 top of the patch do not double-record: an inner recorder sees a request in progress and stands by.
 
-CPU time (``req.cpu_ns``): the loop thread's CPU clock across each step of the request's own
-task (the app's awaitable is driven through a :class:`CpuMeter`, which times each step it
-forwards), plus the worker threads' CPU while its sync code runs in a
-thread pool (agent.instrument.threads). A route run in a child task (Starlette's
-``BaseHTTPMiddleware`` runs the rest of the app in one) is metered in that task too.
+CPU time (``req.cpu_ns``), for the requests in the CPU sample (PERFSLEUTH_CPU_SAMPLE,
+recorder.cpu_sampled; the others keep None and read no clock): the loop thread's CPU clock
+across each step of the request's own task (the app's awaitable is driven through a
+:class:`CpuMeter`, which times each step it forwards), plus the worker threads' CPU while its
+sync code runs in a thread pool (agent.instrument.threads). A route run in a child task
+(Starlette's ``BaseHTTPMiddleware`` runs the rest of the app in one) is metered in that task
+too.
 """
 
 from __future__ import annotations
@@ -231,6 +233,7 @@ _CpuMeter: Any = accel.pick("CpuMeter", CpuMeter)
 
 _begin = recorder.begin
 _end = recorder.end
+_cpu_sampled = recorder.cpu_sampled
 _current_get = recorder.current_get
 # {loop: its running task} as asyncio keeps it (3.11-3.13): read directly, with the loop of each
 # thread remembered, it gives the current task without asyncio.current_task(), whose
@@ -264,7 +267,11 @@ def _recording(inner: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable
         req._receive = receive
         req.received = 0
         req.tap = None
-        req.cpu_ns = 0
+        # CPU time for the requests in the sample (recorder.cpu_sampled): the others read no
+        # thread clock (no meter; the hand-off to a worker and the child task's meter skip a
+        # request whose cpu_ns is None)
+        metered = _cpu_sampled(req)
+        req.cpu_ns = 0 if metered else None
         out = req.out = _SendTap(send)
         try:
             req.headers = scope.get("headers")
@@ -275,7 +282,8 @@ def _recording(inner: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable
         except Exception:  # the user, tenant or samples are lost, not the request
             recorder.internal_error()
         try:
-            await _CpuMeter(req, inner(self, scope, req.receive, out))
+            app = inner(self, scope, req.receive, out)
+            await (_CpuMeter(req, app) if metered else app)
         except BaseException as exc:
             try:
                 if not out.complete or not out.status:

@@ -5,8 +5,8 @@ FastAPI/Starlette run sync endpoints and dependencies with ``anyio.to_thread.run
 context, so the wrapper only notes ``req.worker`` (the thread ident) while the function runs:
 the sampler then samples that thread instead of the loop, where the request only awaits. It
 also adds the worker thread's CPU time across the run to ``req.cpu_ns`` when the request counts
-CPU that way (an ASGI request starts it at 0; a WSGI request, which reads its own thread's
-clock at its end, leaves it None).
+CPU that way (an ASGI request in the CPU sample starts it at 0; one outside it, and a WSGI
+request, which reads its own thread's clock at its end, leave it None: no clock is read).
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ def _run_marked(
     """Run ``func`` in the worker thread, noting that thread on the request meanwhile, and
     its CPU time."""
     prev, req.worker = req.worker, _get_ident()
+    if req.cpu_ns is None:  # not counted this way, or not in the CPU sample: no clock read
+        try:
+            return func(*args, **kwargs)
+        finally:
+            req.worker = prev
     t0 = _thread_time()
     try:
         return func(*args, **kwargs)
