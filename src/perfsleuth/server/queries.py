@@ -8,11 +8,8 @@ per series with None where a bucket has no data.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import Any, Protocol, cast
-
-import pyarrow as pa
+from typing import Any
 
 from perfsleuth.server.window import WEEK, Window, step_seconds
 from perfsleuth.store import rollups
@@ -160,34 +157,12 @@ def endpoint_table(store: Store, w: Window) -> list[dict[str, Any]]:
     return _endpoint_table(store, w)[0]
 
 
-class _RollupReader(Protocol):
-    """What both engines' readers have beyond the Store interface: top_answered's
-    ``percentiles_for`` (DuckDBReader.top_answered) and query_arrow."""
-
-    def query_arrow(self, sql: str, params: Sequence[Any] = ()) -> pa.Table: ...
-
-    def top_answered(
-        self,
-        since: timedelta | None = None,
-        by: tuple[str, ...] = ("endpoint",),
-        kind: str | None = None,
-        only: dict[str, str] | None = None,
-        *,
-        percentiles_for: str | None = None,
-    ) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
-
-
 def _endpoint_table(
     store: Store, w: Window, percentiles_for: str | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """endpoint_table, and what answered it (store.top_answered's source); with
     ``percentiles_for``, the percentiles of that endpoint's row only (the others: None)."""
-    if percentiles_for is None:
-        rows, answered = store.top_answered(since=w.since, only=w.only)
-    else:
-        rows, answered = cast(_RollupReader, store).top_answered(
-            since=w.since, only=w.only, percentiles_for=percentiles_for
-        )
+    rows, answered = store.top_answered(since=w.since, only=w.only, percentiles_for=percentiles_for)
     total = sum(float(r["total_ms"] or 0) for r in rows) or 1.0
     for r in rows:
         r["time_share"] = float(r["total_ms"] or 0) / total
@@ -222,7 +197,7 @@ def _rollup_percentiles(
         src.format(b=_bucket(step), t="rollup_stats", res=int(res)), hist_src, by, where
     )[0]
     stats = store.query(stats_sql, params)
-    coded = cast(_RollupReader, store).query_arrow(
+    coded = store.query_arrow(
         *rollups.coded_hist_query(hist_src, where, params, list(endpoints), period=True)
     )
     hist = rollups.coded_hist_rows(coded, list(endpoints), periods)

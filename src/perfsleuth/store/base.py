@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from perfsleuth.wire.segment import Damage
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from perfsleuth.store.records import Batch
     from perfsleuth.store.tables import Tables
 
@@ -128,9 +130,13 @@ class StoreReader(Protocol):
         by: tuple[str, ...] = ("endpoint",),
         kind: str | None = None,
         only: dict[str, str] | None = None,
+        *,
+        percentiles_for: str | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """:meth:`top`, and what answered it: {source: "raw" | "rollups", resolution_s (the
-        finest rollup period read; None for raw rows), start (ISO 8601; None for all)}."""
+        finest rollup period read; None for raw rows), start (ISO 8601; None for all)}. With
+        ``percentiles_for`` (an endpoint, ``by`` the endpoint), only that row's percentiles are
+        computed (the others' are None; their totals are all there)."""
         ...
 
     def traces(
@@ -188,6 +194,10 @@ class StoreReader(Protocol):
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         """Rows (as dicts) of one parameterised statement over the logical tables; for the
         analysis layer, which writes its SQL against the schema in ``store.schema``."""
+        ...
+
+    def query_arrow(self, sql: str, params: Sequence[Any] = ()) -> pa.Table:
+        """:meth:`query`'s result as an Arrow table (columns for numpy, no dict per row)."""
         ...
 
     def agent_drops(self) -> dict[str, Any]:
