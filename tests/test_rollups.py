@@ -495,6 +495,47 @@ def test_a_window_starting_before_the_first_rollup_day_is_answered_by_raw_rows(
         store_engines.reset()
 
 
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "duckdb",
+        pytest.param(
+            "chdb",
+            marks=pytest.mark.skipif(
+                not store_engines.chdb_available(), reason="chdb is not installed"
+            ),
+        ),
+    ],
+)
+def test_a_rollup_window_that_matches_nothing_is_an_empty_table(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """Rollups answer and the filters keep none of their rows (a host no request came from):
+    ``top`` is an empty table and the overview has no endpoints, on both engines. Failed
+    before on DuckDB (ArrowInvalid, the overview a 500): the histogram statement coded an
+    empty list of endpoints as an untyped NULL, a column of Arrow's null type that
+    coded_hist_rows could not fill."""
+    data = str(tmp_path / "data")
+    rng = random.Random(5)
+    write(data, rng, 50, endpoints={"GET /a": skewed}, span_ns=HOUR_NS, end_ns=time.time_ns())
+    store = store_engines.open_engine(engine, data)
+    try:
+        store.ingest()
+        monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", -1)
+        rows, ans = store.top_answered(since=timedelta(days=30), by=("endpoint",))
+        assert ans["source"] == "rollups" and [r["count"] for r in rows] == [50]
+        for since in (timedelta(days=30), None):
+            rows, ans = store.top_answered(since=since, only={"host": "no-such-host"})
+            assert (rows, ans["source"]) == ([], "rollups"), since
+        for w in (window("all", host="no-such-host"), window("7d", service="no-such")):
+            page = queries.overview(store, w)
+            assert page["source"]["source"] == "rollups"
+            assert page["endpoints"] == [], w
+    finally:
+        store.close()
+        store_engines.reset()
+
+
 def test_numpy_merged_histograms_give_the_histogram_statement_s_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -545,6 +586,10 @@ def test_numpy_merged_histograms_give_the_histogram_statement_s_rows(
         t = con.sql(sql, params=params).to_arrow_table()
         got = {(r["b"], r["endpoint"]): r for r in rollups.coded_hist_rows(t, keys, periods)}
         assert got == by_sql(("b", "endpoint"))
+    # no keys (a filter that kept no stats row): a typed column of NULL codes, no groups
+    sql, params = rollups.coded_hist_query("h", "bucket >= ?", [0], [])
+    t = con.sql(sql, params=params).to_arrow_table()
+    assert t.num_rows == len(rows) and rollups.coded_hist_rows(t, []) == []
 
 
 def test_the_slowest_traces_found_in_two_steps_are_the_plain_top_n(

@@ -237,14 +237,14 @@ class ClickHouseRollups(DuckDBReader):
             "rollup_stats", "rollup_hist", by, where, params, percentiles_for
         )
         stats = self._rows(*stats_q)
+        answer = rollups.answered_by(choice.spans)
+        if not stats:  # nothing kept: no histogram to read
+            return [], answer
         if by == ("endpoint",) and percentiles_for is None:  # the overview's table: numpy sums
             keys = [r["endpoint"] for r in stats]
             hist = rollups.coded_hist_rows(self._coded_hist(where, params, keys), keys)
         else:
             hist = self._rows(*hist_q)
-        answer = rollups.answered_by(choice.spans)
-        if not stats:
-            return [], answer
         if minutes is None:
             minutes = self._finest_minutes(choice.lo, cond, cond_params)
         return rollups.top_rows(stats, hist, by, max(minutes, 1.0)), answer

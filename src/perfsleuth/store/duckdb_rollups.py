@@ -287,6 +287,9 @@ class DuckDBRollups(DuckDBFile):
             stats_src, hist_src, by, where, params, percentiles_for
         )
         stats = self._rows(*stats_q)
+        answer = rollups.answered_by(choice.spans)
+        if not stats:  # nothing kept: no histogram to read
+            return [], answer
         if by == ("endpoint",) and percentiles_for is None:  # the overview's table: numpy sums
             keys = [r["endpoint"] for r in stats]
             hist = rollups.coded_hist_rows(
@@ -295,9 +298,6 @@ class DuckDBRollups(DuckDBFile):
             )
         else:
             hist = self._rows(*hist_q)
-        answer = rollups.answered_by(choice.spans)
-        if not stats:
-            return [], answer
         if minutes is None:
             span = self._finest_span(days, choice.lo, where, params)
             minutes = span.total_seconds() / 60 + 1

@@ -420,7 +420,8 @@ def coded_hist_query(
     rows = f"(SELECT {cols} FROM {hist} WHERE {where}) AS h"
     if len(keys) <= CASE_KEYS:  # a chart's few series: compared in turn, no join to plan
         whens = " ".join(f"WHEN ? THEN {i}" for i in range(len(keys)))
-        code = f"CASE h.{key} {whens} END" if keys else "NULL"
+        # typed: a column of NULL alone would be Arrow's null type
+        code = f"CASE h.{key} {whens} END" if keys else "CAST(NULL AS INTEGER)"
         return f"SELECT {code} AS code, {out} FROM {rows}", [*keys, *params]
     values = ", ".join(f"(?, {i})" for i in range(len(keys)))
     return (
@@ -468,7 +469,8 @@ def coded_hist_rows(
     (``t``: code, bucket, requests, and b with ``periods``; a code that is NULL or not an
     index of ``keys`` stands for the NULL key), summed with numpy."""
     null_code = len(keys)  # a NULL code: another key's (none of keys: the NULL key's)
-    code = pc.fill_null(t["code"], null_code).to_numpy().astype(np.int64, copy=False)
+    # cast first: an engine may type a column of NULLs alone as Arrow's null type
+    code = pc.fill_null(pc.cast(t["code"], pa.int64()), null_code).to_numpy()
     other = (code < 0) | (code >= len(keys))
     group = np.where(other, keys.index(None) if None in keys else -1, code)
     n_groups = len(keys)
