@@ -592,6 +592,82 @@ def test_numpy_merged_histograms_give_the_histogram_statement_s_rows(
     assert t.num_rows == len(rows) and rollups.coded_hist_rows(t, []) == []
 
 
+def _key_rows(n_keys: int, rng: random.Random) -> list[tuple[Any, int, int, int]]:
+    """Histogram rows (endpoint, b, bucket, requests) of many keys, sparse buckets: most keys
+    a few rows in a few buckets, some one request, one far bucket (a 10-minute task), a NULL
+    key."""
+    rows: list[tuple[Any, int, int, int]] = []
+    for k in range(n_keys):
+        name = f"GET /api/v1/items/{k:05d}"
+        for _ in range(rng.choice((1, 1, 2, 5, 30))):
+            bucket = rng.choice((rng.randrange(0, 40), rng.randrange(300, 500), 1021))
+            rows.append((name, rng.choice((0, 60, 120)), bucket, rng.randrange(1, 4)))
+    rows += [(None, 60, 7, 2), (None, 0, 900, 1)]
+    return rows
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_merged_histograms_of_many_keys_with_sparse_buckets_give_the_statement_s_rows(
+    monkeypatch: pytest.MonkeyPatch, dense: bool
+) -> None:
+    """merged_buckets, over the cells present (3,001 keys x 1,022 buckets: past DENSE_CELLS)
+    and into a dense array (DENSE_CELLS raised), gives top_sql's histogram statement's rows
+    exactly, per key and per period and key."""
+    import duckdb
+    import pyarrow as pa
+
+    monkeypatch.setattr(rollups, "DENSE_CELLS", 1 << 40 if dense else 0)
+    rows = _key_rows(3000, random.Random(17))
+    hist = pa.table(
+        {
+            "endpoint": pa.array([r[0] for r in rows], pa.string()),
+            "b": pa.array([r[1] for r in rows], pa.int64()),
+            "bucket": pa.array([r[2] for r in rows], pa.int32()),
+            "requests": pa.array([r[3] for r in rows], pa.int64()),
+        }
+    )
+    con = duckdb.connect()
+    con.register("h", hist)
+    keys = [*sorted({r[0] for r in rows if r[0] is not None})[::-1], None, "GET /none"]
+    for by, periods in ((("endpoint",), None), (("b", "endpoint"), [0, 60, 120, 180])):
+        cur = con.execute(rollups.top_sql("h", "h", by, "bucket >= 0")[1])
+        cols = [d[0] for d in cur.description or ()]
+        want = {}
+        for r in cur.fetchall():
+            d = dict(zip(cols, r, strict=True))
+            want[tuple(d[b] for b in by)] = d
+        sql, params = rollups.coded_hist_query("h", "true", [], keys, period=periods is not None)
+        t = con.sql(sql, params=params).to_arrow_table()
+        got = rollups.coded_hist_rows(t, keys, periods)
+        assert {tuple(r[b] for b in by): r for r in got} == want
+        assert len(got) == len(want)
+
+
+def test_merging_the_histograms_of_20000_keys_takes_memory_of_their_rows() -> None:
+    """coded_hist_rows of 20,000 endpoints, one of them a 10-minute task (bucket ~1,020):
+    a few MB traced (numpy's arrays are traced by tracemalloc). Failed before: merged_buckets
+    made dense groups x buckets arrays (20,000 x 1,022 float64: 163 MB each)."""
+    import tracemalloc
+
+    import numpy as np
+    import pyarrow as pa
+
+    n = 20_000
+    code = np.arange(n + 1, dtype=np.int64) % n
+    bucket = np.full(n + 1, 300, np.int32)
+    bucket[-1] = int(rollups.bucket_of(np.array([600_000.0]))[0])
+    t = pa.table({"code": code, "bucket": bucket, "requests": np.ones(n + 1, np.int64)})
+    keys = [f"GET /items/{i}" for i in range(n)]
+    tracemalloc.start()
+    try:
+        got = rollups.coded_hist_rows(t, keys)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(got) == n and got[0]["n"] == 2 and got[0]["p99_hi"] == bucket[-1]
+    assert peak < 40_000_000, peak
+
+
 def test_the_slowest_traces_found_in_two_steps_are_the_plain_top_n(
     data_dir: str, store: DuckDBStore
 ) -> None:
