@@ -868,6 +868,44 @@ def test_ingest_allocates_arrow_memory_from_malloc_and_restores_the_pool(
     assert pa.default_memory_pool().backend_name == before
 
 
+def test_overlapping_malloc_pools_of_two_threads_restore_the_pool_before_both() -> None:
+    """Two ingest runs in two threads overlap (A enters, B enters, A leaves, B leaves): the
+    pool is process-wide, so the system pool stays set until the last leaves and the pool
+    before both is the default again after (each run restoring what it found left the
+    system pool for good)."""
+    import threading
+
+    import pyarrow as pa
+
+    from perfsleuth.store.ingest import malloc_pool
+
+    before = pa.default_memory_pool().backend_name
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    inside: dict[str, str] = {}
+
+    def run_a() -> None:
+        with malloc_pool():
+            a_in.set()
+            b_in.wait(10)
+        inside["a_left"] = pa.default_memory_pool().backend_name  # B is still inside
+        a_out.set()
+
+    def run_b() -> None:
+        a_in.wait(10)
+        with malloc_pool():
+            b_in.set()
+            a_out.wait(10)
+            inside["b"] = pa.default_memory_pool().backend_name
+
+    threads = [threading.Thread(target=run_a), threading.Thread(target=run_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert inside == {"a_left": "system", "b": "system"}
+    assert pa.default_memory_pool().backend_name == before
+
+
 def test_dictionary_records_stored_by_an_earlier_run_are_not_decoded_again(
     data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

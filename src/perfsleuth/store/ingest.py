@@ -20,6 +20,7 @@ Everything here is engine-neutral: an engine implements :class:`IngestTarget`.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -170,6 +171,13 @@ def frozen_when_made() -> Iterator[None]:
             gc.enable()
 
 
+# malloc_pool's users in flight (ingest runs of several threads overlap): the first one in
+# saves the default pool and sets the system one, the last one out restores the saved pool.
+_pool_lock = threading.Lock()
+_pool_users = 0
+_pool_before: pa.MemoryPool | None = None
+
+
 @contextmanager
 def malloc_pool() -> Iterator[None]:
     """Arrow's allocations from the C library's malloc (``pa.system_memory_pool()``) instead
@@ -179,17 +187,26 @@ def malloc_pool() -> Iterator[None]:
     fresh, zeroed pages for the next (perf of a 100k-request ingest: 18 % of the process's
     CPU in the kernel's clear_page, page faults of new huge pages); malloc keeps freed
     memory of that size for the next allocation. Buffers made before or after keep the pool
-    they came from."""
-    before = pa.default_memory_pool()
-    try:
-        pa.set_memory_pool(pa.system_memory_pool())
-    except (pa.ArrowException, NotImplementedError):  # pragma: no cover - a build without it
-        yield
-        return
+    they came from. Blocks of several threads may overlap: the pool is process-wide, so the
+    outermost one (the first in) saves it and the last one out restores it."""
+    global _pool_users, _pool_before
+    with _pool_lock:
+        if _pool_users == 0:
+            before = pa.default_memory_pool()
+            try:
+                pa.set_memory_pool(pa.system_memory_pool())
+            except (pa.ArrowException, NotImplementedError):  # pragma: no cover - no such pool
+                before = None
+            _pool_before = before
+        _pool_users += 1
     try:
         yield
     finally:
-        pa.set_memory_pool(before)
+        with _pool_lock:
+            _pool_users -= 1
+            if _pool_users == 0 and _pool_before is not None:
+                pa.set_memory_pool(_pool_before)
+                _pool_before = None
 
 
 def ingest_spool(
