@@ -45,6 +45,11 @@ from perfsleuth.store.duckdb_reader import DuckDBReader
 from perfsleuth.store.filters import only_where
 from perfsleuth.store.tables import Tables
 
+# Characters of the coded histogram statement's literals (and its inner SELECT) up to
+# which top by endpoint codes the rows with transform(): ClickHouse refuses a statement over
+# max_query_size (256 KiB by default); longer lists read the GROUP BY statement.
+CODED_LITERAL_BYTES = 100_000
+
 
 def partition_day(partition: str) -> tuple[date, int | None]:
     """(day, res) of a partition id as system.parts writes it: ``2026-11-20`` (event tables)
@@ -240,21 +245,23 @@ class ClickHouseRollups(DuckDBReader):
         answer = rollups.answered_by(choice.spans)
         if not stats:  # nothing kept: no histogram to read
             return [], answer
-        if by == ("endpoint",) and percentiles_for is None:  # the overview's table: numpy sums
-            keys = [r["endpoint"] for r in stats]
-            hist = rollups.coded_hist_rows(self._coded_hist(where, params, keys), keys)
-        else:
-            hist = self._rows(*hist_q)
+        keys = [r["endpoint"] for r in stats] if by == ("endpoint",) else []
+        coded = None
+        if keys and percentiles_for is None and len(keys) <= rollups.CODED_KEYS_MAX:
+            # the overview's table: histogram rows coded by endpoint, summed by numpy
+            coded = self._coded_hist(where, params, keys)
+        hist = self._rows(*hist_q) if coded is None else rollups.coded_hist_rows(coded, keys)
         if minutes is None:
             minutes = self._finest_minutes(choice.lo, cond, cond_params)
         return rollups.top_rows(stats, hist, by, max(minutes, 1.0)), answer
 
-    def _coded_hist(self, where: str, params: list[Any], keys: list[Any]) -> pa.Table:
+    def _coded_hist(self, where: str, params: list[Any], keys: list[Any]) -> pa.Table | None:
         """rollups.coded_hist_query's rows for the endpoints ``keys``, each coded by
-        ``transform`` (a hash look-up). 30 days of 300 endpoints after retention, CPU median
-        of 8 paired: GROUP BY endpoint, bucket 0.39 s, this and numpy 0.31 s, coded and
-        grouped by ClickHouse 0.36 s; the portable LEFT JOIN of the keys' VALUES (300 UNION
-        ALL selects here) 0.72 s."""
+        ``transform`` (a hash look-up); None when the keys' literals would pass
+        CODED_LITERAL_BYTES (the statement must stay under max_query_size). 30 days of 300
+        endpoints after retention, CPU median of 8 paired: GROUP BY endpoint, bucket 0.39 s,
+        this and numpy 0.31 s, coded and grouped by ClickHouse 0.36 s; the portable LEFT JOIN
+        of the keys' VALUES (300 UNION ALL selects here) 0.72 s."""
         from perfsleuth.store.clickhouse_dialect import to_clickhouse
 
         inner = to_clickhouse(
@@ -265,6 +272,8 @@ class ClickHouseRollups(DuckDBReader):
         named = [(_lit(k), i) for i, k in enumerate(keys) if k is not None]
         values = "[" + ", ".join(v for v, _ in named) + "]"
         codes = "[" + ", ".join(str(i) for _, i in named) + "]"
+        if len(values) + len(codes) + len(inner) > CODED_LITERAL_BYTES:
+            return None
         # a NULL endpoint is coded len(keys) (or NULL): coded_hist_rows reads it as the NULL key
         return self._arrow_ch(
             f"SELECT transform(endpoint, {values}, {codes}, {len(keys)}) AS code, bucket, "

@@ -290,8 +290,9 @@ class DuckDBRollups(DuckDBFile):
         answer = rollups.answered_by(choice.spans)
         if not stats:  # nothing kept: no histogram to read
             return [], answer
-        if by == ("endpoint",) and percentiles_for is None:  # the overview's table: numpy sums
-            keys = [r["endpoint"] for r in stats]
+        keys = [r["endpoint"] for r in stats] if by == ("endpoint",) else []
+        if keys and percentiles_for is None and len(keys) <= rollups.CODED_KEYS_MAX:
+            # the overview's table: histogram rows coded by endpoint, summed by numpy
             hist = rollups.coded_hist_rows(
                 self.query_arrow(*rollups.coded_hist_query(hist_src, where, params, keys)),
                 keys,
