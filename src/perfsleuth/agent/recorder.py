@@ -153,18 +153,20 @@ _stacks_per_site = 1
 
 # A request's CPU time is measured for a random sample of requests (PERFSLEUTH_CPU_SAMPLE): the
 # thread's CPU clock is a system call (no vDSO for thread clocks), ~4.5 µs inside a request
-# (the caches refilled after the kernel entry), one or two a request where the rest of the
-# agent's request path costs ~10 µs. The draw is the trace id's low 32 bits (random bits begin
-# draws anyway, from a generator the random module reseeds in a forked child): a request is
-# sampled when they are under CPU_SAMPLE_BITS * fraction (C and Python alike, so both make
-# the same choice for the same trace id), whatever its endpoint.
+# (the caches refilled after the kernel entry), ~1 a WSGI request and ~4 a FastAPI one, where
+# the agent's whole request path in the burst benchmark costs ~10 µs. The draw is the trace
+# id's low 32 bits (random bits begin draws anyway, from a generator the random module reseeds
+# in a forked child): a request is sampled when they are under CPU_SAMPLE_BITS * fraction (C
+# and Python alike, so both make the same choice for the same trace id), whatever its
+# endpoint.
 CPU_SAMPLE_BITS = 1 << 32
 _cpu_threshold = round(config.Config.cpu_sample * CPU_SAMPLE_BITS)
 
 
 def cpu_sampled(req: ActiveRequest) -> bool:
     """Whether ``req`` is one of the requests whose CPU time is measured (its trace id drew
-    it). Counted elsewhere than begin (the ASGI meter) asks this at the request's start."""
+    it): what begin(cpu=True) decides, for a request whose CPU time is counted elsewhere (the
+    ASGI integration's meter), asked at its start."""
     return (req.trace_id & 0xFFFFFFFF) < _cpu_threshold
 
 
