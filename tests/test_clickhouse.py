@@ -548,3 +548,63 @@ def test_a_dictionary_row_stored_twice_is_read_once(tmp_path: Path) -> None:
     finally:
         duck.close()
         ch.close()
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "chdb"])
+def test_a_reused_trace_id_is_stored_whatever_else_its_batch_holds(
+    tmp_path: Path, engine: str
+) -> None:
+    """A request is a copy of a stored one when a stored request has its trace id at a ts
+    within ingest.KNOWN_TRACE_MARGIN_US of its own (the same ts: a record repeated, a segment
+    copied; 30 s later: a payload made again), decided per request on both engines: a trace id
+    stored two days earlier is another request, stored whether or not its batch also holds
+    an unrelated request three days old (/tmp/r2/window.py: DuckDB dropped it then, as its
+    check covered the batch's whole span). The same-day rule ClickHouse had is gone too: a
+    trace id stored 3 hours earlier the same day is another request, and a copy made again
+    across midnight is still a copy."""
+    now = time.time_ns()
+    day = 86_400 * 10**9
+    midnight = now // day * day
+    noon_before = midnight - day // 2
+    got = []
+    for unrelated_old in (False, True):
+        data = str(tmp_path / f"{engine}-{unrelated_old}")
+        store = store_engines.open_engine(engine, data)
+        try:
+            w = SegmentWriter(data, seq=1)
+            w.request("GET /a", trace_id="00000000000000aa", ts_ns=now - 2 * day)
+            w.request("GET /b", trace_id="00000000000000bb", ts_ns=now - 60 * 10**9)
+            w.request("GET /c", trace_id="00000000000000cc", ts_ns=noon_before - 3 * 3600 * 10**9)
+            w.request("GET /d", trace_id="00000000000000dd", ts_ns=midnight - 10 * 10**9)
+            w.close()
+            store.ingest()
+            w = SegmentWriter(data, seq=2)
+            w.request("GET /a", trace_id="00000000000000aa", ts_ns=now)  # another request
+            w.request("GET /b", trace_id="00000000000000bb", ts_ns=now - 60 * 10**9)  # a copy
+            w.request("GET /c", trace_id="00000000000000cc", ts_ns=noon_before)  # another
+            w.request("GET /d", trace_id="00000000000000dd", ts_ns=midnight + 10 * 10**9)  # again
+            if unrelated_old:
+                w.request("GET /z", trace_id="00000000000000ff", ts_ns=now - 3 * day)
+            w.close()
+            store.ingest()
+            w = SegmentWriter(data, seq=3)
+            w.request("GET /b", trace_id="00000000000000bb", ts_ns=now - 30 * 10**9)  # again
+            w.request("GET /a", trace_id="00000000000000aa", ts_ns=now - 2 * day + 10**6)
+            w.close()
+            store.ingest()
+            rows = store.query(
+                "SELECT trace_id, endpoint, ts FROM requests WHERE trace_id <> '00000000000000ff'"
+            )
+            got.append(sorted((r["trace_id"], r["endpoint"], r["ts"]) for r in rows))
+        finally:
+            store.close()
+            store_engines.reset()
+    assert got[0] == got[1]
+    assert [(t, e) for t, e, _ in got[0]] == [
+        ("00000000000000aa", "GET /a"),
+        ("00000000000000aa", "GET /a"),
+        ("00000000000000bb", "GET /b"),
+        ("00000000000000cc", "GET /c"),
+        ("00000000000000cc", "GET /c"),
+        ("00000000000000dd", "GET /d"),
+    ]

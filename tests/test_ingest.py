@@ -956,9 +956,11 @@ def test_stored_traces_are_looked_for_in_the_batch_s_time_span(
     data_dir: str, store: DuckDBStore
 ) -> None:
     """A request already stored is left out when it comes again (the same trace id, at its
-    time or within the hour: a payload made again); the check reads only the stored requests
-    of the batch's time span and an hour around (zone maps prune the rest), so a trace id
-    stored two days before (another request) is not taken for it."""
+    time or within ingest.KNOWN_TRACE_MARGIN_US, a minute: a payload made again); the check
+    reads only the stored requests of the batch's time span and the margin around (zone maps
+    prune the rest), and a trace id stored two days before (another request) is not taken
+    for it (decided per request: tests/test_clickhouse.py's
+    test_a_reused_trace_id_is_stored_whatever_else_its_batch_holds)."""
     now = __import__("time").time_ns()
     w = SegmentWriter(data_dir, seq=1)
     w.request("GET /a", trace_id="00000000000000aa", ts_ns=now - 2 * DAY_NS)

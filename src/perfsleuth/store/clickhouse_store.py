@@ -45,7 +45,14 @@ from perfsleuth.store.clickhouse_client import Client, connect
 from perfsleuth.store.clickhouse_dialect import literal, read_only_clickhouse, to_clickhouse
 from perfsleuth.store.clickhouse_rollups import ClickHouseRollups, partition_day
 from perfsleuth.store.duckdb_file import utcnow
-from perfsleuth.store.ingest import Limits, Offset, ingest_spool
+from perfsleuth.store.ingest import (
+    KNOWN_TRACE_MARGIN_US,
+    Limits,
+    Offset,
+    ingest_spool,
+    stored_copies,
+    trace_spans,
+)
 from perfsleuth.store.records import Batch
 from perfsleuth.store.schema import quote
 from perfsleuth.store.tables import Tables, offsets_table
@@ -82,6 +89,13 @@ def _value(v: Any) -> str:
     if isinstance(v, int) and not isinstance(v, bool):
         return str(v)
     return str(literal(v).sql(dialect="clickhouse"))
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    """``tables`` (of one query's columns) as one table; no tables: none of the rows."""
+    if not tables:
+        return pa.table({"trace_id": pa.array([], pa.string()), "ts": pa.array([], pa.int64())})
+    return pa.concat_tables(tables, promote_options="permissive")
 
 
 class _Cursor:
@@ -321,7 +335,7 @@ class ClickHouseStore(ClickHouseRollups):
         stored: dict[date, pa.Table] = {}  # the batch's requests a previous attempt stored
         for d, parts in sorted(tables.days.items()):
             sent = parts.get("requests")
-            self._drop_stored_traces(d, parts)
+            self._drop_stored_traces(parts, tables.ts_substituted)
             left = parts.get("requests")
             if sent is not None and left is not None and left.num_rows < sent.num_rows:
                 mask = pc.is_in(sent["trace_id"], value_set=left["trace_id"])
@@ -346,27 +360,40 @@ class ClickHouseStore(ClickHouseRollups):
         self._insert_rollups_ch(tables, missing, insert)
         insert("ingest_offsets", offsets_table(batch, utcnow()))
 
-    def _drop_stored_traces(self, day: date, parts: dict[str, pa.Table]) -> None:
+    def _drop_stored_traces(self, parts: dict[str, pa.Table], any_ts: bool) -> None:
         """Leave out of one day's tables the rows already stored: of requests, calls and
-        attributes the traces that table holds, of the others the rows it holds. The ids go
+        attributes the traces whose rows that table holds at a ts within
+        KNOWN_TRACE_MARGIN_US of theirs (ingest.stored_copies: per trace, whatever else the
+        batch holds; ``any_ts``: at any ts, for a batch whose ts were made up at conversion),
+        of the others the rows it holds. The stored rows read are those of the trace ids in
+        the rows' time span widened by the margin (the partitions that meet it); the ids go
         with the query, in chunks (no scratch table: collectors of one pid, or on another
         node of a cluster, would share it)."""
-        ids = parts.get("requests")
-        trace_ids = [] if ids is None else pc.unique(ids["trace_id"]).to_pylist()
-        chunks = list(_chunks(trace_ids))
+        margin = None if any_ts else KNOWN_TRACE_MARGIN_US
         for name in _PER_TRACE:
             t = parts.get(name)
-            if t is None or not t.num_rows or not trace_ids:
+            if t is None or not t.num_rows:
                 continue
-            known: list[Any] = []
-            for chunk in chunks:
-                known += self._q(
-                    f"SELECT DISTINCT trace_id FROM {self._t(name)} "
-                    f"WHERE toDate(ts) = {_value(day)} AND trace_id IN {chunk}"
+            sent = trace_spans([t])
+            if not sent.num_rows:
+                continue
+            span = ""
+            if margin is not None:
+                lo, hi = pc.min(sent["ts_min"]).as_py(), pc.max(sent["ts_max"]).as_py()
+                span = (
+                    f"ts >= fromUnixTimestamp64Micro({lo - margin}) "
+                    f"AND ts <= fromUnixTimestamp64Micro({hi + margin}) AND "
                 )
-            if known:
-                stored = pa.array([r[0] for r in known], pa.string())
-                parts[name] = t.filter(pc.invert(pc.is_in(t["trace_id"], value_set=stored)))
+            stored = [
+                self._client.query_arrow(
+                    f"SELECT trace_id, toUnixTimestamp64Micro(ts) AS ts FROM {self._t(name)} "
+                    f"WHERE {span}trace_id IN {chunk}"
+                )
+                for chunk in _chunks(sent["trace_id"].to_pylist())
+            ]
+            copies = stored_copies(sent, _concat(stored), margin)
+            if len(copies):
+                parts[name] = t.filter(pc.invert(pc.is_in(t["trace_id"], value_set=copies)))
         for name in _ROW_KEYS:
             if name in parts:
                 parts[name] = self._drop_stored_rows(name, parts[name])  # type: ignore[assignment]

@@ -17,10 +17,17 @@ from perfsleuth.store import rollups, schema, spool
 from perfsleuth.store.base import IngestReport, Progress, StoreError, disk_full
 from perfsleuth.store.duckdb_file import utcnow
 from perfsleuth.store.duckdb_rollups import DuckDBRollups
-from perfsleuth.store.ingest import Limits, Offset, ingest_spool
+from perfsleuth.store.ingest import (
+    KNOWN_TRACE_MARGIN_US,
+    Limits,
+    Offset,
+    ingest_spool,
+    stored_copies,
+    trace_spans,
+)
 from perfsleuth.store.records import Batch
 from perfsleuth.store.schema import quote
-from perfsleuth.store.tables import Tables, drop_known_traces, offsets_table, trace_ids
+from perfsleuth.store.tables import Tables, drop_known_traces, offsets_table
 
 # A received segment's row goes once the days it could name a request's origin for are gone:
 # received before the cutoff, started before the first day kept, and either another segment of
@@ -40,9 +47,7 @@ WHERE s.received < ? AND (s.started IS NULL OR s.started < ?)
 
 RAW_DAYS = 7  # raw rows are kept this long by default (rollups: rollups.ROLLUP_DAYS)
 
-# A request is a copy of a stored one with its trace id when their times are this close (see
-# DuckDBWriter._drop_known_traces); further apart, it is another request.
-KNOWN_TRACE_MARGIN = timedelta(hours=1)
+EPOCH_NAIVE = datetime(1970, 1, 1)  # the stored ts are naive UTC timestamps
 
 # Dictionary record payloads remembered between ingest runs, at most (~100-300 bytes each)
 DICTIONARY_SEEN_MAX = 100_000
@@ -260,35 +265,37 @@ class DuckDBWriter(DuckDBRollups):
             self._con.unregister("_ps_batch")
 
     def _drop_known_traces(self, tables: Tables) -> None:
-        """Requests already in the store (a record repeated, a segment copied under another
-        name, an exporter's retry) are not added again: one semi-join of the batch's trace ids
-        with the stored requests of the batch's time span widened by KNOWN_TRACE_MARGIN (a
-        copy has its original's ts, or one close to it: a payload made again), so DuckDB
-        reads only the row groups whose ts range meets it (a scan of every stored trace id
-        cost ~115 ms CPU per 5M requests, for each batch and OTLP payload). A batch with a ts
-        made up at conversion (tables.ts_substituted) is checked against all."""
-        ids = trace_ids(tables)
-        if not len(ids):
+        """Requests already in the store are not added again: those of a trace id that a
+        stored request has at a ts within KNOWN_TRACE_MARGIN_US of theirs (ingest.stored_copies:
+        per request, whatever else the batch holds). The stored requests read are those of
+        the batch's trace ids in the batch's time span widened by the margin, so DuckDB reads
+        only the row groups whose ts range meets it (a scan of every stored trace id cost
+        ~115 ms CPU per 5M requests, for each batch and OTLP payload). A batch with a ts made
+        up at conversion (tables.ts_substituted) is checked against all, at any ts."""
+        sent = trace_spans(p["requests"] for p in tables.days.values() if "requests" in p)
+        if not sent.num_rows:
             return
         span = ""
         params: list[Any] = []
+        margin: int | None = None
         if not tables.ts_substituted:
-            ts = [p["requests"]["ts"] for p in tables.days.values() if "requests" in p]
-            bounds = pc.min_max(pa.chunked_array(ts, pa.timestamp("us")))
-            lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
-            if lo is not None and hi is not None:
-                span = "ts BETWEEN ? AND ? AND "
-                params = [lo - KNOWN_TRACE_MARGIN, hi + KNOWN_TRACE_MARGIN]
-        self._con.register("_ps_ids", pa.table({"trace_id": ids}))
+            margin = KNOWN_TRACE_MARGIN_US
+            lo, hi = pc.min(sent["ts_min"]).as_py(), pc.max(sent["ts_max"]).as_py()
+            span = "ts BETWEEN ? AND ? AND "
+            params = [
+                EPOCH_NAIVE + timedelta(microseconds=lo - margin),
+                EPOCH_NAIVE + timedelta(microseconds=hi + margin),
+            ]
+        self._con.register("_ps_ids", sent.select(["trace_id"]))
         try:
-            known = self._con.execute(
-                f"SELECT DISTINCT trace_id FROM requests WHERE {span}"
+            stored = self._con.sql(
+                f"SELECT trace_id, epoch_us(ts) AS ts FROM requests WHERE {span}"
                 "trace_id IN (SELECT trace_id FROM _ps_ids)",
-                params,
-            ).fetchall()
+                params=params,
+            ).to_arrow_table()
         finally:
             self._con.unregister("_ps_ids")
-        drop_known_traces(tables, pa.array([r[0] for r in known], pa.string()))
+        drop_known_traces(tables, stored_copies(sent, stored, margin))
 
     def _commit(self) -> None:
         self._con.commit()
