@@ -437,10 +437,14 @@ def coded_hist_query(
     )
 
 
-# merged_buckets sums the rows into a dense groups x buckets array up to this many cells
-# (8 MB of float64), and sorts the rows by (group, bucket) beyond: a dense array for 20,000
-# endpoints x ~1,000 buckets took 160 MB per array.
+# merged_buckets sums the rows by (group, bucket) into dense arrays of at most DENSE_CELLS
+# cells (8 MB of float64), a range of groups at a time, in up to DENSE_PASSES passes over the
+# rows, and by a sort of the rows beyond (a dense array for 20,000 endpoints x ~1,000 buckets
+# took 160 MB). Rows of the 30-day overview's table (3.5M rows, 300 endpoints) and of its
+# chart (1.6M rows, 8 endpoints x 121 periods), CPU median of 7: dense 64 and 107 ms, sorted
+# 418 and 224 ms.
 DENSE_CELLS = 1 << 20
+DENSE_PASSES = 8
 
 
 def merged_buckets(
@@ -460,10 +464,19 @@ def merged_buckets(
     nb = int(bucket.max()) + 1
     key = group.astype(np.int64) * nb + bucket.astype(np.int64)
     weights = requests.astype(np.float64)
-    if groups * nb <= DENSE_CELLS:  # few cells: direct indexing beats a sort of the rows
-        flat = np.bincount(key, weights=weights, minlength=groups * nb)
-        cell = np.flatnonzero(flat)
-        sums = flat[cell]
+    span = max(1, DENSE_CELLS // nb)  # groups per dense pass
+    if -(-groups // span) <= DENSE_PASSES:  # direct indexing beats a sort of the rows
+        cells, cell_sums = [], []
+        for g0 in range(0, groups, span):
+            k, w = key, weights
+            if span < groups:  # this pass's groups only, numbered from g0
+                sel = (group >= g0) & (group < g0 + span)
+                k, w = key[sel] - g0 * nb, weights[sel]
+            flat = np.bincount(k, weights=w, minlength=min(span, groups - g0) * nb)
+            present = np.flatnonzero(flat)
+            cells.append(present + g0 * nb if g0 else present)
+            cell_sums.append(flat[present])
+        cell, sums = np.concatenate(cells), np.concatenate(cell_sums)
     else:
         cell, inv = np.unique(key, return_inverse=True)
         sums = np.bincount(inv.reshape(-1), weights=weights, minlength=len(cell))
