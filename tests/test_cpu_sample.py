@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -230,3 +233,22 @@ def test_an_asgi_request_outside_the_sample_reads_no_thread_clock(
     else:
         assert all(r.cpu_ns is not None and r.cpu_ns > 0 for r in got)
         assert clock_reads() > 0
+
+
+@pytest.mark.parametrize("share", [1.0, 0.0])
+def test_start_s_cpu_sample_setting_reaches_the_recorder(tmp_path: Any, share: float) -> None:
+    """``ps.start(cpu_sample=...)`` sets the share the recorder measures (the environment
+    variable is only the default)."""
+    code = (
+        "import sys, perfsleuth.agent as ps\n"
+        "from perfsleuth.agent import recorder\n"
+        f"assert ps.start({str(tmp_path)!r}, service='t', cpu_sample={share})\n"
+        "print(recorder._cpu_threshold, recorder.CPU_SAMPLE_BITS)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PERFSLEUTH_CPU_SAMPLE"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    threshold, bits = map(int, out.stdout.split())
+    assert threshold == round(share * bits)

@@ -63,7 +63,12 @@ def start(cfg: Config) -> None:
     global _cfg
     _cfg = cfg
     queue.configure(cfg)
-    recorder.configure(enqueue, max_calls=cfg.max_calls, stacks_per_site=cfg.stacks_per_site)
+    recorder.configure(
+        enqueue,
+        max_calls=cfg.max_calls,
+        stacks_per_site=cfg.stacks_per_site,
+        cpu_sample=cfg.cpu_sample,
+    )
     frameworks_common.configure(cfg)
     from perfsleuth.agent import capture
 
