@@ -272,6 +272,48 @@ def test_ingest_killed_mid_transaction_then_rerun_gives_exactly_n(data_dir: str)
         assert spool_names(data_dir) == []
 
 
+def test_a_group_of_wide_requests_commits_at_its_byte_cap(
+    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backlog's group is committed once its batches' request payloads reach group_bytes,
+    well before group_requests when the requests are wide (40 calls and a 1 kB attribute
+    each): each
+    commit comes at the first batch that takes the group's bytes to the cap."""
+    w = SegmentWriter(data_dir, seq=1)
+    for i in range(120):
+        calls = [call(dur_ms=1 + j, stack=STACK) for j in range(40)]  # a wide request
+        w.request(f"GET /e{i % 3}", attrs={"blob": os.urandom(500).hex()}, calls=calls)
+    w.close()
+    monkeypatch.setattr(store, "batch_requests", 10)
+    monkeypatch.setattr(store, "group_requests", 1_000)  # not reached
+    monkeypatch.setattr(store, "group_bytes", 50_000, raising=False)  # 2-3 batches
+    events: list[int] = []  # each batch's request payload bytes; -1: a commit
+    real_stage, real_commit = store.stage, store._commit
+
+    def stage(batch: Any, tables: Any) -> None:
+        events.append(batch.request_bytes)
+        real_stage(batch, tables)
+
+    def commit() -> None:
+        events.append(-1)
+        real_commit()
+
+    monkeypatch.setattr(store, "stage", stage)
+    monkeypatch.setattr(store, "_commit", commit)
+    assert store.ingest().requests == 120
+    assert count(store) == 120
+    staged = 0
+    commits = 0
+    for n in events:
+        if n < 0:
+            assert staged >= 50_000 or commits == events.count(-1) - 1  # the cap, or the end
+            staged, commits = 0, commits + 1
+        else:
+            assert staged < 50_000  # a group at its cap was committed before this batch
+            staged += n
+    assert events.count(-1) >= 4 and events[-1] == -1 and staged == 0
+
+
 GROUP_KILL_SCRIPT = textwrap.dedent(
     """
     import sys, time

@@ -75,6 +75,10 @@ class DuckDBWriter(DuckDBRollups):
     # in 150 bytes a request, two of 50k in 176 (half-filled and freed blocks, per commit).
     # A group holds its requests' rollup columns until its commit: ~16 MB per 100k requests.
     group_requests = 200_000
+    # ... and request payload bytes (the spool's), which bounds a group's memory when requests
+    # are wide: benchmarks/ingest.py's requests (10 calls) are ~1,080 bytes each, so its
+    # groups still close at 200k requests (~215 MB); requests of 10 KB close at ~27k.
+    group_bytes = 256 * 1024 * 1024
     # An .open segment whose writer is dead is final once unchanged this long.
     open_idle_seconds = 60.0
     _known_days: set[date]  # the days whose tables exist, while ingesting
@@ -90,7 +94,11 @@ class DuckDBWriter(DuckDBRollups):
         self._known_days = self._day_tables(names)["requests"]
         self._compact_calls = self._compact_call_days(names)
         limits = Limits(
-            self.batch_requests, self.batch_bytes, self.open_idle_seconds, self.group_requests
+            self.batch_requests,
+            self.batch_bytes,
+            self.open_idle_seconds,
+            self.group_requests,
+            self.group_bytes,
         )
         # Every segment repeats the dictionary records its requests use: those of the store
         # are known from this process's earlier runs (a collector ingests every few seconds:

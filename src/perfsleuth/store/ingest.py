@@ -7,11 +7,12 @@ the engine, which commits rows and the segments' new offsets in one transaction
 the commit are finished segments removed from the spool (or, when they held damage, moved to
 ``spool/corrupt/``); a segment the offsets mark as finished is never read again.
 
-A backlog is committed in groups (:class:`GroupTarget`, ``Limits.group_requests``): each batch's
-tables, built with the memory of one batch, are added to a transaction that stays open across
-batches, with their offsets, and committed once the group holds ``group_requests`` requests or
-the spool is read. The per-transaction costs (the engine's commit and checkpoint, its
-half-filled blocks on disk, the rollups' one insert per day) are paid once a group; a crash
+A backlog is committed in groups (:class:`GroupTarget`, ``Limits.group_requests`` and
+``group_bytes``): each batch's tables, built with the memory of one batch, are added to a
+transaction that stays open across batches, with their offsets, and committed once the group
+holds ``group_requests`` requests or ``group_bytes`` bytes of request payloads, or the spool
+is read. The per-transaction costs (the engine's commit and checkpoint, its half-filled blocks
+on disk, the rollups' one insert per day) are paid once a group; a crash
 before the group's commit stores none of it, and the next run reads it again.
 
 Everything here is engine-neutral: an engine implements :class:`IngestTarget`.
@@ -88,6 +89,9 @@ class Limits(NamedTuple):
     # Requests per transaction of a GroupTarget: batches are committed together until their
     # requests reach this (0: a transaction per batch)
     group_requests: int = 0
+    # ... or until their request payload bytes reach this (0: no such bound): a transaction
+    # of wide requests holds more than the request count says
+    group_bytes: int = 0
 
 
 # A request is a copy of a stored one (a record repeated, a segment copied under another
@@ -170,6 +174,7 @@ class Group:
         self.report = report
         self.batches = 0  # staged since the last commit
         self.requests = 0
+        self.request_bytes = 0  # their request payloads' bytes in the spool
         self.finished: dict[str, SegmentState] = {}
         self.staged = IngestReport()
 
@@ -180,6 +185,7 @@ class Group:
         self.target.stage(batch, tables)
         self.batches += 1
         self.requests += batch.requests
+        self.request_bytes += batch.request_bytes
         self.staged.requests += tables.requests
         self.staged.calls += tables.calls
         self.staged.damaged.extend(batch.damage)
@@ -196,7 +202,7 @@ class Group:
         self.report.calls += self.staged.calls
         self.report.damaged.extend(self.staged.damaged)
         finished = list(self.finished.values())
-        self.batches = self.requests = 0
+        self.batches = self.requests = self.request_bytes = 0
         self.finished = {}
         self.staged = IngestReport()
         for s in finished:
@@ -325,7 +331,9 @@ def _ingest_spool(
             commit_batch(target, spool_dir, batch, report)
         else:
             group.stage(batch)
-            if group.requests >= limits.group_requests:
+            if group.requests >= limits.group_requests or (
+                limits.group_bytes > 0 and group.request_bytes >= limits.group_bytes
+            ):
                 group.commit()
         batch = Batch(seen)
         if progress is not None:
