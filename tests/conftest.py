@@ -52,8 +52,9 @@ def captured(agent_data_dir: str) -> Iterator[Callable[[], list[dict[str, Any]]]
 
 @pytest.fixture
 def cpu_every_request(agent_data_dir: str) -> Iterator[None]:
-    """Every request's CPU time measured while the test runs (PERFSLEUTH_CPU_SAMPLE=1; the
-    default measures a random eighth), also when the test configures the recorder again."""
+    """Every request's CPU time measured while the test runs (PERFSLEUTH_CPU_SAMPLE=1, the
+    default, held against a share set outside), also when the test configures the recorder
+    again."""
     from perfsleuth.agent import recorder
 
     before = os.environ.get("PERFSLEUTH_CPU_SAMPLE")

@@ -115,17 +115,21 @@ def test_with_a_sample_of_zero_no_request_reads_the_thread_clock(
 def test_an_eighth_of_the_requests_of_every_endpoint_is_measured(
     agent_data_dir: str, impl: str
 ) -> None:
-    """The default share, two endpoints alternating: the draw does not follow the endpoint
+    """A share of 0.125, two endpoints alternating: the draw does not follow the endpoint
     (2,000 requests: 250 expected, sd 14.8; each endpoint 125, sd 10.5; the bounds are ~7 sd
     wide)."""
-    reqs = recorded(impl, config.Config.cpu_sample, ["/a", "/b"], 2000)
+    reqs = recorded(impl, 0.125, ["/a", "/b"], 2000)
     measured = [r for r in reqs if r.cpu_ns is not None]
     assert 150 <= len(measured) <= 360, len(measured)
     for path in ("/a", "/b"):
         n = sum(1 for r in measured if r.path == path)
         assert 60 <= n <= 190, (path, n)
     # the draw is the trace id's: C and Python choose the same requests for the same ids
-    assert all(recorder.cpu_sampled(r) == (r.cpu_ns is not None) for r in reqs)
+    recorder.set_cpu_sample(0.125)
+    try:
+        assert all(recorder.cpu_sampled(r) == (r.cpu_ns is not None) for r in reqs)
+    finally:
+        recorder.set_cpu_sample(None)
 
 
 def test_the_share_is_read_from_the_environment_and_kept_between_0_and_1(
@@ -137,7 +141,7 @@ def test_the_share_is_read_from_the_environment_and_kept_between_0_and_1(
         assert config.load().cpu_sample == share
     for raw in ("", "nan", "often"):
         monkeypatch.setenv("PERFSLEUTH_CPU_SAMPLE", raw)
-        assert config.cpu_sample_of() == config.Config.cpu_sample == 0.125
+        assert config.cpu_sample_of() == config.Config.cpu_sample == 1.0
 
 
 def _fastapi_app() -> Callable[[str], Any]:
