@@ -160,7 +160,7 @@ _stacks_per_site = 1
 # and Python alike, so both make the same choice for the same trace id), whatever its
 # endpoint.
 CPU_SAMPLE_BITS = 1 << 32
-_cpu_threshold = round(config.Config.cpu_sample * CPU_SAMPLE_BITS)
+_cpu_threshold = CPU_SAMPLE_BITS  # every request until configure() sets the share
 
 
 def cpu_sampled(req: ActiveRequest) -> bool:
