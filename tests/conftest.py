@@ -31,7 +31,10 @@ def agent_data_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     d = str(tmp_path_factory.mktemp("agent-data"))
     import perfsleuth.agent as ps
 
-    assert ps.start(d, service="pytest", flush_seconds=0.05), "agent failed to start"
+    # every request's CPU time, whatever the pace of a test's requests (tests of the automatic
+    # share set it themselves: test_cpu_sample)
+    started = ps.start(d, service="pytest", flush_seconds=0.05, cpu_sample=1.0)
+    assert started, "agent failed to start"
     return d
 
 
@@ -52,13 +55,15 @@ def captured(agent_data_dir: str) -> Iterator[Callable[[], list[dict[str, Any]]]
 
 @pytest.fixture
 def cpu_every_request(agent_data_dir: str) -> Iterator[None]:
-    """Every request's CPU time measured while the test runs (PERFSLEUTH_CPU_SAMPLE=1, the
-    default, held against a share set outside), also when the test configures the recorder
-    again."""
-    from perfsleuth.agent import recorder
+    """Every request's CPU time measured while the test runs (PERFSLEUTH_CPU_SAMPLE=1, held
+    against a share set outside or by the automatic share), also when the test configures the
+    recorder again."""
+    from perfsleuth.agent import cpushare, recorder
 
     before = os.environ.get("PERFSLEUTH_CPU_SAMPLE")
+    was_auto = cpushare.auto
     os.environ["PERFSLEUTH_CPU_SAMPLE"] = "1"
+    cpushare.auto = False  # the writer thread leaves the share alone
     recorder.set_cpu_sample(None)
     try:
         yield
@@ -68,6 +73,7 @@ def cpu_every_request(agent_data_dir: str) -> Iterator[None]:
         else:
             os.environ["PERFSLEUTH_CPU_SAMPLE"] = before
         recorder.set_cpu_sample(None)
+        cpushare.auto = was_auto
 
 
 @pytest.fixture

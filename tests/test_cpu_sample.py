@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
-from perfsleuth.agent import config, recorder, shipper
+from perfsleuth.agent import config, cpushare, recorder, shipper
 from perfsleuth.agent.frameworks import asgi as ps_asgi
 from perfsleuth.agent.instrument import threads
+from perfsleuth.agent.spool import writer
 
 IMPLS = ["c", "python"]
 
@@ -139,9 +140,12 @@ def test_the_share_is_read_from_the_environment_and_kept_between_0_and_1(
         monkeypatch.setenv("PERFSLEUTH_CPU_SAMPLE", raw)
         assert config.cpu_sample_of() == share
         assert config.load().cpu_sample == share
-    for raw in ("", "nan", "often"):
+    # auto (the default; a typo too): the recorder starts at every request, the writer moves it
+    for raw in ("", "auto", "nan", "often"):
         monkeypatch.setenv("PERFSLEUTH_CPU_SAMPLE", raw)
-        assert config.cpu_sample_of() == config.Config.cpu_sample == 1.0
+        assert config.cpu_sample_of() == 1.0
+        assert config.load().cpu_sample is None
+    assert config.Config.cpu_sample is None
 
 
 def _fastapi_app() -> Callable[[str], Any]:
@@ -237,6 +241,103 @@ def test_an_asgi_request_outside_the_sample_reads_no_thread_clock(
     else:
         assert all(r.cpu_ns is not None and r.cpu_ns > 0 for r in got)
         assert clock_reads() > 0
+
+
+def test_the_automatic_share_adds_up_to_the_rate() -> None:
+    for per_s, rate, share in ((50, 200, 1.0), (200, 200, 1.0), (1000, 200, 0.2), (10**6, 0, 1.0)):
+        assert cpushare.share_for(per_s, rate) == share
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_automatic_share_measures_about_the_rate_when_busy_and_every_request_when_quiet(
+    agent_data_dir: str, impl: str
+) -> None:
+    """PERFSLEUTH_CPU_SAMPLE=auto, 200 a second: after a second of 5,000 requests the writer's
+    tick measures a random ~4 % of them (~200 of the next 5,000, of every endpoint), and after
+    a quiet second every request again. The ticks' clock is given, the requests are real
+    (begin and end of C or Python; the trace ids draw)."""
+    begin, end = begin_end(impl)
+    got: list[recorder.ActiveRequest] = []
+    paths = ["/a", "/b"]
+
+    def serve(n: int) -> list[recorder.ActiveRequest]:
+        first = len(got)
+
+        def run() -> None:
+            for k in range(n):
+                req = begin("web", "GET", paths[k % 2], cpu=True)
+                assert req is not None
+                req.endpoint = "GET " + req.path
+                end(req)
+
+        contextvars.Context().run(run)
+        return got[first:]
+
+    # the pytest process's writer ticks too: it waits for the lock, and stays fixed after
+    with writer.lock:
+        recorder.configure(got.append, max_calls=20000, stacks_per_site=1, cpu_sample=1.0)
+        try:
+            cpushare.configure(automatic=True, rate=200)
+            cpushare.tick(now=100.0)
+            busy = serve(5000)
+            assert all(r.cpu_ns is not None for r in busy)  # measured until the first tick
+            cpushare.tick(now=101.0)
+            assert cpushare.share == pytest.approx(200 / 5000)
+            sampled = serve(5000)
+            measured = [r for r in sampled if r.cpu_ns is not None]
+            assert 120 <= len(measured) <= 280  # binomial(5000, 0.04): mean 200, sd 14
+            assert {r.path for r in measured} == {"/a", "/b"}
+            assert all(recorder.cpu_sampled(r) == (r.cpu_ns is not None) for r in sampled)
+            cpushare.tick(now=102.0)  # 5,000 in the second since: the same share
+            assert cpushare.share == pytest.approx(200 / 5000)
+            serve(50)
+            cpushare.tick(now=103.0)  # 50 in the last second: every request again
+            assert cpushare.share == 1.0
+            assert all(r.cpu_ns is not None for r in serve(500))
+        finally:
+            cpushare.configure(automatic=False, rate=200)
+            recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1, cpu_sample=1.0)
+
+
+def test_a_fixed_share_is_not_moved_by_the_traffic(agent_data_dir: str) -> None:
+    """PERFSLEUTH_CPU_SAMPLE set to a number: the ticks leave the share alone."""
+    got: list[recorder.ActiveRequest] = []
+    with writer.lock:
+        recorder.configure(got.append, max_calls=20000, stacks_per_site=1, cpu_sample=0.5)
+        try:
+            cpushare.configure(automatic=False, rate=200)
+            cpushare.tick(now=100.0)
+            for _ in range(3000):
+                req = recorder.python_begin("web", "GET", "/a", cpu=True)
+                assert req is not None
+                recorder.python_end(req)
+            assert len(got) == 3000
+            cpushare.tick(now=101.0)
+            assert recorder._cpu_threshold == round(0.5 * recorder.CPU_SAMPLE_BITS)
+        finally:
+            recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1, cpu_sample=1.0)
+
+
+@pytest.mark.parametrize(
+    ("raw", "auto", "threshold"), [(None, True, 1.0), ("auto", True, 1.0), ("0.25", False, 0.25)]
+)
+def test_the_agent_starts_automatic_unless_a_share_is_set(
+    tmp_path: Any, raw: str | None, auto: bool, threshold: float
+) -> None:
+    code = (
+        "import perfsleuth.agent as ps\n"
+        "from perfsleuth.agent import cpushare, recorder\n"
+        f"assert ps.start({str(tmp_path)!r}, service='t')\n"
+        "print(cpushare.auto, recorder._cpu_threshold / recorder.CPU_SAMPLE_BITS)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PERFSLEUTH_CPU_SAMPLE"}
+    if raw is not None:
+        env["PERFSLEUTH_CPU_SAMPLE"] = raw
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(auto), str(threshold)]
 
 
 @pytest.mark.parametrize("share", [1.0, 0.0])

@@ -15,10 +15,12 @@
   statements it has not seen; past it a new statement keeps its timing and a hash of its text
   but no normalised text (counted: fingerprints_skipped)
 - PERFSLEUTH_MAX_CALLS (20000): calls kept per request; the rest are only counted
-- PERFSLEUTH_CPU_SAMPLE (1): the share of requests whose CPU time (requests.cpu_ms) is
-  measured, drawn at random at each request's start; the others' is NULL. A thread CPU clock
-  reading is a system call (~4.5 µs inside a request): 0.125 measures a random eighth (cheaper,
-  but large_request_body then often lacks the CPU times it fits on), 0 none
+- PERFSLEUTH_CPU_SAMPLE (auto): whose CPU time (requests.cpu_ms) is measured; the others' is
+  NULL. ``auto``: every request while the process ends fewer than PERFSLEUTH_CPU_SAMPLE_PER_S
+  (200) a second, above that a random share that adds up to about that many (agent.cpushare:
+  a thread CPU clock reading is a system call, ~4.5 µs inside a request). A number from 0 to 1:
+  that share of the requests, whatever the traffic (1 every request, 0 none). Drawn from the
+  trace id at each request's start
 - PERFSLEUTH_SEGMENT_BYTES (8000000), PERFSLEUTH_SEGMENT_SECONDS (30): segment rotation
 - PERFSLEUTH_FLUSH_SECONDS (0.2): how often the writer wakes up to write
 - PERFSLEUTH_FSYNC (rotate): rotate fsyncs when a segment closes; always after every write
@@ -81,7 +83,8 @@ class Config:
     memory_budget_mb: float = 32.0
     fingerprint_cpu_pct: float = 5.0
     max_calls: int = 20000
-    cpu_sample: float = 1.0
+    cpu_sample: float | None = None  # None: auto (agent.cpushare)
+    cpu_sample_per_s: float = 200.0
     segment_bytes: int = 8_000_000
     segment_seconds: float = 30.0
     flush_seconds: float = 0.2
@@ -145,7 +148,7 @@ def load(**overrides: object) -> Config:
     for k, v in overrides.items():
         if v is not None and hasattr(cfg, k):
             setattr(cfg, k, v)
-    cfg.cpu_sample = clamp_share(cfg.cpu_sample)
+    cfg.cpu_sample = parse_share(cfg.cpu_sample)
     cfg.data_dir = os.path.abspath(str(cfg.data_dir))
     cfg.user_header = cfg.user_header.lower()
     cfg.tenant_header = cfg.tenant_header.lower()
@@ -158,20 +161,28 @@ def load(**overrides: object) -> Config:
 
 
 def clamp_share(value: object) -> float:
-    """A share between 0 and 1 (a NaN or a value that is no number: the CPU sample's default)."""
+    """A share between 0 and 1 (a NaN or a value that is no number: 1, every request)."""
+    share = parse_share(value)
+    return 1.0 if share is None else share
+
+
+def parse_share(value: object) -> float | None:
+    """PERFSLEUTH_CPU_SAMPLE's value: a share between 0 and 1, or None for ``auto`` (also for
+    an empty, NaN or malformed value: a typo must not turn the measurement off)."""
+    if value is None or isinstance(value, bool):
+        return None
     try:
         share = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        return Config.cpu_sample
+        return None
     if share != share:
-        return Config.cpu_sample
+        return None
     return min(1.0, max(0.0, share))
 
 
 def cpu_sample_of() -> float:
-    """PERFSLEUTH_CPU_SAMPLE as load() reads it (a malformed or empty value: the default)."""
-    raw = os.environ.get("PERFSLEUTH_CPU_SAMPLE")
-    return Config.cpu_sample if raw is None or raw.strip() == "" else clamp_share(raw)
+    """The share PERFSLEUTH_CPU_SAMPLE sets (``auto``, empty or malformed: 1, auto's start)."""
+    return clamp_share(os.environ.get("PERFSLEUTH_CPU_SAMPLE"))
 
 
 def git_commit(start: str) -> str:

@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Any
 
-from perfsleuth.agent import recorder
+from perfsleuth.agent import cpushare, recorder
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.frameworks import common as frameworks_common
 from perfsleuth.agent.recorder import stats
@@ -67,8 +67,10 @@ def start(cfg: Config) -> None:
         enqueue,
         max_calls=cfg.max_calls,
         stacks_per_site=cfg.stacks_per_site,
-        cpu_sample=cfg.cpu_sample,
+        cpu_sample=1.0 if cfg.cpu_sample is None else cfg.cpu_sample,
     )
+    # PERFSLEUTH_CPU_SAMPLE=auto: the writer thread moves the share with the traffic
+    cpushare.configure(automatic=cfg.cpu_sample is None, rate=cfg.cpu_sample_per_s)
     frameworks_common.configure(cfg)
     from perfsleuth.agent import capture
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from perfsleuth.agent import recorder
+from perfsleuth.agent import cpushare, recorder
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.recorder import stats
 from perfsleuth.agent.spool import queue, status
@@ -296,3 +296,4 @@ def _loop() -> None:
             except Exception as e:  # a bug in encoding must not kill shipping
                 recorder.internal_error()
                 status.error(f"{type(e).__name__}: {e}")
+            cpushare.tick()  # the share of requests whose CPU time is measured (auto)
