@@ -608,3 +608,94 @@ def test_a_reused_trace_id_is_stored_whatever_else_its_batch_holds(
         ("00000000000000cc", "GET /c"),
         ("00000000000000dd", "GET /d"),
     ]
+
+
+def request_tables(rows: list[tuple[str, int, str, int]]) -> Any:
+    """The store's tables of requests (trace id, ts in ns, endpoint, number of DB calls), each
+    with an attribute, made by the builder the spool ingest and OTLP use
+    (tables.event_tables)."""
+    import numpy as np
+
+    from perfsleuth.store.decode import REQUEST_WIRE
+    from perfsleuth.store.records import Batch, SegmentState
+    from perfsleuth.store.tables import Tables, event_tables
+
+    n = len(rows)
+    batch = Batch()
+    batch.touch(SegmentState("shop/h1", "shop/h1", 0, "shop", "h1"))
+    given = {
+        "id": [r[0] for r in rows],
+        "ts": [r[1] for r in rows],
+        "dur": [5_000_000] * n,
+        "kind": ["web"] * n,
+        "endpoint": [r[2] for r in rows],
+        "calls": [
+            [
+                {"kind": "db", "system": "postgresql", "fp": 7, "off": j * 10**6, "dur": 500_000}
+                for j in range(r[3])
+            ]
+            for r in rows
+        ],
+    }
+    wire = pa.table(
+        {
+            f.name: pa.array(given[f.name], f.type) if f.name in given else pa.nulls(n, f.type)
+            for f in REQUEST_WIRE
+        },
+        schema=REQUEST_WIRE,
+    )
+    out = Tables()
+    attrs = [(i, {"attrs": {"n": i}}) for i in range(n)]
+    event_tables(out, wire, np.zeros(n, np.int64), attrs, batch, time.time_ns())
+    return out
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "chdb"])
+def test_a_batch_with_a_copy_and_a_new_request_of_one_trace_id_stores_the_new_one(
+    tmp_path: Path, engine: str
+) -> None:
+    """Each request of a batch is judged on its own: one that a stored request of its trace id
+    is within ingest.KNOWN_TRACE_MARGIN_US of is a copy and is left out with its calls and
+    attributes; another of the same trace id further from every stored one (the id reused 10
+    minutes later; a second request of the trace 2 minutes later) is stored with its calls,
+    attributes and rollups. Before, the copy took every row of its trace id out of the batch."""
+    from perfsleuth.store.records import Batch
+
+    now = time.time_ns()
+    minute = 60 * 10**9
+    first = now - 10 * minute
+    store = store_engines.open_engine(engine, str(tmp_path / "data"))
+    try:
+        store.insert_tables(Batch(), request_tables([("aa", first, "GET /a", 2)]))
+        store.insert_tables(Batch(), request_tables([("bb", first, "GET /b", 1)]))
+        tables = request_tables(
+            [
+                ("aa", first, "GET /a", 2),  # a copy
+                ("aa", now, "GET /a", 3),  # the trace id reused
+                ("bb", first + minute // 2, "GET /b", 1),  # made again: a copy
+                ("bb", first + 2 * minute, "GET /c", 4),  # the trace's second request
+            ]
+        )
+        store.insert_tables(Batch(), tables)
+
+        def per_request(table: str) -> list[tuple[str, str, int]]:
+            rows = store.query(
+                f"SELECT trace_id, endpoint, count(*) AS n FROM {table}"
+                " GROUP BY trace_id, endpoint, ts"
+            )
+            return sorted((r["trace_id"], r["endpoint"], int(r["n"])) for r in rows)
+
+        assert per_request("requests") == [
+            ("aa", "GET /a", 1), ("aa", "GET /a", 1), ("bb", "GET /b", 1), ("bb", "GET /c", 1),
+        ]  # fmt: skip
+        assert per_request("calls") == [
+            ("aa", "GET /a", 2), ("aa", "GET /a", 3), ("bb", "GET /b", 1), ("bb", "GET /c", 4),
+        ]  # fmt: skip
+        assert per_request("attributes") == [
+            ("aa", "GET /a", 1), ("aa", "GET /a", 1), ("bb", "GET /b", 1), ("bb", "GET /c", 1),
+        ]  # fmt: skip
+        rolled = store.query("SELECT res, sum(requests) AS n FROM rollup_stats GROUP BY res")
+        assert {int(r["res"]): int(r["n"]) for r in rolled} == {60: 4, 3600: 4, 86400: 4}
+    finally:
+        store.close()
+        store_engines.reset()

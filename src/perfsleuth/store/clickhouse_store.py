@@ -10,11 +10,13 @@ table per logical table (no day tables), and a console that speaks ClickHouse's 
 Writing, exactly once (:class:`perfsleuth.store.ingest.IngestTarget`): ClickHouse has no
 transaction over several inserts, so a batch is committed as
 
-1. requests, calls and attributes of traces already stored in that same table are left out
-   (``trace_id IN (...)`` per table and day, the ids sent with the query in chunks, helped
-   by a bloom index), and so are the samples, blockers, GC pauses and agent counters already
-   stored (:data:`_ROW_KEYS`): a re-run after a crash between two inserts adds only what is
-   missing, even when the segment has grown since;
+1. requests, calls and attributes of requests already stored in that same table are left
+   out (the same trace id within a minute, each request judged on its own:
+   :func:`perfsleuth.store.tables.copied_requests`; ``trace_id IN (...)`` per table and
+   day, the ids sent with the query in chunks, helped by a bloom index), and so are the
+   samples, blockers, GC pauses and agent counters already stored (:data:`_ROW_KEYS`): a
+   re-run after a crash between two inserts adds only what is missing, even when the
+   segment has grown since;
 2. every insert carries a deduplication token made of the table, the day and the segment
    ranges of the batch: a re-run of the same ranges (the usual case) is dropped by the
    server for the tables without trace ids (samples, gc pauses, agent counters);
@@ -50,18 +52,23 @@ from perfsleuth.store.ingest import (
     Limits,
     Offset,
     ingest_spool,
-    stored_copies,
-    trace_spans,
 )
 from perfsleuth.store.records import Batch
 from perfsleuth.store.schema import quote
-from perfsleuth.store.tables import Tables, offsets_table
+from perfsleuth.store.tables import (
+    Tables,
+    copied_requests,
+    copy_window,
+    of_copies,
+    offsets_table,
+    request_keys,
+)
 
 __all__ = ["ClickHouseStore"]
 
 _QUALIFIED = re.compile(r"[A-Za-z_][A-Za-z_0-9]*\.[A-Za-z_][A-Za-z_0-9]*")
 
-# Tables whose rows all come with their request: a trace already in one is not added again.
+# Tables whose rows all come with their request: a request already in one is not added again.
 _PER_TRACE = ("requests", "calls", "attributes")
 # The other event tables' rows, told apart by these columns: a row already stored (same
 # values, within the batch's time range) is not added again. A trace's samples and blockers
@@ -334,12 +341,9 @@ class ClickHouseStore(ClickHouseRollups):
 
         stored: dict[date, pa.Table] = {}  # the batch's requests a previous attempt stored
         for d, parts in sorted(tables.days.items()):
-            sent = parts.get("requests")
-            self._drop_stored_traces(parts, tables.ts_substituted)
-            left = parts.get("requests")
-            if sent is not None and left is not None and left.num_rows < sent.num_rows:
-                mask = pc.is_in(sent["trace_id"], value_set=left["trace_id"])
-                stored[d] = sent.filter(pc.invert(mask))
+            copies = self._drop_stored_traces(parts, tables.ts_substituted)
+            if copies is not None:
+                stored[d] = copies
         for name, tbl in (
             ("fingerprints", tables.fingerprints),
             ("locations", tables.locations),
@@ -360,43 +364,48 @@ class ClickHouseStore(ClickHouseRollups):
         self._insert_rollups_ch(tables, missing, insert)
         insert("ingest_offsets", offsets_table(batch, utcnow()))
 
-    def _drop_stored_traces(self, parts: dict[str, pa.Table], any_ts: bool) -> None:
+    def _drop_stored_traces(self, parts: dict[str, pa.Table], any_ts: bool) -> pa.Table | None:
         """Leave out of one day's tables the rows already stored: of requests, calls and
-        attributes the traces whose rows that table holds at a ts within
-        KNOWN_TRACE_MARGIN_US of theirs (ingest.stored_copies: per trace, whatever else the
+        attributes the requests that a row of that table with their trace id is within
+        KNOWN_TRACE_MARGIN_US of (tables.copied_requests: per request, whatever else the
         batch holds; ``any_ts``: at any ts, for a batch whose ts were made up at conversion),
-        of the others the rows it holds. The stored rows read are those of the trace ids in
-        the rows' time span widened by the margin (the partitions that meet it); the ids go
-        with the query, in chunks (no scratch table: collectors of one pid, or on another
-        node of a cluster, would share it)."""
+        of the others the rows it holds. Returns the requests left out (None: none). The
+        stored rows read are those of the trace ids in the rows' time span widened by the
+        margin (tables.copy_window: the partitions that meet it); the ids go with the query,
+        in chunks (no scratch table: collectors of one pid, or on another node of a cluster,
+        would share it)."""
         margin = None if any_ts else KNOWN_TRACE_MARGIN_US
+        dropped = None
         for name in _PER_TRACE:
             t = parts.get(name)
             if t is None or not t.num_rows:
                 continue
-            sent = trace_spans([t])
+            sent = request_keys([t])
             if not sent.num_rows:
                 continue
+            window = copy_window(sent, margin)
             span = ""
-            if margin is not None:
-                lo, hi = pc.min(sent["ts_min"]).as_py(), pc.max(sent["ts_max"]).as_py()
+            if window is not None:
                 span = (
-                    f"ts >= fromUnixTimestamp64Micro({lo - margin}) "
-                    f"AND ts <= fromUnixTimestamp64Micro({hi + margin}) AND "
+                    f"ts >= fromUnixTimestamp64Micro({window[0]}) "
+                    f"AND ts <= fromUnixTimestamp64Micro({window[1]}) AND "
                 )
             stored = [
                 self._client.query_arrow(
                     f"SELECT trace_id, toUnixTimestamp64Micro(ts) AS ts FROM {self._t(name)} "
                     f"WHERE {span}trace_id IN {chunk}"
                 )
-                for chunk in _chunks(sent["trace_id"].to_pylist())
+                for chunk in _chunks(pc.unique(sent["trace_id"]).to_pylist())
             ]
-            copies = stored_copies(sent, _concat(stored), margin)
-            if len(copies):
-                parts[name] = t.filter(pc.invert(pc.is_in(t["trace_id"], value_set=copies)))
+            copy = of_copies(t, copied_requests(sent, _concat(stored), margin))
+            if copy.any():
+                parts[name] = t.filter(pa.array(~copy))
+                if name == "requests":
+                    dropped = t.filter(pa.array(copy))
         for name in _ROW_KEYS:
             if name in parts:
                 parts[name] = self._drop_stored_rows(name, parts[name])  # type: ignore[assignment]
+        return dropped
 
     def _drop_stored_rows(self, name: str, data: pa.Table | None) -> pa.Table | None:
         """The rows of ``data`` not already in table ``name`` (told apart by its

@@ -22,12 +22,17 @@ from perfsleuth.store.ingest import (
     Limits,
     Offset,
     ingest_spool,
-    stored_copies,
-    trace_spans,
 )
 from perfsleuth.store.records import Batch
 from perfsleuth.store.schema import quote
-from perfsleuth.store.tables import Tables, drop_known_traces, offsets_table
+from perfsleuth.store.tables import (
+    Tables,
+    copied_requests,
+    copy_window,
+    drop_known_traces,
+    offsets_table,
+    request_keys,
+)
 
 # A received segment's row goes once the days it could name a request's origin for are gone:
 # received before the cutoff, started before the first day kept, and either another segment of
@@ -273,28 +278,25 @@ class DuckDBWriter(DuckDBRollups):
             self._con.unregister("_ps_batch")
 
     def _drop_known_traces(self, tables: Tables) -> None:
-        """Requests already in the store are not added again: those of a trace id that a
-        stored request has at a ts within KNOWN_TRACE_MARGIN_US of theirs (ingest.stored_copies:
-        per request, whatever else the batch holds). The stored requests read are those of
-        the batch's trace ids in the batch's time span widened by the margin, so DuckDB reads
-        only the row groups whose ts range meets it (a scan of every stored trace id cost
-        ~115 ms CPU per 5M requests, for each batch and OTLP payload). A batch with a ts made
-        up at conversion (tables.ts_substituted) is checked against all, at any ts."""
-        sent = trace_spans(p["requests"] for p in tables.days.values() if "requests" in p)
+        """Requests already in the store are not added again: each one that a stored request
+        of its trace id is within KNOWN_TRACE_MARGIN_US of (tables.copied_requests: per
+        request, whatever else the batch holds). The stored requests read are those of the
+        batch's trace ids in its time span widened by the margin (tables.copy_window), so
+        DuckDB reads only the row groups whose ts range meets it (a scan of every stored
+        trace id cost ~115 ms CPU per 5M requests, for each batch and OTLP payload). A batch
+        with a ts made up at conversion (tables.ts_substituted) is checked against all, at
+        any ts."""
+        sent = request_keys(p["requests"] for p in tables.days.values() if "requests" in p)
         if not sent.num_rows:
             return
+        margin = None if tables.ts_substituted else KNOWN_TRACE_MARGIN_US
+        window = copy_window(sent, margin)
         span = ""
         params: list[Any] = []
-        margin: int | None = None
-        if not tables.ts_substituted:
-            margin = KNOWN_TRACE_MARGIN_US
-            lo, hi = pc.min(sent["ts_min"]).as_py(), pc.max(sent["ts_max"]).as_py()
+        if window is not None:
             span = "ts BETWEEN ? AND ? AND "
-            params = [
-                EPOCH_NAIVE + timedelta(microseconds=lo - margin),
-                EPOCH_NAIVE + timedelta(microseconds=hi + margin),
-            ]
-        self._con.register("_ps_ids", sent.select(["trace_id"]))
+            params = [EPOCH_NAIVE + timedelta(microseconds=us) for us in window]
+        self._con.register("_ps_ids", pa.table({"trace_id": pc.unique(sent["trace_id"])}))
         try:
             stored = self._con.sql(
                 f"SELECT trace_id, epoch_us(ts) AS ts FROM requests WHERE {span}"
@@ -303,7 +305,7 @@ class DuckDBWriter(DuckDBRollups):
             ).to_arrow_table()
         finally:
             self._con.unregister("_ps_ids")
-        drop_known_traces(tables, stored_copies(sent, stored, margin))
+        drop_known_traces(tables, copied_requests(sent, stored, margin))
 
     def _commit(self) -> None:
         self._con.commit()

@@ -9,14 +9,16 @@ a table per day). Dictionary records and agent counters become their tables; run
 and captures are converted by :mod:`perfsleuth.store.evidence` and
 :mod:`perfsleuth.store.captures`.
 
-A request is stored once per trace id: a batch keeps the first of each (decode.once_per_trace)
-and the store leaves out those it holds already (:func:`drop_known_traces`), with their calls
-and attributes. Nothing here depends on the engine the tables go to.
+A request is stored once: a batch keeps the first of each trace id (decode.once_per_trace)
+and the store leaves out, with their calls and attributes, those it holds already, each judged
+on its own: a stored request of its trace id within a minute (:func:`copied_requests`,
+:func:`drop_known_traces`). Nothing here depends on the engine the tables go to.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 from typing import Any
@@ -176,23 +178,140 @@ def _table(t: schema.Table, **cols: Any) -> pa.Table:
     return pa.Table.from_pydict(cols, schema=t.arrow_schema())
 
 
-def drop_known_traces(tables: Tables, known: pa.Array) -> None:
-    """Leave out of ``tables`` the requests (with their calls, attributes and loop blocks)
-    whose trace id the store holds already: ingest adds each trace once."""
+# A request, as the copy rule tells requests apart: its trace id and its ts in microseconds.
+_KEYS = pa.schema([("trace_id", pa.string()), ("ts", pa.int64())])
+
+
+def request_keys(parts: Iterable[pa.Table]) -> pa.Table:
+    """The requests the rows of ``parts`` belong to, once each: ``trace_id`` (string) and
+    ``ts`` (the request's, in microseconds; calls and attributes carry their request's ts).
+    Rows without a trace id are left out (never copies)."""
+    cols = [
+        pa.table(
+            {
+                "trace_id": p["trace_id"].cast(pa.string()),
+                "ts": p["ts"].cast(pa.timestamp("us")).cast(pa.int64()),
+            }
+        )
+        for p in parts
+        if p.num_rows
+    ]
+    if not cols:
+        return _KEYS.empty_table()
+    t = pa.concat_tables(cols)
+    t = t.filter(pc.fill_null(pc.not_equal(t["trace_id"], ""), False))
+    return t.group_by(["trace_id", "ts"], use_threads=False).aggregate([])
+
+
+def copy_window(keys: pa.Table, margin_us: int | None) -> tuple[int, int] | None:
+    """The ts range (microseconds, inclusive) that holds every stored copy of the requests
+    ``keys`` (:func:`request_keys`): their first ts less ``margin_us`` to their last plus it.
+    None: no bound (``margin_us`` None, a copy at any ts; or no keys)."""
+    if margin_us is None or not keys.num_rows:
+        return None
+    lo, hi = pc.min_max(keys["ts"]).values()
+    return lo.as_py() - margin_us, hi.as_py() + margin_us
+
+
+def copied_requests(sent: pa.Table, stored: pa.Table, margin_us: int | None) -> pa.Table:
+    """The requests of ``sent`` (:func:`request_keys`) that are copies of stored ones: a row of
+    ``stored`` (``trace_id``, ``ts`` in microseconds: the store's rows of those trace ids)
+    has the trace id at a ts within ``margin_us`` of the request's own (None: at any ts).
+    Decided per request: another request of the trace id further from every stored one (the
+    id reused, a trace's later request) is not a copy, whatever else the batch holds."""
+    if not sent.num_rows or not stored.num_rows:
+        return _KEYS.empty_table()
+    stored = (
+        pa.table(
+            {
+                "trace_id": stored["trace_id"].cast(pa.string()),
+                "stored_ts": stored["ts"].cast(pa.int64()),
+            }
+        )
+        .group_by(["trace_id", "stored_ts"], use_threads=False)
+        .aggregate([])
+    )
+    both = sent.join(stored, "trace_id", join_type="inner")
+    if margin_us is not None:
+        gap = pc.abs(pc.subtract(both["stored_ts"], both["ts"]))
+        both = both.filter(pc.fill_null(pc.less_equal(gap, margin_us), False))
+    return both.group_by(["trace_id", "ts"], use_threads=False).aggregate([])
+
+
+def of_copies(t: pa.Table, copies: pa.Table) -> np.ndarray:
+    """Which rows of ``t`` (a requests, calls or attributes table) belong to a request of
+    ``copies`` (:func:`copied_requests`): the same trace id and request ts."""
+    mask = np.zeros(t.num_rows, bool)
+    if not t.num_rows or not copies.num_rows:
+        return mask
+    ids = t["trace_id"].cast(pa.string())
+    maybe = to_numpy(pc.is_in(ids, value_set=copies["trace_id"]), False).astype(bool)
+    if not maybe.any():
+        return mask
+    rows = np.flatnonzero(maybe)
+    idx = pa.array(rows)
+    keys = pa.table(
+        {
+            "trace_id": pc.take(ids, idx),
+            "ts": pc.take(t["ts"], idx).cast(pa.timestamp("us")).cast(pa.int64()),
+            "row": idx,
+        }
+    )
+    hit = keys.join(copies, ["trace_id", "ts"], join_type="inner")
+    mask[to_numpy(hit["row"], 0).astype(np.int64)] = True
+    return mask
+
+
+def _known_rows(t: pa.Table, known: pa.Table | pa.Array) -> np.ndarray:
+    """Which rows of ``t`` :func:`drop_known_traces` leaves out."""
+    if isinstance(known, pa.Table):
+        return of_copies(t, known)
+    ids = t["trace_id"].cast(pa.string())
+    return to_numpy(pc.is_in(ids, value_set=known.cast(pa.string())), False).astype(bool)
+
+
+def drop_known_traces(tables: Tables, known: pa.Table | pa.Array) -> None:
+    """Leave out of ``tables`` the requests the store holds already, with their calls,
+    attributes and loop blocks: ``known`` is either the copied requests
+    (:func:`copied_requests`: each judged on its own) or trace ids (every request of them:
+    OTLP's ids are per span, see store.otlp.batch). A loop block (it has no request ts) goes
+    with its trace id when the batch keeps no request of it."""
     if not len(known):
         return
+    gone: list[pa.Array] = []
+    kept: list[pa.Array] = []
     for parts in tables.days.values():
-        for name in ("requests", "calls", "attributes", "blockers"):
+        for name in ("requests", "calls", "attributes"):
             t = parts.get(name)
             if t is None or not t.num_rows:
                 continue
-            new = pc.invert(pc.fill_null(pc.is_in(t["trace_id"], value_set=known), False))
-            kept = t.filter(new)
+            out = _known_rows(t, known)
+            if not out.any():
+                if name == "requests":
+                    kept.append(t["trace_id"].cast(pa.string()))
+                continue
+            left = t.filter(pa.array(~out))
             if name == "requests":
-                tables.requests -= t.num_rows - kept.num_rows
+                tables.requests -= int(out.sum())
+                gone.append(t.filter(pa.array(out))["trace_id"].cast(pa.string()))
+                kept.append(left["trace_id"].cast(pa.string()))
             elif name == "calls":
-                tables.calls -= t.num_rows - kept.num_rows
-            parts[name] = kept
+                tables.calls -= int(out.sum())
+            parts[name] = left
+    if not gone:
+        return
+    # the loop blocks of a trace id whose requests here are all copies
+    ids = pc.unique(pa.chunked_array(gone, pa.string()).combine_chunks())
+    if kept:
+        still = pa.chunked_array(kept, pa.string()).combine_chunks()
+        ids = ids.filter(pc.invert(pc.is_in(ids, value_set=still)))
+    if not len(ids):
+        return
+    for parts in tables.days.values():
+        t = parts.get("blockers")
+        if t is not None and t.num_rows:
+            hit = pc.fill_null(pc.is_in(t["trace_id"].cast(pa.string()), value_set=ids), False)
+            parts["blockers"] = t.filter(pc.invert(hit))
 
 
 def trace_ids(tables: Tables) -> pa.Array:
