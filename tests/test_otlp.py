@@ -584,6 +584,72 @@ def test_malformed_payloads_are_refused_and_nothing_is_stored(server: Server) ->
     assert server.count("requests") == 1
 
 
+def test_a_malformed_attribute_status_or_event_is_refused(server: Server) -> None:
+    """The spans' attributes, status and events are decoded after the payload (each distinct
+    attribute once, store.otlp.view): one that is not the official message still refuses
+    the payload with a 400, as a full parse did, and stores nothing of it."""
+    from perfsleuth.store.otlp.view import messages
+
+    good = _proto(_payload("4" * 32, code=True))
+    bad_key = b"\x0a\x02\xff\xfe"  # KeyValue.key: two bytes that are not UTF-8
+    bad_status = b"\x12\x02\xff\xfe"  # Status.message: the same
+    bad_event = b"\x1a\x03\x0a\x01"  # Span.Event.name: cut short
+    for field, raw in (("attributes", bad_key), ("status", bad_status), ("events", bad_event)):
+        msg = messages().request.FromString(good)
+        span = msg.resource_spans[0].scope_spans[0].spans[1]
+        if field == "status":
+            span.status = raw
+        else:
+            getattr(span, field).append(raw)
+        status, reply = server.post(msg.SerializeToString(), "application/x-protobuf")
+        assert status == 400, (field, reply)
+        assert "bad protobuf" in reply["error"]
+    assert server.count("requests") == 0
+    assert server.post(good, "application/x-protobuf")[0] == 200
+    assert server.count("requests") == 1
+
+
+def test_attributes_decoded_once_read_as_a_full_parse_does(monkeypatch: Any) -> None:
+    """Spans read through the attribute cache, when it starts over in the middle of a payload
+    (more distinct attributes than it keeps) and with attributes too long to keep, are the
+    spans read from freshly decoded official messages."""
+    from perfsleuth.store.otlp import spans, view
+
+    def payloads() -> list[ExportTraceServiceRequest]:
+        out = []
+        for i in range(3):
+            p = _payload(f"{i + 5:032x}", queries=6, code=True)
+            sp = p["resourceSpans"][0]["scopeSpans"][0]["spans"]
+            sp[1]["attributes"].append(_kv("db.query.parameter.0", "x" * 3000))
+            sp[2]["attributes"].append(_kv("db.statement", "SELECT " + "y" * 2000))
+            sp[0]["events"] = [
+                {"name": "exception", "attributes": [_kv("exception.type", "KeyError")]}
+            ]
+            out.append(ExportTraceServiceRequest.FromString(_proto(p)))
+        return out
+
+    def read_all(keys: spans.Keys) -> list[spans.Span]:
+        return [s for m in payloads() for s in spans.read(m, keys)]
+
+    def fresh(keys: spans.Keys) -> list[spans.Span]:
+        spans._caches.clear()
+        return read_all(keys)
+
+    want = fresh(spans.Keys())
+    assert want[0].error == "KeyError" and want[1].attrs["db.query.parameter.0"] == "x" * 3000
+    assert want[1].attrs[spans.PARAMETER] is True and spans.PARAMETER not in want[2].attrs
+    assert read_all(spans.Keys()) == want  # from the cache
+    cache = spans._cache(spans.SPAN_KEYS | set(spans.Keys().user) | set(spans.Keys().tenant))
+    assert all(len(k) <= view.MAX_ATTRIBUTE_BYTES for k in cache.known)  # long ones forgotten
+    monkeypatch.setattr(view, "MAX_ATTRIBUTES", 5)
+    assert fresh(spans.Keys()) == want  # started over in every payload
+    assert read_all(spans.Keys()) == want
+    other = spans.Keys(user=("db.system",))
+    assert [s.attrs.get("db.system") for s in fresh(other)] == [
+        s.attrs.get("db.system") for s in want
+    ]
+
+
 def test_fuzzed_payloads_never_fail_the_server(server: Server) -> None:
     rnd = random.Random(19)
     seeds = [_proto(_payload(f"{i + 3:032x}", code=True)) for i in range(3)]

@@ -32,8 +32,10 @@ store keeps one request per id (with its calls, links and loop blocks), so a pay
 is stored once.
 
 The modules, in the order a payload goes through them (each imports only those before it):
-:mod:`~perfsleuth.store.otlp.payload` decodes an OTLP/HTTP body and answers it;
-:mod:`~perfsleuth.store.otlp.spans` reads the spans (one pass over the attributes), walks each
+:mod:`~perfsleuth.store.otlp.view` is the official messages as the mapping reads them (a span's
+attributes, status and events as their messages' bytes, each distinct attribute decoded
+once); :mod:`~perfsleuth.store.otlp.payload` decodes an OTLP/HTTP body and answers it;
+:mod:`~perfsleuth.store.otlp.spans` reads the spans (the wanted attributes of each), walks each
 up to its request and keeps the pool of spans waiting for theirs;
 :mod:`~perfsleuth.store.otlp.calls` makes a client span a call (fingerprint, site, parameters);
 :mod:`~perfsleuth.store.otlp.links` holds the span ids that link services' requests and the

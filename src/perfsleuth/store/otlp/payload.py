@@ -9,6 +9,8 @@ import json
 import zlib
 from typing import Any
 
+from perfsleuth.store.otlp.view import as_view, messages
+
 MAX_BODY = 32 * 1024 * 1024  # bytes as sent (compressed or not)
 MAX_DECODED = 128 * 1024 * 1024  # bytes after gunzip
 
@@ -38,8 +40,10 @@ def _messages() -> Any:
 
 
 def decode(body: bytes, content_type: str | None, content_encoding: str | None) -> Any:
-    """The ExportTraceServiceRequest of an OTLP/HTTP body; OtlpError (400, 413, 415) when it
-    is not one."""
+    """The ExportTraceServiceRequest of an OTLP/HTTP body, as the view
+    (:mod:`perfsleuth.store.otlp.view`); OtlpError (400, 413, 415) when it is not one. Its
+    spans' attributes, statuses and events are decoded when read (``spans.read``, which
+    raises the 400 for a malformed one)."""
     json_format, DecodeError, pb = _messages()
     if len(body) > MAX_BODY:
         raise OtlpError(413, f"the payload is {len(body)} bytes; at most {MAX_BODY} are taken")
@@ -60,7 +64,7 @@ def decode(body: bytes, content_type: str | None, content_encoding: str | None) 
     msg = pb.ExportTraceServiceRequest()
     if ctype == "application/x-protobuf":
         try:
-            msg.ParseFromString(body)
+            msg = messages().request.FromString(body)
         except (DecodeError, RecursionError, ValueError) as e:
             raise OtlpError(400, f"bad protobuf: not an ExportTraceServiceRequest ({e})") from None
     elif ctype == "application/json":
@@ -75,6 +79,7 @@ def decode(body: bytes, content_type: str | None, content_encoding: str | None) 
             json_format.ParseDict(obj, msg, ignore_unknown_fields=True)
         except (json_format.ParseError, ValueError, TypeError, RecursionError) as e:
             raise OtlpError(400, f"bad OTLP JSON: {e}"[:500]) from None
+        msg = as_view(msg)
     else:
         raise OtlpError(
             415,

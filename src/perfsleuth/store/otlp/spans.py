@@ -11,6 +11,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from perfsleuth.store import values
+from perfsleuth.store.otlp.payload import OtlpError
+from perfsleuth.store.otlp.view import AttributeCache, as_view, messages
 
 SPAN_SERVER = 2
 SPAN_CONSUMER = 5  # a message taken from a queue: a background task
@@ -63,7 +65,6 @@ SPAN_KEYS = frozenset(
 )
 # The prefix of the attributes holding a statement's parameter values (read with the wanted keys).
 PARAMETER = "db.query.parameter."
-_SCALAR = frozenset({"string_value", "int_value", "double_value", "bool_value"})
 
 
 def _attrs(kvs: Any, wanted: frozenset[str] | None = None) -> dict[str, Any]:
@@ -199,71 +200,103 @@ class Pending:
             self.dropped += len(spans)
 
 
+_caches: dict[frozenset[str], AttributeCache] = {}
+
+
+def _cache(wanted: frozenset[str]) -> AttributeCache:
+    hit = _caches.get(wanted)
+    if hit is None:
+        if len(_caches) >= 8:  # one per setting of the user and tenant keys
+            _caches.clear()
+        hit = _caches[wanted] = AttributeCache(wanted, PARAMETER, _value)
+    return hit
+
+
+_statuses: dict[bytes, tuple[int, str]] = {}
+
+
+def _status(raw: bytes) -> tuple[int, str]:
+    """(code, message) of a span's status (its bytes: the official Status)."""
+    hit = _statuses.get(raw)
+    if hit is None:
+        st = messages().status.FromString(raw)
+        hit = (st.code, st.message)
+        if len(raw) <= 256:
+            if len(_statuses) >= 1_000:
+                _statuses.clear()
+            _statuses[raw] = hit
+    return hit
+
+
+def _error(sp: Any) -> str | None:
+    """A span's error: its first ``exception`` event's type (else message), else the message
+    of an ERROR status."""
+    error = None
+    if sp.events:
+        event = messages().event
+        for raw in sp.events:
+            ev = event.FromString(raw)
+            if ev.name == "exception":
+                ea = _attrs(ev.attributes)
+                error = values.as_str(first(ea, "exception.type", "exception.message"))
+                break
+    if error is None and sp.status:
+        code, message = _status(sp.status)
+        if code == STATUS_ERROR:
+            error = message or "error"
+    return error
+
+
 def read(msg: Any, keys: Keys) -> list[Span]:
-    """Every span of the payload with what the mapping reads: one pass over the decoded
-    messages, the only per-attribute work (the wanted keys, and parameters)."""
+    """Every span of the payload with what the mapping reads: the wanted keys' attributes
+    (and parameters), each distinct attribute decoded once (:mod:`perfsleuth.store.otlp.view`;
+    ``msg`` is the view or an official message)."""
     wanted = SPAN_KEYS | set(keys.user) | set(keys.tenant)
-    scalar = _SCALAR
-    param = PARAMETER
+    attrs_of = _cache(wanted)
     out: list[Span] = []
-    append = out.append
     new = tuple.__new__  # Span(...) without its Python-level __new__
-    for rs in msg.resource_spans:
+    for rs in as_view(msg).resource_spans:
         res = _attrs(rs.resource.attributes)
         source = (
             values.as_str(res.get("service.name")) or "unknown_service",
             values.as_str(res.get("host.name")) or "",
             values.as_str(res.get("service.version")) or "",
         )
-        for ss in rs.scope_spans:
-            for sp in ss.spans:
-                attrs: dict[str, Any] = {}
-                kvs = sp.attributes
-                # Indexing a repeated field costs less than iterating it (upb), and most keys
-                # are not wanted: the cheapest test first.
-                for i in range(len(kvs)):
-                    kv = kvs[i]
-                    k = kv.key
-                    if k in wanted:
-                        v = kv.value
-                        text = v.string_value  # most are strings, then ints: one call
-                        if text:
-                            attrs[k] = text
-                        elif num := v.int_value:  # (one of the value's fields is set)
-                            attrs[k] = num
-                        else:
-                            which = v.WhichOneof("value")
-                            attrs[k] = getattr(v, which) if which in scalar else _value(v)
-                    elif param in k and k.startswith(param):
-                        attrs[k] = _value(kv.value)
-                        attrs[param] = True  # the span has parameters
-                error = None
-                if sp.events:
-                    for ev in sp.events:
-                        if ev.name == "exception":
-                            ea = _attrs(ev.attributes)
-                            error = values.as_str(first(ea, "exception.type", "exception.message"))
-                            break
-                if error is None and sp.status.code == STATUS_ERROR:
-                    error = sp.status.message or "error"
-                append(
-                    new(
-                        Span,
-                        (
-                            sp.trace_id.hex(),
-                            sp.span_id.hex(),
-                            sp.parent_span_id.hex(),
-                            sp.kind,
-                            sp.name,
-                            sp.start_time_unix_nano,
-                            sp.end_time_unix_nano,
-                            attrs,
-                            error,
-                            source,
-                            res,
-                        ),
-                    )
+        spans = [sp for ss in rs.scope_spans for sp in ss.spans]
+        lists = [list(sp.attributes) for sp in spans]
+        try:
+            long = attrs_of.learn(lists)
+        except messages().errors as e:
+            raise OtlpError(400, f"bad protobuf: an attribute is not a KeyValue ({e})") from None
+        known, params = attrs_of.known, attrs_of.params
+        pick = known.__getitem__
+        for sp, kvs in zip(spans, lists, strict=True):
+            attrs: dict[str, Any] = dict(filter(None, map(pick, kvs)))
+            if params and not params.isdisjoint(kvs):
+                attrs[PARAMETER] = True  # the span has parameters
+            try:
+                error = _error(sp) if sp.events or sp.status else None
+            except messages().errors as e:
+                raise OtlpError(400, f"bad protobuf: a span's status or event ({e})") from None
+            out.append(
+                new(
+                    Span,
+                    (
+                        sp.trace_id.hex(),
+                        sp.span_id.hex(),
+                        sp.parent_span_id.hex(),
+                        sp.kind,
+                        sp.name,
+                        sp.start_time_unix_nano,
+                        sp.end_time_unix_nano,
+                        attrs,
+                        error,
+                        source,
+                        res,
+                    ),
                 )
+            )
+        attrs_of.forget(long)
     return out
 
 
