@@ -561,3 +561,29 @@ def test_a_rerun_over_a_grown_segment_rolls_up_the_stored_and_the_new_requests_o
     finally:
         store.close()
         store_engines.reset()
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "chdb"])
+def test_a_reused_trace_id_alone_in_its_batch_is_rolled_up_again(
+    tmp_path: Path, engine: str
+) -> None:
+    """A trace id reused 10 minutes later the same day, alone in its batch, is another request
+    (tables.copied_requests) and is rolled up too. On ClickHouse its rollup insert carried the
+    same deduplication token as the first one's (the day and the trace ids), and the server
+    dropped it: 2 requests, 1 in every rollup."""
+    from spoolwrite import SegmentWriter
+
+    data = str(tmp_path / "data")
+    noon = time.time_ns() // (24 * HOUR_NS) * (24 * HOUR_NS) - 12 * HOUR_NS  # yesterday
+    store = store_engines.open_engine(engine, data)
+    try:
+        for seq, ts in ((1, noon), (2, noon + HOUR_NS // 6)):
+            w = SegmentWriter(data, seq=seq)
+            w.request("GET /a", trace_id="00000000000000aa", ts_ns=ts)
+            w.close()
+            store.ingest()
+        assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 2}]
+        assert sums_per_res(store) == {60: 2, 3600: 2, 86400: 2}
+    finally:
+        store.close()
+        store_engines.reset()

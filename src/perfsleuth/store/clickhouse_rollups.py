@@ -12,8 +12,9 @@ gone (default 7 days) and the whole day after ROLLUP_DAYS (90), as partitions, n
 row-by-row DELETE.
 
 Exactly-once, without a transaction: a batch's requests are inserted first, then the rollups
-of those new in this attempt, with a deduplication token made of their day and trace ids (the
-same requests make the same token whatever batch or payload brought them). A later attempt
+of those new in this attempt, with a deduplication token made of their day, trace ids and
+times (the same requests make the same token whatever batch or payload brought them; a trace
+id reused later is another request, rolled up again). A later attempt
 that finds some of its requests already stored (a crash or a failed insert between the two
 inserts: the spool re-read, an OTLP group committed again payload by payload, an exporter's
 retry) writes their rollups too where they are missing: per rollup table and minute key
@@ -21,7 +22,7 @@ retry) writes their rollups too where they are missing: per rollup table and min
 requests fewer than the requests table holds (with a duration, for ``rollup_hist``) as this
 batch found stored there, asked before this attempt's own requests go in
 (:meth:`_missing_rollups`). They go in with the new requests' rollups under one token (of all
-their trace ids), so the same attempt repeated is dropped by the server. Not covered (README,
+their requests), so the same attempt repeated is dropped by the server. Not covered (README,
 ClickHouse): another writer's requests of the same minute key stored with their rollups not
 yet written when this check runs (this batch's stored requests are then rolled up again);
 requests whose rollups failed and that no later attempt brings again (they stay without
@@ -97,7 +98,7 @@ class ClickHouseRollups(DuckDBReader):
         """Insert the rollups of the batch's new requests (``tables``, after those stored were
         left out) and of the stored ones whose rollups are ``missing``
         (:meth:`_missing_rollups_ch`): one insert per table and day, with a token of the day
-        and the trace ids rolled up (``insert``'s last argument)."""
+        and the requests rolled up (``insert``'s last argument; :func:`_request_ids`)."""
         for d in sorted(set(tables.days) | {d for d, _ in missing}):
             new = tables.days.get(d, {}).get("requests")
             made: dict[tuple[str, ...], tuple[str, dict[str, pa.Table]]] = {}
@@ -111,7 +112,7 @@ class ClickHouseRollups(DuckDBReader):
                 if not req:
                     continue
                 rows = pa.concat_tables(req, promote_options="permissive")
-                ids = tuple(sorted(str(i) for i in rows["trace_id"].to_pylist()))
+                ids = _request_ids(rows)
                 if ids not in made:  # the same requests for both tables: rolled up once
                     text = f"{d}|{len(ids)}|{','.join(ids)}"
                     token = "r" + hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -307,3 +308,12 @@ def _lit(v: Any) -> str:
     from perfsleuth.store.clickhouse_dialect import literal
 
     return str(literal(v).sql(dialect="clickhouse"))
+
+
+def _request_ids(req: pa.Table) -> tuple[str, ...]:
+    """The requests of ``req``, sorted, for a rollup insert's deduplication token: each its
+    trace id and ts (microseconds), as the copy rule tells requests apart
+    (tables.copied_requests): a trace id reused later in the day is another request, whose
+    rollups the server must not take for the first one's."""
+    us = req["ts"].cast(pa.timestamp("us")).cast(pa.int64()).to_pylist()
+    return tuple(sorted(f"{i}@{t}" for i, t in zip(req["trace_id"].to_pylist(), us, strict=True)))
