@@ -233,28 +233,25 @@ class ClickHouseRollups(DuckDBReader):
         cond += f" AND {only_sql}"
         cond_params.extend(only_params)
         where, params = f"{span_sql} AND {cond}", [*span_params, *cond_params]
-        if choice.raw_if_few:
-            n = self._con.execute(
-                f"SELECT coalesce(sum(requests), 0) FROM rollup_stats WHERE {where}", params
-            ).fetchone()
-            if n is None or int(n[0]) <= rollups.RAW_MAX_REQUESTS:
-                return None
-        stats_q, hist_q = rollups.top_statements(
-            "rollup_stats", "rollup_hist", by, where, params, percentiles_for
+
+        def minutes_read() -> float:
+            if minutes is not None:
+                return minutes
+            return self._finest_minutes(choice.lo, cond, cond_params)
+
+        return rollups.top_from(
+            choice,
+            "rollup_stats",
+            "rollup_hist",
+            by,
+            where,
+            params,
+            percentiles_for,
+            execute=self._con.execute,
+            rows=self._rows,
+            coded=lambda keys: self._coded_hist(where, params, keys),
+            minutes=minutes_read,
         )
-        stats = self._rows(*stats_q)
-        answer = rollups.answered_by(choice.spans)
-        if not stats:  # nothing kept: no histogram to read
-            return [], answer
-        keys = [r["endpoint"] for r in stats] if by == ("endpoint",) else []
-        coded = None
-        if keys and percentiles_for is None and len(keys) <= rollups.CODED_KEYS_MAX:
-            # the overview's table: histogram rows coded by endpoint, summed by numpy
-            coded = self._coded_hist(where, params, keys)
-        hist = self._rows(*hist_q) if coded is None else rollups.coded_hist_rows(coded, keys)
-        if minutes is None:
-            minutes = self._finest_minutes(choice.lo, cond, cond_params)
-        return rollups.top_rows(stats, hist, by, max(minutes, 1.0)), answer
 
     def _coded_hist(self, where: str, params: list[Any], keys: list[Any]) -> pa.Table | None:
         """rollups.coded_hist_query's rows for the endpoints ``keys``, each coded by

@@ -277,32 +277,27 @@ class DuckDBRollups(DuckDBFile):
         params.extend(only_params)
         stats_src = self._span_source(schema.ROLLUP_STATS, choice.spans, days)
         hist_src = self._span_source(schema.ROLLUP_HIST, choice.spans, days)
-        if choice.raw_if_few:
-            n = self._con.execute(
-                f"SELECT coalesce(sum(requests), 0) FROM {stats_src} WHERE {where}", params
-            ).fetchone()
-            if n is None or int(n[0]) <= rollups.RAW_MAX_REQUESTS:
-                return None
-        stats_q, hist_q = rollups.top_statements(
-            stats_src, hist_src, by, where, params, percentiles_for
+
+        def minutes_read() -> float:
+            if minutes is not None:
+                return minutes
+            return self._finest_span(days, choice.lo, where, params).total_seconds() / 60 + 1
+
+        return rollups.top_from(
+            choice,
+            stats_src,
+            hist_src,
+            by,
+            where,
+            params,
+            percentiles_for,
+            execute=self._con.execute,
+            rows=self._rows,
+            coded=lambda keys: self.query_arrow(
+                *rollups.coded_hist_query(hist_src, where, params, keys)
+            ),
+            minutes=minutes_read,
         )
-        stats = self._rows(*stats_q)
-        answer = rollups.answered_by(choice.spans)
-        if not stats:  # nothing kept: no histogram to read
-            return [], answer
-        keys = [r["endpoint"] for r in stats] if by == ("endpoint",) else []
-        if keys and percentiles_for is None and len(keys) <= rollups.CODED_KEYS_MAX:
-            # the overview's table: histogram rows coded by endpoint, summed by numpy
-            hist = rollups.coded_hist_rows(
-                self.query_arrow(*rollups.coded_hist_query(hist_src, where, params, keys)),
-                keys,
-            )
-        else:
-            hist = self._rows(*hist_q)
-        if minutes is None:
-            span = self._finest_span(days, choice.lo, where, params)
-            minutes = span.total_seconds() / 60 + 1
-        return rollups.top_rows(stats, hist, by, max(minutes, 1.0)), answer
 
     def _finest_span(
         self, days: list[date], lo: datetime, where: str, params: list[Any]

@@ -335,6 +335,46 @@ def answered_by(spans: list[Span]) -> dict[str, Any]:
     }
 
 
+def top_from(
+    choice: Choice,
+    stats: str,
+    hist: str,
+    by: tuple[str, ...],
+    where: str,
+    params: list[Any],
+    percentiles_for: str | None,
+    *,
+    execute: Callable[[str, list[Any]], Any],
+    rows: Callable[[str, list[Any]], list[dict[str, Any]]],
+    coded: Callable[[list[Any]], pa.Table | None],
+    minutes: Callable[[], float],
+) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+    """``top`` from the rollup rows ``stats`` and ``hist`` (tables or SELECTs) that ``where``
+    keeps, with what answered: each engine's ``rollup_top`` once it has made its ``choice``.
+    None when raw rows answer instead: ``choice.raw_if_few`` and the window holds at most
+    RAW_MAX_REQUESTS requests. The engine reads: ``execute(sql, params)`` (a cursor), ``rows``
+    (dicts), ``coded(endpoints)`` (:func:`coded_hist_query`'s rows over ``hist`` for those
+    endpoints, None where the engine cannot: :func:`top_sql`'s GROUP BY reads them then) and
+    ``minutes()`` (the window's length in minutes, read only when rows answer)."""
+    if choice.raw_if_few:
+        n = execute(f"SELECT coalesce(sum(requests), 0) FROM {stats} WHERE {where}", params)
+        got = n.fetchone()
+        if got is None or int(got[0]) <= RAW_MAX_REQUESTS:
+            return None
+    stats_q, hist_q = top_statements(stats, hist, by, where, params, percentiles_for)
+    stat_rows = rows(*stats_q)
+    answer = answered_by(choice.spans)
+    if not stat_rows:  # nothing kept: no histogram to read
+        return [], answer
+    keys = [r["endpoint"] for r in stat_rows] if by == ("endpoint",) else []
+    table = None
+    if keys and percentiles_for is None and len(keys) <= CODED_KEYS_MAX:
+        # the overview's table: histogram rows coded by endpoint, summed by numpy
+        table = coded(keys)
+    hist_rows = rows(*hist_q) if table is None else coded_hist_rows(table, keys)
+    return top_rows(stat_rows, hist_rows, by, max(minutes(), 1.0)), answer
+
+
 def span_where(spans: list[Span]) -> tuple[str, list[Any]]:
     """SQL condition (and its parameters) selecting the rows of ``spans``."""
     if not spans:
