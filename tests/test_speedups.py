@@ -799,3 +799,116 @@ def test_the_cpu_meter_does_not_count_the_loop_s_other_tasks(agent_data_dir: str
         assert cpu_ns <= own + spun // 10, (name, cpu_ns, own, spun)
         used[name] = cpu_ns
     assert abs(used["c"] - used["python"]) <= 2 * n * spin // 10, used
+
+
+def test_a_request_s_rows_grown_ahead_are_all_there_in_order(agent_data_dir: str) -> None:
+    """The C wrappers grow a request's rows by more than a row at a time (grow_calls): the
+    length is still the rows' own, every row is there, in call order."""
+    import sqlite3
+
+    got: list[recorder.ActiveRequest] = []
+    recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
+    try:
+        conn = sqlite3.connect(":memory:")
+        req = recorder.speedups.begin("web", "GET", "/rows")
+        for k in range(37):
+            conn.execute("SELECT ?", (k,)).fetchall()
+        conn.execute("SELECT 1").fetchall()
+        recorder.speedups.end(req)
+        conn.close()
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    calls = got[0].calls
+    assert calls is not None and len(calls) == 38 * recorder.ROW
+    rows = [recorder._ROW.unpack_from(calls, i) for i in range(0, len(calls), recorder.ROW)]
+    assert [r[0] for r in rows] == [0] * 37 + [1]  # slot: the site
+    starts = [r[1] for r in rows]
+    assert starts == sorted(starts) and all(r[2] >= r[1] > 0 for r in rows)
+    assert [r[3] for r in rows] == [1] * 38  # rows fetched
+    assert [r[4] for r in rows[:37]] == [hash((k,)) for k in range(37)]
+    assert rows[37][4] == recorder.NULL
+
+
+def test_the_c_enqueue_sees_the_queue_s_globals_change_between_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The C enqueue keeps what it read of the queue's globals while their dict is unchanged:
+    a setting, the byte count or the queue itself changed between two requests is read anew."""
+    import collections
+
+    from perfsleuth.agent.spool import queue
+
+    if not hasattr(recorder.speedups, "enqueue"):
+        pytest.skip("no C enqueue")
+    stats = dict.fromkeys(["dropped_queue_full", "dropped_memory", "cache_resets"], 0)
+    for name, value in {
+        "queue_size": 100,
+        "queue_limit": 100_000,
+        "WAKE_AT": 1000,
+        "_queue": collections.deque(),
+        "_sizes": collections.deque(),
+        "_queue_bytes": 0,
+        "_site_cache": {},
+        "_sites_seen": 0,
+        "wake": threading.Event(),
+        "on_full": lambda: None,
+        "stats": stats,
+    }.items():
+        monkeypatch.setattr(queue, name, value)
+
+    def request() -> Any:
+        req = recorder.ActiveRequest.__new__(recorder.ActiveRequest)
+        req.calls = req.attrs = None
+        req.site_list = []
+        return req
+
+    enqueue = recorder.speedups.enqueue
+    r = queue.REQUEST_BYTES
+    enqueue(request())
+    enqueue(request())
+    assert len(queue._queue) == 2 and queue._queue_bytes == 2 * r
+    monkeypatch.setattr(queue, "queue_limit", 2 * r)  # full from now on
+    enqueue(request())
+    assert len(queue._queue) == 2 and stats["dropped_memory"] == 1
+    monkeypatch.setattr(queue, "queue_limit", 100_000)
+    monkeypatch.setattr(queue, "_queue_bytes", 0)  # the writer took the queue's requests
+    fresh: collections.deque[Any] = collections.deque()
+    monkeypatch.setattr(queue, "_queue", fresh)
+    enqueue(request())
+    assert len(fresh) == 1 and queue._queue_bytes == r
+    monkeypatch.setattr(queue, "queue_size", 1)
+    enqueue(request())
+    assert len(fresh) == 1 and stats["dropped_queue_full"] == 1
+
+
+def test_a_forked_child_draws_other_trace_ids_than_its_parent(agent_data_dir: str) -> None:
+    """begin's trace ids come from the accelerator's own generator, seeded again in a forked
+    child: the child's ids are not the parent's next ones."""
+    import os
+
+    def draw(n: int) -> list[int]:
+        ids = []
+        for _ in range(n):
+            req = recorder.speedups.begin("web", "GET", "/id")
+            assert req is not None
+            ids.append(req.trace_id)
+            req.end = 1  # not handed to the writer: ended here, left alone
+            recorder._current.set(None)
+            recorder.inflight.pop(id(req), None)
+        return ids
+
+    draw(1)  # seeded in this process
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, " ".join(map(str, draw(4))).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as fh:
+        child = [int(x) for x in fh.read().split()]
+    parent = draw(4)
+    assert len(child) == 4 and all(0 < x < 1 << 64 for x in child + parent)
+    assert not set(child) & set(parent)

@@ -31,6 +31,8 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
+#include <pthread.h>
+#include <unistd.h>
 
 /* PyLong_AsLongLong, same results and errors: CPython 3.11's converts an int of more than one
  * digit (a nanosecond clock reading) through a byte array, ~200 instructions; this one reads
@@ -67,7 +69,7 @@ static PyObject *engine_of;     /* templates.engine_of */
 static PyObject *sink;          /* recorder._sink (None: the agent is off) */
 static PyObject *inflight;      /* recorder.inflight */
 static PyObject *stats;         /* recorder.stats */
-static PyObject *getrandbits;   /* random.getrandbits */
+static PyObject *getrandbits;   /* random.getrandbits (accepted; begin draws its own: trace_bits) */
 static PyObject *no_sites;      /* recorder._NO_SITES */
 static PyObject *default_class; /* recorder.ActiveRequest */
 
@@ -226,6 +228,32 @@ get(PyObject *calls, Py_ssize_t offset)
     return value;
 }
 
+/* Grow the request's rows (an exact bytearray, grown only) to n bytes: 0, or -1 with an error
+ * set. bytearray's own resize grows a buffer to the exact size asked whenever that is more
+ * than an eighth larger, so every row of a request with fewer than ~40 rows reallocated it (a
+ * new block, a copy and a free for each statement); here the buffer is grown by half again
+ * (at least GROW_MIN_ROWS rows) and rows are then added in place until it is full. The slack
+ * is at most a third of the rows (the queue's byte count and the writer read the length). */
+#define GROW_MIN_ROWS 4
+static int
+grow_calls(PyObject *calls, Py_ssize_t n)
+{
+    PyByteArrayObject *b = (PyByteArrayObject *)calls;
+    Py_ssize_t size = Py_SIZE(b);
+    if (n <= size || b->ob_exports > 0) /* not a growth, or a buffer exported: as bytearray */
+        return PyByteArray_Resize(calls, n);
+    if (b->ob_bytes == NULL || (b->ob_start - b->ob_bytes) + n + 1 > b->ob_alloc) {
+        Py_ssize_t want = n + (n >> 1);
+        if (want < GROW_MIN_ROWS * ROW)
+            want = GROW_MIN_ROWS * ROW;
+        if (PyByteArray_Resize(calls, want) < 0)
+            return -1;
+    }
+    Py_SET_SIZE(b, n);
+    b->ob_start[n] = '\0'; /* bytearray keeps a trailing NUL */
+    return 0;
+}
+
 /* Append a row to the request's rows (a bytearray): its offset, or -1 with an error set. */
 static Py_ssize_t
 append_row(PyObject *calls, PyObject *slot, long long ph)
@@ -241,7 +269,7 @@ append_row(PyObject *calls, PyObject *slot, long long ph)
     row[3] = NULL_LL;
     row[4] = ph;
     Py_ssize_t i = PyByteArray_GET_SIZE(calls);
-    if (PyByteArray_Resize(calls, i + ROW) < 0)
+    if (grow_calls(calls, i + ROW) < 0)
         return -1;
     memcpy(PyByteArray_AS_STRING(calls) + i, row, ROW);
     return i;
@@ -1465,6 +1493,54 @@ ns_of(clockid_t clock)
     return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
 }
 
+/* The trace ids of begin: 64 random bits a request, never 0 (as recorder.begin's
+ * ``getrandbits(64) or 1``), from splitmix64 (a Python call to random.getrandbits and its int
+ * argument were a sixth of begin). Seeded from os.urandom at the first request and again at
+ * the first request in a forked child (pthread_atfork), so parent and child never share ids;
+ * the GIL orders the draws. */
+static uint64_t rng_state;
+static int rng_seeded; /* 0: seed at the next draw (never seeded, or a forked child) */
+
+static void
+rng_after_fork(void)
+{
+    rng_seeded = 0;
+}
+
+static void
+rng_seed(void)
+{
+    uint64_t seed = 0;
+    PyObject *os = PyImport_ImportModule("os");
+    PyObject *b = os ? PyObject_CallMethod(os, "urandom", "i", (int)sizeof(seed)) : NULL;
+    if (b != NULL && PyBytes_Check(b) && PyBytes_GET_SIZE(b) == sizeof(seed))
+        memcpy(&seed, PyBytes_AS_STRING(b), sizeof(seed));
+    else
+        PyErr_Clear();
+    Py_XDECREF(b);
+    Py_XDECREF(os);
+    struct timespec ts; /* mixed in, in case urandom failed */
+    clock_gettime(CLOCK_REALTIME, &ts);
+    seed ^= (uint64_t)ts.tv_nsec * 0x9E3779B97F4A7C15ULL ^ (uint64_t)ts.tv_sec ^
+            ((uint64_t)getpid() << 32);
+    rng_state = seed;
+    rng_seeded = 1;
+}
+
+static uint64_t
+trace_bits(void)
+{
+    if (!rng_seeded)
+        rng_seed();
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return z ? z : 1;
+}
+
+static PyObject *begin_keywords[5]; /* interned "kind", "method", "path", "cpu", "cls" */
+
 static PyObject *
 begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
@@ -1481,7 +1557,14 @@ begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnam
     for (Py_ssize_t k = 0; k < nkw; k++) {
         PyObject *name = PyTuple_GET_ITEM(kwnames, k);
         int found = 0;
-        for (int j = 0; j < 5; j++) {
+        /* the caller's keywords are interned constants: the same objects as ours */
+        for (int j = 0; j < 5 && !found; j++) {
+            if (name == begin_keywords[j]) {
+                values[j] = args[nargs + k];
+                found = 1;
+            }
+        }
+        for (int j = 0; j < 5 && !found; j++) {
             if (PyUnicode_CompareWithASCIIString(name, keywords[j]) == 0) {
                 values[j] = args[nargs + k];
                 found = 1;
@@ -1539,11 +1622,8 @@ begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnam
         Py_RETURN_NONE;
     }
     int bad = 0;
-    PyObject *bits = PyLong_FromLong(64);
-    PyObject *tid = bits ? PyObject_CallOneArg(getrandbits, bits) : NULL;
-    Py_XDECREF(bits);
-    if (tid != NULL && !PyObject_IsTrue(tid))
-        Py_SETREF(tid, PyLong_FromLong(1));
+    uint64_t draw = trace_bits();
+    PyObject *tid = PyLong_FromUnsignedLongLong(draw);
     bad |= set_field(req, layout, F_TRACE_ID, tid);
     bad |= set_field(req, layout, F_START_WALL, ns_of(CLOCK_REALTIME));
     int zeros[] = {F_END, F_CALLS_DROPPED, F_GC_NS, F_GC_COUNT};
@@ -1560,13 +1640,9 @@ begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnam
         set_field(req, layout, nones[k], Py_NewRef(Py_None));
     set_field(req, layout, F_SITES, Py_NewRef(no_sites));
     bad |= set_field(req, layout, F_THREAD, PyLong_FromUnsignedLong(PyThread_get_thread_ident()));
-    if (tid != NULL && values[3] != NULL && PyObject_IsTrue(values[3]) == 1) {
-        unsigned long long bits = PyLong_AsUnsignedLongLongMask(tid);
-        if (bits == (unsigned long long)-1 && PyErr_Occurred())
-            bad = 1;
-        else if ((long long)(bits & 0xFFFFFFFFULL) < cpu_threshold)
-            bad |= set_field(req, layout, F_CPU_START, request_cpu_start());
-    }
+    if (tid != NULL && values[3] != NULL && PyObject_IsTrue(values[3]) == 1 &&
+        (long long)(draw & 0xFFFFFFFFULL) < cpu_threshold)
+        bad |= set_field(req, layout, F_CPU_START, request_cpu_start());
     PyObject *id = PyLong_FromVoidPtr(req);
     if (bad || id == NULL || PyDict_SetItem(inflight, id, req) < 0) {
         Py_XDECREF(id);
@@ -2786,6 +2862,19 @@ static PyObject *queue_fallback; /* spool.queue.python_enqueue */
 static PyObject *s_queue_size, *s_queue, *s_sizes, *s_queue_bytes, *s_queue_limit,
     *s_site_cache, *s_sites_seen, *s_request_bytes, *s_wake_at, *s_wake, *s_append, *s_set;
 
+/* The globals c_enqueue last read (and the queue's byte count it last wrote), valid while the
+ * globals dict's version tag is the one noted: any write to the module's globals (the Python
+ * enqueue, the writer's pops, a setting) changes the tag, and the next call reads them again.
+ * q, sizes and cache are borrowed: the unchanged dict holds them. CPython 3.11 only (the tag;
+ * later versions read the globals every time). Six lookups and int conversions a request. */
+typedef struct {
+    uint64_t version; /* 0: nothing noted */
+    long long cap, size, queued_bytes, limit, wake_at, seen;
+    PyObject *q, *sizes, *cache;
+} QueueMemo;
+static QueueMemo qm;
+#define QUEUE_MEMO SITE_MEMO
+
 static int
 ns_ll(PyObject *name, long long *out) /* an exact int global: 1, else 0 (error cleared) */
 {
@@ -2804,23 +2893,41 @@ c_enqueue(PyObject *module, PyObject *req)
         return NULL;
     }
     Layout *layout = layout_of(Py_TYPE(req));
-    long long cap, size, queued_bytes, limit, wake_at;
-    PyObject *q, *sizes;
-    if (layout == NULL || !ns_ll(s_queue_size, &cap) || !ns_ll(s_request_bytes, &size) ||
-        !ns_ll(s_queue_bytes, &queued_bytes) || !ns_ll(s_queue_limit, &limit) ||
-        !ns_ll(s_wake_at, &wake_at) ||
-        (q = PyDict_GetItemWithError(queue_ns, s_queue)) == NULL ||
-        (sizes = PyDict_GetItemWithError(queue_ns, s_sizes)) == NULL)
+    long long cap, size, queued_bytes, limit, wake_at, seen = -1;
+    PyObject *q, *sizes, *cache;
+    if (layout == NULL)
         goto python;
+    uint64_t version = dict_version(queue_ns);
+    if (QUEUE_MEMO && version != 0 && version == qm.version) {
+        /* the globals as last read or written here: the dict is unchanged since */
+        cap = qm.cap, size = qm.size, queued_bytes = qm.queued_bytes, limit = qm.limit;
+        wake_at = qm.wake_at, seen = qm.seen, q = qm.q, sizes = qm.sizes, cache = qm.cache;
+    }
+    else {
+        qm.version = 0;
+        if (!ns_ll(s_queue_size, &cap) || !ns_ll(s_request_bytes, &size) ||
+            !ns_ll(s_queue_bytes, &queued_bytes) || !ns_ll(s_queue_limit, &limit) ||
+            !ns_ll(s_wake_at, &wake_at) ||
+            (q = PyDict_GetItemWithError(queue_ns, s_queue)) == NULL ||
+            (sizes = PyDict_GetItemWithError(queue_ns, s_sizes)) == NULL)
+            goto python;
+        cache = PyDict_GetItemWithError(queue_ns, s_site_cache);
+        if (cache == NULL || !PyDict_CheckExact(cache) || !ns_ll(s_sites_seen, &seen)) {
+            PyErr_Clear();
+            cache = NULL;
+            seen = -1;
+        }
+        if (QUEUE_MEMO && version != 0 && dict_version(queue_ns) == version) {
+            qm = (QueueMemo){version, cap, size, queued_bytes, limit, wake_at, seen,
+                             q, sizes, cache};
+        }
+    }
     Py_ssize_t n = PyObject_Size(q);
     if (n < 0 || n >= cap)
         goto python;
     PyObject *calls = get_field(req, layout, F_CALLS);
     if (calls != NULL && calls != Py_None) {
-        long long seen;
-        PyObject *cache = PyDict_GetItemWithError(queue_ns, s_site_cache);
-        if (!PyByteArray_CheckExact(calls) || cache == NULL || !PyDict_CheckExact(cache) ||
-            !ns_ll(s_sites_seen, &seen) || PyDict_GET_SIZE(cache) != seen)
+        if (!PyByteArray_CheckExact(calls) || cache == NULL || PyDict_GET_SIZE(cache) != seen)
             goto python;
         size += PyByteArray_GET_SIZE(calls);
     }
@@ -2837,7 +2944,17 @@ c_enqueue(PyObject *module, PyObject *req)
     sizes = Py_NewRef(sizes);
     PyObject *total = PyLong_FromLongLong(queued_bytes + size);
     PyObject *one_size = total ? PyLong_FromLongLong(size) : NULL;
+    /* the memo stays valid through this write when nothing else changed the globals since
+     * they were read (an allocation above may have run a collection's Python code) */
+    int fresh = QUEUE_MEMO && qm.version != 0 && dict_version(queue_ns) == qm.version;
     int bad = one_size == NULL || PyDict_SetItem(queue_ns, s_queue_bytes, total) < 0;
+    if (fresh && !bad) {
+        qm.queued_bytes = queued_bytes + size;
+        qm.version = dict_version(queue_ns);
+    }
+    else {
+        qm.version = 0;
+    }
     PyObject *r = bad ? NULL : PyObject_CallMethodOneArg(sizes, s_append, one_size);
     bad |= r == NULL;
     Py_XDECREF(r);
@@ -2870,6 +2987,7 @@ configure_queue(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "configure_queue(queue module globals, python_enqueue)");
         return NULL;
     }
+    qm.version = 0;
     Py_XSETREF(queue_ns, Py_NewRef(args[0]));
     Py_XSETREF(queue_fallback, Py_NewRef(args[1]));
     Py_RETURN_NONE;
@@ -2974,6 +3092,15 @@ PyInit__speedups(void)
     INTERN(s_close, "close");
     INTERN(s_cr_frame, "cr_frame");
     INTERN(s_cr_await, "cr_await");
+    INTERN(begin_keywords[0], "kind");
+    INTERN(begin_keywords[1], "method");
+    INTERN(begin_keywords[2], "path");
+    INTERN(begin_keywords[3], "cpu");
+    INTERN(begin_keywords[4], "cls");
+    if (pthread_atfork(NULL, NULL, rng_after_fork) != 0) {
+        PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+        return NULL;
+    }
     if ((layouts = PyDict_New()) == NULL)
         return NULL;
     if ((null_value = PyLong_FromLongLong(-9223372036854775807LL - 1)) == NULL ||

@@ -155,10 +155,10 @@ _stacks_per_site = 1
 # thread's CPU clock is a system call (no vDSO for thread clocks), ~4.5 µs inside a request
 # (the caches refilled after the kernel entry), ~1 a WSGI request and ~4 a FastAPI one, where
 # the agent's whole request path in the burst benchmark costs ~10 µs. The draw is the trace
-# id's low 32 bits (random bits begin draws anyway, from a generator the random module reseeds
-# in a forked child): a request is sampled when they are under CPU_SAMPLE_BITS * fraction (C
-# and Python alike, so both make the same choice for the same trace id), whatever its
-# endpoint.
+# id's low 32 bits (random bits begin draws anyway, from a generator reseeded in a forked
+# child: the random module's here, the accelerator's own in C): a request is sampled when they
+# are under CPU_SAMPLE_BITS * fraction (C and Python alike, so both make the same choice for
+# the same trace id), whatever its endpoint.
 CPU_SAMPLE_BITS = 1 << 32
 _cpu_threshold = CPU_SAMPLE_BITS  # every request until configure() sets the share
 
