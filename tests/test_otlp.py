@@ -650,6 +650,49 @@ def test_attributes_decoded_once_read_as_a_full_parse_does(monkeypatch: Any) -> 
     ]
 
 
+def test_the_garbage_collector_is_off_only_while_payloads_are_mapped() -> None:
+    """Mapping pauses the cyclic collector (batch._collector_paused) and turns it on again
+    after, when it fails too, and only once the last of overlapping mappings is done."""
+    import gc
+
+    from perfsleuth.store.otlp import batch
+    from perfsleuth.store.otlp.payload import OtlpError, decode
+    from perfsleuth.store.otlp.view import messages
+
+    assert gc.isenabled()
+    good = _proto(_payload("6" * 32, code=True))
+    assert batch.to_batch(decode(good, "application/x-protobuf", None)).requests == 1
+    assert gc.isenabled()
+    bad = messages().request.FromString(good)
+    bad.resource_spans[0].scope_spans[0].spans[1].attributes.append(b"\x0a\x02\xff\xfe")
+    with pytest.raises(OtlpError):
+        batch.to_batch(bad)
+    assert gc.isenabled()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def a() -> None:
+        with batch._collector_paused():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b() -> None:
+        a_in.wait(10)
+        with batch._collector_paused():
+            b_in.set()
+            a_out.wait(10)
+            seen.append(gc.isenabled())  # A is out, B still in
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == [False]
+    assert gc.isenabled()
+
+
 def test_fuzzed_payloads_never_fail_the_server(server: Server) -> None:
     rnd = random.Random(19)
     seeds = [_proto(_payload(f"{i + 3:032x}", code=True)) for i in range(3)]

@@ -4,8 +4,11 @@ from the other modules of this package."""
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -177,13 +180,40 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
     segments standing for the payload's sources. Its changes to ``pending`` stand once the
     tables are committed (:func:`insert`); :func:`rollback` undoes them otherwise."""
     pending = pending if pending is not None else Pending()
-    spans = read(msg, keys)
-    out = Mapped(records.Batch(), spans=len(spans))
+    with _collector_paused():
+        spans = read(msg, keys)
+        out = Mapped(records.Batch(), spans=len(spans))
+        try:
+            return _map(spans, keys, pending, out)
+        except BaseException:
+            rollback(out, pending)
+            raise
+
+
+_gc_lock = threading.Lock()
+_gc_users = 0  # mappings in flight (the server maps in several threads)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while payloads are mapped (the first one in turns it
+    off, the last one out on): a mapping makes tens of thousands of small objects, none in a
+    cycle and all freed after its commit, and the collections they set off walked them and
+    the server's other objects (paired, 1,100-span payloads: 16.7-19.0 -> 13.5-16.4 ms CPU a
+    mapping). It is turned on again whatever it was before: a spool ingest's step beside
+    (store.ingest.frozen_when_made) may have it off then, and would leave it off for good."""
+    global _gc_users
+    with _gc_lock:
+        if _gc_users == 0:
+            gc.disable()
+        _gc_users += 1
     try:
-        return _map(spans, keys, pending, out)
-    except BaseException:
-        rollback(out, pending)
-        raise
+        yield
+    finally:
+        with _gc_lock:
+            _gc_users -= 1
+            if _gc_users == 0:
+                gc.enable()
 
 
 def _map(spans: list[Span], keys: Keys, pending: Pending, out: Mapped) -> Mapped:
