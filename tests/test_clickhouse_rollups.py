@@ -20,7 +20,7 @@ import store_engines
 from perfsleuth.server import queries
 from perfsleuth.server import window as window_mod
 from perfsleuth.server.window import window
-from perfsleuth.store import clickhouse_rollups, duckdb_reader, duckdb_rollups, rollups, schema
+from perfsleuth.store import duckdb_reader, duckdb_rollups, rollups, schema
 from perfsleuth.store.base import StoreError
 from perfsleuth.store.clickhouse_rollups import partition_day
 from test_rollups import HOUR_NS, bimodal, close_to, compare, narrow, skewed, write
@@ -106,7 +106,7 @@ def test_api_pages_from_rollups_are_the_same_on_both_engines(
 ) -> None:
     with both(tmp_path, shop(time.time_ns())) as (duck, ch):
         now = datetime.utcnow() + timedelta(seconds=1)  # one clock for both engines' pages
-        for mod in (window_mod, duckdb_rollups, clickhouse_rollups, duckdb_reader):
+        for mod in (window_mod, duckdb_rollups, duckdb_reader):
             monkeypatch.setattr(mod, "utcnow", lambda: now)
         for w in (window("24h"), window("7d"), window("all", host="web-2")):
             ov_d, ov_c = queries.overview(duck, w), queries.overview(ch, w)
@@ -144,7 +144,7 @@ def test_an_endpoint_page_s_summary_is_its_row_of_the_endpoint_table(
     on the whole window, as for the table."""
     with both(tmp_path, shop(time.time_ns())) as (duck, ch):
         now = datetime.utcnow() + timedelta(seconds=1)
-        for mod in (window_mod, duckdb_rollups, clickhouse_rollups, duckdb_reader):
+        for mod in (window_mod, duckdb_rollups, duckdb_reader):
             monkeypatch.setattr(mod, "utcnow", lambda: now)
         for limit in (10**12, -1):  # raw rows, then rollups
             monkeypatch.setattr(rollups, "RAW_MAX_REQUESTS", limit)

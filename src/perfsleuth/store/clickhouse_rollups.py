@@ -41,9 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from perfsleuth.store import rollups, schema
-from perfsleuth.store.duckdb_file import utcnow
 from perfsleuth.store.duckdb_reader import DuckDBReader
-from perfsleuth.store.filters import only_where
 from perfsleuth.store.tables import Tables
 
 # Characters of the coded histogram statement's literals (and its inner SELECT) up to
@@ -204,56 +202,22 @@ class ClickHouseRollups(DuckDBReader):
 
     # ------------------------------------------------------------------------------ reading
 
-    def rollup_top(
-        self,
-        start: datetime | None,
-        by: tuple[str, ...],
-        kind: str | None,
-        minutes: float | None,
-        *,
-        force: bool = False,
-        only: dict[str, str] | None = None,
-        percentiles_for: str | None = None,
-    ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
-        """``top`` from rollups over [start, now), as on DuckDB
-        (:meth:`DuckDBRollups.rollup_top`): None when raw rows should answer
-        (:func:`rollups.choose`, or a window of few requests whose raw rows are all kept)."""
+    def _rollup_inputs(self) -> tuple[list[date], date | None, Callable[[date], bool]]:
+        """See :meth:`DuckDBRollups._rollup_inputs` (from the tables' partitions)."""
         days, minute_days, raw_first = self._rollup_days()
-        choice = rollups.choose(
-            start, by, days, raw_first, minute_days.__contains__, utcnow(), force=force
-        )
-        if choice is None:
-            return None
+        return days, raw_first, minute_days.__contains__
+
+    def _rollup_sources(
+        self, choice: rollups.Choice, days: list[date], cond: str, params: list[Any]
+    ) -> tuple[str, str, str, list[Any]]:
+        """See :meth:`DuckDBRollups._rollup_sources`: here the logical tables, the spans in
+        the condition (:func:`rollups.span_where`)."""
         span_sql, span_params = rollups.span_where(choice.spans)
-        cond, cond_params = "true", []
-        if kind is not None:
-            cond += " AND kind = ?"
-            cond_params.append(kind)
-        only_sql, only_params = only_where(only)  # the fleet filters: rollups are keyed by them
-        cond += f" AND {only_sql}"
-        cond_params.extend(only_params)
-        where, params = f"{span_sql} AND {cond}", [*span_params, *cond_params]
+        return "rollup_stats", "rollup_hist", f"{span_sql} AND {cond}", [*span_params, *params]
 
-        def minutes_read() -> float:
-            if minutes is not None:
-                return minutes
-            return self._finest_minutes(choice.lo, cond, cond_params)
-
-        return rollups.top_from(
-            choice,
-            "rollup_stats",
-            "rollup_hist",
-            by,
-            where,
-            params,
-            percentiles_for,
-            execute=self._con.execute,
-            rows=self._rows,
-            coded=lambda keys: self._coded_hist(where, params, keys),
-            minutes=minutes_read,
-        )
-
-    def _coded_hist(self, where: str, params: list[Any], keys: list[Any]) -> pa.Table | None:
+    def _rollup_coded(
+        self, hist: str, where: str, params: list[Any], keys: list[Any]
+    ) -> pa.Table | None:
         """rollups.coded_hist_query's rows for the endpoints ``keys``, each coded by
         ``transform`` (a hash look-up); None when the keys' literals would pass
         CODED_LITERAL_BYTES (the statement must stay under max_query_size). 30 days of 300
@@ -263,7 +227,7 @@ class ClickHouseRollups(DuckDBReader):
         from perfsleuth.store.clickhouse_dialect import to_clickhouse
 
         inner = to_clickhouse(
-            f"SELECT endpoint, bucket, requests FROM rollup_hist WHERE {where}",
+            f"SELECT endpoint, bucket, requests FROM {hist} WHERE {where}",
             params,
             self.database,
         )
@@ -277,6 +241,12 @@ class ClickHouseRollups(DuckDBReader):
             f"SELECT transform(endpoint, {values}, {codes}, {len(keys)}) AS code, bucket, "
             f"requests FROM ({inner})"
         )
+
+    def _rollup_minutes(
+        self, days: list[date], lo: datetime, cond: str, params: list[Any]
+    ) -> float:
+        """See :meth:`DuckDBRollups._rollup_minutes` (:meth:`_finest_minutes`)."""
+        return self._finest_minutes(lo, cond, params)
 
     def _arrow_ch(self, sql: str) -> pa.Table:  # pragma: no cover
         """Rows of ClickHouse SQL as Arrow (ClickHouseStore)."""

@@ -14,7 +14,7 @@ ingested, and a finished day is read as one row per key and bucket.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import date, datetime, timedelta
 from typing import Any
 
@@ -253,51 +253,73 @@ class DuckDBRollups(DuckDBFile):
     ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
         """``top`` from rollups over [start, now) (start None: all), with what answered; None
         when raw rows should answer (:func:`rollups.choose`), or when the window's raw rows
-        are all kept and few (RAW_MAX_REQUESTS), unless ``force``."""
-        have = self._day_tables()
-        days = sorted(have["rollup_stats"] & have["rollup_hist"])
-        raw_days = self._days()
-        choice = rollups.choose(
-            start,
-            by,
-            days,
-            raw_days[0] if raw_days else None,
-            self._has_minutes,
-            utcnow(),
-            force=force,
-        )
+        are all kept and few (RAW_MAX_REQUESTS), unless ``force``. The same steps on every
+        engine (:func:`rollups.top_from`); what differs is read by :meth:`_rollup_inputs`,
+        :meth:`_rollup_sources`, :meth:`_rollup_coded` and :meth:`_rollup_minutes`."""
+        days, raw_first, has_minutes = self._rollup_inputs()
+        choice = rollups.choose(start, by, days, raw_first, has_minutes, utcnow(), force=force)
         if choice is None:
             return None
-        where, params = "true", []
+        cond, cond_params = "true", []
         if kind is not None:
-            where += " AND kind = ?"
-            params.append(kind)
+            cond += " AND kind = ?"
+            cond_params.append(kind)
         only_sql, only_params = only_where(only)  # the fleet filters: rollups are keyed by them
-        where += f" AND {only_sql}"
-        params.extend(only_params)
-        stats_src = self._span_source(schema.ROLLUP_STATS, choice.spans, days)
-        hist_src = self._span_source(schema.ROLLUP_HIST, choice.spans, days)
+        cond += f" AND {only_sql}"
+        cond_params.extend(only_params)
+        stats, hist, where, params = self._rollup_sources(choice, days, cond, cond_params)
+        lo = choice.lo
 
         def minutes_read() -> float:
             if minutes is not None:
                 return minutes
-            return self._finest_span(days, choice.lo, where, params).total_seconds() / 60 + 1
+            return self._rollup_minutes(days, lo, cond, cond_params)
 
         return rollups.top_from(
             choice,
-            stats_src,
-            hist_src,
+            stats,
+            hist,
             by,
             where,
             params,
             percentiles_for,
             execute=self._con.execute,
             rows=self._rows,
-            coded=lambda keys: self.query_arrow(
-                *rollups.coded_hist_query(hist_src, where, params, keys)
-            ),
+            coded=lambda keys: self._rollup_coded(hist, where, params, keys),
             minutes=minutes_read,
         )
+
+    def _rollup_inputs(self) -> tuple[list[date], date | None, Callable[[date], bool]]:
+        """What :func:`rollups.choose` decides on: the days holding rollups (sorted), the
+        first day of raw requests (None: none) and whether a day's rollups hold minutes."""
+        have = self._day_tables()
+        raw_days = self._days()
+        days = sorted(have["rollup_stats"] & have["rollup_hist"])
+        return days, raw_days[0] if raw_days else None, self._has_minutes
+
+    def _rollup_sources(
+        self, choice: rollups.Choice, days: list[date], cond: str, params: list[Any]
+    ) -> tuple[str, str, str, list[Any]]:
+        """The stats and histogram rows of ``choice``'s spans (FROM-able SQL) and the
+        condition (with its parameters) that keeps those ``cond`` selects: here the spans'
+        day tables, each cut to its span (:meth:`_span_source`)."""
+        stats = self._span_source(schema.ROLLUP_STATS, choice.spans, days)
+        hist = self._span_source(schema.ROLLUP_HIST, choice.spans, days)
+        return stats, hist, cond, params
+
+    def _rollup_coded(
+        self, hist: str, where: str, params: list[Any], keys: list[Any]
+    ) -> pa.Table | None:
+        """:func:`rollups.coded_hist_query`'s rows of ``hist`` for the endpoints ``keys``
+        (None: the engine cannot code them; top_sql's GROUP BY answers)."""
+        return self.query_arrow(*rollups.coded_hist_query(hist, where, params, keys))
+
+    def _rollup_minutes(
+        self, days: list[date], lo: datetime, cond: str, params: list[Any]
+    ) -> float:
+        """Minutes from the first to the last period of the requests ``cond`` selects from
+        ``lo`` on, plus one (:meth:`_finest_span`)."""
+        return self._finest_span(days, lo, cond, params).total_seconds() / 60 + 1
 
     def _finest_span(
         self, days: list[date], lo: datetime, where: str, params: list[Any]
