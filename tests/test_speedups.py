@@ -912,3 +912,37 @@ def test_a_forked_child_draws_other_trace_ids_than_its_parent(agent_data_dir: st
     parent = draw(4)
     assert len(child) == 4 and all(0 < x < 1 << 64 for x in child + parent)
     assert not set(child) & set(parent)
+
+
+def test_statements_run_again_on_one_cursor_count_their_own_rows(agent_data_dir: str) -> None:
+    """An N+1 loop on one cursor: each SELECT counts the rows fetched after it, into its own
+    row (the C execute points the cursor's (calls, offset) at the new call, in place when only
+    the cursor holds it), and a statement run after the request's end counts nothing."""
+    import sqlite3
+
+    got: list[recorder.ActiveRequest] = []
+    recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
+    try:
+        conn = sqlite3.connect(":memory:")
+        conn.execute("CREATE TABLE t (k INTEGER)")
+        conn.executemany("INSERT INTO t VALUES (?)", [(k,) for k in range(6)])
+        cur = conn.cursor()
+        req = recorder.speedups.begin("web", "GET", "/n1")
+        for k in range(5):
+            cur.execute("SELECT k FROM t WHERE k >= ?", (k,))
+            cur.fetchone()
+        cur.fetchone()  # a second row of the last statement
+        cur.execute("SELECT k FROM t")
+        held = cur._perfsleuth_rows
+        cur.fetchall()
+        recorder.speedups.end(req)
+        cur.execute("SELECT k FROM t")  # no request: not counted anywhere
+        cur.fetchall()
+        conn.close()
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    calls = got[0].calls
+    assert calls is not None and len(calls) == 6 * recorder.ROW
+    rows = [recorder._ROW.unpack_from(calls, i)[3] for i in range(0, len(calls), recorder.ROW)]
+    assert rows == [1, 1, 1, 1, 2, 6]
+    assert held == (calls, 5 * recorder.ROW + recorder.ROWS)

@@ -25,6 +25,15 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <frameobject.h>
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+/* CPython 3.11's interpreter frames (same_stack reads them in place) */
+#define Py_BUILD_CORE
+#include "internal/pycore_frame.h"
+#undef Py_BUILD_CORE
+#define IFRAMES 1
+#else
+#define IFRAMES 0
+#endif
 #include <structmember.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -513,11 +522,20 @@ memo_put(MemoEntry *memo, PyObject *dict, const void *code, int answer)
 #define memo_put(memo, dict, code, answer) ((void)0)
 #endif
 
+/* stacks.classify of a code object: 1 application, 0 library, -1 the agent's, -2 error.
+ * Consumes a reference to code. */
+static int kind_of_code(PyCodeObject *code);
+
 /* stacks.classify of a frame's code: 1 application, 0 library, -1 the agent's, -2 error. */
 static int
 kind_of(PyFrameObject *frame)
 {
-    PyCodeObject *code = PyFrame_GetCode(frame);
+    return kind_of_code(PyFrame_GetCode(frame));
+}
+
+static int
+kind_of_code(PyCodeObject *code)
+{
     int known;
     if (PyDict_CheckExact(code_kinds) && memo_get(kind_memo, code_kinds, code, &known)) {
         Py_DECREF(code);
@@ -615,12 +633,73 @@ capture(PyFrameObject *frame)
     return flat;
 }
 
+#if IFRAMES
+/* The frame that called f's code (PyFrame_GetBack's, without its frame object), or NULL. */
+static inline _PyInterpreterFrame *
+iframe_back(_PyInterpreterFrame *f)
+{
+    f = f->previous;
+    while (f != NULL && _PyFrame_IsIncomplete(f))
+        f = f->previous;
+    return f;
+}
+
+/* PyFrame_GetLasti of an interpreter frame. */
+static inline long
+iframe_lasti(_PyInterpreterFrame *f)
+{
+    int lasti = _PyInterpreterFrame_LASTI(f);
+    return lasti < 0 ? -1 : (long)lasti * (long)sizeof(_Py_CODEUNIT);
+}
+#endif
+
 /* stacks.same(frame, flat): 1 when capture(frame) would give flat, 0 if not, -1 error. */
 static int
 same_stack(PyFrameObject *frame, PyObject *flat)
 {
     if (!PyTuple_Check(flat))
         return 0;
+#if IFRAMES
+    /* CPython 3.11: the frames read in place, the interpreter's own records of the running
+     * calls (frame->f_frame and those it was called from): PyFrame_GetBack would make a frame
+     * object for each frame above (an allocation, and a deallocation when its call returns;
+     * ~200 instructions a frame). The callers' records stay as they are while this runs
+     * (kind_of_code may run Python code: stacks.classify, in frames above them). */
+    _PyInterpreterFrame *f = frame->f_frame;
+    while (f != NULL) { /* past the agent's frames */
+        int k = kind_of_code((PyCodeObject *)Py_NewRef(f->f_code));
+        if (k == -2)
+            return -1;
+        if (k != -1)
+            break;
+        f = iframe_back(f);
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(flat), i = 0;
+    int same = 1;
+    while (f != NULL && i + 1 < n) {
+        long where = PyLong_AsLong(PyTuple_GET_ITEM(flat, i + 1));
+        if ((PyObject *)f->f_code != PyTuple_GET_ITEM(flat, i) || where != ~iframe_lasti(f)) {
+            same = 0;
+            break;
+        }
+        f = iframe_back(f);
+        i += 2;
+    }
+    if (same && i != n)
+        same = 0;
+    if (same && f != NULL && n < 2 * max_depth) { /* capture would go on: not the same */
+        int k = kind_of_code((PyCodeObject *)Py_NewRef(f->f_code));
+        if (k == -2)
+            same = -1;
+        else if (k != -1)
+            same = 0;
+    }
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return same;
+#else
     int error = 0;
     PyFrameObject *f = past_agent(frame, &error);
     if (error)
@@ -655,6 +734,7 @@ same_stack(PyFrameObject *frame, PyObject *flat)
         return -1;
     }
     return same;
+#endif
 }
 
 /* Whether f is a template engine's rendering frame (templates.engine_of): 1 yes, 0 no, -1 error. */
@@ -1270,11 +1350,25 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
     else if (description != NULL) { /* a SELECT: rows are counted as they are fetched */
         put(calls, i + ROWS, 0);
         PyObject *index = PyLong_FromSsize_t(i + ROWS);
-        PyObject *counting = index ? PyTuple_Pack(2, calls, index) : NULL;
-        if (counting != NULL)
-            set_counting(w, self, counting);
-        Py_XDECREF(counting);
-        Py_XDECREF(index);
+        PyObject *held = fast ? FIELD(self, w->m_rows, PyObject *) : NULL;
+        if (index != NULL && held != NULL && PyTuple_CheckExact(held) &&
+            Py_REFCNT(held) == 1 && PyTuple_GET_SIZE(held) == 2 &&
+            PyTuple_GET_ITEM(held, 0) == calls) {
+            /* the cursor's statement before this one was the same request's (an N+1 loop on
+             * one cursor) and only the cursor holds its (calls, offset): the offset is
+             * replaced in place, no tuple made and freed a statement (no one else can see
+             * it; an int for an int: nothing the collector looks at changes) */
+            PyObject *old = PyTuple_GET_ITEM(held, 1);
+            PyTuple_SET_ITEM(held, 1, index);
+            Py_DECREF(old);
+        }
+        else {
+            PyObject *counting = index ? PyTuple_Pack(2, calls, index) : NULL;
+            if (counting != NULL)
+                set_counting(w, self, counting);
+            Py_XDECREF(counting);
+            Py_XDECREF(index);
+        }
     }
     Py_XDECREF(description);
     Py_DECREF(calls);
@@ -2631,6 +2725,19 @@ typedef struct {
 static int
 from_dispatch(PyFrameObject *frame)
 {
+#if IFRAMES
+    /* the frames read in place, as same_stack does: no frame object made for each */
+    _PyInterpreterFrame *i = frame->f_frame;
+    for (int k = 0; k < DISPATCH_DEPTH; k++) {
+        if (i == NULL)
+            return 1;
+        int kind = kind_of_code((PyCodeObject *)Py_NewRef(i->f_code));
+        if (kind != 0)
+            return kind == -2 ? -1 : 0;
+        i = iframe_back(i);
+    }
+    return 1;
+#endif
     PyFrameObject *f = (PyFrameObject *)Py_XNewRef(frame);
     for (int k = 0; k < DISPATCH_DEPTH; k++) {
         if (f == NULL)
