@@ -561,37 +561,52 @@ def test_a_reused_trace_id_is_stored_whatever_else_its_batch_holds(
     an unrelated request three days old (/tmp/r2/window.py: DuckDB dropped it then, as its
     check covered the batch's whole span). The same-day rule ClickHouse had is gone too: a
     trace id stored 3 hours earlier the same day is another request, and a copy made again
-    across midnight is still a copy."""
+    across midnight is still a copy. Each run reports the requests and calls it stored (on
+    ClickHouse it counted those it left out too)."""
     now = time.time_ns()
     day = 86_400 * 10**9
     midnight = now // day * day
     noon_before = midnight - day // 2
+    one = [call("db", "SELECT * FROM items WHERE id = ?", dur_ms=1.0)]
     got = []
+    reported = []
     for unrelated_old in (False, True):
         data = str(tmp_path / f"{engine}-{unrelated_old}")
         store = store_engines.open_engine(engine, data)
         try:
             w = SegmentWriter(data, seq=1)
             w.request("GET /a", trace_id="00000000000000aa", ts_ns=now - 2 * day)
-            w.request("GET /b", trace_id="00000000000000bb", ts_ns=now - 60 * 10**9)
-            w.request("GET /c", trace_id="00000000000000cc", ts_ns=noon_before - 3 * 3600 * 10**9)
+            w.request("GET /b", trace_id="00000000000000bb", calls=one, ts_ns=now - 60 * 10**9)
+            w.request(
+                "GET /c",
+                trace_id="00000000000000cc",
+                calls=one,
+                ts_ns=noon_before - 3 * 3600 * 10**9,
+            )
             w.request("GET /d", trace_id="00000000000000dd", ts_ns=midnight - 10 * 10**9)
             w.close()
-            store.ingest()
+            runs = [store.ingest()]
             w = SegmentWriter(data, seq=2)
             w.request("GET /a", trace_id="00000000000000aa", ts_ns=now)  # another request
-            w.request("GET /b", trace_id="00000000000000bb", ts_ns=now - 60 * 10**9)  # a copy
-            w.request("GET /c", trace_id="00000000000000cc", ts_ns=noon_before)  # another
+            w.request(
+                "GET /b", trace_id="00000000000000bb", calls=one, ts_ns=now - 60 * 10**9
+            )  # a copy
+            w.request(
+                "GET /c", trace_id="00000000000000cc", calls=one, ts_ns=noon_before
+            )  # another
             w.request("GET /d", trace_id="00000000000000dd", ts_ns=midnight + 10 * 10**9)  # again
             if unrelated_old:
                 w.request("GET /z", trace_id="00000000000000ff", ts_ns=now - 3 * day)
             w.close()
-            store.ingest()
+            runs.append(store.ingest())
             w = SegmentWriter(data, seq=3)
-            w.request("GET /b", trace_id="00000000000000bb", ts_ns=now - 30 * 10**9)  # again
+            w.request(
+                "GET /b", trace_id="00000000000000bb", calls=one, ts_ns=now - 30 * 10**9
+            )  # again
             w.request("GET /a", trace_id="00000000000000aa", ts_ns=now - 2 * day + 10**6)
             w.close()
-            store.ingest()
+            runs.append(store.ingest())
+            reported.append([(r.requests, r.calls) for r in runs])
             rows = store.query(
                 "SELECT trace_id, endpoint, ts FROM requests WHERE trace_id <> '00000000000000ff'"
             )
@@ -600,6 +615,7 @@ def test_a_reused_trace_id_is_stored_whatever_else_its_batch_holds(
             store.close()
             store_engines.reset()
     assert got[0] == got[1]
+    assert reported == [[(4, 2), (2, 1), (0, 0)], [(4, 2), (3, 1), (0, 0)]]
     assert [(t, e) for t, e, _ in got[0]] == [
         ("00000000000000aa", "GET /a"),
         ("00000000000000aa", "GET /a"),

@@ -98,6 +98,11 @@ def _value(v: Any) -> str:
     return str(literal(v).sql(dialect="clickhouse"))
 
 
+def _rows(parts: dict[str, pa.Table], name: str) -> int:
+    t = parts.get(name)
+    return 0 if t is None else t.num_rows
+
+
 def _concat(tables: list[pa.Table]) -> pa.Table:
     """``tables`` (of one query's columns) as one table; no tables: none of the rows."""
     if not tables:
@@ -341,9 +346,13 @@ class ClickHouseStore(ClickHouseRollups):
 
         stored: dict[date, pa.Table] = {}  # the batch's requests a previous attempt stored
         for d, parts in sorted(tables.days.items()):
+            sent = {n: _rows(parts, n) for n in ("requests", "calls")}
             copies = self._drop_stored_traces(parts, tables.ts_substituted)
             if copies is not None:
                 stored[d] = copies
+            # the report counts the rows this attempt adds, as on DuckDB
+            tables.requests -= sent["requests"] - _rows(parts, "requests")
+            tables.calls -= sent["calls"] - _rows(parts, "calls")
         for name, tbl in (
             ("fingerprints", tables.fingerprints),
             ("locations", tables.locations),
