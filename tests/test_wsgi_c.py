@@ -354,3 +354,21 @@ def test_an_app_returning_its_own_body_raises_recursion_error(which: str) -> Non
     # The failure is met at the recursion limit, where ending the request may itself fail: the
     # request is lost then (both implementations), or it ends as the failure.
     assert lines[2:] in (["[]"], ["[(500, 'RecursionError')]"]), lines
+
+
+def test_the_status_is_the_status_line_s_first_three_characters(
+    impl: str, captured: Captured
+) -> None:
+    """req.status is int(str(status)[:3]), also where the C body reads three digits itself."""
+    statuses = ["200 OK", "404 NOT FOUND", "599 Custom", "201", " 20 odd", "+30 odd"]
+    log: list[Any] = []
+    for status in statuses:
+
+        def app(environ: dict[str, Any], start_response: Any, status: str = status) -> Any:
+            start_response(status, [])
+            return iter([b"x"])
+
+        body = ps_wsgi.record_wsgi(app, env("/s"), server_start_response(log))
+        list(body)
+        getattr(body, "close", lambda: None)()
+    assert [r["status"] for r in captured()] == [200, 404, 599, 201, 20, 30]

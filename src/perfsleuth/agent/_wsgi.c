@@ -439,12 +439,24 @@ body_start_response(BodyObject *b, PyObject *const *args, Py_ssize_t nargs, PyOb
     PyObject *req = b->req;
     if (req != NULL) {
         Py_INCREF(req);
-        /* req.status = int(str(status)[:3]) */
-        PyObject *text = PyObject_Str(status);
-        PyObject *head = text ? PyUnicode_Substring(text, 0, 3) : NULL;
-        Py_XDECREF(text);
-        PyObject *code = head ? PyLong_FromUnicodeObject(head, 10) : NULL;
-        Py_XDECREF(head);
+        /* req.status = int(str(status)[:3]): read here when the status is a str starting
+         * with three ASCII digits (every status line; the general parse was ~700
+         * instructions a request), else by int() itself */
+        PyObject *code = NULL;
+        if (PyUnicode_CheckExact(status) && PyUnicode_KIND(status) == PyUnicode_1BYTE_KIND &&
+            PyUnicode_GET_LENGTH(status) >= 3) {
+            const Py_UCS1 *c = PyUnicode_1BYTE_DATA(status);
+            if (c[0] >= '0' && c[0] <= '9' && c[1] >= '0' && c[1] <= '9' && c[2] >= '0' &&
+                c[2] <= '9')
+                code = PyLong_FromLong((c[0] - '0') * 100 + (c[1] - '0') * 10 + (c[2] - '0'));
+        }
+        if (code == NULL && !PyErr_Occurred()) {
+            PyObject *text = PyObject_Str(status);
+            PyObject *head = text ? PyUnicode_Substring(text, 0, 3) : NULL;
+            Py_XDECREF(text);
+            code = head ? PyLong_FromUnicodeObject(head, 10) : NULL;
+            Py_XDECREF(head);
+        }
         if (set(req, F_STATUS, code) < 0)
             failed();
         else {
