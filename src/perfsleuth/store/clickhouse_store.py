@@ -385,11 +385,16 @@ class ClickHouseStore(ClickHouseRollups):
         would share it)."""
         margin = None if any_ts else KNOWN_TRACE_MARGIN_US
         dropped = None
+        # The day's requests: their calls and attributes carry their trace id and ts
+        # (tables.event_tables), so the requests' keys serve every table (grouping the keys
+        # of 500k calls rows instead cost ~35 ms CPU per 50k-request batch).
+        req = parts.get("requests")
+        keys = request_keys([req]) if req is not None else None
         for name in _PER_TRACE:
             t = parts.get(name)
             if t is None or not t.num_rows:
                 continue
-            sent = request_keys([t])
+            sent = keys if keys is not None and keys.num_rows else request_keys([t])
             if not sent.num_rows:
                 continue
             window = copy_window(sent, margin)
