@@ -15,6 +15,7 @@ import duckdb
 from perfsleuth.store.duckdb_store import DuckDBStore
 from perfsleuth.store.spool import read_from
 from perfsleuth.wire import REQUESTS
+from perfsleuth.wire import batch as wbatch
 from perfsleuth.wire.segment import FILE_MAGIC, encode_payload
 from spoolwrite import SegmentWriter, call
 
@@ -26,17 +27,21 @@ def _write(data_dir: str, specs: list[dict[str, Any]]) -> str:
 
 
 def _edit_requests(path: str, edit: Callable[[dict[str, Any]], None]) -> None:
-    """Rewrite each REQUESTS record of the segment with its JSON object edited."""
+    """Rewrite each REQUESTS record of the segment in layout 2 (its cx rows as JSON ``cx``
+    entries) with its JSON object edited."""
     with open(path, "rb") as fh:
         data = fh.read()
     out = [FILE_MAGIC]
     for rtype, payload, _, _ in read_from(data, 0).raw:
         payload = bytes(payload)
         if rtype == REQUESTS:
-            sep = payload.index(b"\0")
-            obj = json.loads(payload[:sep])
+            parts = wbatch.split(payload)
+            obj = {k: v for k, v in parts.obj.items() if k not in ("ncx", "hosts")}
+            obj["v"], obj["cx"] = 2, wbatch.cx_maps(parts)
             edit(obj)
-            payload = json.dumps(obj).encode() + payload[sep:]
+            payload = b"".join(
+                (json.dumps(obj).encode(), b"\0", parts.ints.tobytes(), bytes(parts.rows))
+            )
         out.append(encode_payload(rtype, payload))
     with open(path, "wb") as fh:
         fh.write(b"".join(out))

@@ -18,6 +18,7 @@ value, and each is read against the other.
 from __future__ import annotations
 
 from itertools import chain, compress, repeat
+from operator import contains
 from typing import Any
 
 import numpy as np
@@ -343,14 +344,26 @@ def _agent_calls(
     kind_code = np.minimum(np.clip(site_field(3, wcalls.OTHER), 0, 255), len(wcalls.KINDS))
     system_code = np.minimum(np.clip(site_field(4, wcalls.OTHER), 0, 255), len(wcalls.SYSTEMS))
     call_start = np.cumsum(counts) - counts
+    row_hosts = _apply_cx_rows(c, batches, ns, ncalls, bad, call_start)
     strs = _apply_cx(c, batches, ns, call_start, counts)
+    if row_hosts is not None:  # a cx entry's host over a cx row's
+        at, values = row_hosts
+        if "host" in strs:
+            at = np.concatenate([at, strs["host"][0]])
+            values = pa.concat_arrays([values, strs["host"][1]])
+        strs["host"] = (at, values)
     kind = _names(_KIND_NAMES, kind_code, strs.get("kind"))
     system = _names(_SYSTEM_NAMES, system_code, strs.get("system"))
     unfinished = end == 0
 
     def ints_of(name: str, null: int) -> pa.Array:
         col = c[name]
-        return pa.array(col, pa.int64(), mask=col == null)
+        mask = col == null
+        if not mask.any():
+            return pa.array(col, pa.int64())
+        if mask.all():
+            return pa.nulls(m, pa.int64())
+        return pa.array(col, pa.int64(), mask=mask)
 
     fields = {
         "kind": kind,
@@ -366,13 +379,20 @@ def _agent_calls(
         "status": ints_of("status", wcalls.NULL_32),
         "hit": pa.array(c["hit"] == 1, mask=c["hit"] < 0),
         "wait": ints_of("wait", wcalls.NULL),
-        "error": _names(pa.nulls(1, pa.string()), np.zeros(m, np.int64), strs.get("error")),
-        "host": _names(pa.nulls(1, pa.string()), np.zeros(m, np.int64), strs.get("host")),
+        "error": _strings(m, strs.get("error")),
+        "host": _strings(m, strs.get("host")),
         "unfinished": pa.array(unfinished, mask=~unfinished),
     }
     struct = pa.StructArray.from_arrays([fields[f.name] for f in CALL_WIRE], fields=list(CALL_WIRE))
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     return pa.ListArray.from_arrays(pa.array(offsets), struct), np.flatnonzero(bad)
+
+
+def _strings(m: int, given: tuple[np.ndarray, pa.Array] | None) -> pa.Array:
+    """``m`` strings, null but where ``given`` (calls, their strings) says."""
+    if given is None:
+        return pa.nulls(m, pa.string())
+    return _names(pa.nulls(1, pa.string()), np.zeros(m, np.int64), given)
 
 
 def _names(
@@ -385,6 +405,57 @@ def _names(
     idx = code.astype(np.int64)
     idx[at] = len(names) + np.arange(len(at))
     return pa.concat_arrays([names, values]).take(pa.array(idx))
+
+
+_CX_DTYPE = np.dtype([(name, "<i8") for name in wbatch.CX_FIELDS])
+assert _CX_DTYPE.itemsize == wbatch.CX_ROW.size
+
+
+def _apply_cx_rows(
+    c: dict[str, np.ndarray],
+    batches: list[wbatch.Batch],
+    ns: np.ndarray,
+    ncalls: np.ndarray,
+    bad: np.ndarray,
+    call_start: np.ndarray,
+) -> tuple[np.ndarray, pa.Array] | None:
+    """The cx rows of the records (wire.batch, layout 3) into the integer columns ``c``, read
+    in numpy; returns their hosts (calls, strings). ``ncalls``: each request's rows, ``bad``:
+    the requests whose rows are not kept, ``call_start``: where each request's kept calls
+    begin. A row naming no call of its request is left out, a value NULL (or a hit not 0 or
+    1, a host index out of range) is not given; of two rows for one call the later one's
+    values win."""
+    parts = [(i, b) for i, b in enumerate(batches) if len(b.cx)]
+    if not parts or not len(ncalls):
+        return None
+    rows = np.frombuffer(b"".join(b.cx for _, b in parts), dtype=_CX_DTYPE)
+    rec = np.repeat(
+        np.fromiter((i for i, _ in parts), np.int64, len(parts)),
+        [len(b.cx) // _CX_DTYPE.itemsize for _, b in parts],
+    )
+    local, call = rows["req"], rows["call"]
+    ok = (local >= 0) & (local < ns[rec])
+    req = np.minimum((np.cumsum(ns) - ns)[rec] + np.where(ok, local, 0), len(ncalls) - 1)
+    ok &= (call >= 0) & (call < ncalls[req]) & ~bad[req]
+    at = (call_start[req] + call)[ok]
+    rows, rec = rows[ok], rec[ok]
+    for name in _ROW_EXT_INTS:
+        v = rows[name]
+        has = v != wcalls.NULL
+        if name == "status":
+            v = np.where((v > -(2**31)) & (v < 2**31), v, 0)
+        c[name][at[has]] = v[has]
+    hit = rows["hit"]
+    has = (hit == 0) | (hit == 1)
+    c["hit"][at[has]] = hit[has]
+    hosts = [b.obj.get("hosts") or [] for _, b in parts]
+    n_hosts = np.zeros(len(batches), np.int64)
+    n_hosts[[i for i, _ in parts]] = [len(h) for h in hosts]
+    host_base = np.cumsum(n_hosts) - n_hosts
+    idx = rows["host"]
+    has = (idx >= 0) & (idx < n_hosts[rec])
+    names = pa.array(list(chain.from_iterable(hosts)), pa.string())
+    return at[has], names.take(pa.array(host_base[rec[has]] + idx[has]))
 
 
 # cx keys that replace an integer of the call's row (REQUESTS records carry them there; "hit",
@@ -442,7 +513,11 @@ def _apply_cx(
             given = [i for i, x in enumerate(entries) if name in x]
             names = pa.array([as_str(entries[i][name]) for i in given], pa.string())
             strs[name] = (at[given], names)
-        else:  # error, host: every entry has its own (none when not given)
+        elif name == "host":  # replaced where given (over a cx row's), in C-level passes
+            raw = list(map(dict.get, entries, repeat(name)))
+            has = np.fromiter(map(contains, entries, repeat(name)), bool, len(entries))
+            strs[name] = (at[has], _typed(raw, pa.string(), as_str).filter(pa.array(has)))
+        else:  # error: every entry has its own (none when not given)
             raw = list(map(dict.get, entries, repeat(name)))
             strs[name] = (at, _typed(raw, pa.string(), as_str))
     return strs

@@ -5,10 +5,10 @@ as one record, so the work per request is a row of references gathered into colu
 encoding (JSON for the text columns, one C call each for the integers and the calls' rows)
 is done per batch::
 
-    payload := JSON object, NUL, ints, rows
+    payload := JSON object, NUL, ints, rows, cx rows
 
-The JSON object holds ``v`` (2), ``n`` (the number of requests) and one list per text
-column, each ``n`` long, values in request order (null: none), or ``{"all": value}`` when
+The JSON object holds ``v`` (3; 2 is read too: a payload of layout 2 has no cx rows),
+``n`` (the number of requests) and one list per text column, each ``n`` long, values in request order (null: none), or ``{"all": value}`` when
 every request of the batch has the same value (most batches share most columns):
 
     kind, method, endpoint, path, user, tenant, error
@@ -21,6 +21,14 @@ ids; kind and system codes of wire.calls).
 The sparse ones are ``{"<request index>": ...}`` maps: ``attrs``, ``tags`` and ``cx``
 (``{"<request index>": {"<call index>": {...}}}``, the per-call values of wire.calls's ``cx``
 plus ``fp``, ``status``, ``bytes``, ``hit`` and ``wait``, which a row has no room for).
+
+``ncx`` and ``hosts`` (layout 3): the number of cx rows after the agent rows, and the HTTP
+hosts they name. Most per-call values (an HTTP call's status, host and fingerprint, a cache
+call's hit) are cx rows, not ``cx`` entries: a JSON map per call was most of a batch's JSON
+and of the store's reading (~0.6 of 1.2 CPU s per 100k requests x 10 calls). ``cx`` keeps
+the entries with other values (error, extra: the whole entry; unlisted kind or system
+names) or values past 64 bits (:func:`pack_cx`); of a cx row and a ``cx`` entry for one
+call, the entry's values win.
 
 ``ints``: request by request, its integer columns as little-endian int64 (NULL, -2**63: none),
 ``len(INT_COLUMNS)`` each: decimal text and JSON escaping were most of the writer's work:
@@ -35,6 +43,12 @@ plus ``fp``, ``status``, ``bytes``, ``hit`` and ``wait``, which a row has no roo
 ``rows``: the calls of every request of the batch, in order, five little-endian int64 each:
 ``slot, start, end, rows, ph`` (end 0: unfinished; NULL: no rows or no parameters), copied
 from the agent's request objects (agent.recorder) with no per-call Python.
+
+``cx rows``: ``ncx`` of them, eight little-endian int64 each (NULL: not given):
+``req, call, fp, status, bytes, wait, hit, host``: the call's request (its index in the
+batch) and its index among the request's rows, ``hit`` 1 or 0, ``host`` an index into
+``hosts``. A row naming no call of its request is left out, and so is a hit not 0 or 1 or a
+host index out of range; of two rows for one call the later one's values win.
 """
 
 from __future__ import annotations
@@ -57,9 +71,14 @@ from perfsleuth.wire.calls import (
     decode_parts,
 )
 
-VERSION = 2  # of the payload's layout ("v"); 1 had the integer columns in the JSON
+VERSION = 3  # of the payload's layout ("v"); 1 had the integer columns in the JSON
+VERSIONS = (2, 3)  # read: 2 is 3 without cx rows
 AGENT_ROW = struct.Struct("<qqqqq")
 AGENT_FIELDS = ("slot", "start", "end", "rows", "ph")
+CX_ROW = struct.Struct("<qqqqqqqq")
+CX_FIELDS = ("req", "call", "fp", "status", "bytes", "wait", "hit", "host")
+# cx entry keys a cx row holds (hit a bool, host a string: the rest 64-bit integers)
+_CX_ROW_KEYS = frozenset(("fp", "status", "bytes", "wait", "hit", "host"))
 SITE_FIELDS = ("fp", "stack", "site", "kind", "system")  # an entry of ``sites``
 STRING_COLUMNS = ("kind", "method", "endpoint", "path", "user", "tenant", "error")
 INT_COLUMNS = (
@@ -94,6 +113,7 @@ class Batch(NamedTuple):
     ints: array.array[int]  # n * len(INT_COLUMNS) int64, native order
     rows: memoryview  # the agent rows, little-endian
     n: int
+    cx: memoryview = memoryview(b"")  # the cx rows (layout 3), little-endian
 
 
 def split(payload: bytes | memoryview, loads: Callable[[bytes], Any] = json.loads) -> Batch:
@@ -111,9 +131,15 @@ def split(payload: bytes | memoryview, loads: Callable[[bytes], Any] = json.load
         raise ValueError(f"a REQUESTS payload whose JSON does not parse: {e}") from None
     if not isinstance(obj, dict) or type(obj.get("n")) is not int or obj["n"] < 0:
         raise ValueError("a REQUESTS payload without its number of requests")
-    if obj.get("v") != VERSION:
-        raise ValueError(f"a REQUESTS payload of layout {obj.get('v')!r}, not {VERSION}")
+    if obj.get("v") not in VERSIONS or type(obj["v"]) is not int:
+        raise ValueError(f"a REQUESTS payload of layout {obj.get('v')!r}, not one of {VERSIONS}")
     n = obj["n"]
+    ncx = obj.get("ncx", 0) if obj["v"] >= 3 else 0
+    if type(ncx) is not int or ncx < 0:
+        raise ValueError("a REQUESTS ncx that is not a count")
+    hosts = obj.get("hosts") if ncx else None
+    if hosts is not None and (not isinstance(hosts, list) or not _all_type(hosts, str)):
+        raise ValueError("a REQUESTS hosts that is not a list of strings")
     for name in (*STRING_COLUMNS, "sites"):
         col = obj.get(name)
         if isinstance(col, dict):  # {"all": value}: every request's
@@ -151,10 +177,10 @@ def split(payload: bytes | memoryview, loads: Callable[[bytes], Any] = json.load
     counts = ints[_NCALLS :: len(INT_COLUMNS)]
     if any(c < 0 for c in counts):
         raise ValueError("a REQUESTS ncalls that is not a count")
-    rows = view[end:]
-    if len(rows) != sum(counts) * AGENT_ROW.size:
-        raise ValueError("a REQUESTS payload whose rows do not match ncalls")
-    return Batch(obj, ints, rows, n)
+    rows_end = end + sum(counts) * AGENT_ROW.size
+    if len(view) != rows_end + ncx * CX_ROW.size:
+        raise ValueError("a REQUESTS payload whose rows do not match ncalls and ncx")
+    return Batch(obj, ints, view[end:rows_end], n, view[rows_end:])
 
 
 def _all_type(values: list[Any], typ: type) -> bool:
@@ -208,11 +234,121 @@ def request_sites(obj: dict[str, Any]) -> list[list[list[int]] | None]:
     ]
 
 
+def pack_cx(
+    cx: dict[str, dict[str, dict[str, Any]]], ncalls: list[int], hosts: dict[str, int]
+) -> tuple[dict[str, dict[str, dict[str, Any]]], list[tuple[int, ...]]]:
+    """Per-call values in the layout 2 shape (``{"<request index>": {"<call index>": {...}}}``;
+    ``ncalls``: each request's number of rows) as layout 3 writes them: (the ``cx`` entries
+    left in the JSON, the cx rows). An entry becomes a row when it holds only what a row has
+    room for (:func:`cx_row`) and names a call of its request; any other stays in the JSON as
+    it is. ``hosts``: the batch's host indexes, added to."""
+    rest: dict[str, dict[str, dict[str, Any]]] = {}
+    rows: list[tuple[int, ...]] = []
+    for rk, per in cx.items():
+        r = _index(rk, len(ncalls))
+        size = ncalls[r] if r is not None else 0
+        for ck, x in per.items():
+            c = _index(ck, size)
+            row = cx_row(r, c, x, hosts) if r is not None and c is not None else None
+            if row is None:
+                rest.setdefault(rk, {})[ck] = x
+            else:
+                rows.append(row)
+    return rest, rows
+
+
+def cx_row(req: int, call: int, x: Any, hosts: dict[str, int]) -> tuple[int, ...] | None:
+    """The cx row of a ``cx`` entry (``x``) of call ``call`` of request ``req``, or None
+    when a row has no room for it: other keys than ``fp``, ``status``, ``bytes``, ``wait``
+    (64-bit integers, NULL is none), ``hit`` (a bool) and ``host`` (a string: its index in
+    ``hosts``, added if new)."""
+    if type(x) is not dict or not x.keys() <= _CX_ROW_KEYS:
+        return None
+    ints = [x.get(name, NULL) for name in ("fp", "status", "bytes", "wait")]
+    for name, v in zip(("fp", "status", "bytes", "wait"), ints, strict=True):
+        if name in x and (type(v) is not int or not NULL <= v <= _MASK63):  # NULL: none
+            return None
+    hit, host = x.get("hit"), x.get("host")
+    if (hit is not None and type(hit) is not bool) or (host is not None and type(host) is not str):
+        return None
+    return (
+        req,
+        call,
+        *ints,
+        NULL if hit is None else int(hit),
+        NULL if host is None else hosts.setdefault(host, len(hosts)),
+    )
+
+
+def pack_cx_rows(rows: list[tuple[int, ...]]) -> bytes:
+    """cx rows (tuples of CX_FIELDS) as wire bytes."""
+    packed = array.array("q", chain.from_iterable(rows))
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _index(key: Any, size: int) -> int | None:
+    """``key`` as the agent writes an index ("0", "1", ...) below ``size``, or None."""
+    if type(key) is not str or not key.isdigit() or (key[0] == "0" and key != "0"):
+        return None
+    i = int(key)
+    return i if i < size else None
+
+
+def cx_maps(batch: Batch) -> dict[str, Any]:
+    """The batch's per-call values in the layout 2 shape, ``{"<request index>": {"<call
+    index>": {...}}}``: its cx rows (values not given left out; rows naming no call of their
+    request left out) and its JSON ``cx`` entries, an entry's values over a row's for one
+    call."""
+    obj = batch.obj
+    cx = obj.get("cx") or {}
+    if not len(batch.cx):
+        return cx  # type: ignore[no-any-return]
+    k = len(INT_COLUMNS)
+    counts = batch.ints[_NCALLS : batch.n * k : k]
+    rows = [
+        r for r in CX_ROW.iter_unpack(batch.cx) if 0 <= r[0] < batch.n and 0 <= r[1] < counts[r[0]]
+    ]
+    return cx_entries(rows, obj.get("hosts") or [], cx)
+
+
+def cx_entries(rows: list[tuple[int, ...]], hosts: list[str], cx: Any) -> dict[str, Any]:
+    """cx rows and ``cx`` entries (``{"<request index>": {"<call index>": {...}}}``) as
+    entries of that shape, an entry's values over a row's for one call."""
+    out: dict[str, Any] = {}
+    for req, call, *values in rows:
+        x: dict[str, Any] = {
+            name: v
+            for name, v in zip(("fp", "status", "bytes", "wait"), values, strict=False)
+            if v != NULL
+        }
+        hit, host = values[4], values[5]
+        if hit in (0, 1):
+            x["hit"] = bool(hit)
+        if 0 <= host < len(hosts):
+            x["host"] = hosts[host]
+        out.setdefault(str(req), {}).setdefault(str(call), {}).update(x)
+    if isinstance(cx, dict):
+        for rk, per in cx.items():
+            if not isinstance(per, dict):
+                out[rk] = per
+                continue
+            mine = out.setdefault(rk, {})
+            for ck, x in per.items():
+                if isinstance(x, dict) and isinstance(mine.get(ck), dict):
+                    mine[ck] = {**mine[ck], **x}
+                else:
+                    mine[ck] = x
+    return out
+
+
 def decode_columns(batch: Batch) -> list[dict[str, Any]]:
     """:func:`decode` of a payload already :func:`split`."""
     obj, n = batch.obj, batch.n
     sites_of = request_sites(obj)
     ints = int_columns(batch.ints, n)
+    cx = cx_maps(batch)
     out = []
     at = 0
     for i in range(n):
@@ -225,7 +361,7 @@ def decode_columns(batch: Batch) -> list[dict[str, Any]]:
             if col[i] is not None:
                 req[name] = col[i]
         for name in SPARSE:
-            v = (obj.get(name) or {}).get(str(i))
+            v = (cx if name == "cx" else obj.get(name) or {}).get(str(i))
             if v is not None:
                 req[name] = v
         req["sites"] = sites_of[i]

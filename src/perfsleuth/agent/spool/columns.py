@@ -85,16 +85,35 @@ def requests_record(
         # nothing.
         first = col[0]
         body[name] = {"all": first} if col.count(first) == len(col) else col
+    sparse = dict(sparse)
+    cx_rows, hosts = sparse.pop("cxrows", None), sparse.pop("hosts", None)
     for name, values in sparse.items():
         if values:
             body[name] = values
+    packed = b""
+    if cx_rows:  # per-call values as binary rows (wire.batch)
+        try:
+            packed = wbatch.pack_cx_rows(cx_rows)
+        except (OverflowError, TypeError):  # a value past 64 bits: the JSON entries hold all
+            cx = wbatch.cx_entries(cx_rows, list(hosts or ()), body.get("cx") or {})
+            hosts = {}
+            body["cx"], cx_rows = wbatch.pack_cx(
+                cx, [len(c) // wbatch.AGENT_ROW.size for c in calls_of], hosts
+            )
+            packed = wbatch.pack_cx_rows(cx_rows)
+            if not body["cx"]:
+                del body["cx"]
+        if cx_rows:
+            body["ncx"], body["hosts"] = len(cx_rows), list(hosts or ())
     ints = b"".join(columns[-2])  # packed little-endian by row()
     rows_bytes = b"".join(calls_of)  # the agent's rows are the wire's, in native order
     if _BIG_ENDIAN:
         swapped = array.array("q", rows_bytes)
         swapped.byteswap()
         rows_bytes = swapped.tobytes()
-    return encode_payload_parts(REQUESTS, (encode_json(body), wcalls.SEPARATOR, ints, rows_bytes))
+    return encode_payload_parts(
+        REQUESTS, (encode_json(body), wcalls.SEPARATOR, ints, rows_bytes, packed)
+    )
 
 
 NO_CALLS = bytearray()

@@ -414,10 +414,18 @@ class Encoder:
         out: list[bytes],
         req: recorder.ActiveRequest,
         sites: list[list[int]],
+        index: int,
+        sparse: dict[str, Any],
     ) -> dict[str, dict[str, Any]]:
         """The ``cx`` entries of a request (wire.calls): the rarely set values of its calls
         (``req.more``) and the names of kinds and systems the wire has no code for. Hashes
-        parameters the request path left unhashed straight into the calls' rows."""
+        parameters the request path left unhashed straight into the calls' rows. The values
+        a cx row holds (wire.batch: status, bytes, wait, hit, fingerprint, host) go to the
+        batch's ``sparse["cxrows"]`` as rows of request ``index`` (hosts numbered in
+        ``sparse["hosts"]``), not into the entries: only a call with an error or extra
+        values keeps an entry of them all."""
+        rows: list[tuple[int, ...]] = sparse["cxrows"]
+        hosts: dict[str, int] = sparse["hosts"]
         calls = req.calls
         site_list = req.site_list
         assert calls is not None and site_list is not None
@@ -451,8 +459,25 @@ class Encoder:
             if "params" in more:
                 ph = params_hash(more["params"])
                 recorder.set_field(calls, i + recorder.PH, NULL if ph is None else ph)
-            if x:
+            if not x:
+                continue
+            if "error" in x or "extra" in x:
                 ext[str(i // recorder.ROW)] = x
+                continue
+            get = x.get
+            hit, host = get("hit"), get("host")
+            rows.append(
+                (
+                    index,
+                    i // recorder.ROW,
+                    get("fp", NULL),
+                    get("status", NULL),
+                    get("bytes", NULL),
+                    get("wait", NULL),
+                    NULL if hit is None else int(hit),
+                    NULL if host is None else hosts.setdefault(host, len(hosts)),
+                )
+            )
         for slot, site in enumerate(sites):
             if site[3] == wcalls.OTHER or site[4] == wcalls.OTHER:  # rare: unlisted names
                 kind, system = site_list[slot][:2]
@@ -491,7 +516,14 @@ class Encoder:
         out: list[bytes] = []
         rows: list[tuple[Any, ...]] = []
         calls_of: list[bytearray] = []  # the agent rows of each request, in order
-        sparse: dict[str, Any] = {"attrs": {}, "tags": {}, "cx": {}, "site_table": []}
+        sparse: dict[str, Any] = {
+            "attrs": {},
+            "tags": {},
+            "cx": {},
+            "site_table": [],
+            "cxrows": [],
+            "hosts": {},
+        }
         table_of: dict[int, int] = {}  # id(site entry) -> its index in sparse["site_table"]
         # the last request's site list and its indexes into the site table: most requests of
         # a batch repeat the entries of the one before (recorder._site_cache shares them)
@@ -515,8 +547,12 @@ class Encoder:
         n = 0
         for i, (row, calls) in enumerate(zip(rows, calls_of, strict=True)):
             key = str(i)
-            mine = {name: {"0": v[key]} for name in columns.SPARSE if key in (v := sparse[name])}
+            mine: dict[str, Any] = {
+                name: {"0": v[key]} for name in columns.SPARSE if key in (v := sparse[name])
+            }
             mine["site_table"] = sparse["site_table"]
+            mine["cxrows"] = [(0, *r[1:]) for r in sparse["cxrows"] if r[0] == i]
+            mine["hosts"] = sparse["hosts"]
             try:
                 out.append(columns.requests_record([row], [calls], mine))
                 n += 1
@@ -568,7 +604,7 @@ class Encoder:
                     sites.append(j)
                 last[0], last[1] = site_list, sites
             if req.more is not None or self.unlisted:
-                ext = self._extras(seg, out, req, [table[j] for j in sites])
+                ext = self._extras(seg, out, req, [table[j] for j in sites], i, sparse)
                 if ext:
                     sparse["cx"][str(i)] = ext
         return (*values, sites), calls
