@@ -407,10 +407,6 @@ def _names(
     return pa.concat_arrays([names, values]).take(pa.array(idx))
 
 
-_CX_DTYPE = np.dtype([(name, "<i8") for name in wbatch.CX_FIELDS])
-assert _CX_DTYPE.itemsize == wbatch.CX_ROW.size
-
-
 def _apply_cx_rows(
     c: dict[str, np.ndarray],
     batches: list[wbatch.Batch],
@@ -428,31 +424,39 @@ def _apply_cx_rows(
     parts = [(i, b) for i, b in enumerate(batches) if len(b.cx)]
     if not parts or not len(ncalls):
         return None
-    rows = np.frombuffer(b"".join(b.cx for _, b in parts), dtype=_CX_DTYPE)
-    rec = np.repeat(
-        np.fromiter((i for i, _ in parts), np.int64, len(parts)),
-        [len(b.cx) // _CX_DTYPE.itemsize for _, b in parts],
-    )
-    local, call = rows["req"], rows["call"]
+    k = len(wbatch.CX_FIELDS)
+    counts = [len(b.cx) // wbatch.CX_ROW.size for _, b in parts]
+    # the rows' fields as contiguous columns (one pass), little-endian int64
+    cols = np.frombuffer(b"".join(b.cx for _, b in parts), "<i8").reshape(-1, k).T.copy()
+    field = dict(zip(wbatch.CX_FIELDS, cols, strict=True))
+    rec = np.repeat(np.fromiter((i for i, _ in parts), np.int64, len(parts)), counts)
+    local, call = field["req"], field["call"]
     ok = (local >= 0) & (local < ns[rec])
     req = np.minimum((np.cumsum(ns) - ns)[rec] + np.where(ok, local, 0), len(ncalls) - 1)
     ok &= (call >= 0) & (call < ncalls[req]) & ~bad[req]
-    at = (call_start[req] + call)[ok]
-    rows, rec = rows[ok], rec[ok]
+    at = call_start[req] + call
+    if not ok.all():
+        at, rec = at[ok], rec[ok]
+        field = {name: v[ok] for name, v in field.items()}
+
+    def put(name: str, v: np.ndarray, has: np.ndarray) -> None:
+        if has.all():
+            c[name][at] = v
+        elif has.any():
+            c[name][at[has]] = v[has]
+
     for name in _ROW_EXT_INTS:
-        v = rows[name]
-        has = v != wcalls.NULL
+        v = field[name]
         if name == "status":
             v = np.where((v > -(2**31)) & (v < 2**31), v, 0)
-        c[name][at[has]] = v[has]
-    hit = rows["hit"]
-    has = (hit == 0) | (hit == 1)
-    c["hit"][at[has]] = hit[has]
+        put(name, v, field[name] != wcalls.NULL)
+    hit = field["hit"]
+    put("hit", hit, (hit == 0) | (hit == 1))
     hosts = [b.obj.get("hosts") or [] for _, b in parts]
     n_hosts = np.zeros(len(batches), np.int64)
     n_hosts[[i for i, _ in parts]] = [len(h) for h in hosts]
     host_base = np.cumsum(n_hosts) - n_hosts
-    idx = rows["host"]
+    idx = field["host"]
     has = (idx >= 0) & (idx < n_hosts[rec])
     names = pa.array(list(chain.from_iterable(hosts)), pa.string())
     return at[has], names.take(pa.array(host_base[rec[has]] + idx[has]))
