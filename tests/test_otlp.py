@@ -641,9 +641,16 @@ def test_attributes_decoded_once_read_as_a_full_parse_does(monkeypatch: Any) -> 
     assert read_all(spans.Keys()) == want  # from the cache
     cache = spans._cache(spans.SPAN_KEYS | set(spans.Keys().user) | set(spans.Keys().tenant))
     assert all(len(k) <= view.MAX_ATTRIBUTE_BYTES for k in cache.known)  # long ones forgotten
+    assert cache.bytes == sum(map(len, cache.known))
     monkeypatch.setattr(view, "MAX_ATTRIBUTES", 5)
     assert fresh(spans.Keys()) == want  # started over in every payload
     assert read_all(spans.Keys()) == want
+    monkeypatch.setattr(view, "MAX_ATTRIBUTES", 20_000)
+    monkeypatch.setattr(view, "MAX_KEPT_BYTES", 200)  # by their bytes
+    assert fresh(spans.Keys()) == want
+    assert read_all(spans.Keys()) == want
+    cache = spans._cache(spans.SPAN_KEYS | set(spans.Keys().user) | set(spans.Keys().tenant))
+    assert cache.bytes == sum(map(len, cache.known)) <= 200 + 3 * view.MAX_ATTRIBUTE_BYTES
     other = spans.Keys(user=("db.system",))
     assert [s.attrs.get("db.system") for s in fresh(other)] == [
         s.attrs.get("db.system") for s in want

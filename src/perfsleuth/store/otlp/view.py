@@ -100,9 +100,11 @@ def decode_key_values(raw: list[bytes]) -> Any:
     return m.key_value_list.FromString(m.raw_list(values=raw).SerializeToString()).values
 
 
-# The decoded attributes kept between payloads, at most (then started over), and the longest
-# kept (a longer one, a large statement, is decoded for its payload only).
+# The decoded attributes kept between payloads, at most (then started over): their number and
+# their bytes (the value is kept besides, about as large), and the longest kept (a longer one,
+# a large statement, is decoded for its payload only).
 MAX_ATTRIBUTES = 20_000
+MAX_KEPT_BYTES = 4 * 1024 * 1024
 MAX_ATTRIBUTE_BYTES = 1_024
 
 
@@ -117,6 +119,7 @@ class AttributeCache:
         self.convert = convert
         self.known: dict[bytes, tuple[str, Any] | None] = {}
         self.params: set[bytes] = set()
+        self.bytes = 0  # of the attributes known (those of a payload's too, until forgotten)
 
     def learn(self, lists: Iterable[Any]) -> list[bytes]:
         """Decode the attributes of ``lists`` not known yet (together: one official parse);
@@ -126,10 +129,14 @@ class AttributeCache:
         new = [kv for kv in met if kv not in known]
         if not new:
             return []
-        if len(known) + len(new) > MAX_ATTRIBUTES:  # start over (with all of this payload's)
-            known.clear()
+        size = sum(map(len, new))
+        if len(known) + len(new) > MAX_ATTRIBUTES or self.bytes + size > MAX_KEPT_BYTES:
+            known.clear()  # start over, with all of this payload's
             self.params.clear()
+            self.bytes = 0
             new = list(met)
+            size = sum(map(len, new))
+        self.bytes += size
         wanted, prefix, convert = self.wanted, self.prefix, self.convert
         for raw, kv in zip(new, decode_key_values(new), strict=True):
             k = kv.key
@@ -144,5 +151,6 @@ class AttributeCache:
 
     def forget(self, raw: list[bytes]) -> None:
         for kv in raw:
-            self.known.pop(kv, None)
+            if self.known.pop(kv, False) is not False:
+                self.bytes -= len(kv)
             self.params.discard(kv)
