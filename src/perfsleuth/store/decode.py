@@ -2,16 +2,17 @@
 
 The agent's REQUESTS records (:mod:`perfsleuth.wire.batch`) are read in bulk: the records of a
 batch are joined and read in a few numpy steps per batch, not per request or call: integer
-columns straight from their bytes, call rows with their sites looked up by index, and the
-sparse per-call values (``cx``: HTTP statuses and hosts, cache hits, per-call fingerprints)
-gathered key by key into columns. A record Arrow cannot read with the expected types (an odd
+columns straight from their bytes, call rows with their sites looked up by index, the
+per-call values (HTTP statuses and hosts, cache hits, per-call fingerprints) from their cx
+rows' bytes (layout 3), and those of JSON ``cx`` entries (layout 2, or what a row cannot
+hold) gathered key by key into columns. A record Arrow cannot read with the expected types (an odd
 agent, a hand-written record), and the requests read past damage (decoded by wire.segment), go
 through a slow path that coerces each value (calls as JSON-shaped dicts) or drops it to NULL:
 one odd record never fails a batch.
 
 Duplicates: a batch keeps the first request of each trace id (:func:`once_per_trace`).
 
-One module (a little over 500 lines): the bulk read and the slow path must agree value by
+One module (about 600 lines): the bulk read and the slow path must agree value by
 value, and each is read against the other.
 """
 
