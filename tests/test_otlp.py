@@ -657,6 +657,74 @@ def test_attributes_decoded_once_read_as_a_full_parse_does(monkeypatch: Any) -> 
     ]
 
 
+def test_json_payloads_decode_as_protobuf_s_json_mapping_does() -> None:
+    """payload.decode parses each distinct JSON attribute once (and keeps its bytes): the
+    message is the one protobuf's JSON mapping makes of the whole payload, for attributes of
+    every value type, repeated and not, spelled in the ways the mapping takes, and a bad one
+    is refused as the mapping refuses it."""
+    import base64
+    import copy
+
+    from google.protobuf import json_format
+
+    from perfsleuth.store.otlp.payload import OtlpError, decode
+
+    def whole(obj: dict[str, Any]) -> ExportTraceServiceRequest:
+        obj = copy.deepcopy(obj)
+        for rs in obj["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for sp in ss["spans"]:
+                    for k in ("traceId", "spanId", "parentSpanId"):
+                        if k in sp:
+                            sp[k] = base64.b64encode(bytes.fromhex(sp[k])).decode()
+        return json_format.ParseDict(obj, ExportTraceServiceRequest(), ignore_unknown_fields=True)
+
+    odd: list[Any] = [
+        {"key": "s", "value": {"stringValue": "x"}},
+        {"key": "i", "value": {"intValue": "7"}},
+        {"key": "i", "value": {"intValue": 7}},  # a number, and the same key twice
+        {"key": "d", "value": {"doubleValue": 1}},
+        {"key": "d", "value": {"doubleValue": 1.5}},
+        {"key": "b", "value": {"boolValue": True}},
+        {"key": "y", "value": {"bytesValue": "AAE="}},
+        {"key": "a", "value": {"arrayValue": {"values": [{"intValue": "1"}]}}},
+        {"key": "m", "value": {"kvlistValue": {"values": [{"key": "k", "value": {}}]}}},
+        {"key": "e", "value": {}},
+        {"key": "u", "value": {"stringValue": "x"}, "unknownField": 1},
+        {"key": "n"},
+        [],  # (the mapping takes these as empty KeyValues)
+        "not an attribute",
+    ]
+    payloads = [_payload(f"{i + 7:032x}", code=True) for i in range(2)]
+    for p in payloads:
+        spans = p["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        spans[1]["attributes"] += odd
+        spans[2]["attributes"] = None
+        del spans[3]["attributes"]
+    for _ in range(2):  # parsed, then from what was kept
+        for p in payloads:
+            got = decode(json.dumps(p).encode(), "application/json", None)
+            assert ExportTraceServiceRequest.FromString(got.SerializeToString()) == whole(p)
+    for bad in (
+        {"key": "b", "value": {"boolValue": 1}},  # a number for a bool (True is kept)
+        {"key": "i", "value": {"intValue": "seven"}},
+        {"key": 3, "value": {"stringValue": "x"}},
+        7,
+        {"key": "not a list"},
+    ):
+        p = copy.deepcopy(payloads[0])
+        span = p["resourceSpans"][0]["scopeSpans"][0]["spans"][1]
+        if isinstance(bad, dict) and "value" not in bad:
+            span["attributes"] = bad
+        else:
+            span["attributes"].append(bad)
+        with pytest.raises((json_format.ParseError, TypeError, ValueError)):
+            whole(p)
+        with pytest.raises(OtlpError) as e:
+            decode(json.dumps(p).encode(), "application/json", None)
+        assert e.value.status == 400
+
+
 def test_the_garbage_collector_is_off_only_while_payloads_are_mapped() -> None:
     """Mapping pauses the cyclic collector (batch._collector_paused) and turns it on again
     after, when it fails too, and only once the last of overlapping mappings is done."""

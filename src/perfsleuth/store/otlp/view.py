@@ -28,6 +28,7 @@ class Messages(NamedTuple):
     official: Any  # the official ExportTraceServiceRequest
     raw_list: Any  # RawKeyValues: `repeated bytes values = 1`, a KeyValueList's wire form
     key_value_list: Any  # the official KeyValueList
+    key_value: Any  # the official KeyValue
     status: Any  # the official Status
     event: Any  # the official Span.Event
     errors: tuple[type[BaseException], ...]  # what parsing raises for bytes that are not one
@@ -79,6 +80,7 @@ def messages() -> Messages:
         trace_service_pb2.ExportTraceServiceRequest,
         cls("opentelemetry.proto.common.v1.RawKeyValues"),
         common_pb2.KeyValueList,
+        common_pb2.KeyValue,
         trace_pb2.Status,
         trace_pb2.Span.Event,
         (DecodeError, RecursionError, ValueError),
