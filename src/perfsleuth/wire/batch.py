@@ -8,8 +8,9 @@ is done per batch::
     payload := JSON object, NUL, ints, rows, cx rows
 
 The JSON object holds ``v`` (3; 2 is read too: a payload of layout 2 has no cx rows),
-``n`` (the number of requests) and one list per text column, each ``n`` long, values in request order (null: none), or ``{"all": value}`` when
-every request of the batch has the same value (most batches share most columns):
+``n`` (the number of requests) and one list per text column, each ``n`` long, values in
+request order (null: none), or ``{"all": value}`` when every request of the batch has the
+same value (most batches share most columns):
 
     kind, method, endpoint, path, user, tenant, error
     sites     per request, what its rows' ``slot`` points at: indexes into ``site_table``
