@@ -5,6 +5,7 @@ payloads made with the official ``opentelemetry-proto`` messages.
     .venv/bin/python benchmarks/otlp_ingest.py --literals    # a distinct literal per statement
     .venv/bin/python benchmarks/otlp_ingest.py --fuzz 10000     # seeded mutations: no 5xx
     .venv/bin/python benchmarks/otlp_ingest.py --clients 4      # exporters posting at once
+    .venv/bin/python benchmarks/otlp_ingest.py --json           # OTLP JSON (Node's exporter)
 
 Each payload holds ``--requests`` SERVER spans (20 endpoints) with ``--calls`` CLIENT spans each
 (DB statements with code.* sites, one HTTP call), like an exporter's batch. The statements have
@@ -132,6 +133,22 @@ def payload(
     return msg.SerializeToString()
 
 
+def json_body(pb: bytes) -> bytes:
+    """The OTLP JSON of a protobuf payload (ids in hex, as OTLP JSON spells them)."""
+    import json
+
+    from google.protobuf import json_format
+
+    obj = json_format.MessageToDict(ExportTraceServiceRequest.FromString(pb))
+    for rs in obj.get("resourceSpans", []):
+        for ss in rs.get("scopeSpans", []):
+            for sp in ss.get("spans", []):
+                for k in ("traceId", "spanId", "parentSpanId"):
+                    if k in sp:
+                        sp[k] = base64.b64decode(sp[k]).hex()
+    return json.dumps(obj).encode()
+
+
 def serve(data_dir: str) -> tuple[str, Any, threading.Thread]:
     """(the /v1/traces URL, uvicorn server, its thread) of the server app on a free port."""
     import uvicorn
@@ -154,26 +171,15 @@ def fuzz(n: int) -> None:
     """Post ``n`` seeded random mutations of valid protobuf, JSON and gzip payloads; print the
     statuses answered. Exit 1 on any 5xx or a server that stops answering."""
     import gzip
-    import json
-
-    from google.protobuf import json_format
 
     rnd = random.Random(19)
     t0 = time.time_ns() - 3_600 * 10**9
     seeds: list[tuple[bytes, str, str | None]] = []
     for i in range(4):
         pb = payload(rnd, 3, 4, t0 + i * 10**9)
-        msg = ExportTraceServiceRequest.FromString(pb)
-        obj = json_format.MessageToDict(msg)
-        for rs in obj.get("resourceSpans", []):  # OTLP JSON ids are hex
-            for ss in rs.get("scopeSpans", []):
-                for sp in ss.get("spans", []):
-                    for k in ("traceId", "spanId", "parentSpanId"):
-                        if k in sp:
-                            sp[k] = base64.b64decode(sp[k]).hex()
         seeds += [
             (pb, "application/x-protobuf", None),
-            (json.dumps(obj).encode(), "application/json", None),
+            (json_body(pb), "application/json", None),
             (gzip.compress(pb), "application/x-protobuf", "gzip"),
         ]
     statuses: dict[int, int] = {}
@@ -218,6 +224,7 @@ def main() -> None:
     ap.add_argument("--literals", action="store_true", help="a distinct literal per statement")
     ap.add_argument("--fuzz", type=int, default=0, help="post N mutated payloads instead")
     ap.add_argument("--clients", type=int, default=1, help="exporters posting at once (over HTTP)")
+    ap.add_argument("--json", action="store_true", help="OTLP JSON payloads instead of protobuf")
     args = ap.parse_args()
     if args.fuzz:
         fuzz(args.fuzz)
@@ -228,6 +235,9 @@ def main() -> None:
         payload(rnd, args.requests, args.calls, t0 + i * 10**9, args.literals)
         for i in range(args.payloads)
     ]
+    ctype = "application/json" if args.json else "application/x-protobuf"
+    if args.json:
+        bodies = [json_body(b) for b in bodies]
     per = args.requests * (args.calls + 1)
     total = per * len(bodies)
     print(f"{len(bodies)} payloads of {per} spans ({sum(map(len, bodies)) / len(bodies):,.0f} B)")
@@ -244,7 +254,7 @@ def main() -> None:
         wall = time.perf_counter()
         for body in bodies:
             a = time.process_time()
-            msg = decode(body, "application/x-protobuf", None)
+            msg = decode(body, ctype, None)
             b = time.process_time()
             mapped = to_batch(msg, Keys(), pending)
             c = time.process_time()
@@ -271,9 +281,7 @@ def main() -> None:
 
         def post(mine: list[bytes]) -> None:
             for body in mine:
-                req = urllib.request.Request(
-                    url, body, {"Content-Type": "application/x-protobuf"}, method="POST"
-                )
+                req = urllib.request.Request(url, body, {"Content-Type": ctype}, method="POST")
                 with urllib.request.urlopen(req, timeout=120) as r:
                     if r.status != 200:
                         failed.append(r.status)
@@ -283,10 +291,10 @@ def main() -> None:
             for i in range(args.clients)
         ]
         a, cpu = time.perf_counter(), time.process_time()
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join()
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join()
         spent, cpu = time.perf_counter() - a, time.process_time() - cpu
         server.should_exit = True
         thread.join()
