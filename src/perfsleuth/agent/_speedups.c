@@ -34,6 +34,33 @@
 #else
 #define IFRAMES 0
 #endif
+
+#if IFRAMES
+/* The frame that called f's code (PyFrame_GetBack's, without its frame object), or NULL. */
+static inline _PyInterpreterFrame *
+iframe_back(_PyInterpreterFrame *f)
+{
+    f = f->previous;
+    while (f != NULL && _PyFrame_IsIncomplete(f))
+        f = f->previous;
+    return f;
+}
+
+/* PyFrame_GetLasti of an interpreter frame. */
+static inline long
+iframe_lasti(_PyInterpreterFrame *f)
+{
+    int lasti = _PyInterpreterFrame_LASTI(f);
+    return lasti < 0 ? -1 : (long)lasti * (long)sizeof(_Py_CODEUNIT);
+}
+
+/* The running Python frame (PyEval_GetFrame's, without making its frame object), or NULL. */
+static inline _PyInterpreterFrame *
+iframe_current(void)
+{
+    return PyThreadState_GET()->cframe->current_frame;
+}
+#endif
 #include <structmember.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -395,7 +422,11 @@ static PyObject *last_slot;
 static Py_ssize_t
 record_fast(PyObject *req, PyObject *sql, PyObject *params)
 {
+#if IFRAMES
+    _PyInterpreterFrame *frame = iframe_current(); /* the application's frame, read in place */
+#else
     PyFrameObject *frame = PyEval_GetFrame(); /* borrowed: the application's frame */
+#endif
     if (frame == NULL || !PyUnicode_CheckExact(sql) || !PyTuple_CheckExact(params))
         return -1;
     Layout *layout = layout_of(Py_TYPE(req));
@@ -408,8 +439,13 @@ record_fast(PyObject *req, PyObject *sql, PyObject *params)
     if (sites == NULL || !PyDict_CheckExact(sites) || calls == NULL ||
         !PyByteArray_CheckExact(calls))
         return -1;
+#if IFRAMES
+    PyCodeObject *code = (PyCodeObject *)Py_NewRef(frame->f_code);
+    int lasti = (int)iframe_lasti(frame);
+#else
     PyCodeObject *code = PyFrame_GetCode(frame);
     int lasti = PyFrame_GetLasti(frame);
+#endif
     PyObject *slot;
     if (req == last_req && sql == last_sql && code == last_code && lasti == last_lasti) {
         slot = Py_NewRef(last_slot);
@@ -632,26 +668,6 @@ capture(PyFrameObject *frame)
     Py_DECREF(out);
     return flat;
 }
-
-#if IFRAMES
-/* The frame that called f's code (PyFrame_GetBack's, without its frame object), or NULL. */
-static inline _PyInterpreterFrame *
-iframe_back(_PyInterpreterFrame *f)
-{
-    f = f->previous;
-    while (f != NULL && _PyFrame_IsIncomplete(f))
-        f = f->previous;
-    return f;
-}
-
-/* PyFrame_GetLasti of an interpreter frame. */
-static inline long
-iframe_lasti(_PyInterpreterFrame *f)
-{
-    int lasti = _PyInterpreterFrame_LASTI(f);
-    return lasti < 0 ? -1 : (long)lasti * (long)sizeof(_Py_CODEUNIT);
-}
-#endif
 
 /* stacks.same(frame, flat): 1 when capture(frame) would give flat, 0 if not, -1 error. */
 static int
@@ -2722,22 +2738,10 @@ typedef struct {
  * -1 on an error. No Python frame of its own (the Python wrapper's call, its _getframe and its
  * walk were most of a hand-off's cost on the event loop). */
 #define DISPATCH_DEPTH 3
+#if !IFRAMES
 static int
 from_dispatch(PyFrameObject *frame)
 {
-#if IFRAMES
-    /* the frames read in place, as same_stack does: no frame object made for each */
-    _PyInterpreterFrame *i = frame->f_frame;
-    for (int k = 0; k < DISPATCH_DEPTH; k++) {
-        if (i == NULL)
-            return 1;
-        int kind = kind_of_code((PyCodeObject *)Py_NewRef(i->f_code));
-        if (kind != 0)
-            return kind == -2 ? -1 : 0;
-        i = iframe_back(i);
-    }
-    return 1;
-#endif
     PyFrameObject *f = (PyFrameObject *)Py_XNewRef(frame);
     for (int k = 0; k < DISPATCH_DEPTH; k++) {
         if (f == NULL)
@@ -2752,6 +2756,23 @@ from_dispatch(PyFrameObject *frame)
     Py_XDECREF(f);
     return 1;
 }
+#else
+/* from_dispatch from an interpreter frame: the frames read in place, as same_stack does (no
+ * frame object made for each) */
+static int
+from_dispatch_at(_PyInterpreterFrame *i)
+{
+    for (int k = 0; k < DISPATCH_DEPTH; k++) {
+        if (i == NULL)
+            return 1;
+        int kind = kind_of_code((PyCodeObject *)Py_NewRef(i->f_code));
+        if (kind != 0)
+            return kind == -2 ? -1 : 0;
+        i = iframe_back(i);
+    }
+    return 1;
+}
+#endif
 
 static PyObject *
 handoff_vectorcall(HandOffObject *h, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -2784,8 +2805,17 @@ handoff_vectorcall(HandOffObject *h, PyObject *const *args, size_t nargsf, PyObj
     if (h->stitch != NULL) {
         /* handoff.wrap's part: the caller's stack stitched on, unless a framework's dispatch
          * hands the work over (then nothing more is done) */
+#if IFRAMES
+        /* the caller's frame object is made only when its stack is stitched on */
+        _PyInterpreterFrame *caller = iframe_current();
+        int dispatch = caller == NULL || code_kinds == NULL ? 1 : from_dispatch_at(caller);
+        PyFrameObject *frame = dispatch == 0 ? PyEval_GetFrame() : NULL; /* borrowed */
+        if (frame == NULL && dispatch == 0)
+            dispatch = 1;
+#else
         PyFrameObject *frame = PyEval_GetFrame(); /* borrowed: the caller of run_sync */
         int dispatch = frame == NULL || code_kinds == NULL ? 1 : from_dispatch(frame);
+#endif
         if (dispatch == 0) {
             PyObject *stitch_args[3] = {req, (PyObject *)frame, m->func};
             PyObject *func = PyObject_Vectorcall(h->stitch, stitch_args, 3, NULL);
