@@ -674,9 +674,10 @@ def test_json_payloads_decode_as_protobuf_s_json_mapping_does() -> None:
         for rs in obj["resourceSpans"]:
             for ss in rs["scopeSpans"]:
                 for sp in ss["spans"]:
-                    for k in ("traceId", "spanId", "parentSpanId"):
-                        if k in sp:
-                            sp[k] = base64.b64encode(bytes.fromhex(sp[k])).decode()
+                    for d in (sp, *sp.get("links", ())):
+                        for k in ("traceId", "spanId", "parentSpanId"):
+                            if k in d:
+                                d[k] = base64.b64encode(bytes.fromhex(d[k])).decode()
         return json_format.ParseDict(obj, ExportTraceServiceRequest(), ignore_unknown_fields=True)
 
     odd: list[Any] = [
@@ -701,6 +702,9 @@ def test_json_payloads_decode_as_protobuf_s_json_mapping_does() -> None:
         spans[1]["attributes"] += odd
         spans[2]["attributes"] = None
         del spans[3]["attributes"]
+        del spans[3]["parentSpanId"]
+        spans[4]["parentSpanId"] = ""
+        spans[1]["links"] = [{"traceId": "ab" * 16, "spanId": "cd" * 8, "attributes": odd[:2]}]
     for _ in range(2):  # parsed, then from what was kept
         for p in payloads:
             got = decode(json.dumps(p).encode(), "application/json", None)
