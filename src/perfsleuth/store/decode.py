@@ -449,7 +449,7 @@ def _apply_cx_rows(
     for name in _ROW_EXT_INTS:
         v = field[name]
         if name == "status":
-            v = np.where((v > -(2**31)) & (v < 2**31), v, 0)
+            v = np.where((v > -(2**31)) & (v < 2**31), v, wcalls.NULL_32)  # int32 or none
         put(name, v, field[name] != wcalls.NULL)
     hit = field["hit"]
     put("hit", hit, (hit == 0) | (hit == 1))
@@ -504,7 +504,7 @@ def _apply_cx(
         has = ~np.asarray(pc.is_null(values).to_numpy(zero_copy_only=False), dtype=bool)
         v = to_numpy(values, 0).astype(np.int64)
         if name == "status":
-            v = np.where((v > -(2**31)) & (v < 2**31), v, 0)
+            v = np.where((v > -(2**31)) & (v < 2**31), v, wcalls.NULL_32)  # int32 or none
         c[name][at[has]] = v[has]
     if "hit" in keys:
         hits = _typed(list(map(dict.get, entries, repeat("hit"))), pa.bool_(), _only_bool)
