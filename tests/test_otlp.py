@@ -705,6 +705,12 @@ def test_json_payloads_decode_as_protobuf_s_json_mapping_does() -> None:
         del spans[3]["parentSpanId"]
         spans[4]["parentSpanId"] = ""
         spans[1]["links"] = [{"traceId": "ab" * 16, "spanId": "cd" * 8, "attributes": odd[:2]}]
+        spans[1]["kind"] = "SPAN_KIND_CLIENT"  # a name (the mapping takes both)
+        spans[2]["startTimeUnixNano"] = int(spans[2]["startTimeUnixNano"])  # a number
+        spans[2]["end_time_unix_nano"] = spans[2].pop("endTimeUnixNano")  # the field's name
+        spans[2]["name"] = ""
+        spans[3]["startTimeUnixNano"] = "00" + spans[3]["startTimeUnixNano"]
+        del spans[3]["kind"]
     for _ in range(2):  # parsed, then from what was kept
         for p in payloads:
             got = decode(json.dumps(p).encode(), "application/json", None)
@@ -715,18 +721,36 @@ def test_json_payloads_decode_as_protobuf_s_json_mapping_does() -> None:
         {"key": 3, "value": {"stringValue": "x"}},
         7,
         {"key": "not a list"},
+        {"name": 7},
+        {"startTimeUnixNano": "1 2"},
+        {"startTimeUnixNano": "-5"},
+        {"startTimeUnixNano": str(2**64)},
+        {"endTimeUnixNano": 1.5},
+        # what the mapping takes, though odd (an unknown kind is left out, True is 1, the
+        # field twice is the last)
+        {"kind": "SPAN_KIND_NOT"},
+        {"kind": True},
+        {"kind": 2**40},
+        {"kind": 99},
+        {"traceId": "ab" * 16, "trace_id": "q80="},
     ):
         p = copy.deepcopy(payloads[0])
         span = p["resourceSpans"][0]["scopeSpans"][0]["spans"][1]
-        if isinstance(bad, dict) and "value" not in bad:
+        if isinstance(bad, dict) and "key" in bad:
             span["attributes"] = bad
+        elif isinstance(bad, dict):
+            span.update(bad)
         else:
             span["attributes"].append(bad)
-        with pytest.raises((json_format.ParseError, TypeError, ValueError)):
-            whole(p)
-        with pytest.raises(OtlpError) as e:
-            decode(json.dumps(p).encode(), "application/json", None)
-        assert e.value.status == 400
+        try:
+            want = whole(p)
+        except (json_format.ParseError, TypeError, ValueError):
+            with pytest.raises(OtlpError) as e:
+                decode(json.dumps(p).encode(), "application/json", None)
+            assert e.value.status == 400
+        else:
+            got = decode(json.dumps(p).encode(), "application/json", None)
+            assert ExportTraceServiceRequest.FromString(got.SerializeToString()) == want, bad
 
 
 def test_the_garbage_collector_is_off_only_while_payloads_are_mapped() -> None:

@@ -4,6 +4,7 @@ HTTP status to answer, and the empty success response."""
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 import zlib
@@ -89,11 +90,13 @@ def decode(body: bytes, content_type: str | None, content_encoding: str | None) 
     return msg
 
 
+def _int32(v: int) -> bool:
+    return -(2**31) <= v < 2**31
+
+
 def _hex_to_base64(d: dict[str, Any]) -> None:
     """OTLP JSON spells trace and span ids in hex where protobuf's JSON mapping of ``bytes``
     expects base64: rewrite those of ``d`` (a link) in place (ValueError for one not hex)."""
-    import base64
-
     for k in _ID_FIELDS:
         v = d.get(k)
         if isinstance(v, str):
@@ -107,12 +110,19 @@ def _from_hex(k: str, v: str) -> bytes:
         raise ValueError(f"{k} {v[:40]!r} is not hex") from None
 
 
-# A span's ids in OTLP JSON (hex), the same fields' names in protobuf's JSON mapping, and in
-# the message.
+# A span's ids in OTLP JSON (hex) and the same fields' names in the message (which protobuf's
+# JSON mapping takes too); then its name, kind and times, the values of those as ParseDict
+# takes them: a kind as a number or a SpanKind name, times as digits or a number.
 _SPAN_IDS = (
-    ("traceId", "trace_id", "trace_id"),
-    ("spanId", "span_id", "span_id"),
-    ("parentSpanId", "parent_span_id", "parent_span_id"),
+    ("traceId", "trace_id"),
+    ("spanId", "span_id"),
+    ("parentSpanId", "parent_span_id"),
+)
+_SPAN_FIELDS = (
+    ("name", "name"),
+    ("kind", "kind"),
+    ("startTimeUnixNano", "start_time_unix_nano"),
+    ("endTimeUnixNano", "end_time_unix_nano"),
 )
 
 
@@ -124,7 +134,7 @@ _JSON_ATTRIBUTES_BYTES = 4 * 1024 * 1024
 _json_attributes_size = 0
 
 
-Taken = list[tuple[list[bytes | None], list[bytes]]]
+Taken = list[tuple[list[tuple[str, Any]], list[bytes]]]
 
 
 def _take_ids_and_attributes(obj: dict[str, Any], json_format: Any) -> Taken:
@@ -135,23 +145,44 @@ def _take_ids_and_attributes(obj: dict[str, Any], json_format: Any) -> Taken:
     rest on the ids, base64 both ways). Links' ids are rewritten in base64 for ParseDict. A
     ParseError or ValueError for an attribute that is not a KeyValue or an id not hex."""
     global _json_attributes_size
-    kv_type = messages().key_value
+    kv_type, kinds = messages().key_value, messages().span_kinds
     known = _json_attributes
     out: Taken = []
     for rs in _list(obj, "resourceSpans"):
         for ss in _list(rs, "scopeSpans"):
             for span in _list(ss, "spans"):
-                ids: list[bytes | None] = [None, None, None]
-                for i, (k, other, _) in enumerate(_SPAN_IDS):
+                fields: list[tuple[str, Any]] = []
+                for k, name in _SPAN_IDS:
                     v = span.get(k)
-                    if isinstance(v, str) and other not in span:  # (both: ParseDict refuses)
-                        ids[i] = _from_hex(k, v)
+                    if not isinstance(v, str):
+                        continue
+                    if name in span:  # the field twice: ParseDict's to sort out
+                        span[k] = base64.b64encode(_from_hex(k, v)).decode()
+                    else:
+                        fields.append((name, _from_hex(k, v)))
+                        del span[k]
+                for k, name in _SPAN_FIELDS:
+                    v = span.get(k)
+                    if v is None or (name != k and name in span):
+                        continue
+                    t = v.__class__
+                    if k == "kind":  # (a number beyond int32: ParseDict leaves it out)
+                        v = kinds.get(v) if t is str else v if t is int and _int32(v) else None
+                    elif k != "name":  # the times
+                        if t is str and v.isascii() and v.isdigit():
+                            v = int(v)
+                        elif t is not int or v < 0:
+                            v = None
+                    elif t is not str:
+                        v = None
+                    if v is not None:  # else ParseDict says what is wrong with it
+                        fields.append((name, v))
                         del span[k]
                 for link in _list(span, "links"):
                     _hex_to_base64(link)
                 items = span.pop("attributes", None)
                 if items is None:
-                    out.append((ids, []))
+                    out.append((fields, []))
                     continue
                 if not isinstance(items, list):
                     raise ValueError("a span's attributes are not a list")
@@ -181,7 +212,7 @@ def _take_ids_and_attributes(obj: dict[str, Any], json_format: Any) -> Taken:
                             _json_attributes_size = 0
                         known[key] = raw
                         _json_attributes_size += len(raw)
-                out.append((ids, kvs))
+                out.append((fields, kvs))
     return out
 
 
@@ -191,10 +222,9 @@ def _put_ids_and_attributes(msg: Any, taken: Taken) -> None:
     spans = [sp for rs in msg.resource_spans for ss in rs.scope_spans for sp in ss.spans]
     if len(spans) != len(taken):  # (cannot be: the JSON was parsed)
         raise ValueError("the spans parsed are not the spans sent")
-    for sp, (ids, kvs) in zip(spans, taken, strict=True):
-        for v, (_, _, name) in zip(ids, _SPAN_IDS, strict=True):
-            if v is not None:
-                setattr(sp, name, v)
+    for sp, (fields, kvs) in zip(spans, taken, strict=True):
+        for name, v in fields:
+            setattr(sp, name, v)
         if kvs:
             sp.attributes.extend(kvs)
 

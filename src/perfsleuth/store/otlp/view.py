@@ -29,6 +29,7 @@ class Messages(NamedTuple):
     raw_list: Any  # RawKeyValues: `repeated bytes values = 1`, a KeyValueList's wire form
     key_value_list: Any  # the official KeyValueList
     key_value: Any  # the official KeyValue
+    span_kinds: dict[str, int]  # Span.SpanKind's values by name
     status: Any  # the official Status
     event: Any  # the official Span.Event
     errors: tuple[type[BaseException], ...]  # what parsing raises for bytes that are not one
@@ -81,6 +82,7 @@ def messages() -> Messages:
         cls("opentelemetry.proto.common.v1.RawKeyValues"),
         common_pb2.KeyValueList,
         common_pb2.KeyValue,
+        {v.name: v.number for v in trace_pb2.Span.DESCRIPTOR.enum_types_by_name["SpanKind"].values},
         trace_pb2.Status,
         trace_pb2.Span.Event,
         (DecodeError, RecursionError, ValueError),
