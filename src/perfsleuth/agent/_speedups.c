@@ -26,7 +26,8 @@
 #include <Python.h>
 #include <frameobject.h>
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
-/* CPython 3.11's interpreter frames (same_stack reads them in place) */
+/* CPython 3.11's interpreter frames, read in place (same_stack, record_fast, the hand-off):
+ * no frame object made for a frame only looked at */
 #define Py_BUILD_CORE
 #include "internal/pycore_frame.h"
 #undef Py_BUILD_CORE
@@ -34,6 +35,15 @@
 #else
 #define IFRAMES 0
 #endif
+
+#include <structmember.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <pthread.h>
+#include <unistd.h>
 
 #if IFRAMES
 /* The frame that called f's code (PyFrame_GetBack's, without its frame object), or NULL. */
@@ -61,14 +71,6 @@ iframe_current(void)
     return PyThreadState_GET()->cframe->current_frame;
 }
 #endif
-#include <structmember.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <string.h>
-#include <time.h>
-#include <pthread.h>
-#include <unistd.h>
 
 /* PyLong_AsLongLong, same results and errors: CPython 3.11's converts an int of more than one
  * digit (a nanosecond clock reading) through a byte array, ~200 instructions; this one reads
