@@ -715,3 +715,32 @@ def test_a_batch_with_a_copy_and_a_new_request_of_one_trace_id_stores_the_new_on
     finally:
         store.close()
         store_engines.reset()
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "chdb"])
+def test_a_spool_batch_with_a_copy_and_a_reuse_of_one_trace_id_stores_the_reuse(
+    tmp_path: Path, engine: str
+) -> None:
+    """Through the spool: a segment holding a copy of a stored request, that record repeated,
+    and the trace id reused 10 minutes later stores the reuse alone (decode.once_per_trace
+    keeps one request per trace id and ts; the store judges each request on its own)."""
+    now = time.time_ns()
+    minute = 60 * 10**9
+    data = str(tmp_path / "data")
+    store = store_engines.open_engine(engine, data)
+    try:
+        w = SegmentWriter(data, seq=1)
+        w.request("GET /a", trace_id="00000000000000aa", ts_ns=now - 10 * minute)
+        w.close()
+        assert store.ingest().requests == 1
+        w = SegmentWriter(data, seq=2)
+        w.request("GET /a", trace_id="00000000000000aa", ts_ns=now - 10 * minute)  # a copy
+        w.request("GET /a", trace_id="00000000000000aa", ts_ns=now - 10 * minute)  # repeated
+        w.request("GET /a", trace_id="00000000000000aa", ts_ns=now)  # the id reused
+        w.close()
+        assert store.ingest().requests == 1
+        rows = store.query("SELECT trace_id, ts FROM requests ORDER BY ts")
+        assert [r["trace_id"] for r in rows] == ["00000000000000aa"] * 2
+    finally:
+        store.close()
+        store_engines.reset()

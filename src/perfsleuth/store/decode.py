@@ -193,16 +193,18 @@ def parse_requests(batch: Batch) -> tuple[pa.Table, np.ndarray, list[tuple[int, 
 def once_per_trace(
     wire: pa.Table, src: np.ndarray, attr_objs: list[tuple[int, Any]]
 ) -> tuple[pa.Table, np.ndarray, list[tuple[int, Any]]]:
-    """The requests of a batch with a trace id met before in it left out (a record repeated
-    in a segment, a segment copied under another name): the first one stays, with its calls
-    and attributes. Requests without a trace id are all kept."""
+    """The requests of a batch with a trace id and ts met before in it left out (a record
+    repeated in a segment, a segment copied under another name: a copy has its original's
+    ts): the first one stays, with its calls and attributes. A trace id met again at another
+    ts is another request (the id reused, a trace's later request), kept: the store judges
+    it on its own (tables.copied_requests). Requests without a trace id are all kept."""
     n = wire.num_rows
     if n < 2:
         return wire, src, attr_objs
     ids = pc.fill_null(wire["id"], "")
     firsts = (
-        pa.table({"id": ids, "row": pa.array(np.arange(n, dtype=np.int64))})
-        .group_by("id", use_threads=False)
+        pa.table({"id": ids, "ts": wire["ts"], "row": pa.array(np.arange(n, dtype=np.int64))})
+        .group_by(["id", "ts"], use_threads=False)
         .aggregate([("row", "min")])
     )
     if firsts.num_rows == n:

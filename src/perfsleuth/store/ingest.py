@@ -28,7 +28,6 @@ from contextlib import contextmanager
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from perfsleuth.store import spool
 from perfsleuth.store.base import IngestReport, Progress
@@ -99,56 +98,6 @@ class Limits(NamedTuple):
 # times: ms to seconds later) when a stored request has its trace id and a ts this close to
 # its own; further apart it is another request that reuses the trace id, and is stored.
 KNOWN_TRACE_MARGIN_US = 60 * 10**6
-
-
-def trace_spans(parts: Iterable[pa.Table]) -> pa.Table:
-    """Per trace id of the rows of ``parts`` (tables with ``trace_id`` and ``ts`` columns),
-    the first and last ts in microseconds: columns ``trace_id``, ``ts_min``, ``ts_max`` (rows
-    without a trace id left out)."""
-    rows = [
-        pa.table(
-            {
-                "trace_id": p["trace_id"].cast(pa.string()),
-                "ts": p["ts"].cast(pa.timestamp("us")).cast(pa.int64()),
-            }
-        )
-        for p in parts
-        if p.num_rows
-    ]
-    if not rows:
-        return pa.table(
-            {"trace_id": pa.array([], pa.string()), "ts_min": [], "ts_max": []},
-            schema=pa.schema(
-                [("trace_id", pa.string()), ("ts_min", pa.int64()), ("ts_max", pa.int64())]
-            ),
-        )
-    t = pa.concat_tables(rows)
-    t = t.filter(pc.fill_null(pc.not_equal(t["trace_id"], ""), False))
-    return t.group_by("trace_id").aggregate([("ts", "min"), ("ts", "max")])
-
-
-def stored_copies(sent: pa.Table, stored: pa.Table, margin_us: int | None) -> pa.Array:
-    """The trace ids of ``sent`` (:func:`trace_spans` of a batch's rows) that rows of
-    ``stored`` (``trace_id``, ``ts`` in microseconds: the store's rows with those ids) are
-    the copies of: a stored row with the trace id and a ts within ``margin_us`` of the sent
-    rows' first and last ts (None: at any ts). Decided per trace, whatever else the batch
-    holds."""
-    if not sent.num_rows or not stored.num_rows:
-        return pa.array([], pa.string())
-    stored = pa.table(
-        {
-            "trace_id": stored["trace_id"].cast(pa.string()),
-            "stored_ts": stored["ts"].cast(pa.int64()),
-        }
-    )
-    both = sent.join(stored, "trace_id", join_type="inner")
-    if margin_us is not None:
-        near = pc.and_(
-            pc.greater_equal(both["stored_ts"], pc.subtract(both["ts_min"], margin_us)),
-            pc.less_equal(both["stored_ts"], pc.add(both["ts_max"], margin_us)),
-        )
-        both = both.filter(pc.fill_null(near, False))
-    return pc.unique(both["trace_id"].combine_chunks())
 
 
 def commit_batch(target: IngestTarget, spool_dir: str, batch: Batch, report: IngestReport) -> None:
