@@ -79,12 +79,13 @@ def test_the_c_enqueue_keeps_the_python_one_s_books(monkeypatch: pytest.MonkeyPa
         c = run("c", m)
     assert c == python
     r = queue.REQUEST_BYTES
+    # a bytearray's allocation: its length and a NUL
     assert python["sizes"] == [
         r,
-        r + 3 * recorder.ROW,
-        r + 2 * recorder.ROW + 256,
-        r + recorder.ROW + 2 * queue.SITE_ENTRY_BYTES + len("SELECT ") * 2 + 1,
-        r + recorder.ROW,
+        r + 3 * recorder.ROW + 1,
+        r + 2 * recorder.ROW + 1 + 256,
+        r + recorder.ROW + 1 + 2 * queue.SITE_ENTRY_BYTES + len("SELECT ") * 2 + 1,
+        r + recorder.ROW + 1,
         r,
     ]
     assert python["bytes"] == sum(python["sizes"])
@@ -122,3 +123,45 @@ def test_take_pops_the_queue_in_order_within_its_bytes(monkeypatch: pytest.Monke
     assert list(queue._queue) == [] and list(queue._sizes) == [5000]
     assert queue._queue_bytes == 5000
     assert queue.take(1 << 20) == []
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_request_s_rows_count_as_allocated(
+    impl: str, agent_data_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1-call request made by the C wrappers has its rows' buffer allocated for 4 rows
+    (grow_calls grows it ahead): the memory budget counts the allocation, not the length."""
+    import sqlite3
+
+    from perfsleuth.agent import shipper
+
+    if recorder.speedups is None:
+        pytest.skip("the C accelerator is not built")
+    got: list[recorder.ActiveRequest] = []
+    recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
+    try:
+        conn = sqlite3.connect(":memory:")
+        req = recorder.speedups.begin("web", "GET", "/one")
+        conn.execute("SELECT 1").fetchall()
+        recorder.speedups.end(req)
+        conn.close()
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    calls = got[0].calls
+    assert calls is not None and len(calls) == recorder.ROW < calls.__alloc__()
+    enqueue = queue.python_enqueue if impl == "python" else recorder.speedups.enqueue
+    for name, value in {
+        "queue_size": 6,
+        "queue_limit": 60_000,
+        "_queue": collections.deque(),
+        "_sizes": collections.deque(),
+        "_queue_bytes": 0,
+        "_site_cache": {},
+        "_sites_seen": 0,
+        "wake": threading.Event(),
+    }.items():
+        monkeypatch.setattr(queue, name, value)
+    got[0].site_list = []
+    got[0].attrs = None
+    enqueue(got[0])
+    assert list(queue._sizes) == [queue.REQUEST_BYTES + calls.__alloc__()]

@@ -271,7 +271,8 @@ get(PyObject *calls, Py_ssize_t offset)
  * than an eighth larger, so every row of a request with fewer than ~40 rows reallocated it (a
  * new block, a copy and a free for each statement); here the buffer is grown by half again
  * (at least GROW_MIN_ROWS rows) and rows are then added in place until it is full. The slack
- * is at most a third of the rows (the queue's byte count and the writer read the length). */
+ * is at most a third of the rows, or 3 rows of a 1-row request (the queue's byte count takes
+ * the allocation; the writer reads the length). */
 #define GROW_MIN_ROWS 4
 static int
 grow_calls(PyObject *calls, Py_ssize_t n)
@@ -3068,7 +3069,7 @@ c_enqueue(PyObject *module, PyObject *req)
     if (calls != NULL && calls != Py_None) {
         if (!PyByteArray_CheckExact(calls) || cache == NULL || PyDict_GET_SIZE(cache) != seen)
             goto python;
-        size += PyByteArray_GET_SIZE(calls);
+        size += ((PyByteArrayObject *)calls)->ob_alloc; /* as allocated: grow_calls's slack */
     }
     PyObject *attrs = get_field(req, layout, F_ATTRS);
     if (attrs != NULL && attrs != Py_None) {

@@ -86,7 +86,9 @@ def enqueue(req: recorder.ActiveRequest) -> None:
     calls = req.calls
     size = REQUEST_BYTES
     if calls is not None:
-        size += len(calls)
+        # the rows' buffer as allocated: the accelerator grows it ahead (by half again, at
+        # least 4 rows), so its length can be a quarter of what it holds
+        size += calls.__alloc__() if type(calls) is bytearray else len(calls)
         if len(_site_cache) != _sites_seen:
             grew = 0
             for entry in req.site_list or ():
