@@ -744,3 +744,68 @@ def test_a_spool_batch_with_a_copy_and_a_reuse_of_one_trace_id_stores_the_reuse(
     finally:
         store.close()
         store_engines.reset()
+
+
+def fill_late_evidence(w: SegmentWriter, start: int) -> None:
+    """Evidence of requests stored by an earlier segment, without them: more samples and a
+    blocker of a trace (they can arrive after their request), a GC pause, agent counters."""
+    stack = w.stack([("/app/shop.py", 42, "orders_page", True)])
+    tid = f"{0xE000 + start:016x}"
+    now = time.time_ns()
+    w.event(b"P", {"id": tid, "ts": now, "samples": [[3_000_000, "cpu", stack]]})
+    w.event(
+        b"B",
+        {"ts": now, "dur": 150_000_000, "delayed": 2, "id": tid,
+         "endpoint": "GET /slow", "stacks": [[stack, 1]]},
+    )  # fmt: skip
+    w.event(b"G", {"pauses": [{"ts": now, "dur": 3_000_000, "gen": 1, "ids": [tid]}]})
+    w.stats({"requests": 5})
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "chdb"])
+def test_a_copied_segment_stores_its_samples_pauses_and_counters_once(
+    tmp_path: Path, engine: str
+) -> None:
+    """A segment copied under another name (a spool restored from a backup, a file copied
+    by hand) doubles nothing: its samples, blockers, GC pauses and agent counters already
+    stored are told apart by their key columns within the batch's time range, on DuckDB as
+    on ClickHouse, also when their requests are not in that segment (evidence of a trace
+    that arrives after its request). DuckDB stored the copy's samples, GC pauses and agent
+    counters again (and the blockers of a trace whose request the copy did not hold).
+    Evidence that is new (other ts, other offsets) is stored."""
+    data = str(tmp_path / "data")
+    store = store_engines.open_engine(engine, data)
+
+    def copy_of(kept: str, path: str, seq: int) -> None:
+        """``kept`` (a copy of segment ``path``) in the spool under another name."""
+        shutil.copy(kept, path.replace("-000001.seg", f"-{seq:06d}.seg"))
+
+    try:
+        w = SegmentWriter(data, seq=1)
+        fill_shop(w, 5)
+        fill_evidence(w, 0)
+        whole = w.close()
+        kept = str(tmp_path / "whole.seg")
+        shutil.copy(whole, kept)
+        store.ingest()
+        first = counts(store)
+        assert first["samples"] == 6 and first["gc_pauses"] == 1 and first["agent_stats"] == 1
+        copy_of(kept, whole, 2)
+        store.ingest()
+        assert counts(store) == first
+
+        w = SegmentWriter(data, seq=1, pid=4242)
+        fill_late_evidence(w, 2)
+        late = w.close()
+        kept = str(tmp_path / "late.seg")
+        shutil.copy(late, kept)
+        store.ingest()
+        second = counts(store)
+        grew = {k: second[k] - first[k] for k in second if second[k] != first[k]}
+        assert grew == {"samples": 1, "blockers": 1, "gc_pauses": 1, "agent_stats": 1}
+        copy_of(kept, late, 3)
+        store.ingest()
+        assert counts(store) == second
+    finally:
+        store.close()
+        store_engines.reset()

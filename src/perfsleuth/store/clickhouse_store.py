@@ -14,7 +14,7 @@ transaction over several inserts, so a batch is committed as
    out (the same trace id within a minute, each request judged on its own:
    :func:`perfsleuth.store.tables.copied_requests`; ``trace_id IN (...)`` per table and
    day, the ids sent with the query in chunks, helped by a bloom index), and so are the
-   samples, blockers, GC pauses and agent counters already stored (:data:`_ROW_KEYS`): a
+   samples, blockers, GC pauses and agent counters already stored (tables.ROW_KEYS): a
    re-run after a crash between two inserts adds only what is missing, even when the
    segment has grown since;
 2. every insert carries a deduplication token made of the table, the day and the segment
@@ -56,6 +56,7 @@ from perfsleuth.store.ingest import (
 from perfsleuth.store.records import Batch
 from perfsleuth.store.schema import quote
 from perfsleuth.store.tables import (
+    ROW_KEYS,
     Tables,
     copied_requests,
     copy_window,
@@ -70,15 +71,6 @@ _QUALIFIED = re.compile(r"[A-Za-z_][A-Za-z_0-9]*\.[A-Za-z_][A-Za-z_0-9]*")
 
 # Tables whose rows all come with their request: a request already in one is not added again.
 _PER_TRACE = ("requests", "calls", "attributes")
-# The other event tables' rows, told apart by these columns: a row already stored (same
-# values, within the batch's time range) is not added again. A trace's samples and blockers
-# can arrive over several batches, so these are matched by row, not by trace.
-_ROW_KEYS: dict[str, tuple[str, ...]] = {
-    "samples": ("trace_id", "ts", "offset_ms"),
-    "blockers": ("trace_id", "ts"),
-    "gc_pauses": ("host", "pid", "ts", "generation"),
-    "agent_stats": ("host", "pid", "name", "ts"),
-}
 # Values per ``IN (...)`` literal: a query stays well under max_query_size (256 KiB).
 _IN_CHUNK = 4_000
 
@@ -416,17 +408,17 @@ class ClickHouseStore(ClickHouseRollups):
                 parts[name] = t.filter(pa.array(~copy))
                 if name == "requests":
                     dropped = t.filter(pa.array(copy))
-        for name in _ROW_KEYS:
+        for name in ROW_KEYS:
             if name in parts:
                 parts[name] = self._drop_stored_rows(name, parts[name])  # type: ignore[assignment]
         return dropped
 
     def _drop_stored_rows(self, name: str, data: pa.Table | None) -> pa.Table | None:
         """The rows of ``data`` not already in table ``name`` (told apart by its
-        :data:`_ROW_KEYS`, looked for within the rows' time range)."""
+        tables.ROW_KEYS, looked for within the rows' time range)."""
         if data is None or not data.num_rows:
             return data
-        keys = _ROW_KEYS[name]
+        keys = ROW_KEYS[name]
         lo, hi = pc.min(data["ts"]).as_py(), pc.max(data["ts"]).as_py()
         cols = ", ".join(quote(k) for k in keys)
         where = f"ts >= {_value(lo)} AND ts <= {_value(hi)}"

@@ -26,6 +26,7 @@ from perfsleuth.store.ingest import (
 from perfsleuth.store.records import Batch
 from perfsleuth.store.schema import quote
 from perfsleuth.store.tables import (
+    ROW_KEYS,
     Tables,
     copied_requests,
     copy_window,
@@ -181,7 +182,9 @@ class DuckDBWriter(DuckDBRollups):
                 self._insert_requests(d, parts, compact=d in compact)
                 for t in schema.EVENT_TABLES:
                     if t.name in parts and t.name not in ("requests", "calls"):
-                        self._insert(schema.day_table(t, d), parts[t.name])
+                        # rows of a day table made by this batch cannot be stored already
+                        keys = ROW_KEYS.get(t.name, ()) if d in days else ()
+                        self._insert(schema.day_table(t, d), parts[t.name], keys=keys)
                 req = parts.get("requests")
                 if req is not None and req.num_rows:
                     # what rollups_of reads: the wide columns it does not are left out
@@ -196,7 +199,7 @@ class DuckDBWriter(DuckDBRollups):
                 if tbl is not None:
                     self._insert(name, tbl, conflict="OR IGNORE")
             if tables.agent_stats is not None:
-                self._insert("agent_stats", tables.agent_stats)
+                self._insert("agent_stats", tables.agent_stats, keys=ROW_KEYS["agent_stats"])
             if tables.captures is not None:
                 self._insert("captures", tables.captures, conflict="OR IGNORE")
             offs = offsets_table(batch, utcnow())
@@ -310,14 +313,30 @@ class DuckDBWriter(DuckDBRollups):
     def _commit(self) -> None:
         self._con.commit()
 
-    def _insert(self, table: str, data: pa.Table, conflict: str = "") -> None:
+    def _insert(
+        self, table: str, data: pa.Table, conflict: str = "", keys: tuple[str, ...] = ()
+    ) -> None:
+        """Insert ``data`` into ``table``; with ``keys``, without the rows of which ``table``
+        holds a row with the same values of those columns (null equal to null) within the
+        rows' ts range: a copied segment or a batch read again adds none of its samples,
+        blockers, GC pauses or agent counters again (tables.ROW_KEYS; requests, calls and
+        attributes are left out by _drop_known_traces). The range is written into the query
+        so DuckDB reads only the row groups whose ts meet it."""
         if data.num_rows == 0:
             return
+        rows = "SELECT * FROM _ps_batch"
+        if keys:
+            span = pc.min_max(data["ts"])
+            lo, hi = (_ts_literal(span[k].as_py()) for k in ("min", "max"))
+            cols = ", ".join(quote(k) for k in keys)
+            on = " AND ".join(f"b.{quote(k)} IS NOT DISTINCT FROM s.{quote(k)}" for k in keys)
+            rows = (
+                f"SELECT b.* FROM _ps_batch b ANTI JOIN (SELECT {cols} FROM {quote(table)}"
+                f" WHERE ts BETWEEN {lo} AND {hi}) s ON {on}"
+            )
         self._con.register("_ps_batch", data)
         try:
-            self._con.execute(
-                f"INSERT {conflict} INTO {quote(table)} BY NAME SELECT * FROM _ps_batch"
-            )
+            self._con.execute(f"INSERT {conflict} INTO {quote(table)} BY NAME {rows}")
         finally:
             self._con.unregister("_ps_batch")
 
@@ -387,6 +406,11 @@ class DuckDBWriter(DuckDBRollups):
             con.rollback()
             raise
         return [d.isoformat() for d in old]
+
+
+def _ts_literal(ts: datetime) -> str:
+    """A stored (naive UTC) ts as a DuckDB literal."""
+    return f"TIMESTAMP '{ts.isoformat(sep=' ', timespec='microseconds')}'"
 
 
 def _without_rid(t: pa.Table) -> pa.Table:

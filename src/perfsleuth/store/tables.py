@@ -12,7 +12,9 @@ and captures are converted by :mod:`perfsleuth.store.evidence` and
 A request is stored once: a batch keeps the first of each trace id (decode.once_per_trace)
 and the store leaves out, with their calls and attributes, those it holds already, each judged
 on its own: a stored request of its trace id within a minute (:func:`copied_requests`,
-:func:`drop_known_traces`). Nothing here depends on the engine the tables go to.
+:func:`drop_known_traces`). The other event rows and the agent counters already stored are
+left out by both engines by the columns of :data:`ROW_KEYS`. Nothing here depends on the
+engine the tables go to.
 """
 
 from __future__ import annotations
@@ -52,6 +54,18 @@ class Tables:
     # a request's ts was not a time (<= 0 or past TS_MAX) and is the time of the conversion:
     # a copy of it stored by an earlier run has another ts
     ts_substituted: bool = False
+
+
+# The event tables whose rows do not all come with their request, and the agent counters: a
+# row is already stored when a stored row has the same values of these columns (looked for
+# within the batch's time range). A trace's samples and blockers can arrive over several
+# batches, so they are matched by row, not by trace.
+ROW_KEYS: dict[str, tuple[str, ...]] = {
+    "samples": ("trace_id", "ts", "offset_ms"),
+    "blockers": ("trace_id", "ts"),
+    "gc_pauses": ("host", "pid", "ts", "generation"),
+    "agent_stats": ("host", "pid", "name", "ts"),
+}
 
 
 # ``rid``: unique among the tables built by this process (OTLP payloads' tables are merged
