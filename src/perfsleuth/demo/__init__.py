@@ -15,7 +15,7 @@ The planted problems, each at a known place (the finding tests rely on these nam
 ``POST /catalog/import``            parses a ~10 MB JSON feed on the event loop (async endpoint)
 ``GET /search``                     pure-Python fuzzy matching: a CPU hotspot
 ``GET /admin/export.csv``           one query per customer for a CSV export (Flask)
-``POST /admin/notes``               a 1 MB form body re-parsed once per field (Flask)
+``POST /admin/notes``               a 0.3-3 MB form body re-parsed once per field (Flask)
 =================================  ========================================================
 
 Clean endpoints: ``GET /health``, ``GET /products``, ``GET /orders/{order_id}``,

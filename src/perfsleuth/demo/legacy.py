@@ -73,7 +73,7 @@ def export_csv() -> Response:
 
 @app.post("/admin/notes")
 def add_note() -> dict[str, Any]:
-    """A support note with a pasted attachment: the body (~1 MB) is parsed again per field."""
+    """A support note with a pasted log (0.3-3 MB): the whole body is parsed again per field."""
     raw = request.get_data(as_text=True)
     note = {}
     for field in NOTE_FIELDS:
