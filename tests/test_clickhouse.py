@@ -748,7 +748,8 @@ def test_a_spool_batch_with_a_copy_and_a_reuse_of_one_trace_id_stores_the_reuse(
 
 def fill_late_evidence(w: SegmentWriter, start: int) -> None:
     """Evidence of requests stored by an earlier segment, without them: more samples and a
-    blocker of a trace (they can arrive after their request), a GC pause, agent counters."""
+    blocker of a trace (they can arrive after their request), a GC pause of two hours
+    earlier, agent counters."""
     stack = w.stack([("/app/shop.py", 42, "orders_page", True)])
     tid = f"{0xE000 + start:016x}"
     now = time.time_ns()
@@ -758,7 +759,9 @@ def fill_late_evidence(w: SegmentWriter, start: int) -> None:
         {"ts": now, "dur": 150_000_000, "delayed": 2, "id": tid,
          "endpoint": "GET /slow", "stacks": [[stack, 1]]},
     )  # fmt: skip
-    w.event(b"G", {"pauses": [{"ts": now, "dur": 3_000_000, "gen": 1, "ids": [tid]}]})
+    # a pause of two hours before: the rows looked for are in two ts ranges
+    early = now - 7_200 * 10**9
+    w.event(b"G", {"pauses": [{"ts": early, "dur": 3_000_000, "gen": 1, "ids": [tid]}]})
     w.stats({"requests": 5})
 
 

@@ -63,6 +63,7 @@ from perfsleuth.store.tables import (
     of_copies,
     offsets_table,
     request_keys,
+    ts_spans,
 )
 
 __all__ = ["ClickHouseStore"]
@@ -415,13 +416,19 @@ class ClickHouseStore(ClickHouseRollups):
 
     def _drop_stored_rows(self, name: str, data: pa.Table | None) -> pa.Table | None:
         """The rows of ``data`` not already in table ``name`` (told apart by its
-        tables.ROW_KEYS, looked for within the rows' time range)."""
+        tables.ROW_KEYS, looked for around the rows' ts: tables.ts_spans)."""
         if data is None or not data.num_rows:
             return data
         keys = ROW_KEYS[name]
-        lo, hi = pc.min(data["ts"]).as_py(), pc.max(data["ts"]).as_py()
         cols = ", ".join(quote(k) for k in keys)
-        where = f"ts >= {_value(lo)} AND ts <= {_value(hi)}"
+        where = (
+            "("
+            + " OR ".join(
+                f"ts >= fromUnixTimestamp64Micro({lo}) AND ts <= fromUnixTimestamp64Micro({hi})"
+                for lo, hi in ts_spans(data)
+            )
+            + ")"
+        )
         ins: Iterable[str] = [""]
         if "trace_id" in keys:
             ins = (

@@ -33,6 +33,7 @@ from perfsleuth.store.tables import (
     drop_known_traces,
     offsets_table,
     request_keys,
+    ts_spans,
 )
 
 # A received segment's row goes once the days it could name a request's origin for are gone:
@@ -317,22 +318,23 @@ class DuckDBWriter(DuckDBRollups):
         self, table: str, data: pa.Table, conflict: str = "", keys: tuple[str, ...] = ()
     ) -> None:
         """Insert ``data`` into ``table``; with ``keys``, without the rows of which ``table``
-        holds a row with the same values of those columns (null equal to null) within the
-        rows' ts range: a copied segment or a batch read again adds none of its samples,
-        blockers, GC pauses or agent counters again (tables.ROW_KEYS; requests, calls and
-        attributes are left out by _drop_known_traces). The range is written into the query
-        so DuckDB reads only the row groups whose ts meet it."""
+        holds a row with the same values of those columns (null equal to null) around the
+        rows' ts (tables.ts_spans): a copied segment or a batch read again adds none of its
+        samples, blockers, GC pauses or agent counters again (tables.ROW_KEYS; requests,
+        calls and attributes are left out by _drop_known_traces). The ranges are written
+        into the query so DuckDB reads only the row groups whose ts meet them."""
         if data.num_rows == 0:
             return
         rows = "SELECT * FROM _ps_batch"
         if keys:
-            span = pc.min_max(data["ts"])
-            lo, hi = (_ts_literal(span[k].as_py()) for k in ("min", "max"))
+            span = " OR ".join(
+                f"ts BETWEEN {_ts_literal(lo)} AND {_ts_literal(hi)}" for lo, hi in ts_spans(data)
+            )
             cols = ", ".join(quote(k) for k in keys)
             on = " AND ".join(f"b.{quote(k)} IS NOT DISTINCT FROM s.{quote(k)}" for k in keys)
             rows = (
                 f"SELECT b.* FROM _ps_batch b ANTI JOIN (SELECT {cols} FROM {quote(table)}"
-                f" WHERE ts BETWEEN {lo} AND {hi}) s ON {on}"
+                f" WHERE {span}) s ON {on}"
             )
         self._con.register("_ps_batch", data)
         try:
@@ -408,8 +410,9 @@ class DuckDBWriter(DuckDBRollups):
         return [d.isoformat() for d in old]
 
 
-def _ts_literal(ts: datetime) -> str:
-    """A stored (naive UTC) ts as a DuckDB literal."""
+def _ts_literal(us: int) -> str:
+    """A stored (naive UTC) ts, in microseconds, as a DuckDB literal."""
+    ts = EPOCH_NAIVE + timedelta(microseconds=us)
     return f"TIMESTAMP '{ts.isoformat(sep=' ', timespec='microseconds')}'"
 
 
