@@ -812,3 +812,57 @@ def test_a_copied_segment_stores_its_samples_pauses_and_counters_once(
     finally:
         store.close()
         store_engines.reset()
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "chdb"])
+def test_a_segment_and_its_copy_in_one_batch_store_it_once(tmp_path: Path, engine: str) -> None:
+    """A segment and a copy of it ingested in the same run (one batch) store each row once:
+    the batch keeps one request per trace id and ts (decode.once_per_trace) and one sample,
+    blocker, GC pause and agent counter per tables.ROW_KEYS. Both engines stored the
+    samples, blockers, GC pauses and agent counters twice (6 -> 12, 3 -> 6, 1 -> 2, 1 -> 2)."""
+    alone = str(tmp_path / "alone")
+    w = SegmentWriter(alone, seq=1)
+    fill_shop(w, 5)
+    fill_evidence(w, 0)
+    path = w.close()
+    twice = str(tmp_path / "twice")
+    shutil.copytree(Path(alone) / "spool", Path(twice) / "spool")
+    name = Path(path).name
+    shutil.copy(path, Path(twice) / "spool" / name.replace("-000001.seg", "-000002.seg"))
+    got = []
+    for data in (alone, twice):
+        store = store_engines.open_engine(engine, data)
+        try:
+            store.ingest()
+            got.append(counts(store))
+        finally:
+            store.close()
+            store_engines.reset()
+    assert got[0]["samples"] == 6 and got[0]["blockers"] == 3
+    assert got[1] == got[0]
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "chdb"])
+def test_loop_blocks_without_a_trace_id_are_never_taken_for_one_another(
+    tmp_path: Path, engine: str
+) -> None:
+    """A blocker row is told apart by its trace id and ts (tables.ROW_KEYS); one without a
+    trace id (the loop blocked outside any request) is not taken for another at its ts, in
+    one batch (it was by tables.once_per_row's first version: test_hostile_spool's
+    test_evidence_records_of_the_wrong_shape_are_read_alone) or across batches, on both
+    engines."""
+    data = str(tmp_path / "data")
+    store = store_engines.open_engine(engine, data)
+    ts = time.time_ns()
+    try:
+        for seq in (1, 2):
+            w = SegmentWriter(data, seq=seq)
+            stack = w.stack([("/app/loop.py", 10 * seq, "tick", True)])
+            for _ in range(2):
+                w.event(b"B", {"ts": ts, "dur": 150_000_000, "stacks": [[stack, 1]]})
+            w.close()
+            store.ingest()
+        assert counts(store)["blockers"] == 4
+    finally:
+        store.close()
+        store_engines.reset()

@@ -318,7 +318,7 @@ class DuckDBWriter(DuckDBRollups):
         self, table: str, data: pa.Table, conflict: str = "", keys: tuple[str, ...] = ()
     ) -> None:
         """Insert ``data`` into ``table``; with ``keys``, without the rows of which ``table``
-        holds a row with the same values of those columns (null equal to null) around the
+        holds a row with the same values of those columns (nulls: see ROW_KEYS) around the
         rows' ts (tables.ts_spans): a copied segment or a batch read again adds none of its
         samples, blockers, GC pauses or agent counters again (tables.ROW_KEYS; requests,
         calls and attributes are left out by _drop_known_traces). The ranges are written
@@ -331,7 +331,10 @@ class DuckDBWriter(DuckDBRollups):
                 f"ts BETWEEN {_ts_literal(lo)} AND {_ts_literal(hi)}" for lo, hi in ts_spans(data)
             )
             cols = ", ".join(quote(k) for k in keys)
-            on = " AND ".join(f"b.{quote(k)} IS NOT DISTINCT FROM s.{quote(k)}" for k in keys)
+            on = " AND ".join(
+                f"b.{quote(k)} {'=' if k == 'trace_id' else 'IS NOT DISTINCT FROM'} s.{quote(k)}"
+                for k in keys
+            )
             rows = (
                 f"SELECT b.* FROM _ps_batch b ANTI JOIN (SELECT {cols} FROM {quote(table)}"
                 f" WHERE {span}) s ON {on}"

@@ -12,8 +12,9 @@ and captures are converted by :mod:`perfsleuth.store.evidence` and
 A request is stored once: a batch keeps the first of each trace id (decode.once_per_trace)
 and the store leaves out, with their calls and attributes, those it holds already, each judged
 on its own: a stored request of its trace id within a minute (:func:`copied_requests`,
-:func:`drop_known_traces`). The other event rows and the agent counters already stored are
-left out by both engines by the columns of :data:`ROW_KEYS`. Nothing here depends on the
+:func:`drop_known_traces`). The other event rows and the agent counters are told apart by
+the columns of :data:`ROW_KEYS`: a batch keeps the first of each (:func:`once_per_row`) and
+both engines leave out those they hold already. Nothing here depends on the
 engine the tables go to.
 """
 
@@ -59,7 +60,9 @@ class Tables:
 # The event tables whose rows do not all come with their request, and the agent counters: a
 # row is already stored when a stored row has the same values of these columns (looked for
 # within the batch's time range). A trace's samples and blockers can arrive over several
-# batches, so they are matched by row, not by trace.
+# batches, so they are matched by row, not by trace. Nulls are equal, but for trace_id: a row
+# without a trace id (a loop blocked outside any request) is never taken for another (on
+# ClickHouse a null is in no ``trace_id IN (...)``).
 ROW_KEYS: dict[str, tuple[str, ...]] = {
     "samples": ("trace_id", "ts", "offset_ms"),
     "blockers": ("trace_id", "ts"),
@@ -111,6 +114,8 @@ def build_tables(batch: Batch, now_ns: int) -> Tables:
     if events:
         try:
             for d, parts in evidence_tables(batch, now_ns).items():
+                # a segment and a copy of it in one batch: each row once, as across batches
+                parts = {n: once_per_row(n, t) for n, t in parts.items()}
                 out.days.setdefault(d, {}).update(parts)
         except MemoryError:
             raise
@@ -125,6 +130,8 @@ def build_tables(batch: Batch, now_ns: int) -> Tables:
             _unconverted(batch, {ev[0] for ev in batch.events[CAPTURE]}, "captures", e)
     try:
         _dictionaries(out, batch, now_ns)
+        if out.agent_stats is not None:
+            out.agent_stats = once_per_row("agent_stats", out.agent_stats)
     except MemoryError:
         raise
     except Exception as e:
@@ -229,6 +236,24 @@ def copy_window(keys: pa.Table, margin_us: int | None) -> tuple[int, int] | None
         return None
     lo, hi = pc.min_max(keys["ts"]).values()
     return lo.as_py() - margin_us, hi.as_py() + margin_us
+
+
+def once_per_row(name: str, t: pa.Table) -> pa.Table:
+    """Rows of table ``name`` with the first of each value of its ROW_KEYS columns (see
+    there for nulls), in their order; a table without ROW_KEYS as it is."""
+    keys = ROW_KEYS.get(name)
+    if keys is None or t.num_rows < 2:
+        return t
+    idx = pa.table({**{k: t[k] for k in keys}, "_row": np.arange(t.num_rows)})
+    first = idx.group_by(list(keys), use_threads=False).aggregate([("_row", "min")])
+    if first.num_rows == t.num_rows:
+        return t
+    rows = first["_row_min"].to_numpy()
+    if "trace_id" in keys and t["trace_id"].null_count:
+        rows = np.union1d(rows, np.flatnonzero(t["trace_id"].is_null().to_numpy(False)))
+    else:
+        rows = np.sort(rows)
+    return t if len(rows) == t.num_rows else t.take(pa.array(rows))
 
 
 def ts_spans(data: pa.Table) -> list[tuple[int, int]]:
