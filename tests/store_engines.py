@@ -29,6 +29,7 @@ CHDB_MODULES = frozenset(
         "test_slow_query_rows",
         "test_confidence",
         "test_server_api",
+        "test_large_request_body",
     }
 )
 

@@ -155,8 +155,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # Sentry's large-payload threshold (300 KB); the lessons' decisive find was a huge
         # form field re-parsed per thread.
         "min_bytes": 300_000,
-        # ... whose size drives latency: Pearson r over the endpoint's requests.
+        # ... whose size drives latency: the rank (Spearman) correlation of size and time over
+        # the endpoint's requests (CPU time over those that have it, or duration),
         "min_correlation": 0.5,
+        # ... and a one-sided 5 % test that it is not chance: five unrelated requests reach
+        # 0.5 about one time in five; twelve need about 0.5, five about 0.83.
+        "max_p_value": 0.05,
         "min_requests": 5,
     },
     "slow_request_hotspot": {
@@ -252,7 +256,10 @@ EVIDENCE_FLOORS: dict[str, dict[str, str]] = {
     "upstream_latency": {"requests_calling": "min_requests"},
     "outlier_tenant": {"requests": "min_requests", "other_requests": "min_other_requests"},
     "chatty_endpoint": {"requests": "min_requests"},
-    "large_request_body": {"requests_with_large_body": "min_requests"},
+    "large_request_body": {
+        "requests_with_large_body": "min_requests",
+        "requests_fitted": "min_requests",
+    },
     "slow_request_hotspot": {"slow_requests": "min_requests", "samples": "min_samples"},
     "event_loop_blocker": {"blocks": "min_count"},
     "gc_pressure": {"requests": "min_requests"},
