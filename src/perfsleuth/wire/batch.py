@@ -332,15 +332,16 @@ def cx_entries(rows: list[tuple[int, ...]], hosts: list[str], cx: Any) -> dict[s
         out.setdefault(str(req), {}).setdefault(str(call), {}).update(x)
     if isinstance(cx, dict):
         for rk, per in cx.items():
-            if not isinstance(per, dict):
-                out[rk] = per
+            if not isinstance(per, dict):  # no entry to read (wire.calls.decode_parts)
                 continue
             mine = out.setdefault(rk, {})
             for ck, x in per.items():
-                if isinstance(x, dict) and isinstance(mine.get(ck), dict):
-                    mine[ck] = {**mine[ck], **x}
-                else:
-                    mine[ck] = x
+                if not isinstance(x, dict):
+                    continue
+                row = mine.get(ck)
+                if row:  # a row's value stays where the entry's is none (as the store reads)
+                    x = {**row, **{k: v for k, v in x.items() if v is not None or k == "host"}}
+                mine[ck] = x
     return out
 
 

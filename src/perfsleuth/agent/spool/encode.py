@@ -424,7 +424,7 @@ class Encoder:
         batch's ``sparse["cxrows"]`` as rows of request ``index`` (hosts numbered in
         ``sparse["hosts"]``), not into the entries: only a call with an error or extra
         values keeps an entry of them all."""
-        rows: list[tuple[int, ...]] = sparse["cxrows"]
+        rows: list[tuple[int, ...]] = []  # the batch's once the request is whole (below)
         hosts: dict[str, int] = sparse["hosts"]
         calls = req.calls
         site_list = req.site_list
@@ -485,6 +485,7 @@ class Encoder:
                     if recorder.get_field(calls, i + recorder.SLOT) == slot:
                         x = ext.setdefault(str(i // recorder.ROW), {})
                         x["kind"], x["system"] = str(kind), str(system)
+        sparse["cxrows"].extend(rows)
         return ext
 
     def records(
@@ -545,14 +546,21 @@ class Encoder:
         except Exception:  # an odd value somewhere: one record per request, losing only it
             recorder.internal_error()
         n = 0
+        names = list(sparse["hosts"])
         for i, (row, calls) in enumerate(zip(rows, calls_of, strict=True)):
             key = str(i)
             mine: dict[str, Any] = {
                 name: {"0": v[key]} for name in columns.SPARSE if key in (v := sparse[name])
             }
             mine["site_table"] = sparse["site_table"]
-            mine["cxrows"] = [(0, *r[1:]) for r in sparse["cxrows"] if r[0] == i]
-            mine["hosts"] = sparse["hosts"]
+            # its own hosts only: one a record cannot hold (not UTF-8) loses only its request
+            own: dict[str, int] = {}
+            mine["cxrows"] = [
+                (0, *r[1:7], NULL if r[7] == NULL else own.setdefault(names[r[7]], len(own)))
+                for r in sparse["cxrows"]
+                if r[0] == i
+            ]
+            mine["hosts"] = own
             try:
                 out.append(columns.requests_record([row], [calls], mine))
                 n += 1
