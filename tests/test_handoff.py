@@ -26,6 +26,7 @@ from test_run_servers import launched, uvicorn
 APP = """\
 import asyncio
 import sqlite3
+import threading
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,8 +42,12 @@ N = 24
 CROSS = "SELECT a.id, b.id FROM items a, items b, items c"
 
 
+LOCK = threading.Lock()  # one connection, many threads: sqlite3 3.12+ does not serialize
+
+
 def load_item(item_id):
-    return DB.execute("SELECT name FROM items WHERE id = ?", (item_id,)).fetchone()[0]
+    with LOCK:
+        return DB.execute("SELECT name FROM items WHERE id = ?", (item_id,)).fetchone()[0]
 
 
 def load_all(ids):
@@ -50,7 +55,8 @@ def load_all(ids):
 
 
 def run_query(sql):  # a generic executor
-    return DB.execute(sql).fetchall()
+    with LOCK:
+        return DB.execute(sql).fetchall()
 
 
 app = FastAPI()

@@ -107,7 +107,6 @@ static PyObject *engine_of;     /* templates.engine_of */
 static PyObject *sink;          /* recorder._sink (None: the agent is off) */
 static PyObject *inflight;      /* recorder.inflight */
 static PyObject *stats;         /* recorder.stats */
-static PyObject *getrandbits;   /* random.getrandbits (accepted; begin draws its own: trace_bits) */
 static PyObject *no_sites;      /* recorder._NO_SITES */
 static PyObject *default_class; /* recorder.ActiveRequest */
 
@@ -2911,19 +2910,19 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"current", "sql_text", "internal_error", "max_rows", "perf_counter",
                             "code_kinds", "classify", "site_cache", "stack_cache", "max_depth", "max_sites",
-                            "stacks_per_site", "sink", "inflight", "stats", "getrandbits",
-                            "no_sites", "request_class", "template_key", "template_engines",
+                            "stacks_per_site", "sink", "inflight", "stats", "no_sites",
+                            "request_class", "template_key", "template_engines",
                             "engine_of", "cpu_threshold", NULL};
     PyObject *current = NULL, *text = NULL, *error = NULL, *perf = NULL, *kinds = NULL,
              *classify = NULL, *cache = NULL, *stacks_cache = NULL, *new_sink = NULL, *flying = NULL,
-             *counters = NULL, *random_bits = NULL, *empty_sites = NULL, *req_class = NULL,
+             *counters = NULL, *empty_sites = NULL, *req_class = NULL,
              *tpl_key = NULL, *tpl_engines = NULL, *tpl_engine_of = NULL;
     Py_ssize_t rows = -1, depth = -1, sites = -1, per_site = -1;
     long long threshold = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOnOOOOOnnnOOOOOOOOOL:configure", names,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOnOOOOOnnnOOOOOOOOL:configure", names,
                                      &current, &text, &error, &rows, &perf, &kinds, &classify,
                                      &cache, &stacks_cache, &depth, &sites, &per_site, &new_sink, &flying,
-                                     &counters, &random_bits, &empty_sites, &req_class,
+                                     &counters, &empty_sites, &req_class,
                                      &tpl_key, &tpl_engines, &tpl_engine_of, &threshold))
         return NULL;
     if ((tpl_key != NULL) != (tpl_engines != NULL) ||
@@ -2950,8 +2949,6 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
         Py_XSETREF(inflight, Py_NewRef(flying));
     if (counters != NULL)
         Py_XSETREF(stats, Py_NewRef(counters));
-    if (random_bits != NULL)
-        Py_XSETREF(getrandbits, Py_NewRef(random_bits));
     if (empty_sites != NULL)
         Py_XSETREF(no_sites, Py_NewRef(empty_sites));
     if (req_class != NULL)
@@ -3150,7 +3147,7 @@ static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "configure(*, current, sql_text, internal_error, max_rows, perf_counter, code_kinds, "
      "classify, site_cache, stack_cache, max_depth, max_sites, stacks_per_site, sink, inflight, stats, "
-     "getrandbits, no_sites, request_class, template_key, template_engines, engine_of, "
+     "no_sites, request_class, template_key, template_engines, engine_of, "
      "cpu_threshold): what the wrappers use (each optional); cpu_threshold: begin measures the "
      "CPU time of a request whose trace id's low 32 bits are under it; perf_counter: time.perf_counter_ns when it is not "
      "CLOCK_MONOTONIC, else None; template_key (stacks.template_key, None: off), "

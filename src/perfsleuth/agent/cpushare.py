@@ -14,9 +14,9 @@ below the rate, is measured whole.
 
 The writer thread calls :func:`tick` after each drain (every PERFSLEUTH_FLUSH_SECONDS): once a
 second it takes the rate of requests ended over the last second and sets the recorder's share
-(recorder.set_cpu_sample: the trace id's low bits draw the requests, the same draw on every
-service that shares the trace id). Nothing on the request path changes: begin() compares the
-draw with a threshold, as with a fixed share.
+(recorder.set_cpu_sample: the trace id's low bits draw the requests, the same draw in C and in
+Python). Nothing on the request path changes: begin() compares the draw with a threshold, as
+with a fixed share.
 """
 
 from __future__ import annotations

@@ -223,7 +223,6 @@ def configure(
             sink=sink,
             inflight=inflight,
             stats=stats,
-            getrandbits=_getrandbits,
             no_sites=_NO_SITES,
             request_class=ActiveRequest,
         )
