@@ -866,3 +866,54 @@ def test_loop_blocks_without_a_trace_id_are_never_taken_for_one_another(
     finally:
         store.close()
         store_engines.reset()
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "chdb"])
+def test_a_copy_s_calls_go_with_it(tmp_path: Path, engine: str) -> None:
+    """A request that is a copy by the requests table (its trace id within a minute of a
+    stored one) leaves its calls out too, also when the stored one had no calls for the
+    calls table to find (ClickHouse judged each table on its own and kept them)."""
+    from perfsleuth.store.records import Batch
+
+    now = time.time_ns()
+    store = store_engines.open_engine(engine, str(tmp_path / "data"))
+    try:
+        store.insert_tables(Batch(), request_tables([("bb", now, "GET /b", 0)]))
+        store.insert_tables(Batch(), request_tables([("bb", now + 30 * 10**9, "GET /c", 2)]))
+        assert [r["endpoint"] for r in store.query("SELECT endpoint FROM requests")] == ["GET /b"]
+        assert store.query("SELECT endpoint FROM calls") == []
+    finally:
+        store.close()
+        store_engines.reset()
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "chdb"])
+def test_a_copy_s_loop_block_is_stored_once_beside_a_reused_trace_id(
+    tmp_path: Path, engine: str
+) -> None:
+    """A segment copied, with the trace id reused ten minutes later in the copy: the copy's
+    loop block is not stored again, whatever request of its trace id the batch keeps."""
+    now = time.time_ns()
+    minute = 60 * 10**9
+    data = str(tmp_path / "data")
+    tid = "00000000000000aa"
+    block = {"ts": now - 10 * minute, "dur": 200_000_000, "delayed": 1, "id": tid}
+    block["endpoint"] = "GET /a"
+    store = store_engines.open_engine(engine, data)
+    try:
+        w = SegmentWriter(data, seq=1)
+        w.request("GET /a", trace_id=tid, ts_ns=now - 10 * minute, dur_ms=300.0)
+        w.event(b"B", block)
+        w.close()
+        store.ingest()
+        w = SegmentWriter(data, seq=2)
+        w.request("GET /a", trace_id=tid, ts_ns=now - 10 * minute, dur_ms=300.0)
+        w.event(b"B", block)
+        w.request("GET /b", trace_id=tid, ts_ns=now)
+        w.close()
+        store.ingest()
+        assert store.query("SELECT count(*) AS n FROM blockers") == [{"n": 1}]
+        assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 2}]
+    finally:
+        store.close()
+        store_engines.reset()

@@ -378,6 +378,7 @@ class ClickHouseStore(ClickHouseRollups):
         would share it)."""
         margin = None if any_ts else KNOWN_TRACE_MARGIN_US
         dropped = None
+        request_copies: pa.Table | None = None
         # The day's requests: their calls and attributes carry their trace id and ts
         # (tables.event_tables), so the requests' keys serve every table (grouping the keys
         # of 500k calls rows instead cost ~35 ms CPU per 50k-request batch).
@@ -404,7 +405,16 @@ class ClickHouseStore(ClickHouseRollups):
                 )
                 for chunk in _chunks(pc.unique(sent["trace_id"]).to_pylist())
             ]
-            copy = of_copies(t, copied_requests(sent, _concat(stored), margin))
+            copies = copied_requests(sent, _concat(stored), margin)
+            if name == "requests":
+                request_copies = copies
+            elif request_copies is not None:  # a copy's calls and attributes go with it
+                copies = (
+                    pa.concat_tables([copies, request_copies])
+                    .group_by(["trace_id", "ts"], use_threads=False)
+                    .aggregate([])
+                )
+            copy = of_copies(t, copies)
             if copy.any():
                 parts[name] = t.filter(pa.array(~copy))
                 if name == "requests":
