@@ -657,6 +657,33 @@ def test_attributes_decoded_once_read_as_a_full_parse_does(monkeypatch: Any) -> 
     ]
 
 
+def test_a_payload_over_the_cache_s_bounds_is_not_kept_after_it(monkeypatch: Any) -> None:
+    """A payload with more distinct attributes (or more of their bytes) than the cache keeps
+    is decoded whole, and the cache holds none of it afterwards: it stays within its bounds
+    between payloads (30,000 distinct 1 KB statements were all kept, 68 MB)."""
+    from perfsleuth.store.otlp import spans, view
+
+    def big(n: int) -> ExportTraceServiceRequest:
+        p = _payload("6" * 32, queries=n)
+        return ExportTraceServiceRequest.FromString(_proto(p))
+
+    monkeypatch.setattr(view, "MAX_ATTRIBUTES", 20)
+    spans._caches.clear()
+    cache = spans._cache(spans.SPAN_KEYS | set(spans.Keys().user) | set(spans.Keys().tenant))
+    out = spans.read(big(40), spans.Keys())  # 40 distinct statements
+    assert len(out) == 42 and out[40].attrs["db.query.text"].endswith("= 39")
+    assert len(cache.known) <= view.MAX_ATTRIBUTES
+    assert cache.bytes == sum(map(len, cache.known))
+    monkeypatch.setattr(view, "MAX_ATTRIBUTES", 20_000)
+    monkeypatch.setattr(view, "MAX_KEPT_BYTES", 500)  # by their bytes
+    spans._caches.clear()
+    cache = spans._cache(spans.SPAN_KEYS | set(spans.Keys().user) | set(spans.Keys().tenant))
+    assert spans.read(big(40), spans.Keys()) == out
+    assert cache.bytes == sum(map(len, cache.known)) <= view.MAX_KEPT_BYTES
+    assert spans.read(big(3), spans.Keys())  # a small payload is kept again
+    assert 0 < cache.bytes <= view.MAX_KEPT_BYTES
+
+
 def test_json_payloads_decode_as_protobuf_s_json_mapping_does() -> None:
     """payload.decode parses each distinct JSON attribute once (and keeps its bytes): the
     message is the one protobuf's JSON mapping makes of the whole payload, for attributes of

@@ -270,33 +270,35 @@ def read(msg: Any, keys: Keys) -> list[Span]:
             raise OtlpError(400, f"bad protobuf: an attribute is not a KeyValue ({e})") from None
         known, params = attrs_of.known, attrs_of.params
         pick = known.__getitem__
-        for sp, kvs in zip(spans, lists, strict=True):
-            attrs: dict[str, Any] = dict(filter(None, map(pick, kvs)))
-            if params and not params.isdisjoint(kvs):
-                attrs[PARAMETER] = True  # the span has parameters
-            try:
-                error = _error(sp) if sp.events or sp.status else None
-            except messages().errors as e:
-                raise OtlpError(400, f"bad protobuf: a span's status or event ({e})") from None
-            out.append(
-                new(
-                    Span,
-                    (
-                        sp.trace_id.hex(),
-                        sp.span_id.hex(),
-                        sp.parent_span_id.hex(),
-                        sp.kind,
-                        sp.name,
-                        sp.start_time_unix_nano,
-                        sp.end_time_unix_nano,
-                        attrs,
-                        error,
-                        source,
-                        res,
-                    ),
+        try:
+            for sp, kvs in zip(spans, lists, strict=True):
+                attrs: dict[str, Any] = dict(filter(None, map(pick, kvs)))
+                if params and not params.isdisjoint(kvs):
+                    attrs[PARAMETER] = True  # the span has parameters
+                try:
+                    error = _error(sp) if sp.events or sp.status else None
+                except messages().errors as e:
+                    raise OtlpError(400, f"bad protobuf: a span's status or event ({e})") from None
+                out.append(
+                    new(
+                        Span,
+                        (
+                            sp.trace_id.hex(),
+                            sp.span_id.hex(),
+                            sp.parent_span_id.hex(),
+                            sp.kind,
+                            sp.name,
+                            sp.start_time_unix_nano,
+                            sp.end_time_unix_nano,
+                            attrs,
+                            error,
+                            source,
+                            res,
+                        ),
+                    )
                 )
-            )
-        attrs_of.forget(long)
+        finally:  # (also when a span is refused: the cache stays bounded)
+            attrs_of.forget(long)
     return out
 
 

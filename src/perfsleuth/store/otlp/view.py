@@ -158,3 +158,8 @@ class AttributeCache:
             if self.known.pop(kv, False) is not False:
                 self.bytes -= len(kv)
             self.params.discard(kv)
+        # a payload whose own distinct attributes are over the bounds is not kept after it
+        if len(self.known) > MAX_ATTRIBUTES or self.bytes > MAX_KEPT_BYTES:
+            self.known.clear()
+            self.params.clear()
+            self.bytes = 0
