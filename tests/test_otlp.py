@@ -584,6 +584,23 @@ def test_malformed_payloads_are_refused_and_nothing_is_stored(server: Server) ->
     assert server.count("requests") == 1
 
 
+def _ld(field: int, b: bytes) -> bytes:
+    """A length-delimited protobuf field: its tag, length and bytes."""
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    return bytes(_VarintBytes((field << 3) | 2) + _VarintBytes(len(b)) + b)
+
+
+def _with_span(msg: Any, i: int, span_bytes: bytes) -> bytes:
+    """The request's bytes with span ``i`` of its first scope replaced by ``span_bytes``."""
+    rs = msg.resource_spans[0]
+    ss = rs.scope_spans[0]
+    spans = [s.SerializeToString() for s in ss.spans]
+    spans[i] = span_bytes
+    scope = _ld(1, ss.scope.SerializeToString()) + b"".join(_ld(2, s) for s in spans)
+    return _ld(1, _ld(1, rs.resource.SerializeToString()) + _ld(2, scope))
+
+
 def test_a_malformed_attribute_status_or_event_is_refused(server: Server) -> None:
     """The spans' attributes, status and events are decoded after the payload (each distinct
     attribute once, store.otlp.view): one that is not the official message still refuses
@@ -597,16 +614,65 @@ def test_a_malformed_attribute_status_or_event_is_refused(server: Server) -> Non
     for field, raw in (("attributes", bad_key), ("status", bad_status), ("events", bad_event)):
         msg = messages().request.FromString(good)
         span = msg.resource_spans[0].scope_spans[0].spans[1]
-        if field == "status":
-            span.status = raw
+        if field == "status":  # a message of the view: its bytes after the span's
+            body = _with_span(msg, 1, span.SerializeToString() + _ld(15, raw))
         else:
             getattr(span, field).append(raw)
-        status, reply = server.post(msg.SerializeToString(), "application/x-protobuf")
+            body = msg.SerializeToString()
+        status, reply = server.post(body, "application/x-protobuf")
         assert status == 400, (field, reply)
         assert "bad protobuf" in reply["error"]
     assert server.count("requests") == 0
     assert server.post(good, "application/x-protobuf")[0] == 200
     assert server.count("requests") == 1
+
+
+def test_a_malformed_event_or_status_beside_an_exception_event_is_refused(
+    server: Server,
+) -> None:
+    """Every event and the status of a span are parsed, also after its ``exception`` event
+    gave the error: a malformed one refuses the payload (400) as a full parse does (they
+    were accepted)."""
+    from perfsleuth.store.otlp.view import messages
+
+    good = _proto(_payload("5" * 32, code=True))
+    msg = messages().official.FromString(good)
+    span = msg.resource_spans[0].scope_spans[0].spans[1]
+    ev = span.events.add(name="exception")
+    ev.attributes.add(key="exception.type").value.string_value = "ValueError"
+    for extra in (_ld(11, b"\xff\xff\xff"), _ld(15, b"\xff\xff\xff")):  # an event, a status
+        body = _with_span(msg, 1, span.SerializeToString() + extra)
+        with pytest.raises(Exception):  # noqa: B017 (the official parse refuses it)
+            messages().official.FromString(body)
+        status, reply = server.post(body, "application/x-protobuf")
+        assert status == 400, reply
+        assert "bad protobuf" in reply["error"]
+    assert server.count("requests") == 0
+
+
+def test_a_status_sent_twice_is_merged_as_a_full_parse_does() -> None:
+    """A span's Status field sent twice is one Status, the two merged (protobuf's rule for a
+    message field): an ERROR code in the first and a message in the second is an error with
+    that message (the view kept the last bytes only: no error)."""
+    from opentelemetry.proto.trace.v1 import trace_pb2
+
+    from perfsleuth.store.otlp import spans
+    from perfsleuth.store.otlp.payload import decode
+    from perfsleuth.store.otlp.view import messages
+
+    first = trace_pb2.Span(
+        trace_id=b"\x01" * 16, span_id=b"\x02" * 8, kind=2, name="GET /x",
+        start_time_unix_nano=10**18, end_time_unix_nano=10**18 + 10**6,
+        status=trace_pb2.Status(code=2, message="boom"),
+    )  # fmt: skip
+    later = trace_pb2.Span(status=trace_pb2.Status(message="later"))
+    body = _ld(1, _ld(2, _ld(2, first.SerializeToString() + later.SerializeToString())))
+    official = messages().official.FromString(body)
+    st = official.resource_spans[0].scope_spans[0].spans[0].status
+    assert (st.code, st.message) == (2, "later")
+    (span,) = spans.read(decode(body, "application/x-protobuf", None), spans.Keys())
+    assert span.error == "later"
+    assert spans.read(official, spans.Keys()) == [span]
 
 
 def test_attributes_decoded_once_read_as_a_full_parse_does(monkeypatch: Any) -> None:

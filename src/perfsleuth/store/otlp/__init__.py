@@ -33,7 +33,7 @@ is stored once.
 
 The modules, in the order a payload goes through them (each imports only those before it):
 :mod:`~perfsleuth.store.otlp.view` is the official messages as the mapping reads them (a span's
-attributes, status and events as their messages' bytes, each distinct attribute decoded
+attributes and events as their messages' bytes, each distinct attribute decoded
 once); :mod:`~perfsleuth.store.otlp.payload` decodes an OTLP/HTTP body and answers it;
 :mod:`~perfsleuth.store.otlp.spans` reads the spans (the wanted attributes of each), walks each
 up to its request and keeps the pool of spans waiting for theirs;

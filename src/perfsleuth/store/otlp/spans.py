@@ -212,38 +212,20 @@ def _cache(wanted: frozenset[str]) -> AttributeCache:
     return hit
 
 
-_statuses: dict[bytes, tuple[int, str]] = {}
-
-
-def _status(raw: bytes) -> tuple[int, str]:
-    """(code, message) of a span's status (its bytes: the official Status)."""
-    hit = _statuses.get(raw)
-    if hit is None:
-        st = messages().status.FromString(raw)
-        hit = (st.code, st.message)
-        if len(raw) <= 256:
-            if len(_statuses) >= 1_000:
-                _statuses.clear()
-            _statuses[raw] = hit
-    return hit
-
-
 def _error(sp: Any) -> str | None:
     """A span's error: its first ``exception`` event's type (else message), else the message
-    of an ERROR status."""
+    of an ERROR status. Every event is parsed (the status is a message of the view): a
+    malformed one fails the payload, as a full parse does."""
     error = None
     if sp.events:
         event = messages().event
         for raw in sp.events:
             ev = event.FromString(raw)
-            if ev.name == "exception":
+            if error is None and ev.name == "exception":
                 ea = _attrs(ev.attributes)
                 error = values.as_str(first(ea, "exception.type", "exception.message"))
-                break
-    if error is None and sp.status:
-        code, message = _status(sp.status)
-        if code == STATUS_ERROR:
-            error = message or "error"
+    if error is None and sp.status.code == STATUS_ERROR:
+        error = sp.status.message or "error"
     return error
 
 
@@ -276,7 +258,7 @@ def read(msg: Any, keys: Keys) -> list[Span]:
                 if params and not params.isdisjoint(kvs):
                     attrs[PARAMETER] = True  # the span has parameters
                 try:
-                    error = _error(sp) if sp.events or sp.status else None
+                    error = _error(sp)
                 except messages().errors as e:
                     raise OtlpError(400, f"bad protobuf: a span's status or event ({e})") from None
                 out.append(

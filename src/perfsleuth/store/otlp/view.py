@@ -1,5 +1,5 @@
 """The official ``opentelemetry-proto`` messages as the mapping reads them: an
-``ExportTraceServiceRequest`` whose spans keep their attributes, events and status as the
+``ExportTraceServiceRequest`` whose spans keep their attributes and events as the
 bytes of the official messages (:func:`messages`), and those bytes decoded with the official
 messages, each distinct attribute once (:class:`AttributeCache`).
 
@@ -8,11 +8,12 @@ Why: upb makes a Python object for every key, value and ``AnyValue`` read, ~0.6 
 route and statement in most spans), and a look-up of an attribute's bytes costs ~0.15 us.
 
 The view is built from the official file descriptors in a pool of its own, with the same
-names and field numbers; only the field types of ``Span.attributes``, ``Span.events`` and
-``Span.status`` change (a message's bytes are a ``bytes`` field's value on the wire).
+names and field numbers; only the field types of ``Span.attributes`` and ``Span.events``
+change (a message's bytes are a ``bytes`` field's value on the wire).
 Whatever the mapping reads still goes through the official messages: the attributes met for
-the first time are decoded together as one official ``KeyValueList``, a status or an event as
-the official ``Status`` or ``Span.Event``; a malformed one fails its payload as a full parse
+the first time are decoded together as one official ``KeyValueList``, an event as
+the official ``Span.Event`` (the status is parsed with the payload, a message as in the
+official one: a Status sent twice is merged); a malformed one fails its payload as a full parse
 would (``DecodeError``).
 """
 
@@ -35,7 +36,7 @@ class Messages(NamedTuple):
     errors: tuple[type[BaseException], ...]  # what parsing raises for bytes that are not one
 
 
-_BYTES_FIELDS = ("attributes", "events", "status")
+_BYTES_FIELDS = ("attributes", "events")  # (a Status stays a message: sent twice, merged)
 
 
 @cache
