@@ -99,3 +99,18 @@ def test_the_p_value_of_a_rank_correlation() -> None:
     assert p_value(0.6, 5) == pytest.approx(0.1151, abs=1e-4)  # z = 1.2
     assert p_value(0.5, 12) == pytest.approx(0.0487, abs=1e-4)  # z = 1.66
     assert p_value(1.0, 1) == 1.0
+
+
+def test_a_fit_without_variation_leaves_the_decision_to_the_other_fit(synth: Any) -> None:
+    """Every duration the same (their rank correlation is NaN): the CPU fit decides, on both
+    engines (on ClickHouse nullIf(x, NaN) kept the NaN, which beat nothing: no finding)."""
+
+    def fill(w: SegmentWriter) -> None:
+        for size in sizes(12, 5):
+            w.request(
+                "POST /notes", dur_ms=100.0, req_bytes=size, cpu_ns=round(parse_cpu_ms(size) * MS)
+            )
+
+    fs = findings_of(synth, fill)
+    assert [f.evidence["correlated_with"] for f in fs] == ["cpu_ms"]
+    assert fs[0].evidence["requests_fitted"] == 12

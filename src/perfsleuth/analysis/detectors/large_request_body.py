@@ -75,17 +75,22 @@ ranked AS (
 fit AS (
     SELECT f.endpoint, any_value(j.n) AS n, count(*) AS n_kept,
         sum(CASE WHEN NOT f.untimed THEN 1 ELSE 0 END) AS n_cpu_kept,
-        nullif(corr(f.rank_bytes, f.rank_dur), 'NaN'::DOUBLE) AS r_dur,
-        nullif(corr(CASE WHEN NOT f.untimed THEN f.rank_bytes_timed END,
-                    CASE WHEN NOT f.untimed THEN f.rank_cpu END), 'NaN'::DOUBLE) AS r_cpu,
+        corr(f.rank_bytes, f.rank_dur) AS r_dur_raw,
+        corr(CASE WHEN NOT f.untimed THEN f.rank_bytes_timed END,
+             CASE WHEN NOT f.untimed THEN f.rank_cpu END) AS r_cpu_raw,
         any_value(j.s_dur) AS s_dur, any_value(j.s_cpu) AS s_cpu
     FROM ranked f JOIN judged j USING (endpoint) GROUP BY 1
+),
+fit_ok AS (        -- NaN (no variation) as NULL: a comparison with NaN is false on both engines
+    SELECT *, CASE WHEN r_dur_raw BETWEEN -2 AND 2 THEN r_dur_raw END AS r_dur,
+        CASE WHEN r_cpu_raw BETWEEN -2 AND 2 THEN r_cpu_raw END AS r_cpu
+    FROM fit
 ),
 scored AS (        -- each fit's rho * sqrt(n - 1); CPU only over enough timed requests
     SELECT *, coalesce(r_dur * sqrt(n_kept - 1), -1e9) AS z_dur,
         CASE WHEN n_cpu_kept >= ? THEN coalesce(r_cpu * sqrt(n_cpu_kept - 1), -1e9)
              ELSE -1e9 END AS z_cpu
-    FROM fit
+    FROM fit_ok
 ),
 best AS (
     SELECT endpoint, n,
