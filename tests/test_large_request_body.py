@@ -158,3 +158,54 @@ def test_a_max_p_value_of_zero_finds_nothing(synth: Any) -> None:
     config = Config()
     config.set("large_request_body", "max_p_value", 0.0)
     assert [f for f in find(synth(fill), config=config) if f.kind == "large_request_body"] == []
+
+
+def _spearman(x: list[float], y: list[float]) -> float:
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return out
+
+    rx, ry = ranks(x), ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    return sxy / (sxx * syy) ** 0.5
+
+
+def test_over_2000_requests_the_same_are_fitted_on_both_engines(synth: Any) -> None:
+    """2,500 requests: the rank correlation is over every 2nd in the order of their trace ids,
+    the same requests on both engines (it was by hash(trace_id), which is cityHash64 on
+    ClickHouse: other requests, another count and correlation)."""
+    import random
+
+    rnd = random.Random(5)
+    reqs = []
+    for _ in range(2_500):
+        size = int(300_000 * 10 ** rnd.random())
+        reqs.append((f"{rnd.getrandbits(64):016x}", size, parse_cpu_ms(size) * rnd.uniform(1, 6)))
+
+    def fill(w: SegmentWriter) -> None:
+        for i in range(0, len(reqs), 500):
+            w.write_requests(
+                [
+                    {"endpoint": "POST /notes", "trace_id": t, "dur_ms": d, "req_bytes": b}
+                    for t, b, d in reqs[i : i + 500]
+                ]
+            )
+
+    kept = sorted(reqs)[1::2]  # row_number() % 2 = 0
+    want = _spearman([float(b) for _, b, _ in kept], [d for _, _, d in kept])
+    [f] = findings_of(synth, fill)
+    assert f.evidence["requests_with_known_size"] == 2_500
+    assert f.evidence["requests_fitted"] == 1_250
+    assert f.evidence["correlation"] == pytest.approx(want, abs=1e-9)

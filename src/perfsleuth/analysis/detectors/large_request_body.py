@@ -39,7 +39,8 @@ KIND = "large_request_body"
 MAX_P_VALUE = 0.05
 
 # The rank correlations are over at most about FIT_MAX of an endpoint's requests (every k-th
-# by a hash of the trace id): ranking is a sort per measure, and a few thousand requests
+# in the order of their trace ids, which both engines sort alike: their hash() differ, and
+# sampled different requests): ranking is a sort per measure, and a few thousand requests
 # settle a correlation; the slopes are over all of them.
 FIT_MAX = 2_000
 
@@ -47,7 +48,9 @@ FIT_MAX = 2_000
 # endpoint that have a CPU time.
 _SQL = """
 WITH sized AS (
-    SELECT endpoint, trace_id, req_bytes, duration_ms, cpu_ms, cpu_ms IS NULL AS untimed
+    SELECT endpoint, trace_id, req_bytes, duration_ms, cpu_ms, cpu_ms IS NULL AS untimed,
+        row_number() OVER (PARTITION BY endpoint ORDER BY trace_id, ts, req_bytes, duration_ms)
+            AS k
     FROM r WHERE req_bytes IS NOT NULL AND duration_ms IS NOT NULL
 ),
 judged AS (        -- endpoints with enough large bodies to be judged at all
@@ -59,7 +62,7 @@ judged AS (        -- endpoints with enough large bodies to be judged at all
 ),
 kept AS (
     SELECT s.* FROM sized s JOIN judged j USING (endpoint)
-    WHERE j.step <= 1 OR hash(s.trace_id) % j.step = 0
+    WHERE j.step <= 1 OR s.k % j.step = 0
 ),
 ranked AS (
     SELECT endpoint, untimed,
