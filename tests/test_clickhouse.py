@@ -843,14 +843,15 @@ def test_a_segment_and_its_copy_in_one_batch_store_it_once(tmp_path: Path, engin
 
 
 @pytest.mark.parametrize("engine", ["duckdb", "chdb"])
-def test_loop_blocks_without_a_trace_id_are_never_taken_for_one_another(
+def test_loop_blocks_without_a_trace_id_are_told_apart_by_process_ts_and_duration(
     tmp_path: Path, engine: str
 ) -> None:
-    """A blocker row is told apart by its trace id and ts (tables.ROW_KEYS); one without a
-    trace id (the loop blocked outside any request) is not taken for another at its ts, in
-    one batch (it was by tables.once_per_row's first version: test_hostile_spool's
-    test_evidence_records_of_the_wrong_shape_are_read_alone) or across batches, on both
-    engines."""
+    """A blocker row is told apart by its trace id, process, ts and duration
+    (tables.ROW_KEYS), a null trace id (the loop blocked outside any request) equal to
+    another: two byte-identical records of a block outside any request are one block (a
+    process cannot be blocked twice from the same instant, and a copied segment repeats
+    its records), in one batch and across batches; a block of another duration at that ts
+    is another block. On both engines."""
     data = str(tmp_path / "data")
     store = store_engines.open_engine(engine, data)
     ts = time.time_ns()
@@ -859,10 +860,10 @@ def test_loop_blocks_without_a_trace_id_are_never_taken_for_one_another(
             w = SegmentWriter(data, seq=seq)
             stack = w.stack([("/app/loop.py", 10 * seq, "tick", True)])
             for _ in range(2):
-                w.event(b"B", {"ts": ts, "dur": 150_000_000, "stacks": [[stack, 1]]})
+                w.event(b"B", {"ts": ts, "dur": 150_000_000 * seq, "stacks": [[stack, 1]]})
             w.close()
             store.ingest()
-        assert counts(store)["blockers"] == 4
+        assert counts(store)["blockers"] == 2
     finally:
         store.close()
         store_engines.reset()
@@ -914,6 +915,37 @@ def test_a_copy_s_loop_block_is_stored_once_beside_a_reused_trace_id(
         store.ingest()
         assert store.query("SELECT count(*) AS n FROM blockers") == [{"n": 1}]
         assert store.query("SELECT count(*) AS n FROM requests") == [{"n": 2}]
+    finally:
+        store.close()
+        store_engines.reset()
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "chdb"])
+@pytest.mark.parametrize("one_batch", [True, False])
+def test_a_copied_loop_block_without_a_trace_id_is_stored_once(
+    tmp_path: Path, engine: str, one_batch: bool
+) -> None:
+    """A segment holding a loop block outside any request (no trace id), and a copy of it,
+    ingested in one batch or two: the block is stored once (it was twice on both engines:
+    a null trace id was never taken for another)."""
+    alone = str(tmp_path / "alone")
+    w = SegmentWriter(alone, seq=1)
+    stack = w.stack([("/app/loop.py", 10, "tick", True)])
+    w.event(b"B", {"ts": time.time_ns(), "dur": 150_000_000, "stacks": [[stack, 1]]})
+    path = w.close()
+    twice = str(tmp_path / "twice")
+    shutil.copytree(Path(alone) / "spool", Path(twice) / "spool")
+    copy = Path(twice) / "spool" / Path(path).name.replace("-000001.seg", "-000002.seg")
+    store = store_engines.open_engine(engine, twice)
+    try:
+        if one_batch:
+            shutil.copy(path, copy)
+            store.ingest()
+        else:
+            store.ingest()
+            shutil.copy(path, copy)
+            store.ingest()
+        assert counts(store)["blockers"] == 1
     finally:
         store.close()
         store_engines.reset()

@@ -439,11 +439,12 @@ class ClickHouseStore(ClickHouseRollups):
             )
             + ")"
         )
-        ins: Iterable[str] = [""]
+        ins: list[str] = [""]
         if "trace_id" in keys:
-            ins = (
-                f" AND trace_id IN {c}" for c in _chunks(pc.unique(data["trace_id"]).to_pylist())
-            )
+            ids = pc.unique(pc.drop_null(data["trace_id"])).to_pylist()
+            ins = [f" AND trace_id IN {c}" for c in _chunks(ids)] if ids else []
+            if data["trace_id"].null_count:
+                ins.append(" AND trace_id IS NULL")
         stored: set[tuple[Any, ...]] = set()
         for cond in ins:
             sql = f"SELECT {cols} FROM {self._t(name)} WHERE {where}{cond}"

@@ -331,10 +331,7 @@ class DuckDBWriter(DuckDBRollups):
                 f"ts BETWEEN {_ts_literal(lo)} AND {_ts_literal(hi)}" for lo, hi in ts_spans(data)
             )
             cols = ", ".join(quote(k) for k in keys)
-            on = " AND ".join(
-                f"b.{quote(k)} {'=' if k == 'trace_id' else 'IS NOT DISTINCT FROM'} s.{quote(k)}"
-                for k in keys
-            )
+            on = " AND ".join(f"b.{quote(k)} IS NOT DISTINCT FROM s.{quote(k)}" for k in keys)
             rows = (
                 f"SELECT b.* FROM _ps_batch b ANTI JOIN (SELECT {cols} FROM {quote(table)}"
                 f" WHERE {span}) s ON {on}"

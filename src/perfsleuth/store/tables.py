@@ -60,12 +60,11 @@ class Tables:
 # The event tables whose rows do not all come with their request, and the agent counters: a
 # row is already stored when a stored row has the same values of these columns (looked for
 # within the batch's time range). A trace's samples and blockers can arrive over several
-# batches, so they are matched by row, not by trace. Nulls are equal, but for trace_id: a row
-# without a trace id (a loop blocked outside any request) is never taken for another (on
-# ClickHouse a null is in no ``trace_id IN (...)``).
+# batches, so they are matched by row, not by trace. Nulls are equal: a loop blocked outside
+# any request (no trace id) is told apart by its process, time and duration.
 ROW_KEYS: dict[str, tuple[str, ...]] = {
     "samples": ("trace_id", "ts", "offset_ms"),
-    "blockers": ("trace_id", "ts"),
+    "blockers": ("trace_id", "host", "pid", "ts", "duration_ms"),
     "gc_pauses": ("host", "pid", "ts", "generation"),
     "agent_stats": ("host", "pid", "name", "ts"),
 }
@@ -249,10 +248,7 @@ def once_per_row(name: str, t: pa.Table) -> pa.Table:
     if first.num_rows == t.num_rows:
         return t
     rows = first["_row_min"].to_numpy()
-    if "trace_id" in keys and t["trace_id"].null_count:
-        rows = np.union1d(rows, np.flatnonzero(t["trace_id"].is_null().to_numpy(False)))
-    else:
-        rows = np.sort(rows)
+    rows = np.sort(rows)
     return t if len(rows) == t.num_rows else t.take(pa.array(rows))
 
 
