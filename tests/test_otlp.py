@@ -846,6 +846,31 @@ def test_json_payloads_decode_as_protobuf_s_json_mapping_does() -> None:
             assert ExportTraceServiceRequest.FromString(got.SerializeToString()) == want, bad
 
 
+def test_json_attributes_minus_zero_and_zero_are_told_apart() -> None:
+    """A JSON double -0.0 after a 0.0 of the same key (and the other way) decodes to its own
+    value, as protobuf's JSON mapping makes it: the attribute cache keys floats by their repr
+    (-0.0 == 0.0 took the other's bytes)."""
+    import math
+
+    from google.protobuf import json_format
+    from opentelemetry.proto.common.v1 import common_pb2
+
+    from perfsleuth.store.otlp.payload import decode
+
+    def body(v: float) -> bytes:
+        sp = _payload("7" * 32, queries=0)["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+        sp["attributes"] = [{"key": "ratio", "value": {"doubleValue": v}}]
+        return json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [sp]}]}]}).encode()
+
+    for v in (0.0, -0.0, 0.0, -0.0):
+        msg = decode(body(v), "application/json", None)
+        raw = msg.resource_spans[0].scope_spans[0].spans[0].attributes[0]
+        got = common_pb2.KeyValue.FromString(raw).value.double_value
+        ref = json_format.Parse(body(v), ExportTraceServiceRequest(), ignore_unknown_fields=True)
+        want = ref.resource_spans[0].scope_spans[0].spans[0].attributes[0].value.double_value
+        assert math.copysign(1, got) == math.copysign(1, want) == math.copysign(1, v)
+
+
 def test_the_garbage_collector_is_off_only_while_payloads_are_mapped() -> None:
     """Mapping pauses the cyclic collector (batch._collector_paused) and turns it on again
     after, when it fails too, and only once the last of overlapping mappings is done."""

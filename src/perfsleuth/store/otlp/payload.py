@@ -191,7 +191,14 @@ def _take_ids_and_attributes(obj: dict[str, Any], json_format: Any) -> Taken:
                     value = item.get("value") if isinstance(item, dict) else None
                     key: tuple[Any, ...] | None = None
                     if isinstance(value, dict) and len(item) <= 2:
-                        key = (item.get("key"), *((k, v.__class__, v) for k, v in value.items()))
+                        # (a float by its repr: -0.0 == 0.0, and their bytes differ)
+                        key = (
+                            item.get("key"),
+                            *(
+                                (k, v.__class__, repr(v) if v.__class__ is float else v)
+                                for k, v in value.items()
+                            ),
+                        )
                         try:
                             raw = known.get(key)
                         except TypeError:  # an array or map value: parsed each time
