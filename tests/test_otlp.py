@@ -871,18 +871,28 @@ def test_json_attributes_minus_zero_and_zero_are_told_apart() -> None:
         assert math.copysign(1, got) == math.copysign(1, want) == math.copysign(1, v)
 
 
-def test_the_garbage_collector_is_off_only_while_payloads_are_mapped() -> None:
-    """Mapping pauses the cyclic collector (batch._collector_paused) and turns it on again
-    after, when it fails too, and only once the last of overlapping mappings is done."""
+def test_the_garbage_collector_is_off_only_while_payloads_are_mapped(monkeypatch: Any) -> None:
+    """Mapping pauses the cyclic collector (batch._collector_paused: seen off from inside
+    the mapping) and turns it on again after, when it fails too, and only once the last of
+    overlapping pauses is done."""
     import gc
 
     from perfsleuth.store.otlp import batch
     from perfsleuth.store.otlp.payload import OtlpError, decode
     from perfsleuth.store.otlp.view import messages
 
+    inside: list[bool] = []
+    map_ = batch._map
+
+    def watched(*args: Any) -> Any:
+        inside.append(gc.isenabled())
+        return map_(*args)
+
+    monkeypatch.setattr(batch, "_map", watched)
     assert gc.isenabled()
     good = _proto(_payload("6" * 32, code=True))
     assert batch.to_batch(decode(good, "application/x-protobuf", None)).requests == 1
+    assert inside == [False]
     assert gc.isenabled()
     bad = messages().request.FromString(good)
     bad.resource_spans[0].scope_spans[0].spans[1].attributes.append(b"\x0a\x02\xff\xfe")

@@ -178,7 +178,9 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
     with its calls, fingerprints, locations, stacks, links and loop blocks, as the store's
     Arrow tables (``Mapped.tables``), built column by column; ``Mapped.batch`` holds the
     segments standing for the payload's sources. Its changes to ``pending`` stand once the
-    tables are committed (:func:`insert`); :func:`rollback` undoes them otherwise."""
+    tables are committed (:func:`insert`); :func:`rollback` undoes them otherwise. Callers
+    map one payload at a time (the server under its one lock): ``pending`` and the attribute
+    caches (view.AttributeCache, payload's JSON attributes) are not thread-safe."""
     pending = pending if pending is not None else Pending()
     with _collector_paused():
         spans = read(msg, keys)
@@ -191,7 +193,7 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
 
 
 _gc_lock = threading.Lock()
-_gc_users = 0  # mappings in flight (the server maps in several threads)
+_gc_users = 0  # pauses in flight (a mapping's, and any other caller's beside it)
 
 
 @contextmanager
