@@ -220,10 +220,10 @@ def test_cpu_starved_is_silent_when_request_threads_wait_rather_than_compute(
     assert [f for f in _findings(data) if f.kind == "cpu_starved"] == []
 
 
-def _stats(w: Any, ts_ns: int, **counters: int) -> None:
+def _stats(w: Any, ts_ns: int, pid: int = 4242, **counters: int) -> None:
     from perfsleuth.wire import STATS
 
-    w.event(STATS, {"ts": ts_ns, "pid": 4242, "counters": counters})
+    w.event(STATS, {"ts": ts_ns, "pid": pid, "counters": counters})
 
 
 def test_cpu_starved_reports_cgroup_throttling_and_stays_silent_on_a_clean_service(
@@ -251,7 +251,7 @@ def test_cpu_starved_reports_cgroup_throttling_and_stays_silent_on_a_clean_servi
         cpus_milli=500, load1_milli=400,
     )  # fmt: skip
     _stats(
-        clean, now, sched_run_ns=30 * 10**9, sched_queue_ns=10**9, sched_wall_ns=62 * 10**9,
+        clean, now, pid=4343, sched_run_ns=30 * 10**9, sched_queue_ns=10**9, sched_wall_ns=62 * 10**9,
         cgroup_periods=600, cgroup_throttled=3, cgroup_throttled_us=50_000, cpus_milli=4000,
         load1_milli=1200,
     )  # fmt: skip
