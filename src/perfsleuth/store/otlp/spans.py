@@ -258,7 +258,7 @@ def read(msg: Any, keys: Keys) -> list[Span]:
                 if params and not params.isdisjoint(kvs):
                     attrs[PARAMETER] = True  # the span has parameters
                 try:
-                    error = _error(sp)
+                    error = _error(sp) if sp.events or sp.HasField("status") else None
                 except messages().errors as e:
                     raise OtlpError(400, f"bad protobuf: a span's status or event ({e})") from None
                 out.append(
