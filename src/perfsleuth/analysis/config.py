@@ -159,7 +159,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # the endpoint's requests (CPU time over those that have it, or duration),
         "min_correlation": 0.5,
         # ... and a one-sided 5 % test that it is not chance: five unrelated requests reach
-        # 0.5 about one time in five; twelve need about 0.5, five about 0.83.
+        # 0.5 about one time in five; twelve need about 0.5, five about 0.83. When both fits
+        # (CPU, duration) are tried, the better is held to half of it and its p-value doubled;
+        # 0: never.
         "max_p_value": 0.05,
         "min_requests": 5,
     },
