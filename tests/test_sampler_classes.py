@@ -251,7 +251,8 @@ def test_cpu_starved_reports_cgroup_throttling_and_stays_silent_on_a_clean_servi
         cpus_milli=500, load1_milli=400,
     )  # fmt: skip
     _stats(
-        clean, now, pid=4343, sched_run_ns=30 * 10**9, sched_queue_ns=10**9, sched_wall_ns=62 * 10**9,
+        clean, now, pid=4343, sched_run_ns=30 * 10**9, sched_queue_ns=10**9,
+        sched_wall_ns=62 * 10**9,
         cgroup_periods=600, cgroup_throttled=3, cgroup_throttled_us=50_000, cpus_milli=4000,
         load1_milli=1200,
     )  # fmt: skip
