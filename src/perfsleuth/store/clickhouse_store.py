@@ -409,11 +409,7 @@ class ClickHouseStore(ClickHouseRollups):
             if name == "requests":
                 request_copies = copies
             elif request_copies is not None:  # a copy's calls and attributes go with it
-                copies = (
-                    pa.concat_tables([copies, request_copies])
-                    .group_by(["trace_id", "ts"], use_threads=False)
-                    .aggregate([])
-                )
+                copies = pa.concat_tables([copies, request_copies])  # of_copies: a row once
             copy = of_copies(t, copies)
             if copy.any():
                 parts[name] = t.filter(pa.array(~copy))

@@ -9,13 +9,13 @@ a table per day). Dictionary records and agent counters become their tables; run
 and captures are converted by :mod:`perfsleuth.store.evidence` and
 :mod:`perfsleuth.store.captures`.
 
-A request is stored once: a batch keeps the first of each trace id (decode.once_per_trace)
-and the store leaves out, with their calls and attributes, those it holds already, each judged
-on its own: a stored request of its trace id within a minute (:func:`copied_requests`,
-:func:`drop_known_traces`). The other event rows and the agent counters are told apart by
-the columns of :data:`ROW_KEYS`: a batch keeps the first of each (:func:`once_per_row`) and
-both engines leave out those they hold already. Nothing here depends on the
-engine the tables go to.
+A request is stored once: a batch keeps the first of each trace id and ts
+(decode.once_per_trace) and the store leaves out, with their calls and attributes, those it
+holds already, each judged on its own: a stored request of its trace id within a minute
+(:func:`copied_requests`, :func:`drop_known_traces`). The other event rows and the agent
+counters are told apart by the columns of :data:`ROW_KEYS`: a batch keeps the first of each
+(:func:`once_per_row`) and both engines leave out those they hold already. Nothing here
+depends on the engine the tables go to.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def request_keys(parts: Iterable[pa.Table]) -> pa.Table:
         pa.table(
             {
                 "trace_id": p["trace_id"].cast(pa.string()),
-                "ts": p["ts"].cast(pa.timestamp("us")).cast(pa.int64()),
+                "ts": _us(p["ts"]),
             }
         )
         for p in parts
@@ -225,6 +225,11 @@ def request_keys(parts: Iterable[pa.Table]) -> pa.Table:
     t = pa.concat_tables(cols)
     t = t.filter(pc.fill_null(pc.not_equal(t["trace_id"], ""), False))
     return t.group_by(["trace_id", "ts"], use_threads=False).aggregate([])
+
+
+def _us(ts: Any) -> Any:
+    """A ts column (any unit) as int64 microseconds, as the copy rule compares them."""
+    return ts.cast(pa.timestamp("us")).cast(pa.int64())
 
 
 def copy_window(keys: pa.Table, margin_us: int | None) -> tuple[int, int] | None:
@@ -247,9 +252,7 @@ def once_per_row(name: str, t: pa.Table) -> pa.Table:
     first = idx.group_by(list(keys), use_threads=False).aggregate([("_row", "min")])
     if first.num_rows == t.num_rows:
         return t
-    rows = first["_row_min"].to_numpy()
-    rows = np.sort(rows)
-    return t if len(rows) == t.num_rows else t.take(pa.array(rows))
+    return t.take(pa.array(np.sort(first["_row_min"].to_numpy())))
 
 
 def ts_spans(data: pa.Table) -> list[tuple[int, int]]:
@@ -257,7 +260,7 @@ def ts_spans(data: pa.Table) -> list[tuple[int, int]]:
     of over ROW_GAP_US between them: a batch holding an old straggler besides recent rows has
     the stored rows around each read, not those of the hours between (of 2M samples stored
     over a day, a batch of 20k recent ones and one 22 hours old read them all: ~105 ms)."""
-    v = np.sort(data["ts"].cast(pa.timestamp("us")).cast(pa.int64()).to_numpy())
+    v = np.sort(_us(data["ts"]).to_numpy())
     gaps = np.diff(v)
     cut = np.argsort(gaps)[::-1][: ROW_SPANS - 1]
     cut = np.sort(cut[gaps[cut] > ROW_GAP_US])
@@ -304,7 +307,7 @@ def of_copies(t: pa.Table, copies: pa.Table) -> np.ndarray:
     keys = pa.table(
         {
             "trace_id": pc.take(ids, idx),
-            "ts": pc.take(t["ts"], idx).cast(pa.timestamp("us")).cast(pa.int64()),
+            "ts": _us(pc.take(t["ts"], idx)),
             "row": idx,
         }
     )
