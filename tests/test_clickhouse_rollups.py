@@ -197,13 +197,15 @@ def test_rollups_are_written_once_across_a_crash_and_a_rerun(
     """A crash at the requests' insert: no rollups were written (they follow their requests),
     the re-run writes them once."""
     data = str(tmp_path / "data")
+    end = time.time_ns() - 24 * HOUR_NS
+    end -= end % (24 * HOUR_NS) - 20 * HOUR_NS  # 20:00 yesterday: the hour is in one day
     write(
         data,
         random.Random(3),
         400,
         endpoints={"GET /a": skewed},
         span_ns=HOUR_NS,
-        end_ns=time.time_ns(),
+        end_ns=end,
     )
     store = store_engines.open_engine("chdb", data)
     try:

@@ -209,7 +209,8 @@ def test_retention_drops_raw_days_after_7_and_rollup_days_after_90(
     data_dir: str, store: DuckDBStore
 ) -> None:
     rng = random.Random(3)
-    now = time.time_ns()
+    now = time.time_ns() - DAY_NS
+    now -= now % DAY_NS - 20 * HOUR_NS  # 20:00 yesterday: each age's hour lies in one day
     w = SegmentWriter(data_dir)
     ages = (120, 50, 10, 3, 0)
     first_kept = now
