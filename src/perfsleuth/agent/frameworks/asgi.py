@@ -1,7 +1,12 @@
 """ASGI: ``PerfsleuthASGI(app)`` records every HTTP request of an ASGI application.
 
-One module of ~650 lines: the recorder, the route-template resolution and the CPU meter all
+One module of ~700 lines: the recorder, the route-template resolution and the CPU meter all
 work on one request's scope and task, and the C accelerator replaces parts of them by name.
+With it, the recording ``__call__`` is agent/_asgi.c's ``Recording``: its call returns an
+awaitable without a Python frame that does what ``_python_recording``'s coroutine (the
+reference, kept for ``PERFSLEUTH_SPEEDUPS=0`` and tested against it: tests/test_asgi_c.py) and
+``_finish`` do, the route name's cache hit and the capture's "nothing to keep" included; the
+rare cases call back into the functions here.
 
 Only ``http`` scopes are recorded (lifespan and websocket pass straight through). Per request:
 method and path (references into the scope), the status from ``http.response.start``, the bytes
@@ -38,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import re
 import sys
 import time
@@ -244,12 +250,13 @@ if type(_running_tasks) is not dict:
 _loop_of: dict[int, Any] = {}  # thread ident -> the event loop last seen running on it
 
 
-def _recording(inner: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+def _python_recording(inner: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
     """An ASGI ``__call__(self, scope, receive, send)`` recording each http request around
     ``inner(self, scope, receive, send)``: one coroutine layer, whatever wraps what (each layer
     is resumed at every step of the request). Everything that can wait (header values, the
     endpoint's name once per route) is left to the writer thread or remembered: this runs on
-    every request, cold in the CPU's caches."""
+    every request, cold in the CPU's caches. The reference of agent/_asgi.c's Recording
+    (:func:`_recording`)."""
 
     async def __call__(self: Any, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http":
@@ -309,11 +316,57 @@ def _new_loop(thread: int) -> Any:
     return asyncio.current_task(loop)
 
 
+def _load_c() -> Any:
+    """agent/_asgi.c, configured, when the accelerator is on and it was built; else None."""
+    if not accel.on:
+        return None
+    try:
+        from perfsleuth.agent import _asgi  # type: ignore[attr-defined]
+
+        _asgi.configure(recorder=recorder, capture=capture, asgi=sys.modules[__name__])
+    except Exception:
+        return None
+    return _asgi
+
+
+_c_asgi: Any = _load_c()
+# How a C Recording calls what it records (_asgi.c's HOW_*).
+_HOW_CALL, _HOW_APP, _HOW_DIRECT = 0, 1, 2
+
+
+def _recording(
+    inner: Callable[..., Awaitable[None]],
+    how: int = _HOW_CALL,
+    python: Callable[..., Awaitable[None]] | None = None,
+) -> Callable[..., Awaitable[None]]:
+    """:func:`_python_recording` (or ``python``, the same made by the caller), or the same in C
+    when the accelerator is there: agent/_asgi.c's Recording, whose call returns an awaitable
+    without a Python frame (``.python`` is the Python version). ``how``: the C version calls
+    ``inner(self, scope, receive, send)`` (_HOW_CALL), ``self.app(scope, receive, send)``
+    (_HOW_APP) or ``self(scope, receive, send)`` (_HOW_DIRECT); ``inner`` does the same."""
+    if python is None:
+        python = _python_recording(inner)
+    if _c_asgi is None:
+        return python
+    try:
+        rec = _c_asgi.Recording(inner, python, how)
+        # what servers and frameworks ask of an ASGI app's __call__ (uvicorn's interface
+        # detection, Starlette's is_async_callable): a coroutine function, as python is
+        rec._is_coroutine = getattr(asyncio.coroutines, "_is_coroutine", None)
+        mark = getattr(inspect, "markcoroutinefunction", None)  # 3.12+
+        if mark is not None:
+            mark(rec)
+        return rec  # type: ignore[no-any-return]
+    except Exception:
+        recorder.internal_error()
+        return python
+
+
 # record_asgi(app, scope, receive, send): run ``app`` for a scope, recording an http request
 # (unless one is already being recorded: mounted apps, explicit wrapping on top of the patch).
-record_asgi = _recording(lambda app, scope, receive, send: app(scope, receive, send))
+record_asgi = _recording(lambda app, scope, receive, send: app(scope, receive, send), _HOW_DIRECT)
 PerfsleuthASGI.__call__ = _recording(  # type: ignore[method-assign]
-    lambda self, scope, receive, send: self.app(scope, receive, send)
+    lambda self, scope, receive, send: self.app(scope, receive, send), _HOW_APP
 )
 
 
@@ -591,8 +644,12 @@ def patch_starlette(module: ModuleType) -> None:
     if cls is None or getattr(cls.__call__, "_perfsleuth_original", None) is not None:
         return
     original = cls.__call__
-    __call__ = functools.wraps(original)(_recording(original))
-    __call__._perfsleuth_original = original  # type: ignore[attr-defined]
+    python = functools.wraps(original)(_python_recording(original))
+    python._perfsleuth_original = original  # type: ignore[attr-defined]
+    __call__ = _recording(original, _HOW_CALL, python)
+    if __call__ is not python:  # the C Recording: the same names as the Python version
+        functools.wraps(original)(__call__)
+        __call__._perfsleuth_original = original  # type: ignore[attr-defined]
     cls.__call__ = __call__
     try:
         import starlette.middleware.base as base
