@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
+import warnings
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -225,8 +226,9 @@ def test_throw_into_it(impl: str, meter: str, captured: Captured) -> None:
         aw.throw(KeyError("x"))  # the app handles it and answers
     aw = app(tf.http_scope("GET", "/raised"), receive, send)
     assert aw.send(None) == "paused"
-    with pytest.raises(ValueError, match="y"):
-        aw.throw(ValueError, ValueError("y"), None)  # the deprecated form, as asyncio's
+    with pytest.raises(ValueError, match="y"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the coroutine's, from 3.12
+        aw.throw(ValueError, ValueError("y"), None)  # the three-argument form
     aw = app(tf.http_scope("GET", "/unstarted"), receive, send)
     with pytest.raises(LookupError):
         aw.throw(LookupError("z"))  # raised where it starts: nothing ran
@@ -358,3 +360,33 @@ def test_capture_decision(impl: str, captured: Captured, monkeypatch: pytest.Mon
     assert [p for p, _ in kept[:2]] == ["/error", "/flagged"]
     assert kept[0][1] == "error"
     assert len(captured()) == 6
+
+
+def test_globals_changed_between_requests_are_seen(
+    impl: str, captured: Captured, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asgi.py's globals are read at each request (the C version remembers them only while the
+    module's dict is unchanged): a monkeypatch after a first request is seen by the next."""
+    ended: list[str] = []
+    end = ps_asgi._end
+
+    def counted(req: Any) -> None:
+        ended.append(req.path)
+        end(req)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def main(path: str) -> None:
+        await PerfsleuthASGI(app)(tf.http_scope("GET", path), receive, send)
+
+    asyncio.run(main("/first"))
+    monkeypatch.setattr(ps_asgi, "_end", counted)
+    monkeypatch.setattr(recorder, "_cpu_threshold", recorder.CPU_SAMPLE_BITS)
+    asyncio.run(main("/second"))
+    monkeypatch.setattr(recorder, "_cpu_threshold", 0)
+    asyncio.run(main("/third"))
+    assert ended == ["/second", "/third"]
+    recs = {r["path"]: r for r in captured()}
+    assert sorted(recs) == ["/first", "/second", "/third"]
+    assert recs["/second"]["cpu_ns"] is not None and recs["/third"].get("cpu_ns") is None

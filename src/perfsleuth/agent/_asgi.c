@@ -133,6 +133,86 @@ global(PyObject *dict, PyObject *name)
     return PyDict_GetItemWithError(dict, name);
 }
 
+/* The globals of asgi.py and recorder.py read at every request, remembered (borrowed) while
+ * their module's dict is unchanged (its version tag, which every change of the dict moves:
+ * a rebinding, a monkeypatch, a deletion): a lookup in a module's dict costs ~100-200
+ * instructions, ~20 of them a request, where Python's LOAD_GLOBAL has its cache. Python 3.14
+ * has no version tag: there every read is a lookup. */
+enum {
+    G_BEGIN, G_END, G_CLS, G_CPU_SAMPLED, G_SEND_TAP, G_CPU_METER, G_LOOP_OF, G_RUNNING_TASKS,
+    G_NAMES, N_ASGI_GLOBALS
+};
+static PyObject **asgi_names[N_ASGI_GLOBALS] = {
+    &s_begin, &s_end, &s_asgi_request, &s_cpu_sampled, &s_send_tap, &s_cpu_meter, &s_loop_of,
+    &s_running_tasks, &s_names,
+};
+static PyObject *asgi_values[N_ASGI_GLOBALS];
+static PyObject *cpu_threshold_value;
+
+#if PY_VERSION_HEX < 0x030E0000
+#define DICT_VERSIONS 1
+static uint64_t asgi_version, recorder_version; /* 0: not read yet */
+
+static inline uint64_t
+version_of(PyObject *dict)
+{
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+    return ((PyDictObject *)dict)->ma_version_tag;
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+}
+#endif
+
+/* asgi.py's global k (borrowed; NULL with no error when absent). */
+static PyObject *
+asgi_global(int k)
+{
+#ifdef DICT_VERSIONS
+    uint64_t v = version_of(asgi_dict);
+    if (v != asgi_version) {
+        int ok = 1;
+        for (int j = 0; j < N_ASGI_GLOBALS; j++) {
+            asgi_values[j] = PyDict_GetItemWithError(asgi_dict, *asgi_names[j]);
+            if (asgi_values[j] == NULL && PyErr_Occurred()) {
+                PyErr_Clear();
+                ok = 0;
+            }
+        }
+        asgi_version = ok ? v : 0;
+    }
+    return asgi_values[k];
+#else
+    PyObject *r = PyDict_GetItemWithError(asgi_dict, *asgi_names[k]);
+    if (r == NULL)
+        PyErr_Clear();
+    return r;
+#endif
+}
+
+/* recorder._cpu_threshold (borrowed; NULL with no error when absent). */
+static PyObject *
+cpu_threshold(void)
+{
+#ifdef DICT_VERSIONS
+    uint64_t v = version_of(recorder_dict);
+    if (v != recorder_version) {
+        cpu_threshold_value = PyDict_GetItemWithError(recorder_dict, s_cpu_threshold);
+        recorder_version = cpu_threshold_value || !PyErr_Occurred() ? v : 0;
+        PyErr_Clear();
+    }
+    return cpu_threshold_value;
+#else
+    PyObject *r = PyDict_GetItemWithError(recorder_dict, s_cpu_threshold);
+    if (r == NULL)
+        PyErr_Clear();
+    return r;
+#endif
+}
+
 /* scope.get(key) of a dict scope (borrowed; NULL when absent, also on error: cleared). */
 static inline PyObject *
 sget(PyObject *scope, PyObject *key)
@@ -273,7 +353,7 @@ python:
 static PyObject *
 route_name(PyObject *scope, PyObject *method, PyObject *status)
 {
-    PyObject *names = global(asgi_dict, s_names);
+    PyObject *names = asgi_global(G_NAMES);
     if (names != NULL && PyDict_CheckExact(names) && PyUnicode_CheckExact(method)) {
         PyObject *route = sget(scope, s_route), *ctx = NULL, *router = sget(scope, s_router);
         PyObject *fastapi = sget(scope, s_fastapi);
@@ -421,7 +501,7 @@ finish(CallObject *c)
     /* the writer needs neither */
     if (set(req, F_RECEIVE, Py_NewRef(Py_None)) < 0 || set(req, F_OUT, Py_NewRef(Py_None)) < 0)
         failed();
-    PyObject *end = global(asgi_dict, s_end);
+    PyObject *end = asgi_global(G_END);
     PyObject *r = end ? PyObject_CallOneArg(end, req) : NULL;
     if (r == NULL)
         failed();
@@ -493,11 +573,11 @@ finish_ok(CallObject *c)
 static int
 sampled(PyObject *req)
 {
-    PyObject *f = global(asgi_dict, s_cpu_sampled);
+    PyObject *f = asgi_global(G_CPU_SAMPLED);
     if (f == NULL)
         return PyErr_Occurred() ? -1 : 0;
     if (f == cpu_sampled_fn) {
-        PyObject *threshold = global(recorder_dict, s_cpu_threshold);
+        PyObject *threshold = cpu_threshold();
         PyObject *trace_id = get(req, F_TRACE_ID);
         if (threshold != NULL && PyLong_CheckExact(threshold) && trace_id != NULL &&
             PyLong_CheckExact(trace_id)) {
@@ -530,7 +610,7 @@ note_task(PyObject *req, PyObject *scope)
     PyObject *thread = get(req, F_THREAD);
     if (thread == NULL)
         return -1;
-    PyObject *loop_of = global(asgi_dict, s_loop_of);
+    PyObject *loop_of = asgi_global(G_LOOP_OF);
     PyObject *loop = NULL, *task = NULL;
     if (loop_of == NULL)
         goto error;
@@ -543,7 +623,7 @@ note_task(PyObject *req, PyObject *scope)
     }
     if (PyErr_Occurred())
         goto error;
-    PyObject *tasks = global(asgi_dict, s_running_tasks);
+    PyObject *tasks = asgi_global(G_RUNNING_TASKS);
     if (loop != NULL && tasks != NULL && tasks != Py_None) {
         if (PyDict_CheckExact(tasks))
             task = Py_XNewRef(PyDict_GetItemWithError(tasks, loop));
@@ -579,8 +659,8 @@ start(CallObject *c)
     PyObject *req = NULL, *recv = NULL, *out = NULL, *app = NULL;
     c->receive = c->send = c->self = NULL; /* references now held here */
     c->state = RUNNING;
-    PyObject *begin = global(asgi_dict, s_begin);
-    PyObject *cls = begin ? global(asgi_dict, s_asgi_request) : NULL;
+    PyObject *begin = asgi_global(G_BEGIN);
+    PyObject *cls = begin ? asgi_global(G_CLS) : NULL;
     if (cls != NULL) {
         PyObject *method = sget(scope, s_method), *path = sget(scope, s_path);
         int t;
@@ -607,7 +687,7 @@ unrecorded:
             (metered = sampled(req)) < 0 ||
             set(req, F_CPU_NS, Py_NewRef(metered ? zero : Py_None)) < 0)
             goto lost;
-        PyObject *tap = global(asgi_dict, s_send_tap);
+        PyObject *tap = asgi_global(G_SEND_TAP);
         out = tap ? PyObject_CallOneArg(tap, send) : NULL;
         if (out == NULL || set(req, F_OUT, Py_NewRef(out)) < 0)
             goto lost;
@@ -619,7 +699,7 @@ unrecorded:
         req = NULL;
         app = call_app(c->how, c->inner, self, scope, recv, out);
         if (app != NULL && metered) {
-            PyObject *meter = global(asgi_dict, s_cpu_meter);
+            PyObject *meter = asgi_global(G_CPU_METER);
             PyObject *args[2] = {c->req, app};
             PyObject *m = meter ? PyObject_Vectorcall(meter, args, 2, NULL) : NULL;
             if (m == NULL && !PyErr_Occurred())
@@ -650,7 +730,7 @@ lost:
     /* the exchange could not be tapped: the request ends as it is, the app runs unrecorded */
     failed();
     {
-        PyObject *end = global(asgi_dict, s_end);
+        PyObject *end = asgi_global(G_END);
         PyObject *r = end ? PyObject_CallOneArg(end, req) : NULL;
         Py_XDECREF(r);
         PyErr_Clear();
@@ -1102,6 +1182,9 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
     Py_XSETREF(recorder_dict, Py_NewRef(dicts[0]));
     Py_XSETREF(capture_dict, Py_NewRef(dicts[1]));
     Py_XSETREF(asgi_dict, Py_NewRef(dicts[2]));
+#ifdef DICT_VERSIONS
+    asgi_version = recorder_version = 0; /* other dicts: read again */
+#endif
     Py_RETURN_NONE;
 }
 
