@@ -946,3 +946,171 @@ def test_statements_run_again_on_one_cursor_count_their_own_rows(agent_data_dir:
     rows = [recorder._ROW.unpack_from(calls, i)[3] for i in range(0, len(calls), recorder.ROW)]
     assert rows == [1, 1, 1, 1, 2, 6]
     assert held == (calls, 5 * recorder.ROW + recorder.ROWS)
+
+
+def outcome(call: Callable[[], Any], target: Any) -> tuple[Any, ...]:
+    try:
+        result = call()
+    except Exception as e:
+        return ("raised", type(e), str(e), repr(target))
+    return ("returned", result, repr(target))
+
+
+class ListSub(list):  # type: ignore[type-arg]
+    pass
+
+
+# list methods of each calling convention a C method descriptor has (METH_FASTCALL, with
+# METH_KEYWORDS, METH_NOARGS, METH_O), with arguments that work and that do not
+@pytest.mark.parametrize(
+    "name, args, kwargs",
+    [
+        ("pop", (), {}),
+        ("pop", (0,), {}),
+        ("pop", (0, 1), {}),
+        ("pop", (), {"index": 0}),
+        ("pop", (99,), {}),
+        ("sort", (), {"reverse": True}),
+        ("sort", (), {"nonsense": 1}),
+        ("sort", (1,), {}),
+        ("copy", (), {}),
+        ("copy", (1,), {}),
+        ("copy", (), {"x": 1}),
+        ("append", (5,), {}),
+        ("append", (), {}),
+        ("append", (5, 6), {}),
+        ("append", (), {"object": 5}),
+    ],
+)
+@pytest.mark.parametrize("make", [lambda: [3, 1, 2], lambda: ListSub([3, 1, 2]), lambda: (3, 1)])
+def test_a_cursor_method_calls_the_c_method_it_wraps_as_the_method_itself(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], make: Callable[[], Any]
+) -> None:
+    """The wrapper calls a C method descriptor's function directly for a self of its class:
+    the result, the exception (type and message) and the effect on self are the method's, for
+    each calling convention, wrong arguments, a subclass and a self of another type."""
+    method = getattr(list, name)
+    wrapper = recorder.speedups.CursorMethod(method, recorder.speedups.NEXT)
+    a, b = make(), make()
+    assert outcome(lambda: wrapper(a, *args, **kwargs), a) == outcome(
+        lambda: method(b, *args, **kwargs), b
+    )
+
+
+def test_a_cursor_method_wrapping_sqlite_passes_the_driver_s_results_and_errors(
+    agent_data_dir: str,
+) -> None:
+    """execute and fetchone through the wrappers (called directly on the instrumented cursor):
+    the driver's rows, its errors for bad SQL or arguments, as the sqlite3 methods give them."""
+    import sqlite3
+
+    conn = sqlite3.connect(":memory:")
+    plain = sqlite3.Cursor(conn)  # sqlite3's own class: the generic call
+    cur = conn.cursor()
+    assert type(cur) is not sqlite3.Cursor and isinstance(cur, sqlite3.Cursor)
+    conn.execute("CREATE TABLE t (k INTEGER)")
+    conn.executemany("INSERT INTO t VALUES (?)", [(k,) for k in range(3)])
+    for c in (cur, plain):
+        assert c.execute("SELECT k FROM t WHERE k >= ?", (1,)) is c
+        assert c.fetchone() == (1,)
+        assert c.fetchall() == [(2,)]
+    for sql, params in [("SELEC 1", ()), ("SELECT ?", ()), ("SELECT ?", (1, 2))]:
+        assert outcome(lambda s=sql, p=params: cur.execute(s, p), None) == outcome(
+            lambda s=sql, p=params: plain.execute(s, p), None
+        )
+    assert outcome(lambda: cur.fetchone(1), None) == outcome(lambda: plain.fetchone(1), None)
+    conn.close()
+
+
+@pytest.mark.usefixtures("cpu_every_request")
+def test_a_long_n_plus_1_loop_on_one_cursor_counts_each_statement_s_rows(
+    agent_data_dir: str,
+) -> None:
+    """Past the cached small ints (offsets over 256, from the 7th row): the cursor's (calls,
+    offset) points at each new statement's row (its int set in place when only the tuple holds
+    it), and an offset someone else took from the cursor keeps its value."""
+    import sqlite3
+
+    got: list[recorder.ActiveRequest] = []
+    recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
+    try:
+        conn = sqlite3.connect(":memory:")
+        conn.execute("CREATE TABLE t (k INTEGER)")
+        conn.executemany("INSERT INTO t VALUES (?)", [(k,) for k in range(20)])
+        cur = conn.cursor()
+        req = recorder.speedups.begin("web", "GET", "/n1")
+        taken = []
+        for k in range(16):
+            cur.execute("SELECT k FROM t WHERE k >= ?", (k,))
+            cur.fetchone()
+            if k % 2:
+                cur.fetchone()
+            if k in (8, 12):
+                taken.append((cur._perfsleuth_rows[1], k))
+        recorder.speedups.end(req)
+        conn.close()
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    calls = got[0].calls
+    assert calls is not None and len(calls) == 16 * recorder.ROW
+    rows = [recorder._ROW.unpack_from(calls, i)[3] for i in range(0, len(calls), recorder.ROW)]
+    assert rows == [1 + k % 2 for k in range(16)]
+    assert [at for at, _ in taken] == [k * recorder.ROW + recorder.ROWS for _, k in taken]
+
+
+def _alternating(c: bool, agent_data_dir: str) -> list[Any]:
+    """Two requests, each running two statements at two places of one loop, three times; the
+    site cache emptied between them. Per request: each row's site index, each site's statement
+    and the function of its stack's first frame, and whether the site cache holds the site's
+    entry after the request."""
+    import sqlite3
+
+    from perfsleuth.agent.instrument import dbapi
+
+    sqlite3.connect(":memory:").close()
+    if c and not dbapi.use_speedups(True):
+        pytest.skip("the C accelerator is not built here")
+    if not c:
+        dbapi.use_speedups(False)
+    got: list[recorder.ActiveRequest] = []
+    recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
+    out = []
+    try:
+        conn = sqlite3.connect(":memory:")
+        cur = conn.cursor()
+        for _ in range(2):
+            recorder.forget_sites()
+            req = recorder.speedups.begin("web", "GET", "/alt")
+            for k in range(3):
+                cur.execute("SELECT ?", (k,))
+                cur.fetchone()
+                cur.execute("SELECT ?, ?", (k, k))
+                cur.fetchone()
+            recorder.speedups.end(req)
+            done = got[-1]
+            calls = done.calls
+            assert calls is not None
+            slots = [recorder._ROW.unpack_from(calls, i)[0] for i in range(0, len(calls), 40)]
+            sites = [
+                (e[2], e[3][0].co_name)  # the instruction offset: PRECALL's or CALL's
+                for e in done.site_list
+            ]
+            cached = [recorder._site_cache.get(e[4]) is e for e in done.site_list]
+            out.append((slots, sites, cached))
+        conn.close()
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+        dbapi.use_speedups(True)
+    return out
+
+
+def test_statements_alternating_between_two_places_take_their_sites_as_python_does(
+    agent_data_dir: str,
+) -> None:
+    """The C path's shortcuts (the last place's slot, the memo of a place's site entry and its
+    key's hash, the site cache's version) give each row the site the Python path gives it,
+    also after the site cache was emptied between requests."""
+    c = _alternating(True, agent_data_dir)
+    python = _alternating(False, agent_data_dir)
+    assert c == python
+    assert c[0][0] == [0, 1] * 3 and c[0][2] == [True, True] and c[1][2] == [True, True]

@@ -30,6 +30,7 @@
  * no frame object made for a frame only looked at */
 #define Py_BUILD_CORE
 #include "internal/pycore_frame.h"
+#include "internal/pycore_context.h"
 #undef Py_BUILD_CORE
 #define IFRAMES 1
 #else
@@ -74,10 +75,15 @@ iframe_current(void)
 
 /* PyLong_AsLongLong, same results and errors: CPython 3.11's converts an int of more than one
  * digit (a nanosecond clock reading) through a byte array, ~200 instructions; this one reads
- * the digits (PyLong_AsLongLongAndOverflow), ~30. */
+ * the digits (PyLong_AsLongLongAndOverflow), ~30; a non-negative int of one digit (a site
+ * index, a row offset) is read in place on 3.11. */
 static inline long long
 as_ll(PyObject *v)
 {
+#if IFRAMES
+    if (PyLong_CheckExact(v) && (Py_SIZE(v) == 0 || Py_SIZE(v) == 1)) /* 0, or one digit */
+        return Py_SIZE(v) == 0 ? 0 : (long long)((PyLongObject *)v)->ob_digit[0];
+#endif
     int overflow = 0;
     long long r = PyLong_AsLongLongAndOverflow(v, &overflow);
     if (overflow) {
@@ -159,12 +165,21 @@ free_layout(PyObject *capsule)
 
 /* The slot offsets of an ActiveRequest class (NULL with an error set if it has not them). */
 static Layout *last_layout;
+static Layout *layout_lookup(PyTypeObject *cls);
 
-static Layout *
+/* Inline: every recorded call asks for the same class's layout (the last one found). */
+static inline Layout *
 layout_of(PyTypeObject *cls)
 {
-    if (last_layout != NULL && last_layout->cls == cls)
-        return last_layout;
+    Layout *last = last_layout;
+    if (last != NULL && last->cls == cls)
+        return last;
+    return layout_lookup(cls);
+}
+
+static Layout *
+layout_lookup(PyTypeObject *cls)
+{
     PyObject *capsule = PyDict_GetItemWithError(layouts, (PyObject *)cls); /* borrowed */
     if (capsule != NULL)
         return last_layout = PyCapsule_GetPointer(capsule, "perfsleuth.layout");
@@ -230,7 +245,7 @@ get_field(PyObject *obj, Layout *layout, int field) /* borrowed, may be NULL (un
 }
 
 /* perf_counter_ns() as a C integer (-1 with an error set when the Python one fails). */
-static long long
+static inline long long
 perf_ns(void)
 {
     if (perf_counter != NULL) {
@@ -353,6 +368,16 @@ typedef struct {
      * (by name, each is a lookup through the class and more work than the rest of the
      * wrapper). NULL: by name (the class is not laid out as expected). */
     PyMemberDef *m_rows, *m_description, *m_rowcount;
+    /* method as its C function when it is a method descriptor of a calling convention forward
+     * knows (cfunc_flags: METH_FASTCALL, with METH_KEYWORDS, METH_NOARGS or METH_O), called
+     * directly for a self of exactly its class (cfunc_type, borrowed: method holds it) or of
+     * the one subclass of it it was first called with (cfunc_subtype, held; cursor_class
+     * from the start for the cursor kinds): what the descriptor's own call does after its
+     * type check, without the generic call's layers (~100 instructions a call). NULL:
+     * through PyObject_Vectorcall. */
+    PyCFunction cfunc;
+    int cfunc_flags;
+    PyTypeObject *cfunc_type, *cfunc_subtype;
 } WrapperObject;
 
 /* The cursor's fields are at the offsets of w's members: it is of the class they came from
@@ -408,110 +433,6 @@ member_of(PyObject *cls, const char *name, int type, int other_type)
     Py_XDECREF(d);
     PyErr_Clear();
     return m;
-}
-
-/* The fast path of record_call: the row offset, -1 when the call is not on it (no error set),
- * -2 when the request holds PERFSLEUTH_MAX_CALLS calls (the call was counted as dropped). */
-/* The last fast-path lookup (statement, frame code, instruction, request) and its slot: in an
- * N+1 loop the next call is the same, and the dict lookup (a key tuple to build and hash) is
- * most of the fast path's work. Holds the request and the statement so that their addresses
- * cannot be reused while remembered. */
-static PyObject *last_req, *last_sql;
-static PyCodeObject *last_code;
-static int last_lasti = -1;
-static PyObject *last_slot;
-
-static Py_ssize_t
-record_fast(PyObject *req, PyObject *sql, PyObject *params)
-{
-#if IFRAMES
-    _PyInterpreterFrame *frame = iframe_current(); /* the application's frame, read in place */
-#else
-    PyFrameObject *frame = PyEval_GetFrame(); /* borrowed: the application's frame */
-#endif
-    if (frame == NULL || !PyUnicode_CheckExact(sql) || !PyTuple_CheckExact(params))
-        return -1;
-    Layout *layout = layout_of(Py_TYPE(req));
-    if (layout == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
-    PyObject *sites = get_field(req, layout, F_SITES);
-    PyObject *calls = get_field(req, layout, F_CALLS);
-    if (sites == NULL || !PyDict_CheckExact(sites) || calls == NULL ||
-        !PyByteArray_CheckExact(calls))
-        return -1;
-#if IFRAMES
-    PyCodeObject *code = (PyCodeObject *)Py_NewRef(frame->f_code);
-    int lasti = (int)iframe_lasti(frame);
-#else
-    PyCodeObject *code = PyFrame_GetCode(frame);
-    int lasti = PyFrame_GetLasti(frame);
-#endif
-    PyObject *slot;
-    if (req == last_req && sql == last_sql && code == last_code && lasti == last_lasti) {
-        slot = Py_NewRef(last_slot);
-    }
-    else {
-        PyObject *where = PyLong_FromVoidPtr(code); /* id(code), as recorder keys it */
-        PyObject *at = PyLong_FromLong(lasti);
-        PyObject *key = (where && at) ? PyTuple_Pack(3, sql, where, at) : NULL;
-        Py_XDECREF(where);
-        Py_XDECREF(at);
-        slot = key ? PyDict_GetItemWithError(sites, key) : NULL; /* borrowed */
-        Py_XINCREF(slot);
-        Py_XDECREF(key);
-        if (slot != NULL) {
-            Py_XSETREF(last_req, Py_NewRef(req));
-            Py_XSETREF(last_sql, Py_NewRef(sql));
-            Py_XSETREF(last_slot, Py_NewRef(slot));
-            last_code = code; /* kept alive by the site entry the slot names */
-            last_lasti = lasti;
-        }
-    }
-    Py_DECREF(code);
-    if (slot == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
-    long long ph = NULL_LL;
-    if (PyTuple_GET_SIZE(params) > 0) {
-        Py_hash_t h = PyObject_Hash(params);
-        if (h == -1) { /* unhashable values: the slow path copes */
-            Py_DECREF(slot);
-            PyErr_Clear();
-            return -1;
-        }
-        ph = (long long)h;
-    }
-    Py_ssize_t i;
-    if (PyByteArray_GET_SIZE(calls) >= max_rows) { /* over the limit: counted, not kept */
-        PyObject *r = PyObject_CallMethodNoArgs(req, s_dropped);
-        Py_XDECREF(r);
-        i = -2;
-    }
-    else {
-        i = append_row(calls, slot, ph);
-    }
-    Py_DECREF(slot);
-    if (PyErr_Occurred()) {
-        failed();
-        return -1;
-    }
-    return i;
-}
-
-/* Forget the last request of record_fast (end): it is no longer recorded into. */
-static void
-forget_last(PyObject *req)
-{
-    if (req == last_req) {
-        Py_CLEAR(last_req);
-        Py_CLEAR(last_sql);
-        Py_CLEAR(last_slot);
-        last_code = NULL;
-        last_lasti = -1;
-    }
 }
 
 /* What kind_of and is_engine_frame last read from their dicts (stacks._kind, templates._engine:
@@ -960,6 +881,11 @@ typedef struct {
     int at_frame; /* the site is the calling frame itself (site_depth 0) */
     uint64_t kinds_version, engines_version;
     PyObject *entry;
+    /* the hash of the entry's key (a tuple's is computed anew each time), and site_cache's
+     * version tag when it was last seen to map the key to the entry (a lookup saved while
+     * no site is added or dropped) */
+    Py_hash_t key_hash;
+    uint64_t cache_version;
 } SiteMemo;
 static SiteMemo site_memo[SITE_MEMO_SIZE];
 
@@ -982,6 +908,30 @@ site_memo_slot(PyObject *sql, const void *code, int lasti)
     return &site_memo[(h ^ (h >> 7)) & (SITE_MEMO_SIZE - 1)];
 }
 
+/* A request's sites dict read and written with a memo's key hash (CPython 3.11's known-hash
+ * calls; later versions have no memo and never get here). */
+#if SITE_MEMO
+#define site_get(d, key, hash) _PyDict_GetItem_KnownHash((d), (key), (hash))
+#define site_set(d, key, hash, value) _PyDict_SetItem_KnownHash((d), (key), (value), (hash))
+#else
+#define site_get(d, key, hash) PyDict_GetItemWithError((d), (key))
+#define site_set(d, key, hash, value) PyDict_SetItem((d), (key), (value))
+#endif
+
+/* Whether site_cache still maps the memo's key to its entry (0 also on an error, set). */
+static inline int
+site_cached(SiteMemo *memo)
+{
+    uint64_t version = dict_version(site_cache);
+    if (SITE_MEMO && version != 0 && version == memo->cache_version)
+        return 1; /* site_cache unchanged since it mapped the key to the entry */
+    PyObject *key = PyTuple_GET_ITEM(memo->entry, 4);
+    if (site_get(site_cache, key, memo->key_hash) != memo->entry)
+        return 0;
+    memo->cache_version = version;
+    return 1;
+}
+
 static void
 clear_site_memo(void)
 {
@@ -996,15 +946,129 @@ clear_site_memo(void)
     }
 }
 
+/* The fast path of record_call: the row offset, -1 when the call is not on it (no error set),
+ * -2 when the request holds PERFSLEUTH_MAX_CALLS calls (the call was counted as dropped). */
+/* The last fast-path lookup (statement, frame code, instruction, request) and its slot: in an
+ * N+1 loop the next call is the same, and the dict lookup (a key tuple to build and hash) is
+ * most of the fast path's work. Holds the request and the statement so that their addresses
+ * cannot be reused while remembered. */
+static PyObject *last_req, *last_sql;
+static PyCodeObject *last_code;
+static int last_lasti = -1;
+static PyObject *last_slot;
+
+static Py_ssize_t
+record_fast(PyObject *req, PyObject *sql, PyObject *params)
+{
+#if IFRAMES
+    _PyInterpreterFrame *frame = iframe_current(); /* the application's frame, read in place */
+#else
+    PyFrameObject *frame = PyEval_GetFrame(); /* borrowed: the application's frame */
+#endif
+    if (frame == NULL || !PyUnicode_CheckExact(sql) || !PyTuple_CheckExact(params))
+        return -1;
+    Layout *layout = layout_of(Py_TYPE(req));
+    if (layout == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    PyObject *sites = get_field(req, layout, F_SITES);
+    PyObject *calls = get_field(req, layout, F_CALLS);
+    if (sites == NULL || !PyDict_CheckExact(sites) || calls == NULL ||
+        !PyByteArray_CheckExact(calls))
+        return -1;
+#if IFRAMES
+    PyCodeObject *code = (PyCodeObject *)Py_NewRef(frame->f_code);
+    int lasti = (int)iframe_lasti(frame);
+#else
+    PyCodeObject *code = PyFrame_GetCode(frame);
+    int lasti = PyFrame_GetLasti(frame);
+#endif
+    PyObject *slot;
+    if (req == last_req && sql == last_sql && code == last_code && lasti == last_lasti) {
+        slot = Py_NewRef(last_slot);
+    }
+    else {
+        /* record_site's memo of the place, when its site is this frame, holds the key this
+         * would build (same statement, id(code), lasti), with its hash */
+        SiteMemo *memo = site_memo_slot(sql, code, lasti);
+        if (SITE_MEMO && memo->sql == sql && memo->code == code && memo->lasti == lasti &&
+            memo->at_frame) {
+            slot = site_get(sites, PyTuple_GET_ITEM(memo->entry, 4), memo->key_hash);
+        }
+        else {
+            PyObject *where = PyLong_FromVoidPtr(code); /* id(code), as recorder keys it */
+            PyObject *at = PyLong_FromLong(lasti);
+            PyObject *key = (where && at) ? PyTuple_Pack(3, sql, where, at) : NULL;
+            Py_XDECREF(where);
+            Py_XDECREF(at);
+            slot = key ? PyDict_GetItemWithError(sites, key) : NULL; /* borrowed */
+            Py_XDECREF(key);
+        }
+        Py_XINCREF(slot);
+        if (slot != NULL) {
+            Py_XSETREF(last_req, Py_NewRef(req));
+            Py_XSETREF(last_sql, Py_NewRef(sql));
+            Py_XSETREF(last_slot, Py_NewRef(slot));
+            last_code = code; /* kept alive by the site entry the slot names */
+            last_lasti = lasti;
+        }
+    }
+    Py_DECREF(code);
+    if (slot == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    long long ph = NULL_LL;
+    if (PyTuple_GET_SIZE(params) > 0) {
+        Py_hash_t h = PyObject_Hash(params);
+        if (h == -1) { /* unhashable values: the slow path copes */
+            Py_DECREF(slot);
+            PyErr_Clear();
+            return -1;
+        }
+        ph = (long long)h;
+    }
+    Py_ssize_t i;
+    if (PyByteArray_GET_SIZE(calls) >= max_rows) { /* over the limit: counted, not kept */
+        PyObject *r = PyObject_CallMethodNoArgs(req, s_dropped);
+        Py_XDECREF(r);
+        i = -2;
+    }
+    else {
+        i = append_row(calls, slot, ph);
+    }
+    Py_DECREF(slot);
+    if (PyErr_Occurred()) {
+        failed();
+        return -1;
+    }
+    return i;
+}
+
+/* Forget the last request of record_fast (end): it is no longer recorded into. */
+static void
+forget_last(PyObject *req)
+{
+    if (req == last_req) {
+        Py_CLEAR(last_req);
+        Py_CLEAR(last_sql);
+        Py_CLEAR(last_slot);
+        last_code = NULL;
+        last_lasti = -1;
+    }
+}
+
 /* Append entry to the request's site list and map key to its index in the request's sites:
  * the index (borrowed: the dict holds it), or NULL with an exception set. */
 static PyObject *
-add_site(PyObject *site_list, PyObject *sites, PyObject *key, PyObject *entry)
+add_site(PyObject *site_list, PyObject *sites, PyObject *key, Py_hash_t hash, PyObject *entry)
 {
     if (PyList_Append(site_list, entry) < 0)
         return NULL;
     PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(site_list) - 1);
-    if (index == NULL || PyDict_SetItem(sites, key, index) < 0) {
+    if (index == NULL || (hash != -1 ? site_set(sites, key, hash, index)
+                                     : PyDict_SetItem(sites, key, index)) < 0) {
         Py_XDECREF(index);
         return NULL;
     }
@@ -1070,6 +1134,7 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
     }
     int templated = 0;
     Py_ssize_t site_depth = -1;
+    Py_hash_t key_hash = -1; /* the key's hash when known (a memo's) */
     PyCodeObject *fcode = PyFrame_GetCode(frame);
     int flasti = PyFrame_GetLasti(frame);
     Py_DECREF(fcode); /* the frame holds it */
@@ -1077,9 +1142,9 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
     if (SITE_MEMO && memo->sql == sql && memo->code == fcode && memo->lasti == flasti &&
         memo->kinds_version == dict_version(code_kinds) &&
         memo->engines_version == dict_version(engines)) {
-        PyObject *known = memo->entry, *known_key = PyTuple_GET_ITEM(known, 4);
+        PyObject *known = memo->entry;
         if (PyTuple_GET_ITEM(known, 0) == kind && PyTuple_GET_ITEM(known, 1) == system &&
-            PyDict_GetItemWithError(site_cache, known_key) == known) {
+            site_cached(memo)) {
             entry = Py_NewRef(known); /* held: same_stack may run Python code */
             int at_frame = memo->at_frame; /* read now: that code may rewrite the slot */
             int same = same_stack(frame, PyTuple_GET_ITEM(entry, 3));
@@ -1087,6 +1152,7 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
                 goto done;
             if (same) {
                 key = Py_NewRef(PyTuple_GET_ITEM(entry, 4));
+                key_hash = memo->key_hash;
                 site_depth = at_frame ? 0 : -1;
                 goto have_entry;
             }
@@ -1132,11 +1198,12 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
     if (key == NULL)
         goto done;
 have_entry:;
-    PyObject *slot = PyDict_GetItemWithError(sites, key); /* borrowed */
+    PyObject *slot = key_hash != -1 ? site_get(sites, key, key_hash)
+                                    : PyDict_GetItemWithError(sites, key); /* borrowed */
     if (slot == NULL && entry != NULL) { /* a memo's entry, its stack compared: reused */
         if (PyErr_Occurred())
             goto done;
-        slot = add_site(site_list, sites, key, entry);
+        slot = add_site(site_list, sites, key, key_hash, entry);
         if (slot == NULL)
             goto done;
     }
@@ -1174,9 +1241,11 @@ have_entry:;
                 goto done;
         }
         PyObject *flat = PyTuple_GET_ITEM(entry, 3);
+        Py_hash_t hash = -1;
         if (SITE_MEMO && !templated && site_depth >= 0 && PyTuple_GET_SIZE(key) == 3 &&
             PyTuple_CheckExact(flat) && 2 * site_depth < PyTuple_GET_SIZE(flat) &&
-            PyTuple_GET_ITEM(flat, 0) == (PyObject *)fcode) {
+            PyTuple_GET_ITEM(flat, 0) == (PyObject *)fcode &&
+            (hash = PyObject_Hash(key)) != -1) {
             /* the stack starts at frame (not the agent's) and holds the site */
             PyObject *old_sql = memo->sql, *old_entry = memo->entry;
             memo->sql = Py_NewRef(sql);
@@ -1186,10 +1255,15 @@ have_entry:;
             memo->engines_version = dict_version(engines);
             memo->at_frame = site_depth == 0;
             memo->entry = Py_NewRef(entry);
+            memo->key_hash = hash;
+            memo->cache_version = dict_version(site_cache);
             Py_XDECREF(old_sql);
             Py_XDECREF(old_entry);
         }
-        slot = add_site(site_list, sites, key, entry);
+        else if (hash == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        slot = add_site(site_list, sites, key, hash, entry);
         if (slot == NULL)
             goto done;
     }
@@ -1276,10 +1350,79 @@ record_slow(PyObject *req, PyObject *sql, PyObject *params)
     return i;
 }
 
-static PyObject *
+static Py_ALWAYS_INLINE inline PyObject *
 forward(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    return PyObject_Vectorcall(w->method, args, nargsf, kwnames);
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyCFunction f = w->cfunc;
+    if (f == NULL || nargs < 1 || kwnames != NULL)
+        return PyObject_Vectorcall(w->method, args, nargsf, kwnames);
+    PyTypeObject *type = Py_TYPE(args[0]);
+    if (type != w->cfunc_type && type != w->cfunc_subtype) {
+        if (w->cfunc_subtype != NULL || !PyType_IsSubtype(type, w->cfunc_type))
+            return PyObject_Vectorcall(w->method, args, nargsf, kwnames);
+        w->cfunc_subtype = (PyTypeObject *)Py_NewRef(type); /* the first subclass seen */
+    }
+    /* No recursion check, as the interpreter's own call of such a method (CPython 3.11's
+     * specialized instruction): Python code it runs (an adapter, a SQL function) checks. */
+    PyObject *result;
+    switch (w->cfunc_flags) {
+    case METH_FASTCALL:
+        result = ((_PyCFunctionFast)(void (*)(void))f)(args[0], args + 1, nargs - 1);
+        break;
+    case METH_FASTCALL | METH_KEYWORDS:
+        result = ((_PyCFunctionFastWithKeywords)(void (*)(void))f)(args[0], args + 1, nargs - 1,
+                                                                    NULL);
+        break;
+    case METH_NOARGS:
+        if (nargs != 1)
+            return PyObject_Vectorcall(w->method, args, nargsf, kwnames); /* its TypeError */
+        result = f(args[0], NULL);
+        break;
+    default: /* METH_O */
+        if (nargs != 2)
+            return PyObject_Vectorcall(w->method, args, nargsf, kwnames); /* its TypeError */
+        result = f(args[0], args[1]);
+        break;
+    }
+    if (result == NULL && !PyErr_Occurred()) /* as the generic call checks a C result */
+        PyErr_SetString(PyExc_SystemError, "a C method returned NULL without an exception");
+    return result;
+}
+
+/* CPython 3.11: set an int that only its one holder can see (a reference count of 1, one
+ * digit, over the cached small ints) to v in place: 1, or 0 (left alone) when it is not
+ * such an int or v does not fit. What a new int would be, without allocating one and freeing
+ * the old (ints cache no hash). */
+static inline int
+int_in_place(PyObject *o, Py_ssize_t v)
+{
+#if IFRAMES
+    if (PyLong_CheckExact(o) && Py_REFCNT(o) == 1 && Py_SIZE(o) == 1 &&
+        ((PyLongObject *)o)->ob_digit[0] > 256 && v > 256 && v <= (Py_ssize_t)PyLong_MASK) {
+        ((PyLongObject *)o)->ob_digit[0] = (digit)v;
+        return 1;
+    }
+#endif
+    return 0;
+}
+
+/* PyContextVar_Get(current_var, NULL, &req): 0, or -1 with an error set. CPython 3.11: the
+ * value the variable cached for this thread and context, read in place when it holds (what
+ * PyContextVar_Get checks first, without the call); else PyContextVar_Get. */
+static inline int
+current_request(PyObject **req)
+{
+#if IFRAMES
+    PyContextVar *var = (PyContextVar *)current_var;
+    PyThreadState *ts = PyThreadState_GET();
+    if (PyContextVar_CheckExact(current_var) && ts->context != NULL && var->var_cached != NULL && var->var_cached_tsid == ts->id &&
+        var->var_cached_tsver == ts->context_ver) {
+        *req = Py_NewRef(var->var_cached);
+        return 0;
+    }
+#endif
+    return PyContextVar_Get(current_var, NULL, req);
 }
 
 static PyObject *
@@ -1293,7 +1436,7 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
     PyObject *req = NULL;
     if (current_var == NULL || sql_text == NULL)  /* not configured: nothing to record into */
         return forward(w, args, nargsf, kwnames);
-    if (PyContextVar_Get(current_var, NULL, &req) < 0) {
+    if (current_request(&req) < 0) {
         failed();
         req = NULL;
     }
@@ -1367,20 +1510,27 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
     }
     else if (description != NULL) { /* a SELECT: rows are counted as they are fetched */
         put(calls, i + ROWS, 0);
-        PyObject *index = PyLong_FromSsize_t(i + ROWS);
         PyObject *held = fast ? FIELD(self, w->m_rows, PyObject *) : NULL;
-        if (index != NULL && held != NULL && PyTuple_CheckExact(held) &&
-            Py_REFCNT(held) == 1 && PyTuple_GET_SIZE(held) == 2 &&
-            PyTuple_GET_ITEM(held, 0) == calls) {
+        int mine = held != NULL && PyTuple_CheckExact(held) && Py_REFCNT(held) == 1 &&
+                   PyTuple_GET_SIZE(held) == 2 && PyTuple_GET_ITEM(held, 0) == calls;
+        if (mine && int_in_place(PyTuple_GET_ITEM(held, 1), i + ROWS)) {
             /* the cursor's statement before this one was the same request's (an N+1 loop on
-             * one cursor) and only the cursor holds its (calls, offset): the offset is
-             * replaced in place, no tuple made and freed a statement (no one else can see
-             * it; an int for an int: nothing the collector looks at changes) */
-            PyObject *old = PyTuple_GET_ITEM(held, 1);
-            PyTuple_SET_ITEM(held, 1, index);
-            Py_DECREF(old);
+             * one cursor) and only the cursor holds its (calls, offset), whose int only that
+             * tuple holds: the offset is set in place, nothing made or freed */
+        }
+        else if (mine) {
+            /* the same, the int a cached small one or shared: an int for an int in the
+             * tuple, no tuple made and freed a statement (no one else can see it; nothing
+             * the collector looks at changes) */
+            PyObject *index = PyLong_FromSsize_t(i + ROWS);
+            if (index != NULL) {
+                PyObject *old = PyTuple_GET_ITEM(held, 1);
+                PyTuple_SET_ITEM(held, 1, index);
+                Py_DECREF(old);
+            }
         }
         else {
+            PyObject *index = PyLong_FromSsize_t(i + ROWS);
             PyObject *counting = index ? PyTuple_Pack(2, calls, index) : NULL;
             if (counting != NULL)
                 set_counting(w, self, counting);
@@ -1406,7 +1556,7 @@ count_rows(WrapperObject *w, PyObject *cursor, Py_ssize_t n, int stop)
         if (stop)
             set_counting(w, cursor, NULL);
         PyObject *calls = PyTuple_GET_ITEM(counting, 0);
-        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(counting, 1));
+        long long at = as_ll(PyTuple_GET_ITEM(counting, 1));
         if (n > 0 && PyByteArray_CheckExact(calls) && at >= 0 &&
             at + 8 <= PyByteArray_GET_SIZE(calls))
             put(calls, at, get(calls, at) + n);
@@ -1456,7 +1606,7 @@ connection(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwn
     if (!plain)
         return PyObject_Vectorcall(w->fallback, args, nargsf, kwnames);
     PyObject *cursor_args[2] = {args[0], w->cursor_class};
-    PyObject *cursor = PyObject_Vectorcall(w->method, cursor_args, 2, NULL);
+    PyObject *cursor = forward(w, cursor_args, 2, NULL);
     if (cursor == NULL || w->kind == CONN_CURSOR)
         return cursor;
     PyObject *execute_args[3] = {cursor, args[1], nargs == 3 ? args[2] : empty_tuple};
@@ -1514,6 +1664,22 @@ wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     w->fallback = Py_XNewRef(fallback);
     w->execute = Py_XNewRef(execute_wrapper);
     w->m_rows = w->m_description = w->m_rowcount = NULL;
+    w->cfunc = NULL;
+    w->cfunc_flags = 0;
+    w->cfunc_type = w->cfunc_subtype = NULL;
+    if (Py_IS_TYPE(method, &PyMethodDescr_Type)) {
+        PyMethodDef *def = ((PyMethodDescrObject *)method)->d_method;
+        int flags = def->ml_flags & ~METH_COEXIST;
+        if (flags == METH_FASTCALL || flags == (METH_FASTCALL | METH_KEYWORDS) ||
+            flags == METH_NOARGS || flags == METH_O) {
+            w->cfunc = def->ml_meth;
+            w->cfunc_flags = flags;
+            w->cfunc_type = PyDescr_TYPE(method);
+            if (kind < CONN_CURSOR && cursor_class != NULL && PyType_Check(cursor_class) &&
+                PyType_IsSubtype((PyTypeObject *)cursor_class, w->cfunc_type))
+                w->cfunc_subtype = (PyTypeObject *)Py_NewRef(cursor_class);
+        }
+    }
     if (kind < CONN_CURSOR && cursor_class != NULL && PyType_Check(cursor_class)) {
         w->m_rows = member_of(cursor_class, "_perfsleuth_rows", T_OBJECT_EX, T_OBJECT_EX);
         w->m_description = member_of(cursor_class, "description", T_OBJECT, T_OBJECT_EX);
@@ -1531,6 +1697,7 @@ wrapper_traverse(WrapperObject *w, visitproc visit, void *arg)
     Py_VISIT(w->cursor_class);
     Py_VISIT(w->fallback);
     Py_VISIT(w->execute);
+    Py_VISIT(w->cfunc_subtype);
     return 0;
 }
 
@@ -1542,6 +1709,7 @@ wrapper_dealloc(WrapperObject *w)
     Py_CLEAR(w->cursor_class);
     Py_CLEAR(w->fallback);
     Py_CLEAR(w->execute);
+    Py_CLEAR(w->cfunc_subtype);
     Py_TYPE(w)->tp_free((PyObject *)w);
 }
 
@@ -2644,6 +2812,12 @@ mark_entry(PyFrameObject *frame)
     if (frame == NULL || code_kinds == NULL)
         return;
     PyCodeObject *code = PyFrame_GetCode(frame);
+    int known;
+    if (PyDict_CheckExact(code_kinds) && memo_get(kind_memo, code_kinds, code, &known) &&
+        known == -1) { /* kind_of_code's memo: the dict still maps it to (code, None) */
+        Py_DECREF(code);
+        return;
+    }
     PyObject *id = PyLong_FromVoidPtr(code);
     PyObject *hit = id ? PyDict_GetItemWithError(code_kinds, id) : NULL; /* borrowed */
     if (id != NULL && !PyErr_Occurred() &&
@@ -2652,7 +2826,13 @@ mark_entry(PyFrameObject *frame)
         PyObject *entry = PyTuple_Pack(2, (PyObject *)code, Py_None);
         if (entry == NULL || PyDict_SetItem(code_kinds, id, entry) < 0)
             failed();
+        else if (PyDict_CheckExact(code_kinds))
+            memo_put(kind_memo, code_kinds, code, -1);
         Py_XDECREF(entry);
+    }
+    else if (hit != NULL && PyTuple_GET_ITEM(hit, 0) == (PyObject *)code &&
+             PyDict_CheckExact(code_kinds)) {
+        memo_put(kind_memo, code_kinds, code, -1);
     }
     Py_XDECREF(id);
     Py_DECREF(code);
