@@ -390,3 +390,27 @@ def test_globals_changed_between_requests_are_seen(
     recs = {r["path"]: r for r in captured()}
     assert sorted(recs) == ["/first", "/second", "/third"]
     assert recs["/second"]["cpu_ns"] is not None and recs["/third"].get("cpu_ns") is None
+
+
+async def test_a_remembered_route_name_follows_the_names_cache(
+    impl: str, captured: Captured, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C version's own memory of route names stands only while asgi._names is unchanged:
+    an entry changed there, or the cache emptied, is seen by the next request."""
+    from apps import fastapi_app
+
+    async with tf.asgi_client(fastapi_app.app) as c:
+        await c.get("/orders/1")
+        await c.get("/orders/2")
+        for key, (route, ctx, router, name) in list(ps_asgi._names.items()):
+            if name == "GET /orders/{order_id}":
+                monkeypatch.setitem(ps_asgi._names, key, (route, ctx, router, "GET /renamed"))
+        await c.get("/orders/3")
+        ps_asgi._names.clear()
+        await c.get("/orders/4")
+    assert [r["endpoint"] for r in captured()] == [
+        "GET /orders/{order_id}",
+        "GET /orders/{order_id}",
+        "GET /renamed",
+        "GET /orders/{order_id}",
+    ]

@@ -270,6 +270,74 @@ as_ll(PyObject *v)
     return r;
 }
 
+/* ------------------------------------------------------------------ the send tap's fields
+ * The send tap is _speedups.SendTap (or asgi.SendTap without it): its status, sent, pathsend
+ * and complete are read through their member descriptors' offsets and types (C ints and
+ * bools), looked up once per class; any other object (the Python SendTap): by name. */
+
+enum { T_STATUS, T_SENT, T_PATHSEND, T_COMPLETE, N_TAP_FIELDS };
+static PyObject **tap_field_strs[N_TAP_FIELDS] = {&s_status, &s_sent, &s_pathsend, &s_complete};
+static PyTypeObject *tap_cls; /* strong reference: the class last laid out */
+static Py_ssize_t tap_offsets[N_TAP_FIELDS];
+static int tap_types[N_TAP_FIELDS];
+
+static int
+tap_laid_out(PyTypeObject *cls)
+{
+    if (cls == tap_cls)
+        return 1;
+    Py_ssize_t offsets[N_TAP_FIELDS];
+    int types[N_TAP_FIELDS];
+    for (int k = 0; k < N_TAP_FIELDS; k++) {
+        PyObject *descr = PyObject_GetAttr((PyObject *)cls, *tap_field_strs[k]);
+        int ok = descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type);
+        if (ok) {
+            PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
+            ok = m->type == T_INT || m->type == T_LONGLONG || m->type == T_BOOL;
+            offsets[k] = m->offset;
+            types[k] = m->type;
+        }
+        Py_XDECREF(descr);
+        if (!ok) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    memcpy(tap_offsets, offsets, sizeof(offsets));
+    memcpy(tap_types, types, sizeof(types));
+    Py_XSETREF(tap_cls, (PyTypeObject *)Py_NewRef(cls));
+    return 1;
+}
+
+/* The tap's field k as a C integer (*value); -1 on error. */
+static int
+tap_get(PyObject *out, int k, long long *value)
+{
+    if (tap_laid_out(Py_TYPE(out))) {
+        char *at = (char *)out + tap_offsets[k];
+        switch (tap_types[k]) {
+        case T_INT:
+            *value = *(int *)at;
+            break;
+        case T_LONGLONG:
+            *value = *(long long *)at;
+            break;
+        default: /* T_BOOL */
+            *value = *(char *)at != 0;
+        }
+        return 0;
+    }
+    PyObject *v = PyObject_GetAttr(out, *tap_field_strs[k]);
+    if (v == NULL)
+        return -1;
+    int overflow = 0;
+    *value = PyLong_AsLongLongAndOverflow(v, &overflow); /* a bool is an int */
+    Py_DECREF(v);
+    if (overflow)
+        PyErr_SetString(PyExc_OverflowError, "a send tap's field out of range");
+    return *value == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* ------------------------------------------------------------------ the awaitable */
 
 enum { START, RUNNING, DONE };
@@ -349,6 +417,26 @@ python:
     return 0;
 }
 
+#ifdef DICT_VERSIONS
+/* The last _names hits, by the objects of their key: a hit stands while the _names dict is
+ * the same dict at the same version (unchanged since: the same entry would be found there);
+ * its key's tuple of ids made and looked up cost ~1,200 instructions a request. */
+#define ROUTE_SLOTS 64
+typedef struct {
+    PyObject *route, *ctx, *router, *method, *name; /* strong references */
+    PyObject *names;                                /* compared only */
+    uint64_t version;
+} RouteSlot;
+static RouteSlot route_slots[ROUTE_SLOTS];
+
+static inline RouteSlot *
+route_slot(PyObject *route, PyObject *ctx, PyObject *router)
+{
+    uintptr_t h = ((uintptr_t)route >> 4) ^ ((uintptr_t)ctx >> 6) ^ ((uintptr_t)router >> 8);
+    return &route_slots[(h ^ (h >> 7)) % ROUTE_SLOTS];
+}
+#endif
+
 /* asgi._route_name(scope, method, status): the _names hit here, else asgi.py's (new ref). */
 static PyObject *
 route_name(PyObject *scope, PyObject *method, PyObject *status)
@@ -362,6 +450,13 @@ route_name(PyObject *scope, PyObject *method, PyObject *status)
         route = route ? route : Py_None;
         ctx = ctx ? ctx : Py_None;
         router = router ? router : Py_None;
+#ifdef DICT_VERSIONS
+        RouteSlot *slot = route_slot(route, ctx, router);
+        if (slot->name != NULL && slot->names == names && slot->version == version_of(names) &&
+            slot->route == route && slot->ctx == ctx && slot->router == router &&
+            (slot->method == method || PyUnicode_Compare(slot->method, method) == 0))
+            return Py_NewRef(slot->name);
+#endif
         PyObject *key = PyTuple_New(4);
         if (key == NULL)
             return NULL;
@@ -379,8 +474,24 @@ route_name(PyObject *scope, PyObject *method, PyObject *status)
         Py_DECREF(key);
         if (hit != NULL && PyTuple_CheckExact(hit) && PyTuple_GET_SIZE(hit) == 4 &&
             PyTuple_GET_ITEM(hit, 0) == route && PyTuple_GET_ITEM(hit, 1) == ctx &&
-            PyTuple_GET_ITEM(hit, 2) == router)
-            return Py_NewRef(PyTuple_GET_ITEM(hit, 3));
+            PyTuple_GET_ITEM(hit, 2) == router) {
+            PyObject *name = PyTuple_GET_ITEM(hit, 3);
+#ifdef DICT_VERSIONS
+            /* the slot is whole before the objects it held go (their deallocation can run
+             * code) */
+            PyObject *old[5] = {slot->route, slot->ctx, slot->router, slot->method, slot->name};
+            slot->route = Py_NewRef(route);
+            slot->ctx = Py_NewRef(ctx);
+            slot->router = Py_NewRef(router);
+            slot->method = Py_NewRef(method);
+            slot->name = Py_NewRef(name);
+            slot->names = names;
+            slot->version = version_of(names);
+            for (int k = 0; k < 5; k++)
+                Py_XDECREF(old[k]);
+#endif
+            return Py_NewRef(name);
+        }
         if (PyErr_Occurred())
             return NULL;
     }
@@ -405,22 +516,22 @@ finish_fields(PyObject *req, PyObject *scope)
         goto done;
     if ((out = get(req, F_OUT)) == NULL || (status = get(req, F_STATUS)) == NULL)
         goto done;
+    long long code, pathsend, sent;
     if (status == Py_None) { /* not set to 500 by an exception */
-        if ((v = PyObject_GetAttr(out, s_status)) == NULL || (t = PyObject_IsTrue(v)) < 0)
+        if (tap_get(out, T_STATUS, &code) < 0)
             goto done;
-        Py_SETREF(status, t ? v : Py_NewRef(Py_None));
-        if (!t)
-            Py_DECREF(v);
-        v = NULL;
+        if (code) {
+            Py_SETREF(status, PyLong_FromLongLong(code));
+            if (status == NULL)
+                goto done;
+        }
         if (set(req, F_STATUS, Py_NewRef(status)) < 0)
             goto done;
     }
-    if ((v = PyObject_GetAttr(out, s_pathsend)) == NULL || (t = PyObject_IsTrue(v)) < 0)
+    if (tap_get(out, T_PATHSEND, &pathsend) < 0 || tap_get(out, T_SENT, &sent) < 0 ||
+        (v = PyLong_FromLongLong(sent)) == NULL)
         goto done;
-    Py_CLEAR(v);
-    if ((v = PyObject_GetAttr(out, s_sent)) == NULL)
-        goto done;
-    if (t) { /* sent by the server from a file: what was sent plus the declared length */
+    if (pathsend) { /* sent by the server from a file: what was sent plus the declared length */
         PyObject *cls = global(asgi_dict, s_py_send_tap);
         PyObject *f = cls ? PyObject_GetAttr(cls, s_declared_length) : NULL;
         PyObject *n = f ? PyObject_CallOneArg(f, out) : NULL;
@@ -534,13 +645,12 @@ finish_failed(CallObject *c)
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         PyObject *out = get(req, F_OUT);
-        PyObject *complete = out ? PyObject_GetAttr(out, s_complete) : NULL;
-        PyObject *status = complete ? PyObject_GetAttr(out, s_status) : NULL;
-        int done = status ? PyObject_IsTrue(complete) : -1;
-        int started = done >= 0 ? PyObject_IsTrue(status) : -1;
+        long long done = 0, code = 0;
+        int started = out && tap_get(out, T_COMPLETE, &done) == 0 &&
+                              tap_get(out, T_STATUS, &code) == 0
+                          ? code != 0
+                          : -1;
         Py_XDECREF(out);
-        Py_XDECREF(complete);
-        Py_XDECREF(status);
         if (started >= 0 && !(done && started) && set(req, F_STATUS, PyLong_FromLong(500)) < 0)
             started = -1;
         PyObject *name = started >= 0 && type != NULL

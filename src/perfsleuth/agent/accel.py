@@ -2,7 +2,9 @@
 
 It is built at install when a compiler is there; ``PERFSLEUTH_SPEEDUPS=0`` leaves it out. Every
 function it has also exists in Python, recording the same values: modules take the C version
-with :func:`pick` and fall back to theirs.
+with :func:`pick` and fall back to theirs. The frameworks' request layers in C (agent/_wsgi.c,
+agent/_asgi.c) are loaded by their modules (frameworks/wsgi.py, frameworks/asgi.py) only when
+this one is on.
 """
 
 from __future__ import annotations
