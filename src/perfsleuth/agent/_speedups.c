@@ -75,14 +75,14 @@ iframe_current(void)
 
 /* PyLong_AsLongLong, same results and errors: CPython 3.11's converts an int of more than one
  * digit (a nanosecond clock reading) through a byte array, ~200 instructions; this one reads
- * the digits (PyLong_AsLongLongAndOverflow), ~30; a non-negative int of one digit (a site
- * index, a row offset) is read in place on 3.11. */
+ * the digits (PyLong_AsLongLongAndOverflow), ~30; an int of at most one digit (a site
+ * index, a row offset, a stack's ~lasti) is read in place on 3.11. */
 static inline long long
 as_ll(PyObject *v)
 {
 #if IFRAMES
-    if (PyLong_CheckExact(v) && (Py_SIZE(v) == 0 || Py_SIZE(v) == 1)) /* 0, or one digit */
-        return Py_SIZE(v) == 0 ? 0 : (long long)((PyLongObject *)v)->ob_digit[0];
+    if (PyLong_CheckExact(v) && Py_SIZE(v) >= -1 && Py_SIZE(v) <= 1) /* 0, or one digit */
+        return Py_SIZE(v) * (long long)((PyLongObject *)v)->ob_digit[0];
 #endif
     int overflow = 0;
     long long r = PyLong_AsLongLongAndOverflow(v, &overflow);
@@ -592,19 +592,16 @@ capture(PyFrameObject *frame)
     return flat;
 }
 
-/* stacks.same(frame, flat): 1 when capture(frame) would give flat, 0 if not, -1 error. */
-static int
-same_stack(PyFrameObject *frame, PyObject *flat)
-{
-    if (!PyTuple_Check(flat))
-        return 0;
 #if IFRAMES
-    /* CPython 3.11: the frames read in place, the interpreter's own records of the running
-     * calls (frame->f_frame and those it was called from): PyFrame_GetBack would make a frame
-     * object for each frame above (an allocation, and a deallocation when its call returns;
-     * ~200 instructions a frame). The callers' records stay as they are while this runs
-     * (kind_of_code may run Python code: stacks.classify, in frames above them). */
-    _PyInterpreterFrame *f = frame->f_frame;
+/* same_stack of an interpreter frame (f: a running frame's record, and flat a tuple). CPython
+ * 3.11: the frames read in place, the interpreter's own records of the running calls (f and
+ * those it was called from): PyFrame_GetBack would make a frame object for each frame above
+ * (an allocation, and a deallocation when its call returns; ~200 instructions a frame). The
+ * callers' records stay as they are while this runs (kind_of_code may run Python code:
+ * stacks.classify, in frames above them). */
+static int
+same_stack_at(_PyInterpreterFrame *f, PyObject *flat)
+{
     while (f != NULL) { /* past the agent's frames */
         int k = kind_of_code((PyCodeObject *)Py_NewRef(f->f_code));
         if (k == -2)
@@ -616,7 +613,7 @@ same_stack(PyFrameObject *frame, PyObject *flat)
     Py_ssize_t n = PyTuple_GET_SIZE(flat), i = 0;
     int same = 1;
     while (f != NULL && i + 1 < n) {
-        long where = PyLong_AsLong(PyTuple_GET_ITEM(flat, i + 1));
+        long long where = as_ll(PyTuple_GET_ITEM(flat, i + 1));
         if ((PyObject *)f->f_code != PyTuple_GET_ITEM(flat, i) || where != ~iframe_lasti(f)) {
             same = 0;
             break;
@@ -638,6 +635,17 @@ same_stack(PyFrameObject *frame, PyObject *flat)
         return -1;
     }
     return same;
+}
+#endif
+
+/* stacks.same(frame, flat): 1 when capture(frame) would give flat, 0 if not, -1 error. */
+static int
+same_stack(PyFrameObject *frame, PyObject *flat)
+{
+    if (!PyTuple_Check(flat))
+        return 0;
+#if IFRAMES
+    return same_stack_at(frame->f_frame, flat);
 #else
     int error = 0;
     PyFrameObject *f = past_agent(frame, &error);
@@ -1085,10 +1093,17 @@ add_site(PyObject *site_list, PyObject *sites, PyObject *key, Py_hash_t hash, Py
  * is full (counted). */
 static Py_ssize_t
 record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyObject *params,
-            PyFrameObject *frame)
+            PyFrameObject *frame, int running)
 {
-    if (frame == NULL || !one_stack_per_site || code_kinds == NULL || site_cache == NULL ||
-        !PyUnicode_CheckExact(sql))
+#if IFRAMES
+    _PyInterpreterFrame *cur = running ? iframe_current() : NULL;
+    if (running && cur == NULL)
+        return -1;
+#else
+    assert(!running);
+#endif
+    if ((frame == NULL && !running) || !one_stack_per_site || code_kinds == NULL ||
+        site_cache == NULL || !PyUnicode_CheckExact(sql))
         return -1;
     Py_ssize_t result = -1;
     Layout *layout = layout_of(Py_TYPE(req));
@@ -1102,7 +1117,12 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
     PyObject *ended = get_field(req, layout, F_END);
     if (ended == NULL || !PyLong_CheckExact(ended))
         goto done;
-    if (PyObject_IsTrue(ended)) { /* a call after the request ended: not its (recorder) */
+#if IFRAMES
+    int is_ended = Py_SIZE(ended) != 0; /* an exact int, not 0 (3.11's layout) */
+#else
+    int is_ended = PyObject_IsTrue(ended);
+#endif
+    if (is_ended) { /* a call after the request ended: not its (recorder) */
         result = -2;
         goto done;
     }
@@ -1135,9 +1155,20 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
     int templated = 0;
     Py_ssize_t site_depth = -1;
     Py_hash_t key_hash = -1; /* the key's hash when known (a memo's) */
-    PyCodeObject *fcode = PyFrame_GetCode(frame);
-    int flasti = PyFrame_GetLasti(frame);
-    Py_DECREF(fcode); /* the frame holds it */
+    PyCodeObject *fcode;
+    int flasti;
+#if IFRAMES
+    if (running) {
+        fcode = cur->f_code; /* the frame holds it */
+        flasti = (int)iframe_lasti(cur);
+    }
+    else
+#endif
+    {
+        fcode = PyFrame_GetCode(frame);
+        flasti = PyFrame_GetLasti(frame);
+        Py_DECREF(fcode); /* the frame holds it */
+    }
     SiteMemo *memo = site_memo_slot(sql, fcode, flasti);
     if (SITE_MEMO && memo->sql == sql && memo->code == fcode && memo->lasti == flasti &&
         memo->kinds_version == dict_version(code_kinds) &&
@@ -1147,7 +1178,14 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
             site_cached(memo)) {
             entry = Py_NewRef(known); /* held: same_stack may run Python code */
             int at_frame = memo->at_frame; /* read now: that code may rewrite the slot */
-            int same = same_stack(frame, PyTuple_GET_ITEM(entry, 3));
+            PyObject *flat = PyTuple_GET_ITEM(entry, 3);
+#if IFRAMES
+            int same = !PyTuple_Check(flat) ? 0
+                       : running            ? same_stack_at(cur, flat)
+                                            : same_stack(frame, flat);
+#else
+            int same = same_stack(frame, flat);
+#endif
             if (same < 0)
                 goto done;
             if (same) {
@@ -1162,6 +1200,8 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
             goto done;
         }
     }
+    if (running && (frame = PyEval_GetFrame()) == NULL) /* borrowed; made now, when needed */
+        goto done;
     if (find_site(frame, &f, &templated, &site_depth) < 0)
         goto done;
     PyObject *where, *lasti;
@@ -1322,7 +1362,7 @@ py_record_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         f = up(f);
     if (f == NULL)
         return PyLong_FromLong(-1);
-    Py_ssize_t i = record_site(req, args[1], args[2], sql, args[4], f);
+    Py_ssize_t i = record_site(req, args[1], args[2], sql, args[4], f, 0);
     Py_DECREF(f);
     return PyLong_FromSsize_t(i);
 }
@@ -1444,7 +1484,11 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
     if (req != NULL && req != Py_None) {
         i = record_fast(req, sql, params);
         if (i == -1)
-            i = record_site(req, s_db, s_sqlite, sql, params, PyEval_GetFrame());
+#if IFRAMES /* the running frame, its frame object made only when needed */
+            i = record_site(req, s_db, s_sqlite, sql, params, NULL, 1);
+#else
+            i = record_site(req, s_db, s_sqlite, sql, params, PyEval_GetFrame(), 0);
+#endif
         if (i == -1)
             i = record_slow(req, sql, params);
     }
