@@ -1660,16 +1660,6 @@ connection(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwn
 }
 
 static PyObject *
-wrapper_vectorcall(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
-{
-    if (w->kind == EXECUTE)
-        return execute(w, args, nargsf, kwnames);
-    if (w->kind == CONN_CURSOR || w->kind == CONN_EXECUTE)
-        return connection(w, args, nargsf, kwnames);
-    return fetch(w, args, nargsf, kwnames);
-}
-
-static PyObject *
 wrapper_get(PyObject *self, PyObject *obj, PyObject *type)
 {
     if (obj == NULL || obj == Py_None)
@@ -1703,7 +1693,11 @@ wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     w->method = Py_NewRef(method);
     w->kind = kind;
-    w->vectorcall = (vectorcallfunc)wrapper_vectorcall;
+    /* each kind's function called directly: no dispatch, and the small fetch wrappers do not
+     * pay for execute's registers */
+    w->vectorcall = kind == EXECUTE ? (vectorcallfunc)execute
+                    : kind == CONN_CURSOR || kind == CONN_EXECUTE ? (vectorcallfunc)connection
+                                                                  : (vectorcallfunc)fetch;
     w->cursor_class = Py_XNewRef(cursor_class);
     w->fallback = Py_XNewRef(fallback);
     w->execute = Py_XNewRef(execute_wrapper);
