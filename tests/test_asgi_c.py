@@ -414,3 +414,32 @@ async def test_a_remembered_route_name_follows_the_names_cache(
         "GET /renamed",
         "GET /orders/{order_id}",
     ]
+
+
+@pytest.mark.parametrize("broken", ["_SendTap", "_cpu_sampled"])
+def test_a_request_that_cannot_be_tapped_runs_unrecorded(
+    impl: str, captured: Captured, monkeypatch: pytest.MonkeyPatch, broken: str
+) -> None:
+    """The send tap or the CPU sample's decision failing: counted, the request ends as it is
+    and the app runs with the server's receive and send (the Python version raised into the
+    app)."""
+
+    def fail(*args: Any) -> Any:
+        raise ZeroDivisionError("agent bug")
+
+    sent: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+
+    async def server_send(message: Any) -> None:
+        sent.append(message)
+
+    monkeypatch.setattr(ps_asgi, broken, fail)
+    errors = recorder.stats["internal_errors"]
+    asyncio.run(PerfsleuthASGI(app)(tf.http_scope("GET", "/untapped"), receive, server_send))
+    assert [m["status"] for m in sent] == [201]
+    assert recorder.stats["internal_errors"] == errors + 1
+    (rec,) = captured()
+    assert rec["path"] == "/untapped" and rec.get("status") is None
+    assert recorder.current() is None

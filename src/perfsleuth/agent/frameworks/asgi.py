@@ -271,15 +271,21 @@ def _python_recording(inner: Callable[..., Awaitable[None]]) -> Callable[..., Aw
         if req is None:
             await inner(self, scope, receive, send)
             return
-        req._receive = receive
-        req.received = 0
-        req.tap = None
-        # CPU time for the requests in the sample (recorder.cpu_sampled): the others read no
-        # thread clock (no meter; the hand-off to a worker and the child task's meter skip a
-        # request whose cpu_ns is None)
-        metered = _cpu_sampled(req)
-        req.cpu_ns = 0 if metered else None
-        out = req.out = _SendTap(send)
+        try:
+            req._receive = receive
+            req.received = 0
+            req.tap = None
+            # CPU time for the requests in the sample (recorder.cpu_sampled): the others read
+            # no thread clock (no meter; the hand-off to a worker and the child task's meter
+            # skip a request whose cpu_ns is None)
+            metered = _cpu_sampled(req)
+            req.cpu_ns = 0 if metered else None
+            out = req.out = _SendTap(send)
+        except Exception:  # the exchange cannot be tapped: it ends as it is, the app runs
+            recorder.internal_error()
+            _end(req)
+            await inner(self, scope, receive, send)
+            return
         try:
             req.headers = scope.get("headers")
             # the request's task, for the sampler and the loop watchdog
