@@ -1114,3 +1114,49 @@ def test_statements_alternating_between_two_places_take_their_sites_as_python_do
     python = _alternating(False, agent_data_dir)
     assert c == python
     assert c[0][0] == [0, 1] * 3 and c[0][2] == [True, True] and c[1][2] == [True, True]
+
+
+PARAMS = [
+    (0,),
+    (1,),
+    (-1,),  # hash(-1) is -2
+    (-2,),
+    (2**30 - 1, -(2**30 - 1)),  # one digit
+    (2**30, -(2**30), 2**62, -(2**64)),  # more
+    ("a", "é", "€uro", "".join(["not ", "hashed ", "yet"])),
+    (1.5, None, True, False, b"x", (1, "t"), frozenset({1})),
+    tuple(range(-40, 40)),
+]
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first call", "next call"])
+def test_a_statement_s_parameters_are_recorded_with_their_python_hash(
+    agent_data_dir: str, first: bool
+) -> None:
+    """The C wrappers hash a parameter tuple's ints and strs in place (tuple_hash): the value
+    recorded is hash(params), for small, negative, many-digit ints, hashed and unhashed strs
+    and other types, on a request's first call at its place (record_site) and the next
+    (record_fast)."""
+    import sqlite3
+
+    got: list[recorder.ActiveRequest] = []
+    recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
+    try:
+        conn = sqlite3.connect(":memory:")
+        for params in PARAMS:
+            req = recorder.speedups.begin("web", "GET", "/hash")
+            for p in ((1,), params) if not first else (params,):
+                try:
+                    conn.execute("SELECT 1 WHERE 0 = ?", p).fetchall()
+                except sqlite3.Error:  # bindings the driver refuses: the call is recorded
+                    pass
+            recorder.speedups.end(req)
+        conn.close()
+    finally:
+        recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
+    recorded = []
+    for done in got:
+        calls = done.calls
+        assert calls is not None
+        recorded.append(recorder._ROW.unpack_from(calls, len(calls) - recorder.ROW)[4])
+    assert recorded == [hash(p) for p in PARAMS]
