@@ -1495,7 +1495,8 @@ current_request(PyObject **req)
 #if IFRAMES
     PyContextVar *var = (PyContextVar *)current_var;
     PyThreadState *ts = PyThreadState_GET();
-    if (PyContextVar_CheckExact(current_var) && ts->context != NULL && var->var_cached != NULL && var->var_cached_tsid == ts->id &&
+    if (PyContextVar_CheckExact(current_var) && ts->context != NULL &&
+        var->var_cached != NULL && var->var_cached_tsid == ts->id &&
         var->var_cached_tsver == ts->context_ver) {
         *req = Py_NewRef(var->var_cached);
         return 0;
