@@ -443,3 +443,151 @@ def test_a_request_that_cannot_be_tapped_runs_unrecorded(
     (rec,) = captured()
     assert rec["path"] == "/untapped" and rec.get("status") is None
     assert recorder.current() is None
+
+
+# -- review R1: what the C version did differently from the reference ---------------------------
+
+
+def test_throw_of_a_type_and_a_value_that_is_not_an_instance(
+    impl: str, meter: str, captured: Captured, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deprecated throw(type, value[, tb]): the exception is type(value), as a generator's
+    throw makes it (the value was thrown as it was: a TypeError, the app never saw its
+    KeyError)."""
+    if impl == "python":  # the reference's meter (the C meter's throw is _speedups')
+        monkeypatch.setattr(ps_asgi, "_CpuMeter", ps_asgi.CpuMeter)
+    log: list[str] = []
+    app = PerfsleuthASGI(stepper(log))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        aw = app(tf.http_scope("GET", "/throw2"), receive, send)
+        assert aw.send(None) == "paused"
+        with pytest.raises(StopIteration):
+            aw.throw(KeyError, "k")  # the app handles KeyError and answers
+        aw = app(tf.http_scope("GET", "/throw3"), receive, send)
+        assert aw.send(None) == "paused"
+        with pytest.raises(ValueError) as raised:
+            aw.throw(ValueError, ("a", 1), None)
+        assert raised.value.args == ("a", 1)
+    assert log == ["started", "KeyError", "started", "ValueError"]
+    recs = {r["path"]: r for r in captured()}
+    assert recs["/throw2"]["status"] == 200 and recs["/throw2"].get("error") is None
+    assert recs["/throw3"]["status"] == 500 and recs["/throw3"]["error"] == "ValueError"
+
+
+def test_a_non_http_app_that_raises_when_called_raises_at_the_await(impl: str) -> None:
+    """An ASGI __call__ is an async function: an app's exception comes out of the await, not
+    out of the call (a server that makes a task of the call first sees it in the task)."""
+
+    def app(scope: Any, receive: Any, send: Any) -> Any:
+        raise ZeroDivisionError("app")
+
+    for scope_type in ("lifespan", "websocket"):
+        aw = PerfsleuthASGI(app)({"type": scope_type}, receive, send)
+        with pytest.raises(ZeroDivisionError):
+            aw.send(None)
+
+
+def test_an_awaitable_never_awaited_warns_as_a_coroutine(impl: str) -> None:
+    def app(scope: Any, receive: Any, send: Any) -> Any:
+        raise AssertionError("not called")
+
+    python = getattr(PerfsleuthASGI.__call__, "python", PerfsleuthASGI.__call__)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        aw = PerfsleuthASGI(app)(tf.http_scope("GET", "/never"), receive, send)
+        del aw
+        gc.collect()
+    messages = [str(x.message) for x in w if x.category is RuntimeWarning]
+    assert messages == [f"coroutine '{python.__qualname__}' was never awaited"]
+
+
+def test_capture_functions_monkeypatched_are_seen(
+    impl: str, captured: Captured, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """capture.reason and capture.finish_asgi replaced: the C version's own "nothing to keep"
+    stands aside and they decide."""
+    kept: list[str] = []
+    finished: list[str] = []
+    monkeypatch.setattr(capture, "on", True)
+    monkeypatch.setattr(capture, "_countdown", 1000)
+    monkeypatch.setattr(capture, "_keep", lambda req, why, *a: kept.append(why))
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def main(path: str) -> None:
+        await PerfsleuthASGI(app)(tf.http_scope("GET", path), receive, send)
+
+    asyncio.run(main("/plain"))
+    reason = capture.reason
+    monkeypatch.setattr(capture, "reason", lambda req: "flag")
+    asyncio.run(main("/reason"))
+    monkeypatch.setattr(capture, "reason", reason)
+    finish_asgi = capture.finish_asgi
+
+    def spy(req: Any, scope: Any, tap: Any) -> None:
+        finished.append(req.path)
+        finish_asgi(req, scope, tap)
+
+    monkeypatch.setattr(capture, "finish_asgi", spy)
+    asyncio.run(main("/finish"))
+    assert kept == ["flag"] and finished == ["/finish"]
+
+
+async def test_route_name_monkeypatched_after_a_hit_is_seen(
+    impl: str, captured: Captured, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from apps import fastapi_app
+
+    async with tf.asgi_client(fastapi_app.app) as c:
+        await c.get("/orders/1")
+        await c.get("/orders/2")  # a hit in _names (the C version remembers it)
+        monkeypatch.setattr(ps_asgi, "_route_name", lambda scope, method, status: "GET /patched")
+        await c.get("/orders/3")
+    assert [r["endpoint"] for r in captured()][-1] == "GET /patched"
+
+
+def test_finish_monkeypatched_is_seen(
+    impl: str, captured: Captured, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    finished: list[str] = []
+    original = ps_asgi._finish
+
+    def spy(req: Any, scope: Any) -> None:
+        finished.append(req.path)
+        original(req, scope)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    asyncio.run(PerfsleuthASGI(app)(tf.http_scope("GET", "/before"), receive, send))
+    monkeypatch.setattr(ps_asgi, "_finish", spy)
+    asyncio.run(PerfsleuthASGI(app)(tf.http_scope("GET", "/f"), receive, send))
+    assert finished == ["/f"]
+    assert [(r["path"], r["status"]) for r in captured()] == [("/before", 200), ("/f", 200)]
+
+
+@pytest.mark.parametrize("where", ["_begin", "_SendTap", "_route_name", "_end"])
+def test_keyboard_interrupt_in_agent_code_is_not_lost(
+    impl: str, captured: Captured, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A Ctrl-C (KeyboardInterrupt) that arrives while the agent's Python code runs is the
+    user's, not an agent failure: the reference (except Exception) lets it through, out of
+    the step it was raised in."""
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ps_asgi, where, interrupted)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    aw = PerfsleuthASGI(app)(tf.http_scope("GET", "/ki"), receive, send)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(10):
+            aw.send(None)
+    with pytest.raises(RuntimeError, match="cannot reuse"):
+        aw.send(None)
+    recorder._current.set(None)

@@ -17,8 +17,15 @@
  * _route_name on a cache miss, _under_mount, SendTap.declared_length, capture.finish_asgi).
  * Module globals (asgi._begin, _end, _CpuMeter, _loop_of, capture.on, ...) are read from the
  * modules' dicts at each request, so that what Python sees (a test's monkeypatch) this sees
- * too. Nothing here raises into the application: internal failures are counted
- * (recorder.internal_error); the application's and the server's exceptions pass.
+ * too; the functions done here in C (asgi._finish, asgi._route_name, capture.reason,
+ * capture.finish_asgi) are done here only while each is still the one configure saw, else the
+ * Python function now bound is called. Nothing here raises into the application: internal
+ * failures (Exception) are counted (recorder.internal_error); the application's and the
+ * server's exceptions pass, and so does a BaseException that is not an Exception
+ * (KeyboardInterrupt, SystemExit) raised in the agent's Python code, as in the reference: the
+ * request ends and it comes out of the step (send, throw, close) it was raised in. A scope that
+ * is not http (lifespan, websocket) gets a Call too, unrecorded: the app is called at its
+ * first step, as the reference coroutine calls it at its first await.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,6 +35,9 @@ static PyObject *recorder_dict; /* perfsleuth.agent.recorder.__dict__ */
 static PyObject *capture_dict;  /* perfsleuth.agent.capture.__dict__ */
 static PyObject *asgi_dict;     /* perfsleuth.agent.frameworks.asgi.__dict__ */
 static PyObject *cpu_sampled_fn; /* recorder.cpu_sampled as configured (decided here) */
+/* asgi._finish, asgi._route_name, capture.reason and capture.finish_asgi as configured: done
+ * here while each is still bound */
+static PyObject *finish_fn, *route_name_fn, *reason_fn, *finish_asgi_fn;
 
 static PyObject *s_web, *s_empty, *s_slash, *s_http, *s_type, *s_method, *s_path, *s_headers;
 static PyObject *s_route, *s_fastapi, *s_ctx, *s_router, *s_app, *s_get;
@@ -36,7 +46,8 @@ static PyObject *s_cpu_sampled, *s_cpu_threshold, *s_send_tap, *s_cpu_meter, *s_
 static PyObject *s_running_tasks, *s_new_loop, *s_receive, *s_status, *s_sent, *s_pathsend;
 static PyObject *s_complete, *s_names, *s_route_name, *s_under_mount, *s_unmatched;
 static PyObject *s_py_send_tap, *s_declared_length, *s_finish_asgi, *s_fault, *s_slow_ns;
-static PyObject *s_countdown, *s_throw, *s_close, *s_cr_frame, *s_cr_await;
+static PyObject *s_countdown, *s_throw, *s_close, *s_cr_frame, *s_cr_await, *s_finish, *s_reason;
+static PyObject *s_qualname, *s_call_name;
 static PyObject *zero;
 
 /* ------------------------------------------------------------------ request fields
@@ -66,6 +77,7 @@ laid_out(PyTypeObject *cls)
     for (int k = 0; k < N_FIELDS; k++) {
         PyObject *descr = PyObject_GetAttr((PyObject *)cls, field_strs[k]);
         int ok = descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
+                 PyType_IsSubtype(cls, PyDescr_TYPE(descr)) &&
                  ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX;
         if (ok)
             offsets[k] = ((PyMemberDescrObject *)descr)->d_member->offset;
@@ -113,17 +125,53 @@ set(PyObject *req, int field, PyObject *value)
 
 /* ------------------------------------------------------------------ helpers */
 
-/* Count an internal failure and clear it: the application never sees it. */
-static void
+/* Whether the exception set is an Exception (what the reference's ``except Exception``
+ * catches); none set: 1. */
+static inline int
+is_exception(void)
+{
+    return !PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_Exception);
+}
+
+/* Count an internal failure (an Exception) and clear it: the application never sees it; 0.
+ * Any other BaseException (KeyboardInterrupt, SystemExit) is not the agent's: it stays set
+ * (-1), for the caller to let through. */
+static int
 failed(void)
 {
+    if (!is_exception())
+        return -1;
     PyErr_Clear();
     PyObject *f = recorder_dict ? PyDict_GetItemWithError(recorder_dict, s_internal_error) : NULL;
     if (f != NULL) {
         PyObject *r = PyObject_CallNoArgs(f);
         Py_XDECREF(r);
     }
+    if (!is_exception())
+        return -1;
     PyErr_Clear();
+    return 0;
+}
+
+/* The exception set now replaces (type, value, tb), fetched before, which becomes its
+ * __context__ (as an exception raised in a finally block); the references are consumed. */
+static void
+replaced(PyObject *type, PyObject *value, PyObject *tb)
+{
+    if (type == NULL)
+        return;
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (v2 != NULL && value != NULL && v2 != value)
+        PyException_SetContext(v2, Py_NewRef(value));
+    PyErr_Restore(t2, v2, tb2);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
 }
 
 /* A module global (borrowed; NULL with no error when absent). */
@@ -140,11 +188,11 @@ global(PyObject *dict, PyObject *name)
  * has no version tag: there every read is a lookup. */
 enum {
     G_BEGIN, G_END, G_CLS, G_CPU_SAMPLED, G_SEND_TAP, G_CPU_METER, G_LOOP_OF, G_RUNNING_TASKS,
-    G_NAMES, N_ASGI_GLOBALS
+    G_NAMES, G_FINISH, G_ROUTE_NAME, N_ASGI_GLOBALS
 };
 static PyObject **asgi_names[N_ASGI_GLOBALS] = {
     &s_begin, &s_end, &s_asgi_request, &s_cpu_sampled, &s_send_tap, &s_cpu_meter, &s_loop_of,
-    &s_running_tasks, &s_names,
+    &s_running_tasks, &s_names, &s_finish, &s_route_name,
 };
 static PyObject *asgi_values[N_ASGI_GLOBALS];
 static PyObject *cpu_threshold_value;
@@ -290,7 +338,8 @@ tap_laid_out(PyTypeObject *cls)
     int types[N_TAP_FIELDS];
     for (int k = 0; k < N_TAP_FIELDS; k++) {
         PyObject *descr = PyObject_GetAttr((PyObject *)cls, *tap_field_strs[k]);
-        int ok = descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type);
+        int ok = descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
+                 PyType_IsSubtype(cls, PyDescr_TYPE(descr));
         if (ok) {
             PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
             ok = m->type == T_INT || m->type == T_LONGLONG || m->type == T_BOOL;
@@ -344,11 +393,12 @@ enum { START, RUNNING, DONE };
 
 typedef struct {
     PyObject_HEAD
-    PyObject *inner; /* how the app is called: see call_app */
+    PyObject *inner;  /* how the app is called: see call_app */
+    PyObject *python; /* the Recording's Python version (its name, for a warning) */
     PyObject *self, *scope, *receive, *send; /* the call's arguments (scope: until done) */
     PyObject *req;                            /* the request, while it is recorded */
     PyObject *aw, *it; /* the app's awaitable (or its CpuMeter), and what awaiting it iterates */
-    char how, state, running;
+    char how, state, running, http; /* http: a request to record (else only the app's call) */
 } CallObject;
 
 enum { HOW_CALL, HOW_APP, HOW_DIRECT };
@@ -380,6 +430,9 @@ call_app(int how, PyObject *inner, PyObject *self, PyObject *scope, PyObject *re
 static int
 not_kept(PyObject *req)
 {
+    if (global(capture_dict, s_reason) != reason_fn ||
+        global(capture_dict, s_finish_asgi) != finish_asgi_fn)
+        goto python; /* replaced: the Python functions decide */
     PyObject *tap = get(req, F_TAP);
     int no_tap = tap == Py_None;
     Py_XDECREF(tap);
@@ -442,7 +495,8 @@ static PyObject *
 route_name(PyObject *scope, PyObject *method, PyObject *status)
 {
     PyObject *names = asgi_global(G_NAMES);
-    if (names != NULL && PyDict_CheckExact(names) && PyUnicode_CheckExact(method)) {
+    if (asgi_global(G_ROUTE_NAME) == route_name_fn && names != NULL && PyDict_CheckExact(names) &&
+        PyUnicode_CheckExact(method)) {
         PyObject *route = sget(scope, s_route), *ctx = NULL, *router = sget(scope, s_router);
         PyObject *fastapi = sget(scope, s_fastapi);
         if (fastapi != NULL && PyDict_CheckExact(fastapi))
@@ -495,7 +549,7 @@ route_name(PyObject *scope, PyObject *method, PyObject *status)
         if (PyErr_Occurred())
             return NULL;
     }
-    PyObject *f = global(asgi_dict, s_route_name);
+    PyObject *f = asgi_global(G_ROUTE_NAME);
     if (f == NULL)
         return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_NameError, "_route_name");
     PyObject *args[3] = {scope, method, status};
@@ -582,20 +636,34 @@ done:
     return rc;
 }
 
-/* asgi._finish(req, scope): the request ends (once). Never raises; an exception set on entry
- * is kept. */
-static void
+/* asgi._finish(req, scope): the request ends (once). An exception set on entry is kept; 0.
+ * -1: a BaseException that is not an Exception came out of the agent's Python code (or
+ * asgi._finish, when replaced, raised): it is set, in place of the one set on entry (its
+ * __context__), and nothing more of the end was done, as in the reference. */
+static int
 finish(CallObject *c)
 {
     PyObject *req = c->req;
     if (req == NULL)
-        return;
+        return 0;
     c->req = NULL;
-    PyObject *type, *value, *tb;
+    PyObject *type, *value, *tb, *r;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *scope = c->scope ? c->scope : Py_None;
+    PyObject *py_finish = asgi_global(G_FINISH);
+    if (py_finish != finish_fn) { /* replaced: the Python function now bound */
+        PyObject *args[2] = {req, scope};
+        r = py_finish ? PyObject_Vectorcall(py_finish, args, 2, NULL) : NULL;
+        if (r == NULL && py_finish == NULL)
+            PyErr_SetString(PyExc_NameError, "name '_finish' is not defined");
+        if (r == NULL)
+            goto raised;
+        Py_DECREF(r);
+        goto done;
+    }
     if (finish_fields(req, scope) < 0) {
-        failed();
+        if (failed() < 0)
+            goto raised;
         PyObject *endpoint = get(req, F_ENDPOINT);
         int t = endpoint ? PyObject_IsTrue(endpoint) : 0;
         Py_XDECREF(endpoint);
@@ -605,17 +673,18 @@ finish(CallObject *c)
             PyObject *method = f ? get(req, F_METHOD) : NULL;
             PyObject *name = method ? PyObject_CallOneArg(f, method) : NULL;
             Py_XDECREF(method);
-            if (set(req, F_ENDPOINT, name) < 0)
-                failed();
+            if (set(req, F_ENDPOINT, name) < 0 && failed() < 0)
+                goto raised;
         }
     }
     /* the writer needs neither */
-    if (set(req, F_RECEIVE, Py_NewRef(Py_None)) < 0 || set(req, F_OUT, Py_NewRef(Py_None)) < 0)
-        failed();
+    if ((set(req, F_RECEIVE, Py_NewRef(Py_None)) < 0 || set(req, F_OUT, Py_NewRef(Py_None)) < 0) &&
+        failed() < 0)
+        goto raised;
     PyObject *end = asgi_global(G_END);
-    PyObject *r = end ? PyObject_CallOneArg(end, req) : NULL;
-    if (r == NULL)
-        failed();
+    r = end ? PyObject_CallOneArg(end, req) : NULL;
+    if (r == NULL && failed() < 0)
+        goto raised;
     Py_XDECREF(r);
     PyObject *on = global(capture_dict, s_on);
     int capturing = on ? PyObject_IsTrue(on) : 0;
@@ -625,14 +694,20 @@ finish(CallObject *c)
         PyObject *args[3] = {req, scope, tap};
         r = tap ? PyObject_Vectorcall(fa, args, 3, NULL) : NULL;
         Py_XDECREF(tap);
-        if (r == NULL)
-            failed();
+        if (r == NULL && failed() < 0)
+            goto raised;
         Py_XDECREF(r);
     }
-    else if (capturing < 0 || PyErr_Occurred())
-        failed();
+    else if ((capturing < 0 || PyErr_Occurred()) && failed() < 0)
+        goto raised;
+done:
     Py_DECREF(req);
     PyErr_Restore(type, value, tb);
+    return 0;
+raised:
+    Py_DECREF(req);
+    replaced(type, value, tb);
+    return -1;
 }
 
 /* The app raised (an exception is set, and stays set): a 500 unless the response completed,
@@ -660,7 +735,7 @@ finish_failed(CallObject *c)
             set(req, F_ERROR, name);
         PyErr_Clear(); /* as the reference's try/except: pass */
         PyErr_Restore(type, value, tb);
-        finish(c);
+        finish(c); /* what is set after it is what comes out */
     }
     c->state = DONE;
     Py_CLEAR(c->aw);
@@ -668,14 +743,17 @@ finish_failed(CallObject *c)
     Py_CLEAR(c->scope);
 }
 
-static void
+/* The app's awaitable returned: the request ends. -1: a BaseException from the agent's
+ * Python code is set (see finish). */
+static int
 finish_ok(CallObject *c)
 {
-    finish(c);
+    int r = finish(c);
     c->state = DONE;
     Py_CLEAR(c->aw);
     Py_CLEAR(c->it);
     Py_CLEAR(c->scope);
+    return r;
 }
 
 /* Whether req is in the CPU sample: recorder.cpu_sampled, decided here when asgi's
@@ -769,6 +847,8 @@ start(CallObject *c)
     PyObject *req = NULL, *recv = NULL, *out = NULL, *app = NULL;
     c->receive = c->send = c->self = NULL; /* references now held here */
     c->state = RUNNING;
+    if (!c->http)
+        goto plain;
     PyObject *begin = asgi_global(G_BEGIN);
     PyObject *cls = begin ? asgi_global(G_CLS) : NULL;
     if (cls != NULL) {
@@ -786,8 +866,11 @@ start(CallObject *c)
         req = PyObject_Vectorcall(begin, args, 3, s_cls_kw);
     }
 unrecorded:
-    if (req == NULL)
+    if (req == NULL) {
+        if (!is_exception()) /* KeyboardInterrupt, SystemExit: out of the first step */
+            goto raised;
         PyErr_Clear(); /* as the reference: not recorded, not counted */
+    }
     else if (req == Py_None)
         Py_CLEAR(req);
     if (req != NULL) {
@@ -801,8 +884,9 @@ unrecorded:
         out = tap ? PyObject_CallOneArg(tap, send) : NULL;
         if (out == NULL || set(req, F_OUT, Py_NewRef(out)) < 0)
             goto lost;
-        if (note_task(req, scope) < 0) /* the user, tenant or samples are lost, not the request */
-            failed();
+        /* the user, tenant or samples are lost, not the request */
+        if (note_task(req, scope) < 0 && failed() < 0)
+            goto lost;
         if ((recv = PyObject_GetAttr(req, s_receive)) == NULL)
             goto lost;
         c->req = req; /* the request ends with c from here */
@@ -837,17 +921,38 @@ unrecorded:
     }
     return 0;
 lost:
-    /* the exchange could not be tapped: the request ends as it is, the app runs unrecorded */
-    failed();
+    /* the exchange could not be tapped: the request ends as it is, the app runs unrecorded;
+     * a KeyboardInterrupt or SystemExit: the request ends and it comes out of the first step */
     {
+        PyObject *type = NULL, *value = NULL, *tb = NULL;
+        int interrupted = failed() < 0;
+        if (interrupted)
+            PyErr_Fetch(&type, &value, &tb);
         PyObject *end = asgi_global(G_END);
         PyObject *r = end ? PyObject_CallOneArg(end, req) : NULL;
         Py_XDECREF(r);
-        PyErr_Clear();
+        if (interrupted) {
+            if (PyErr_Occurred())
+                replaced(type, value, tb);
+            else
+                PyErr_Restore(type, value, tb);
+        }
+        else if (r == NULL && !is_exception())
+            interrupted = 1;
+        else
+            PyErr_Clear();
+        Py_CLEAR(req);
+        Py_CLEAR(out);
+        if (!interrupted)
+            goto plain;
     }
-    Py_CLEAR(req);
-    Py_CLEAR(out);
-    goto plain;
+raised:
+    c->state = DONE;
+    Py_CLEAR(c->scope);
+    Py_XDECREF(self);
+    Py_XDECREF(receive);
+    Py_XDECREF(send);
+    return -1;
 }
 
 /* One step forwarded (send(arg)); the request ends when the app's awaitable returns or
@@ -883,7 +988,10 @@ call_am_send(CallObject *c, PyObject *arg, PyObject **result)
         return r;
     if (r == PYGEN_RETURN) { /* the coroutine returned None, whatever the app returned */
         Py_SETREF(*result, Py_NewRef(Py_None));
-        finish_ok(c);
+        if (finish_ok(c) < 0) {
+            Py_CLEAR(*result);
+            return PYGEN_ERROR;
+        }
         return r;
     }
     finish_failed(c);
@@ -944,6 +1052,59 @@ clear_args(CallObject *c)
     Py_CLEAR(c->scope);
 }
 
+/* The exception throw(type, value, tb) raises, as a generator's throw makes it: a value that
+ * is an instance of type is it, else type is called with it (None: no arguments, a tuple: its
+ * items); an instance for type takes no value; tb, when not None, is its traceback. A new
+ * reference; NULL with the TypeError throw raises. */
+static PyObject *
+thrown(PyObject *type, PyObject *value, PyObject *tb)
+{
+    if (tb != Py_None && !PyTraceBack_Check(tb)) {
+        PyErr_SetString(PyExc_TypeError, "throw() third argument must be a traceback object");
+        return NULL;
+    }
+    PyObject *exc;
+    if (PyExceptionClass_Check(type)) {
+        int is = value != Py_None && PyExceptionInstance_Check(value)
+                     ? PyObject_IsInstance(value, type)
+                     : 0;
+        if (is < 0)
+            return NULL;
+        if (is)
+            exc = Py_NewRef(value);
+        else if (value == Py_None)
+            exc = PyObject_CallNoArgs(type);
+        else if (PyTuple_Check(value))
+            exc = PyObject_Call(type, value, NULL);
+        else
+            exc = PyObject_CallOneArg(type, value);
+        if (exc != NULL && !PyExceptionInstance_Check(exc)) {
+            PyErr_Format(PyExc_TypeError,
+                         "calling %R should have returned an instance of BaseException, not %s",
+                         type, Py_TYPE(exc)->tp_name);
+            Py_CLEAR(exc);
+        }
+    }
+    else if (PyExceptionInstance_Check(type)) {
+        if (value != Py_None) {
+            PyErr_SetString(PyExc_TypeError, "instance exception may not have a separate value");
+            return NULL;
+        }
+        exc = Py_NewRef(type);
+    }
+    else {
+        PyErr_Format(PyExc_TypeError,
+                     "exceptions must be classes or instances deriving from BaseException, not %s",
+                     Py_TYPE(type)->tp_name);
+        return NULL;
+    }
+    if (exc != NULL && tb != Py_None && PyException_SetTraceback(exc, tb) < 0)
+        Py_CLEAR(exc);
+    return exc;
+}
+
+static PyObject *throw_exc(CallObject *c, PyObject *exc);
+
 static PyObject *
 call_throw(CallObject *c, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -951,12 +1112,27 @@ call_throw(CallObject *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "throw expected 1 to 3 arguments");
         return NULL;
     }
-    /* the exception itself: the three-argument form is deprecated from 3.12 */
-    PyObject *exc = nargs >= 2 && args[1] != Py_None ? args[1] : args[0];
     if (c->running) {
         PyErr_SetString(PyExc_ValueError, "coroutine already executing");
         return NULL;
     }
+    /* the exception itself, thrown with the one-argument form (the three-argument form is
+     * deprecated from 3.12) */
+    PyObject *exc = args[0];
+    PyObject *made = NULL;
+    if (nargs >= 2 && ((made = thrown(args[0], args[1], nargs == 3 ? args[2] : Py_None)) == NULL))
+        return NULL;
+    if (made != NULL)
+        exc = made;
+    PyObject *result = throw_exc(c, exc);
+    Py_XDECREF(made);
+    return result;
+}
+
+/* call_throw's throw of exc (an exception instance or class). */
+static PyObject *
+throw_exc(CallObject *c, PyObject *exc)
+{
     if (c->state != RUNNING) { /* raised where the coroutine starts (or ended): nothing ran */
         c->state = DONE;
         clear_args(c);
@@ -979,8 +1155,8 @@ call_throw(CallObject *c, PyObject *const *args, Py_ssize_t nargs)
         return result;
     if (PyErr_ExceptionMatches(PyExc_StopIteration)) { /* the app's awaitable returned */
         PyErr_Clear();
-        finish_ok(c);
-        PyErr_SetNone(PyExc_StopIteration);
+        if (finish_ok(c) == 0)
+            PyErr_SetNone(PyExc_StopIteration);
         return NULL;
     }
     finish_failed(c);
@@ -1014,31 +1190,52 @@ call_close(CallObject *c, PyObject *unused)
     Py_DECREF(r);
     PyErr_SetNone(PyExc_GeneratorExit);
     finish_failed(c);
+    if (!PyErr_ExceptionMatches(PyExc_GeneratorExit))
+        return NULL; /* raised in the agent's Python code (KeyboardInterrupt) */
     PyErr_Clear();
     Py_RETURN_NONE;
 }
 
 /* Dropped while running (a coroutine's finalizer closes it): the request still ends. */
+/* Dropped before its first step: CPython's warning for a coroutine never awaited. */
 static void
 call_finalize(CallObject *c)
 {
-    if (c->state != RUNNING)
+    if (c->state == DONE)
         return;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    PyObject *r = call_close(c, NULL);
-    if (r == NULL)
-        PyErr_WriteUnraisable((PyObject *)c);
-    Py_XDECREF(r);
+    if (c->state == START) {
+        PyObject *name = c->python ? PyObject_GetAttr(c->python, s_qualname) : NULL;
+        if (name == NULL) {
+            PyErr_Clear();
+            name = Py_NewRef(s_call_name);
+        }
+        if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1, "coroutine '%S' was never awaited",
+                             name) < 0)
+            PyErr_WriteUnraisable((PyObject *)c);
+        Py_DECREF(name);
+    }
+    else {
+        PyObject *r = call_close(c, NULL);
+        if (r == NULL)
+            PyErr_WriteUnraisable((PyObject *)c);
+        Py_XDECREF(r);
+    }
     PyErr_Restore(type, value, tb);
 }
 
+/* cr_frame, cr_await: read by the sampler's thread too, while the loop's thread can clear
+ * c->aw (the request ending): the awaitable is held for the read. */
 static PyObject *
 call_aw_attr(CallObject *c, void *name)
 {
-    if (c->aw == NULL)
+    PyObject *aw = Py_XNewRef(c->aw);
+    if (aw == NULL)
         Py_RETURN_NONE;
-    return optional_attr(c->aw, *(PyObject **)name);
+    PyObject *r = optional_attr(aw, *(PyObject **)name);
+    Py_DECREF(aw);
+    return r;
 }
 
 static PyObject *
@@ -1051,6 +1248,7 @@ static int
 call_traverse(CallObject *c, visitproc visit, void *arg)
 {
     Py_VISIT(c->inner);
+    Py_VISIT(c->python);
     Py_VISIT(c->self);
     Py_VISIT(c->scope);
     Py_VISIT(c->receive);
@@ -1065,6 +1263,7 @@ static int
 call_clear(CallObject *c)
 {
     Py_CLEAR(c->inner);
+    Py_CLEAR(c->python);
     clear_args(c);
     Py_CLEAR(c->req);
     Py_CLEAR(c->aw);
@@ -1141,17 +1340,18 @@ recording_vectorcall(RecordingObject *rc, PyObject *const *args, size_t nargsf,
     if (nargs != 4 || kwnames != NULL || asgi_dict == NULL || !PyDict_CheckExact(args[1]))
         return PyObject_Vectorcall(rc->python, args, nargsf, kwnames);
     PyObject *self = args[0], *scope = args[1], *receive = args[2], *send = args[3];
+    /* lifespan, websocket: the app is called at the first step, unrecorded */
     PyObject *type = PyDict_GetItemWithError(scope, s_type);
     int http = type != NULL && (type == s_http || (PyUnicode_Check(type) &&
                                                    PyUnicode_Compare(type, s_http) == 0));
-    if (!http) { /* lifespan, websocket: straight to the app */
+    if (!http)
         PyErr_Clear();
-        return call_app(rc->how, rc->inner, self, scope, receive, send);
-    }
     CallObject *c = PyObject_GC_New(CallObject, &CallType);
     if (c == NULL)
         return NULL;
     c->inner = Py_NewRef(rc->inner);
+    c->python = Py_NewRef(rc->python);
+    c->http = (char)http;
     c->self = Py_NewRef(self);
     c->scope = Py_NewRef(scope);
     c->receive = Py_NewRef(receive);
@@ -1288,6 +1488,25 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
             PyErr_SetString(PyExc_TypeError, "recorder.cpu_sampled is missing");
         return NULL;
     }
+    /* the functions done here in C, as bound now (borrowed until set below) */
+    PyObject *orig[4] = {
+        PyDict_GetItemWithError(dicts[2], s_finish),
+        PyDict_GetItemWithError(dicts[2], s_route_name),
+        PyDict_GetItemWithError(dicts[1], s_reason),
+        PyDict_GetItemWithError(dicts[1], s_finish_asgi),
+    };
+    for (int k = 0; k < 4; k++)
+        if (orig[k] == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError,
+                                "asgi._finish, asgi._route_name, capture.reason or "
+                                "capture.finish_asgi is missing");
+            return NULL;
+        }
+    Py_XSETREF(finish_fn, Py_NewRef(orig[0]));
+    Py_XSETREF(route_name_fn, Py_NewRef(orig[1]));
+    Py_XSETREF(reason_fn, Py_NewRef(orig[2]));
+    Py_XSETREF(finish_asgi_fn, Py_NewRef(orig[3]));
     Py_XSETREF(cpu_sampled_fn, Py_NewRef(f));
     Py_XSETREF(recorder_dict, Py_NewRef(dicts[0]));
     Py_XSETREF(capture_dict, Py_NewRef(dicts[1]));
@@ -1362,6 +1581,10 @@ PyInit__asgi(void)
     INTERN(s_close, "close");
     INTERN(s_cr_frame, "cr_frame");
     INTERN(s_cr_await, "cr_await");
+    INTERN(s_finish, "_finish");
+    INTERN(s_reason, "reason");
+    INTERN(s_qualname, "__qualname__");
+    INTERN(s_call_name, "Call");
     for (int k = 0; k < N_FIELDS; k++)
         INTERN(field_strs[k], field_names[k]);
     if ((s_cls_kw = Py_BuildValue("(s)", "cls")) == NULL || (zero = PyLong_FromLong(0)) == NULL)

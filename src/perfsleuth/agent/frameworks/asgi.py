@@ -208,7 +208,7 @@ class CpuMeter:
         c0, w0 = _thread_time(), _perf()
         try:
             # the exception itself: the three-argument form is deprecated from 3.12
-            return self.it.throw(typ if val is None else val)
+            return self.it.throw(_thrown(typ, val, tb))
         finally:
             self._add(c0, w0)
 
@@ -228,6 +228,30 @@ class CpuMeter:
     @property
     def cr_await(self) -> Any:
         return getattr(self.aw, "cr_await", None)
+
+
+def _thrown(typ: Any, val: Any, tb: Any) -> Any:
+    """The exception ``throw(typ, val, tb)`` raises, as a generator's throw makes it: ``val``
+    when it is an instance of ``typ``, else ``typ`` called with it (None: no arguments, a
+    tuple: its items); an instance for ``typ`` takes no value."""
+    if val is None and tb is None:
+        return typ
+    if isinstance(typ, type) and issubclass(typ, BaseException):
+        if isinstance(val, typ):
+            exc = val
+        elif val is None:
+            exc = typ()
+        elif isinstance(val, tuple):
+            exc = typ(*val)
+        else:
+            exc = typ(val)
+    elif isinstance(typ, BaseException):
+        if val is not None:
+            raise TypeError("instance exception may not have a separate value")
+        exc = typ
+    else:
+        raise TypeError("exceptions must be classes or instances deriving from BaseException")
+    return exc if tb is None else exc.with_traceback(tb)
 
 
 SHORT_STEP_NS = 50_000
@@ -323,13 +347,13 @@ def _new_loop(thread: int) -> Any:
 
 
 def _load_c() -> Any:
-    """agent/_asgi.c, configured, when the accelerator is on and it was built; else None."""
+    """agent/_asgi.c when the accelerator is on and it was built; else None. It is configured
+    at the end of this module (:func:`_configure_c`): it remembers the functions it does in C
+    as they are bound then."""
     if not accel.on:
         return None
     try:
         from perfsleuth.agent import _asgi  # type: ignore[attr-defined]
-
-        _asgi.configure(recorder=recorder, capture=capture, asgi=sys.modules[__name__])
     except Exception:
         return None
     return _asgi
@@ -731,3 +755,18 @@ def unpatch_starlette(module: ModuleType) -> None:
 
 
 __all__ = ["PerfsleuthASGI", "patch_starlette", "patch_uvicorn", "record_asgi", "route_endpoint"]
+
+
+def _configure_c() -> None:
+    """agent/_asgi.c reads this module's, recorder's and capture's globals, and does _finish,
+    _route_name, capture.reason and capture.finish_asgi in C while each is still the function
+    bound now. Not configured, its Recordings call their Python version."""
+    if _c_asgi is None:
+        return
+    try:
+        _c_asgi.configure(recorder=recorder, capture=capture, asgi=sys.modules[__name__])
+    except Exception:
+        recorder.internal_error()
+
+
+_configure_c()
