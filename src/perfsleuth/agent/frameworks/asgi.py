@@ -310,6 +310,9 @@ def _python_recording(inner: Callable[..., Awaitable[None]]) -> Callable[..., Aw
             _end(req)
             await inner(self, scope, receive, send)
             return
+        except BaseException:  # KeyboardInterrupt, SystemExit: not the agent's; it ends
+            _end(req)
+            raise
         try:
             req.headers = scope.get("headers")
             # the request's task, for the sampler and the loop watchdog
@@ -318,6 +321,9 @@ def _python_recording(inner: Callable[..., Awaitable[None]]) -> Callable[..., Aw
             req.task = task if task is not None else _new_loop(req.thread)
         except Exception:  # the user, tenant or samples are lost, not the request
             recorder.internal_error()
+        except BaseException:
+            _end(req)
+            raise
         try:
             app = inner(self, scope, req.receive, out)
             await (_CpuMeter(req, app) if metered else app)
