@@ -1120,6 +1120,13 @@ call_throw(CallObject *c, PyObject *const *args, Py_ssize_t nargs)
      * deprecated from 3.12) */
     PyObject *exc = args[0];
     PyObject *made = NULL;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (nargs >= 2 && PyErr_WarnEx(PyExc_DeprecationWarning,
+                                   "the (type, exc, tb) signature of throw() is deprecated, "
+                                   "use the single-arg signature instead.",
+                                   1) < 0)
+        return NULL;
+#endif
     if (nargs >= 2 && ((made = thrown(args[0], args[1], nargs == 3 ? args[2] : Py_None)) == NULL))
         return NULL;
     if (made != NULL)
