@@ -1216,7 +1216,9 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
         if (PyTuple_GET_ITEM(known, 0) == kind && PyTuple_GET_ITEM(known, 1) == system &&
             site_cached(memo)) {
             entry = Py_NewRef(known); /* held: same_stack may run Python code */
-            int at_frame = memo->at_frame; /* read now: that code may rewrite the slot */
+            /* read now: that code may rewrite the slot (another statement's key and hash) */
+            int at_frame = memo->at_frame;
+            Py_hash_t known_hash = memo->key_hash;
             PyObject *flat = PyTuple_GET_ITEM(entry, 3);
 #if IFRAMES
             int same = !PyTuple_Check(flat) ? 0
@@ -1229,7 +1231,7 @@ record_site(PyObject *req, PyObject *kind, PyObject *system, PyObject *sql, PyOb
                 goto done;
             if (same) {
                 key = Py_NewRef(PyTuple_GET_ITEM(entry, 4));
-                key_hash = memo->key_hash;
+                key_hash = known_hash;
                 site_depth = at_frame ? 0 : -1;
                 goto have_entry;
             }
@@ -1335,7 +1337,12 @@ have_entry:;
             memo->at_frame = site_depth == 0;
             memo->entry = Py_NewRef(entry);
             memo->key_hash = hash;
-            memo->cache_version = dict_version(site_cache);
+            /* site_cache's tag only while it maps the key to the entry: Python code run since
+             * it was read (same_stack, stack_at: stacks.classify) may have emptied it */
+            PyObject *cached = site_get(site_cache, key, hash);
+            memo->cache_version = cached == entry ? dict_version(site_cache) : 0;
+            if (cached == NULL)
+                PyErr_Clear();
             Py_XDECREF(old_sql);
             Py_XDECREF(old_entry);
         }
@@ -1429,6 +1436,31 @@ record_slow(PyObject *req, PyObject *sql, PyObject *params)
     return i;
 }
 
+/* A C function returned a result with an exception set (a defect of the function): the
+ * SystemError the generic call raises then (_Py_CheckFunctionResult), caused by that
+ * exception. */
+static void
+result_with_error(PyObject *callable)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    PyErr_Format(PyExc_SystemError, "%R returned a result with an exception set", callable);
+    PyObject *type2, *value2, *tb2;
+    PyErr_Fetch(&type2, &value2, &tb2);
+    PyErr_NormalizeException(&type2, &value2, &tb2);
+    if (value != NULL && value2 != NULL) {
+        PyException_SetCause(value2, Py_NewRef(value));
+        PyException_SetContext(value2, Py_NewRef(value));
+    }
+    PyErr_Restore(type2, value2, tb2);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
 static Py_ALWAYS_INLINE inline PyObject *
 forward(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -1464,8 +1496,16 @@ forward(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
         result = f(args[0], args[1]);
         break;
     }
-    if (result == NULL && !PyErr_Occurred()) /* as the generic call checks a C result */
-        PyErr_SetString(PyExc_SystemError, "a C method returned NULL without an exception");
+    /* as the generic call checks a C result (_Py_CheckFunctionResult) */
+    if (result == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_SystemError, "a C method returned NULL without an exception");
+    }
+    else if (PyErr_Occurred()) {
+        Py_DECREF(result);
+        result_with_error(w->method);
+        return NULL;
+    }
     return result;
 }
 
@@ -2750,6 +2790,58 @@ meter_send(MeterObject *m, PyObject *arg)
     return meter_step(m, arg);
 }
 
+/* The exception throw(type, value, tb) raises, as a generator's throw makes it: a value that
+ * is an instance of type is it, else type is called with it (None: no arguments, a tuple: its
+ * items); an instance for type takes no value; tb, when not None, is its traceback. A new
+ * reference; NULL with the TypeError throw raises. (frameworks.asgi._thrown; _asgi.c has the
+ * same.) */
+static PyObject *
+thrown(PyObject *type, PyObject *value, PyObject *tb)
+{
+    if (tb != Py_None && !PyTraceBack_Check(tb)) {
+        PyErr_SetString(PyExc_TypeError, "throw() third argument must be a traceback object");
+        return NULL;
+    }
+    PyObject *exc;
+    if (PyExceptionClass_Check(type)) {
+        int is = value != Py_None && PyExceptionInstance_Check(value)
+                     ? PyObject_IsInstance(value, type)
+                     : 0;
+        if (is < 0)
+            return NULL;
+        if (is)
+            exc = Py_NewRef(value);
+        else if (value == Py_None)
+            exc = PyObject_CallNoArgs(type);
+        else if (PyTuple_Check(value))
+            exc = PyObject_Call(type, value, NULL);
+        else
+            exc = PyObject_CallOneArg(type, value);
+        if (exc != NULL && !PyExceptionInstance_Check(exc)) {
+            PyErr_Format(PyExc_TypeError,
+                         "calling %R should have returned an instance of BaseException, not %s",
+                         type, Py_TYPE(exc)->tp_name);
+            Py_CLEAR(exc);
+        }
+    }
+    else if (PyExceptionInstance_Check(type)) {
+        if (value != Py_None) {
+            PyErr_SetString(PyExc_TypeError, "instance exception may not have a separate value");
+            return NULL;
+        }
+        exc = Py_NewRef(type);
+    }
+    else {
+        PyErr_Format(PyExc_TypeError,
+                     "exceptions must be classes or instances deriving from BaseException, not %s",
+                     Py_TYPE(type)->tp_name);
+        return NULL;
+    }
+    if (exc != NULL && tb != Py_None && PyException_SetTraceback(exc, tb) < 0)
+        Py_CLEAR(exc);
+    return exc;
+}
+
 static PyObject *
 meter_throw(MeterObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -2757,11 +2849,16 @@ meter_throw(MeterObject *m, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "throw expected 1 to 3 arguments");
         return NULL;
     }
-    /* the exception itself: the three-argument form is deprecated from 3.12 */
-    PyObject *exc = nargs >= 2 && args[1] != Py_None ? args[1] : args[0];
+    /* the exception itself, thrown with the one-argument form (the three-argument form is
+     * deprecated from 3.12) */
+    PyObject *made = nargs >= 2 ? thrown(args[0], args[1], nargs == 3 ? args[2] : Py_None) : NULL;
+    if (nargs >= 2 && made == NULL)
+        return NULL;
+    PyObject *exc = made != NULL ? made : args[0];
     long long wall0 = wall_ns(), cpu0 = step_cpu_at(wall0);
     PyObject *result = PyObject_CallMethodOneArg(m->it, s_throw, exc);
     m->used += cpu_used(cpu0, wall0);
+    Py_XDECREF(made);
     if (result == NULL) /* returned (StopIteration) or raised: the last step */
         meter_flush(m);
     return result;
