@@ -1160,3 +1160,79 @@ def test_a_statement_s_parameters_are_recorded_with_their_python_hash(
         assert calls is not None
         recorded.append(recorder._ROW.unpack_from(calls, len(calls) - recorder.ROW)[4])
     assert recorded == [hash(p) for p in PARAMS]
+
+
+async def _returns_one() -> int:
+    return 1
+
+
+def _made(call: Callable[[], Any]) -> tuple[Any, ...]:
+    """What a constructor call gives: the exception (type, message), or what the object holds
+    (its send, or the coroutine it meters), the coroutine closed."""
+    try:
+        obj = call()
+    except TypeError as e:
+        return ("raised", type(e), str(e))
+    if hasattr(obj, "send") and not hasattr(obj, "throw"):  # a send tap
+        return ("made", obj.send)
+    code = obj.cr_frame.f_code
+    obj.close()
+    return ("made", code)
+
+
+def _send(message: Any) -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    "name, args, kwargs",
+    [
+        ("SendTap", ("send",), {}),
+        ("SendTap", (), {"send": "send"}),
+        ("SendTap", (), {}),
+        ("SendTap", ("send", "send"), {}),
+        ("SendTap", ("send",), {"send": "send"}),
+        ("SendTap", ("send",), {"nonsense": 1}),
+        ("SendTap", (), {"nonsense": 1}),
+        ("CpuMeter", ("req", "aw"), {}),
+        ("CpuMeter", ("req",), {"aw": "aw"}),
+        ("CpuMeter", (), {"aw": "aw", "req": "req"}),
+        ("CpuMeter", ("req",), {}),
+        ("CpuMeter", ("req", "aw", "aw"), {}),
+        ("CpuMeter", ("req", "aw"), {"nonsense": 1}),
+        ("CpuMeter", ("req", 5), {}),
+    ],
+)
+def test_the_send_tap_and_cpu_meter_take_the_arguments_the_python_ones_take(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """SendTap(send) and CpuMeter(req, aw), positional or by keyword, as the Python classes
+    take them; a call they refuse is a TypeError for both, the C one's the same whether it
+    comes through the type's call or its __new__ (tp_new's parsing)."""
+    c_cls = getattr(recorder.speedups, name)
+    py_cls = getattr(ps_asgi, name)
+    req = object()
+
+    def values(a: Any) -> Any:
+        return {"send": _send, "req": req, "aw": None}.get(a, a) if isinstance(a, str) else a
+
+    def call(make: Callable[..., Any]) -> tuple[Any, ...]:
+        made: list[Any] = []  # a fresh coroutine for each call, closed after it
+
+        def value(a: Any) -> Any:
+            if a == "aw":
+                made.append(_returns_one())
+                return made[-1]
+            return values(a)
+
+        out = _made(lambda: make(*map(value, args), **{k: value(v) for k, v in kwargs.items()}))
+        for coro in made:
+            coro.close()
+        return out
+
+    c = call(c_cls)
+    assert c == call(lambda *a, **k: c_cls.__new__(c_cls, *a, **k))
+    py = call(py_cls)
+    assert c[0] == py[0] and c[1] == py[1], (c, py)
+    if c[0] == "made":
+        assert c[1] is (_send if name == "SendTap" else _returns_one.__code__)

@@ -2460,17 +2460,63 @@ tap_vectorcall(SendTapObject *t, PyObject *const *args, size_t nargsf, PyObject 
 }
 
 static PyObject *
-tap_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+tap_make(PyTypeObject *type, PyObject *send)
 {
-    PyObject *send;
-    if (!PyArg_ParseTuple(args, "O:SendTap", &send))
-        return NULL;
     SendTapObject *t = (SendTapObject *)type->tp_alloc(type, 0);
     if (t == NULL)
         return NULL;
     t->send = Py_NewRef(send);
     t->vectorcall = (vectorcallfunc)tap_vectorcall;
     return (PyObject *)t;
+}
+
+static PyObject *
+tap_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"send", NULL};
+    PyObject *send;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:SendTap", names, &send))
+        return NULL;
+    return tap_make(type, send);
+}
+
+/* type(*args, **kwargs) through the type's call (tp_new's parsing, tp_init): a constructor's
+ * vectorcall for the calls it does not take itself (keywords, a wrong count), so that they
+ * are accepted and refused as tp_new parses them. */
+static PyObject *
+call_type(PyObject *type, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *tuple = PyTuple_New(nargs);
+    if (tuple == NULL)
+        return NULL;
+    for (Py_ssize_t k = 0; k < nargs; k++)
+        PyTuple_SET_ITEM(tuple, k, Py_NewRef(args[k]));
+    PyObject *kwargs = NULL;
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
+        kwargs = PyDict_New();
+        for (Py_ssize_t k = 0; kwargs != NULL && k < PyTuple_GET_SIZE(kwnames); k++) {
+            if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, k), args[nargs + k]) < 0)
+                Py_CLEAR(kwargs);
+        }
+        if (kwargs == NULL) {
+            Py_DECREF(tuple);
+            return NULL;
+        }
+    }
+    PyObject *r = PyType_Type.tp_call(type, tuple, kwargs);
+    Py_DECREF(tuple);
+    Py_XDECREF(kwargs);
+    return r;
+}
+
+/* SendTap(send): made without an argument tuple to parse (once a request) */
+static PyObject *
+tap_type_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) == 1 && kwnames == NULL)
+        return tap_make((PyTypeObject *)type, args[0]);
+    return call_type(type, args, nargsf, kwnames);
 }
 
 static int
@@ -2514,6 +2560,7 @@ static PyTypeObject SendTapType = {
     .tp_basicsize = sizeof(SendTapObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_new = tap_new,
+    .tp_vectorcall = tap_type_vectorcall,
     .tp_dealloc = (destructor)tap_dealloc,
     .tp_traverse = (traverseproc)tap_traverse,
     .tp_clear = (inquiry)tap_clear,
@@ -2691,11 +2738,8 @@ typedef struct {
 static PyObject *s_send, *s_throw, *s_close, *s_cr_frame, *s_cr_await;
 
 static PyObject *
-meter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+meter_make(PyTypeObject *type, PyObject *req, PyObject *aw)
 {
-    PyObject *req, *aw;
-    if (!PyArg_ParseTuple(args, "OO:CpuMeter", &req, &aw))
-        return NULL;
     PyObject *it;
     if (PyCoro_CheckExact(aw) || PyGen_CheckExact(aw)) {
         it = Py_NewRef(aw);
@@ -2720,6 +2764,25 @@ meter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     m->it = it;
     m->used = 0;
     return (PyObject *)m;
+}
+
+static PyObject *
+meter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"req", "aw", NULL};
+    PyObject *req, *aw;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO:CpuMeter", names, &req, &aw))
+        return NULL;
+    return meter_make(type, req, aw);
+}
+
+/* CpuMeter(req, aw): made without an argument tuple to parse (once a metered request) */
+static PyObject *
+meter_type_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) == 2 && kwnames == NULL)
+        return meter_make((PyTypeObject *)type, args[0], args[1]);
+    return call_type(type, args, nargsf, kwnames);
 }
 
 /* Add the steps' CPU time to req.cpu_ns (once, when the awaitable is done: no int made and
@@ -2955,6 +3018,7 @@ static PyTypeObject MeterType = {
     .tp_basicsize = sizeof(MeterObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = meter_new,
+    .tp_vectorcall = meter_type_vectorcall,
     .tp_dealloc = (destructor)meter_dealloc,
     .tp_traverse = (traverseproc)meter_traverse,
     .tp_clear = (inquiry)meter_clear,
