@@ -603,3 +603,9 @@ def test_keyboard_interrupt_in_agent_code_is_not_lost(
         aw.send(None)
     ended = where in ("_cpu_sampled", "_SendTap", "_new_loop")
     assert [r["path"] for r in captured()] == (["/ki"] if ended else [])
+    left = [k for k, r in list(recorder.inflight.items()) if r.path == "/ki"]
+    # interrupted in its end, the request stays in flight (as in the reference, whose finally
+    # ran into it); taken out here, or the evidence thread of later tests would sample it
+    assert len(left) == (1 if where in ("_route_name", "_end") else 0)
+    for k in left:
+        recorder.inflight.pop(k, None)
