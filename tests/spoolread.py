@@ -12,6 +12,17 @@ from perfsleuth.wire.segment import read_segment
 
 
 def read_spool(data_dir: str) -> list[dict[str, Any]]:
+    # The agent of a test session keeps writing: a segment it closes (``.open`` renamed, by age
+    # or size) between the listing and the read is read again under its new name.
+    for _ in range(10):
+        try:
+            return _read_spool(data_dir)
+        except FileNotFoundError:
+            continue
+    return _read_spool(data_dir)
+
+
+def _read_spool(data_dir: str) -> list[dict[str, Any]]:
     locs: dict[int, dict[str, Any]] = {}
     stacks: dict[int, list[int]] = {}
     fps: dict[int, dict[str, Any]] = {}
