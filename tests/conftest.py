@@ -137,6 +137,26 @@ def _chdb_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     store_engines.use_dir(str(tmp_path_factory.mktemp("chdb")))
 
 
+_exit_status = [0]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _exit_status[0] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """With chDB loaded, the process ends here, after pytest's report: chDB's background
+    threads (merges) keep running into the C++ static destructors of process exit, and one of
+    them crashed the test process after a full run (SIGSEGV in chDB's BgSchPool thread while
+    the main thread ran pyarrow's destructors: exit status 139, all tests passed or not)."""
+    if "chdb" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[0])
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # Store tests run on each engine (tests/store_engines.py)
     if "store_engine" in metafunc.fixturenames:

@@ -16,6 +16,7 @@ without it installed is a :class:`StoreError` saying so.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from typing import Any, Protocol
@@ -112,6 +113,7 @@ class ChdbClient:
                         ) from e
                     raise StoreError(f"cannot open chDB in {path}: {e}") from e
                 _chdb_path = path
+                atexit.register(_close_engine)
                 for stmt in (f"SET {k} = {v!r}" for k, v in SESSION_SETTINGS.items()):
                     _chdb_session.query(stmt)
             elif _chdb_path != path:
@@ -159,6 +161,19 @@ class ChdbClient:
         self._closed = True
         with _chdb_lock:
             _chdb_users -= 1  # the engine stays up for the process's next store
+
+
+def _close_engine() -> None:
+    """At exit: the embedded engine stops before the process's C++ destructors run; left
+    open, its background threads (merges) ran into them and crashed the process at exit."""
+    global _chdb_session
+    with _chdb_lock:
+        session, _chdb_session = _chdb_session, None
+    if session is not None:
+        try:
+            session.close()
+        except Exception:
+            pass
 
 
 class HttpClient:
