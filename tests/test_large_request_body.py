@@ -79,6 +79,24 @@ def test_cpu_time_is_fitted_over_the_requests_that_have_it(synth: Any) -> None:
     assert "CPU time grows" in f.title
 
 
+def test_a_tie_between_the_fits_goes_to_cpu_time_on_both_engines(synth: Any) -> None:
+    """Every request timed, its duration its CPU time plus a wait that keeps the order (the
+    quiet demo, whose process measures every request): both fits rank the requests alike, so
+    their correlations are equal up to the engine's last bits. DuckDB and chDB then named
+    different measures for the demo's POST /admin/notes (the fresh-clone CI); a tie is the CPU
+    fit's, on both."""
+
+    def fill(w: SegmentWriter) -> None:
+        for k, size in enumerate(sizes(12, 5)):
+            cpu = parse_cpu_ms(size) + 0.37 * k % 3  # not a multiple of the duration
+            w.request("POST /notes", dur_ms=cpu * 1.13 + 3.0, req_bytes=size,
+                      cpu_ns=round(cpu * MS))  # fmt: skip
+
+    [f] = findings_of(synth, fill)
+    assert f.evidence["correlated_with"] == "cpu_ms"
+    assert "CPU time grows" in f.title
+
+
 def test_five_size_blind_requests_whose_times_happen_to_line_up_raise_nothing(
     synth: Any,
 ) -> None:

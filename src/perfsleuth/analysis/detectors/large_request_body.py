@@ -9,7 +9,8 @@ usual time (its CPU time too can double: cache misses, page faults), and in CI o
 among six pulled a Pearson correlation under the floor. Of the two fits the better-supported is
 used, the larger ``rho * sqrt(n - 1)`` (the rank correlation's test statistic, normal
 approximation): CPU time, the steadier signal, when enough requests have it; the duration of
-all of them when only a few do.
+all of them when only a few do. A tie (every request timed, both ranked alike) is CPU time's,
+so that the engines' rounding does not choose.
 
 A finding needs the correlation at ``min_correlation`` and its one-sided p-value (that
 unrelated sizes and times rank this alike over this many requests) at most ``max_p_value``:
@@ -97,16 +98,20 @@ scored AS (        -- each fit's rho * sqrt(n - 1); CPU only over enough timed r
              ELSE -1e9 END AS z_cpu
     FROM fit_ok
 ),
+picked AS (        -- the CPU fit wins a tie (every request timed, CPU and duration ranked
+                   -- alike): the engines' last bits of corr() must not pick for them
+    SELECT *, z_cpu > -1e9 AND z_cpu >= z_dur - 1e-9 AS cpu_wins FROM scored
+),
 best AS (         -- n_tests: the fits tried (the better of two is held to max_p_value / 2)
     SELECT endpoint, n,
         CASE WHEN z_dur > -1e9 THEN 1 ELSE 0 END + CASE WHEN z_cpu > -1e9 THEN 1 ELSE 0 END
             AS n_tests,
-        CASE WHEN z_cpu > z_dur THEN 'cpu' ELSE 'duration' END AS measure,
-        CASE WHEN z_cpu > z_dur THEN r_cpu ELSE r_dur END AS corr,
-        CASE WHEN z_cpu > z_dur THEN n_cpu_kept ELSE n_kept END AS n_fit,
+        CASE WHEN cpu_wins THEN 'cpu' ELSE 'duration' END AS measure,
+        CASE WHEN cpu_wins THEN r_cpu ELSE r_dur END AS corr,
+        CASE WHEN cpu_wins THEN n_cpu_kept ELSE n_kept END AS n_fit,
         greatest(z_cpu, z_dur) AS z,
-        CASE WHEN z_cpu > z_dur THEN s_cpu ELSE s_dur END AS slope
-    FROM scored
+        CASE WHEN cpu_wins THEN s_cpu ELSE s_dur END AS slope
+    FROM picked
 )
 SELECT r.endpoint, count(*) AS requests_large, median(r.req_bytes) AS bytes_p50,
     max(r.req_bytes) AS bytes_max, median(r.duration_ms) AS ms_p50, sum(r.duration_ms) AS ms,
