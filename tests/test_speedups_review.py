@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dis
 import sqlite3
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -51,6 +52,26 @@ def _memo_index(sql: str, code: Any, lasti: int) -> int:
     return (h ^ (h >> 7)) & 63
 
 
+def _classifier(armed: list[bool], meanwhile: Callable[[], Any]) -> Callable[[Any], Any]:
+    """stacks.classify for the tests below: entry_a and entry_b are library frames, place and
+    outer the application's; classifying entry_b while ``armed`` runs ``meanwhile`` once."""
+    real = stacks.classify
+
+    def classify(code: Any) -> Any:
+        if code is entry_a.__code__ or code is entry_b.__code__:
+            if code is entry_b.__code__ and armed[0]:
+                armed[0] = False
+                meanwhile()
+            stacks._kind[id(code)] = (code, None)
+            return None
+        if code is place.__code__ or code is outer.__code__:  # application code
+            stacks._kind[id(code)] = (code, True)
+            return True
+        return real(code)
+
+    return classify
+
+
 def test_a_memo_key_hash_rewritten_while_the_stack_is_compared_is_not_used(
     agent_data_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -67,20 +88,8 @@ def test_a_memo_key_hash_rewritten_while_the_stack_is_compared_is_not_used(
     _c_wrappers()
     conn = sqlite3.connect(":memory:")
     armed = [False]
-    real = stacks.classify
-
-    def classify(code: Any) -> Any:
-        if code is entry_a.__code__ or code is entry_b.__code__:
-            if code is entry_b.__code__ and armed[0]:
-                armed[0] = False
-                place(conn, sql2)  # what another thread could record meanwhile
-            stacks._kind[id(code)] = (code, None)
-            return None
-        if code is place.__code__ or code is outer.__code__:  # application code
-            stacks._kind[id(code)] = (code, True)
-            return True
-        return real(code)
-
+    # what another thread could record meanwhile
+    classify = _classifier(armed, lambda: place(conn, sql2))
     got: list[recorder.ActiveRequest] = []
     monkeypatch.setattr(recorder, "_classify", classify)
     recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
@@ -123,20 +132,8 @@ def test_a_site_forgotten_while_its_stack_is_compared_is_captured_again(
     _c_wrappers()
     conn = sqlite3.connect(":memory:")
     armed = [False]
-    real = stacks.classify
-
-    def classify(code: Any) -> Any:
-        if code is entry_a.__code__ or code is entry_b.__code__:
-            if code is entry_b.__code__ and armed[0]:
-                armed[0] = False
-                recorder.forget_sites()  # what another thread could do meanwhile
-            stacks._kind[id(code)] = (code, None)
-            return None
-        if code is place.__code__ or code is outer.__code__:  # application code
-            stacks._kind[id(code)] = (code, True)
-            return True
-        return real(code)
-
+    # what another thread could do meanwhile
+    classify = _classifier(armed, recorder.forget_sites)
     got: list[recorder.ActiveRequest] = []
     monkeypatch.setattr(recorder, "_classify", classify)
     recorder.configure(got.append, max_calls=20000, stacks_per_site=1)
