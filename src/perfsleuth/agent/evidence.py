@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from perfsleuth.agent import gcwatch, recorder, watchdog
+from perfsleuth.agent import accel, gcwatch, recorder, watchdog
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.sampler import Sampler
 
@@ -61,7 +61,7 @@ def _run() -> None:
     if cfg is None:
         return
     interval_ns = int(max(0.001, cfg.sample_interval_ms / 1000) * 1e9)
-    _loop(interval_ns, _sampler, tick, time.sleep)
+    _loop(interval_ns, _sampler, tick, accel.pick("sleep", time.sleep))
 
 
 def _loop(

@@ -67,7 +67,7 @@ import weakref
 from types import FrameType
 from typing import Any
 
-from perfsleuth.agent import recorder, shipper, stacks
+from perfsleuth.agent import accel, recorder, shipper, stacks
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.handback import CALL, CPU, GIL, WAIT, HandBack, classify
 from perfsleuth.agent.handback import STARVED as STARVED
@@ -186,10 +186,19 @@ def _request_of(task: Any) -> Any:
 # ----------------------------------------------------------------- scheduler and cgroup figures
 
 
+def _pread_at_0(fd: int, n: int) -> bytes:
+    return os.pread(fd, n, 0)
+
+
+# A /proc file's bytes without letting the interpreter lock go (an agent thread gets it back
+# late: agent/_speedups.c, "agent threads and the GIL"); /proc reads never block.
+_read_held = accel.pick("read_held", _pread_at_0)
+
+
 def read_schedstat(fd: int) -> tuple[int, int, int] | None:
     """(ns on the CPU, ns runnable in the run queue, times scheduled) from an open schedstat."""
     try:
-        parts = os.pread(fd, 128, 0).split()
+        parts = _read_held(fd, 128).split()
         return int(parts[0]), int(parts[1]), int(parts[2])
     except (OSError, ValueError, IndexError):
         return None

@@ -65,9 +65,24 @@ def encode_json(obj: Any) -> bytes:
     return _dumps(obj).encode("utf-8")
 
 
+CRC_PIECE = 5 * 1024  # zlib.crc32 lets the interpreter lock go for anything longer
+
+
+def crc32(data: bytes | memoryview, crc: int = 0) -> int:
+    """zlib.crc32 in pieces that keep the interpreter lock: the agent's writer thread, once it
+    lets the lock go, gets it back only tens of milliseconds later on a busy app
+    (agent/_speedups.c, "agent threads and the GIL")."""
+    if len(data) <= CRC_PIECE:
+        return zlib.crc32(data, crc)
+    view = memoryview(data)
+    for k in range(0, len(view), CRC_PIECE):
+        crc = zlib.crc32(view[k : k + CRC_PIECE], crc)
+    return crc
+
+
 def encode_payload(rtype: bytes, payload: bytes) -> bytes:
     """One record from an already encoded payload."""
-    crc = zlib.crc32(payload, zlib.crc32(rtype))
+    crc = crc32(payload, zlib.crc32(rtype))
     return _HEAD.pack(REC_MAGIC, rtype, len(payload), crc) + payload
 
 
@@ -75,7 +90,7 @@ def encode_payload_parts(rtype: bytes, parts: tuple[bytes, ...]) -> bytes:
     """:func:`encode_payload` of ``b"".join(parts)``, the parts copied once, into the record."""
     crc = zlib.crc32(rtype)
     for part in parts:
-        crc = zlib.crc32(part, crc)
+        crc = crc32(part, crc)
     return b"".join((_HEAD.pack(REC_MAGIC, rtype, sum(map(len, parts)), crc), *parts))
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from itertools import repeat, starmap
 from typing import Any
 
-from perfsleuth.agent import recorder
+from perfsleuth.agent import accel, recorder
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.recorder import stats
 
@@ -54,7 +54,11 @@ _sites_seen = 0  # len(_site_cache) at the last enqueue
 _site_cache_bytes = 0  # what the entries added to it since it was last cleared hold
 _events: collections.deque[tuple[bytes, Build]] = collections.deque()
 
-wake = threading.Event()  # set to wake the writer before its next tick
+# Set to wake the writer before its next tick: threading.Event's interface; the accelerator's
+# Waker takes the interpreter lock back as the agent's threads do (agent/_speedups.c, "agent
+# threads and the GIL").
+Waker: Callable[[], threading.Event] = accel.pick("Waker", threading.Event)
+wake = Waker()
 
 
 def _no_writer() -> None:
@@ -199,4 +203,4 @@ def after_fork_in_child() -> None:
     global wake
     discard()
     _events.clear()
-    wake = threading.Event()
+    wake = Waker()

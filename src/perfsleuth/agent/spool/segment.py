@@ -13,12 +13,25 @@ import os
 import socket
 import time
 
+from perfsleuth.agent import accel
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.recorder import stats
 from perfsleuth.agent.spool.encode import Interned
 from perfsleuth.agent.spool.status import HOST, unlink
 from perfsleuth.wire import CLOSED_SUFFIX, FORMAT_VERSION, HEADER, OPEN_SUFFIX
 from perfsleuth.wire.segment import FILE_MAGIC, encode_record, segment_base
+
+# os.write and os.stat's (st_dev, st_ino), the interpreter lock taken back as the agent's
+# threads do (agent/_speedups.c, "agent threads and the GIL")
+_write = accel.pick("write", os.write)
+
+
+def _file_id(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+file_id = accel.pick("file_id", _file_id)
 
 AGENT_VERSION = "0.1.0"
 
@@ -63,7 +76,7 @@ class Segment(Interned):
         view = memoryview(data)
         self.partial = 0
         while view:
-            n = self.fh.write(view)
+            n = _write(self.fh.fileno(), view)
             if not n:
                 raise OSError("short write")
             view = view[n:]
@@ -74,12 +87,11 @@ class Segment(Interned):
         """Whether the file was deleted under us (its spool directory removed, say): what is
         written to it then lands nowhere."""
         try:
-            st = os.stat(self.path)
+            return file_id(self.path) != self.file_id
         except (FileNotFoundError, NotADirectoryError):
             return True
         except OSError:
             return False
-        return (st.st_dev, st.st_ino) != self.file_id
 
     def due(self) -> bool:
         return (

@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any
 
+from perfsleuth.agent import accel
 from perfsleuth.agent.config import Config
 from perfsleuth.agent.recorder import stats
 
@@ -35,6 +36,24 @@ last_error = ""  # the last write error or writer death, as the status file says
 written = True  # whether the last status update reached the file
 
 
+def _replace_file(path: str, data: bytes) -> None:
+    """``data`` into ``path``: written to ``path.tmp``, renamed over ``path``; OSError when
+    that fails (the .tmp removed)."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        unlink(tmp)
+        raise
+
+
+# The accelerator's does it letting the interpreter lock go once, not four times (each time an
+# agent thread lets it go, a busy app gives it back late: agent/_speedups.c).
+replace_file = accel.pick("replace_file", _replace_file)
+
+
 def error(text: str) -> None:
     global last_error
     last_error = text
@@ -50,7 +69,6 @@ def write(cfg: Config, *, queued: int = 0, writer_dead: bool = False) -> None:
     try:
         import json
 
-        os.makedirs(cfg.agents_dir, exist_ok=True)
         path = os.path.join(cfg.agents_dir, f"{HOST}-{os.getpid()}.json")
         body: dict[str, Any] = dict(stats)
         body["dropped_writer_dead"] = stats["dropped_writer_dead"] + (queued if writer_dead else 0)
@@ -64,13 +82,13 @@ def write(cfg: Config, *, queued: int = 0, writer_dead: bool = False) -> None:
         )
         data = json.dumps(body).encode()
         data += b" " * (STATUS_BYTES - len(data) - 1) + b"\n"
-        tmp = path + ".tmp"
         try:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, path)
+            try:
+                replace_file(path, data)
+            except FileNotFoundError:  # no agents directory (yet, or deleted)
+                os.makedirs(cfg.agents_dir, exist_ok=True)
+                replace_file(path, data)
         except OSError:
-            unlink(tmp)
             if len(data) > STATUS_BYTES:
                 raise
             with open(path, "r+b") as fh:  # no new blocks needed: a full disk allows it
