@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from fakequeue import bare_request, fake_queue
 from perfsleuth.agent import recorder, shipper
 from perfsleuth.agent.frameworks import asgi as ps_asgi
 from perfsleuth.agent.frameworks.common import identity
@@ -840,44 +841,23 @@ def test_the_c_enqueue_sees_the_queue_s_globals_change_between_requests(
 
     if not hasattr(recorder.speedups, "enqueue"):
         pytest.skip("no C enqueue")
-    stats = dict.fromkeys(["dropped_queue_full", "dropped_memory", "cache_resets"], 0)
-    for name, value in {
-        "queue_size": 100,
-        "queue_limit": 100_000,
-        "WAKE_AT": 1000,
-        "_queue": collections.deque(),
-        "_sizes": collections.deque(),
-        "_queue_bytes": 0,
-        "_site_cache": {},
-        "_sites_seen": 0,
-        "wake": threading.Event(),
-        "on_full": lambda: None,
-        "stats": stats,
-    }.items():
-        monkeypatch.setattr(queue, name, value)
-
-    def request() -> Any:
-        req = recorder.ActiveRequest.__new__(recorder.ActiveRequest)
-        req.calls = req.attrs = None
-        req.site_list = []
-        return req
-
+    stats = fake_queue(monkeypatch)
     enqueue = recorder.speedups.enqueue
     r = queue.REQUEST_BYTES
-    enqueue(request())
-    enqueue(request())
+    enqueue(bare_request())
+    enqueue(bare_request())
     assert len(queue._queue) == 2 and queue._queue_bytes == 2 * r
     monkeypatch.setattr(queue, "queue_limit", 2 * r)  # full from now on
-    enqueue(request())
+    enqueue(bare_request())
     assert len(queue._queue) == 2 and stats["dropped_memory"] == 1
     monkeypatch.setattr(queue, "queue_limit", 100_000)
     monkeypatch.setattr(queue, "_queue_bytes", 0)  # the writer took the queue's requests
     fresh: collections.deque[Any] = collections.deque()
     monkeypatch.setattr(queue, "_queue", fresh)
-    enqueue(request())
+    enqueue(bare_request())
     assert len(fresh) == 1 and queue._queue_bytes == r
     monkeypatch.setattr(queue, "queue_size", 1)
-    enqueue(request())
+    enqueue(bare_request())
     assert len(fresh) == 1 and stats["dropped_queue_full"] == 1
 
 

@@ -9,18 +9,11 @@ from typing import Any
 
 import pytest
 
+from fakequeue import bare_request, fake_queue
 from perfsleuth.agent import recorder
 from perfsleuth.agent.spool import queue
 
 IMPLEMENTATIONS = ["python"] + (["c"] if hasattr(recorder.speedups, "enqueue") else [])
-
-
-def request(calls: int | None = None, attrs: int | None = None, sites: int = 0) -> Any:
-    req = recorder.ActiveRequest.__new__(recorder.ActiveRequest)
-    req.calls = None if calls is None else bytearray(calls * recorder.ROW)
-    req.attrs = None if attrs is None else {f"a{k}": k for k in range(attrs)}
-    req.site_list = [("db", "sqlite", "SELECT " + "x" * k, (), None) for k in range(sites)]
-    return req
 
 
 def run(impl: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
@@ -29,35 +22,28 @@ def run(impl: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     site_cache: dict[Any, Any] = {}
     full: list[int] = []
     wake = threading.Event()
-    stats = dict.fromkeys(["dropped_queue_full", "dropped_memory", "cache_resets"], 0)
-    for name, value in {
-        "queue_size": 6,
-        "queue_limit": 6000,
-        "cache_limit": 10_000,
-        "WAKE_AT": 3,
-        "_queue": collections.deque(),
-        "_sizes": collections.deque(),
-        "_queue_bytes": 0,
-        "_site_cache": site_cache,
-        "_sites_seen": 0,
-        "_site_cache_bytes": 0,
-        "wake": wake,
-        "on_full": lambda: full.append(1),
-        "stats": stats,
-    }.items():
-        monkeypatch.setattr(queue, name, value)
+    stats = fake_queue(
+        monkeypatch,
+        queue_size=6,
+        queue_limit=6000,
+        cache_limit=10_000,
+        WAKE_AT=3,
+        _site_cache=site_cache,
+        wake=wake,
+        on_full=lambda: full.append(1),
+    )
     woke = []
-    enqueue(request())  # no calls
-    enqueue(request(calls=3))
+    enqueue(bare_request())  # no calls
+    enqueue(bare_request(calls=3))
     woke.append(wake.is_set())
-    enqueue(request(calls=2, attrs=2))  # the third: wakes the writer
+    enqueue(bare_request(calls=2, attrs=2))  # the third: wakes the writer
     woke.append(wake.is_set())
     site_cache["k"] = 1  # the site cache grew: this request's statements are counted
-    enqueue(request(calls=1, sites=2))
-    enqueue(request(calls=1))  # seen since: not counted again
-    enqueue(request(calls=40))  # over queue_limit: dropped
-    enqueue(request())
-    enqueue(request())  # the queue holds 6: dropped
+    enqueue(bare_request(calls=1, sites=2))
+    enqueue(bare_request(calls=1))  # seen since: not counted again
+    enqueue(bare_request(calls=40))  # over queue_limit: dropped
+    enqueue(bare_request())
+    enqueue(bare_request())  # the queue holds 6: dropped
     return {
         "queued": len(queue._queue),
         "sizes": list(queue._sizes),
@@ -105,7 +91,7 @@ def test_enqueue_is_the_queue_s_enqueue(impl: str) -> None:
 def test_take_pops_the_queue_in_order_within_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """take: all that is queued when it fits the slice, else requests up to the slice's bytes
     (at least one); the sizes of what is left stay the queue's, in order."""
-    reqs = [request(calls=k) for k in range(10)]
+    reqs = [bare_request(calls=k) for k in range(10)]
     monkeypatch.setattr(queue, "_queue", collections.deque(reqs))
     sizes = [1000 + k for k in range(10)]
     # the Python enqueue appends a size before its request: one size more than requests
