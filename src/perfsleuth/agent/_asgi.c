@@ -30,6 +30,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include "_agent_c.h"
 
 static PyObject *recorder_dict; /* perfsleuth.agent.recorder.__dict__ */
 static PyObject *capture_dict;  /* perfsleuth.agent.capture.__dict__ */
@@ -303,19 +304,6 @@ await_iter(PyObject *aw)
         Py_CLEAR(it);
     }
     return it;
-}
-
-/* PyLong_AsLongLong without its slow path for multi-digit ints (as _wsgi.c's as_ll). */
-static inline long long
-as_ll(PyObject *v)
-{
-    int overflow = 0;
-    long long r = PyLong_AsLongLongAndOverflow(v, &overflow);
-    if (overflow) {
-        PyErr_SetString(PyExc_OverflowError, "Python int too large to convert to C long long");
-        return -1;
-    }
-    return r;
 }
 
 /* ------------------------------------------------------------------ the send tap's fields
@@ -1050,57 +1038,6 @@ clear_args(CallObject *c)
     Py_CLEAR(c->receive);
     Py_CLEAR(c->send);
     Py_CLEAR(c->scope);
-}
-
-/* The exception throw(type, value, tb) raises, as a generator's throw makes it: a value that
- * is an instance of type is it, else type is called with it (None: no arguments, a tuple: its
- * items); an instance for type takes no value; tb, when not None, is its traceback. A new
- * reference; NULL with the TypeError throw raises. */
-static PyObject *
-thrown(PyObject *type, PyObject *value, PyObject *tb)
-{
-    if (tb != Py_None && !PyTraceBack_Check(tb)) {
-        PyErr_SetString(PyExc_TypeError, "throw() third argument must be a traceback object");
-        return NULL;
-    }
-    PyObject *exc;
-    if (PyExceptionClass_Check(type)) {
-        int is = value != Py_None && PyExceptionInstance_Check(value)
-                     ? PyObject_IsInstance(value, type)
-                     : 0;
-        if (is < 0)
-            return NULL;
-        if (is)
-            exc = Py_NewRef(value);
-        else if (value == Py_None)
-            exc = PyObject_CallNoArgs(type);
-        else if (PyTuple_Check(value))
-            exc = PyObject_Call(type, value, NULL);
-        else
-            exc = PyObject_CallOneArg(type, value);
-        if (exc != NULL && !PyExceptionInstance_Check(exc)) {
-            PyErr_Format(PyExc_TypeError,
-                         "calling %R should have returned an instance of BaseException, not %s",
-                         type, Py_TYPE(exc)->tp_name);
-            Py_CLEAR(exc);
-        }
-    }
-    else if (PyExceptionInstance_Check(type)) {
-        if (value != Py_None) {
-            PyErr_SetString(PyExc_TypeError, "instance exception may not have a separate value");
-            return NULL;
-        }
-        exc = Py_NewRef(type);
-    }
-    else {
-        PyErr_Format(PyExc_TypeError,
-                     "exceptions must be classes or instances deriving from BaseException, not %s",
-                     Py_TYPE(type)->tp_name);
-        return NULL;
-    }
-    if (exc != NULL && tb != Py_None && PyException_SetTraceback(exc, tb) < 0)
-        Py_CLEAR(exc);
-    return exc;
 }
 
 static PyObject *throw_exc(CallObject *c, PyObject *exc);

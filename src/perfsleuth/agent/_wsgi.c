@@ -22,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include "_agent_c.h"
 
 #if PY_VERSION_HEX >= 0x030D0000
 #define _PyObject_LookupAttr PyObject_GetOptionalAttr
@@ -182,21 +183,6 @@ static PyMemberDef body_members[] = {
     {"_iterable", T_OBJECT, offsetof(BodyObject, iterable), READONLY, "the app's response"},
     {NULL},
 };
-
-/* PyLong_AsLongLong, same results and errors: CPython 3.11's converts an int of more than one
- * digit (a nanosecond clock reading) through a byte array, ~200 instructions; this one reads
- * the digits (PyLong_AsLongLongAndOverflow), ~30 (as _speedups.c's as_ll). */
-static inline long long
-as_ll(PyObject *v)
-{
-    int overflow = 0;
-    long long r = PyLong_AsLongLongAndOverflow(v, &overflow);
-    if (overflow) {
-        PyErr_SetString(PyExc_OverflowError, "Python int too large to convert to C long long");
-        return -1;
-    }
-    return r;
-}
 
 /* capture.finish_wsgi's common case, decided here: a request of no capture (capture.reason
  * None: not flagged, not failed, not slow, not the random sample's turn) and no input tap.
