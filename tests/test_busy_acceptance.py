@@ -325,7 +325,9 @@ def test_the_demo_on_the_busy_machine(busy_demo: tuple[Path, list[dict[str, Any]
             assert p.verdict().kind == "cpu", (ep, p.states)
     # The blocker: the handler line of the async endpoint that parses the feed on the loop.
     shop = perfsleuth.demo.shop.__file__
-    (blocker,) = [f for f in found if f["kind"] == "event_loop_blocker"]
+    blockers = [f for f in found if f["kind"] == "event_loop_blocker"]
+    assert len(blockers) == 1, [(f["endpoint"], f["title"], f["callsite"]) for f in blockers]
+    (blocker,) = blockers
     assert blocker["endpoint"] == "POST /catalog/import"
     assert blocker["callsite"]["file"] == shop
     assert blocker["callsite"]["line"] in _lines_of(shop, "catalog_import"), blocker["callsite"]
