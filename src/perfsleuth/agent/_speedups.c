@@ -3356,7 +3356,7 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
  * 5 ms switch timeout restarts at every wake-up, so it never forces a switch. Measured on the
  * burst benchmark's app (2 cores): a thread that only sleeps 50 ms in a loop waited 14 ms
  * (median, up to 137 ms) for the lock after each sleep, woke ~7,000 times a second for
- * nothing, and made the app's requests 9 % slower; the agent's two threads, 30 %.
+ * nothing, and made the app's requests 9 % slower; the agent's two threads, about 20 %.
  *
  * So the agent's threads wait here, and say when they want the lock back (gil_wanted); the
  * request path hands the lock over at a request's end when one does (hand_over: release,
@@ -3398,8 +3398,6 @@ agent_restore(PyThreadState *ts)
     __atomic_sub_fetch(&gil_wanted, 1, __ATOMIC_SEQ_CST);
 }
 
-/* At a request's end, with the lock held: when an agent thread waits for the lock, let it
- * have it (see above). Never fails. */
 /* A forked child has none of its parent's agent threads: none of them waits for its lock. */
 static void
 gil_after_fork(void)
@@ -3407,6 +3405,8 @@ gil_after_fork(void)
     __atomic_store_n(&gil_wanted, 0, __ATOMIC_SEQ_CST);
 }
 
+/* At a request's end, with the lock held: when an agent thread waits for the lock, let it
+ * have it (see above). Never fails. */
 static void
 hand_over(void)
 {
