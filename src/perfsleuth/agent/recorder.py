@@ -125,12 +125,17 @@ _stack_cache: dict[Any, tuple[Any, ...]] = {}
 # Emptied with the site cache (forget_sites): other caches of site entries or stacks (the
 # thread-pool hand-off's), which would otherwise keep statements and stacks the site cache let go.
 forget_hooks: list[Callable[[], None]] = []
+# How many times forget_sites ran: a stack captured before is never handed out again, so what
+# the writer remembers by such a stack object's id (spool.encode: Encoder.flats, .shapes) can go.
+stacks_forgotten = 0
 
 
 def forget_sites() -> None:
     """Empty the caches of site entries and stacks together (the queue's share of the memory
     budget for them is used up, or the writer's caches were cleared). In place: the C
     accelerator holds the same dicts."""
+    global stacks_forgotten
+    stacks_forgotten += 1
     _site_cache.clear()
     _stack_cache.clear()
     forget_memo = getattr(speedups, "forget_memo", None)  # record_site's memo of places

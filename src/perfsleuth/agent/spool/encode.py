@@ -133,6 +133,21 @@ class Encoder:
         # id): the stacks of new sites by object (see site); holds the tuples, so ids stay
         # unique
         self.flats: dict[int, tuple[Any, int, int, int]] = {}
+        # recorder.stacks_forgotten when flats and shapes were last emptied: the recorder's
+        # stack cache emptied since, their stacks are never seen again (under distinct SQL
+        # it is emptied every second or two, and they grew by a stack and its shapes each time)
+        self.stacks_seen = recorder.stacks_forgotten
+
+    def forget_stacks(self) -> None:
+        """Empty what is remembered by stack object (flats, shapes): the recorder no longer
+        hands those stacks out. A request still queued with one resolves its sites by the
+        stack's frames, as a new stack would."""
+        freed = len(self.flats) * FLAT_MEMO_BYTES
+        freed += sum(SHAPE_BYTES + len(tokens) for tokens, _ in self.shapes)
+        self.flats.clear()
+        self.shapes.clear()
+        self.cache_bytes = max(0, self.cache_bytes - freed)
+        self.stacks_seen = recorder.stacks_forgotten
 
     def reset(self) -> None:
         """Empty the caches."""
@@ -502,6 +517,8 @@ class Encoder:
         this segment, then one REQUESTS record (wire.batch). Per request, a row of references
         gathered into columns; the encoding is done once for all. A request that cannot be
         encoded is left out (and counted as an internal error)."""
+        if recorder.stacks_forgotten != self.stacks_seen:
+            self.forget_stacks()
         try:
             self._pretokenize(reqs)
         except Exception:
