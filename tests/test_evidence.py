@@ -160,7 +160,12 @@ def test_hotspot_in_a_thread_pool_endpoint_is_named(asyncio_store: Path) -> None
         w = profile.load(store, "GET /slow-wait")
         assert w.samples > 0 and set(w.states) == {"wait"}
         await_line = line_of(APP, "PLANTED-AWAIT")
-        assert all([f for f in st if f.app][-1].line == await_line for st, _ in w.stacks)
+        # Samples taken while the handler awaited point at its await. One taken before the
+        # handler was entered or after it returned has no application frame: on a busy machine
+        # (/parse holding the loop) the task can sit there past the sampling mark.
+        in_app = [([f for f in st if f.app], n) for st, n in w.stacks]
+        assert sum(n for fs, n in in_app if fs) * 2 > w.samples
+        assert all(fs[-1].line == await_line for fs, _ in in_app if fs)
         tree = p.tree()
     assert tree["name"] == "GET /hot" and tree["value"] == p.samples
 
