@@ -236,6 +236,15 @@ get_field(PyObject *obj, Layout *layout, int field) /* borrowed, may be NULL (un
     return *(PyObject **)((char *)obj + layout->offset[field]);
 }
 
+/* CLOCK_MONOTONIC in ns: never fails, runs no Python code. */
+static inline long long
+wall_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
 /* perf_counter_ns() as a C integer (-1 with an error set when the Python one fails). */
 static inline long long
 perf_ns(void)
@@ -246,9 +255,7 @@ perf_ns(void)
         Py_XDECREF(t);
         return v;
     }
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    return wall_ns();
 }
 
 static PyObject *
@@ -2576,14 +2583,6 @@ thread_cpu_ns(void)
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-static inline long long
-wall_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 /* The thread's CPU clock is a system call (0.4-1.3 us on the machines measured), the wall
  * clock is not (vDSO, ~40 ns), and a FastAPI request is ~7 steps on the loop and a run in a
  * worker. So a run reads the wall clock at both ends, and its CPU time is:
@@ -3364,27 +3363,6 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
  * hand-over instead of a thousand futile wake-ups, and the agent thread runs when a request
  * ends instead of tens of milliseconds later. */
 
-static long long
-mono_ns(void) /* never fails, runs no Python code */
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
-}
-
-static int
-fd_arg(PyObject *arg) /* a file descriptor, -1 with an exception set */
-{
-    long fd = PyLong_AsLong(arg);
-    if (fd == -1 && PyErr_Occurred())
-        return -1;
-    if (fd < 0 || fd > INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "bad file descriptor");
-        return -1;
-    }
-    return (int)fd;
-}
-
 static int gil_wanted;                       /* agent threads waiting for the lock (atomic) */
 static unsigned long long hand_overs;        /* hand-overs made (stats) */
 #define HAND_OVER_NS 200000LL                /* the longest a request's end waits for one */
@@ -3412,9 +3390,9 @@ hand_over(void)
 {
     if (__atomic_load_n(&gil_wanted, __ATOMIC_RELAXED) <= 0)
         return;
-    long long start = mono_ns();
+    long long start = wall_ns();
     PyThreadState *ts = PyEval_SaveThread();
-    while (__atomic_load_n(&gil_wanted, __ATOMIC_SEQ_CST) > 0 && mono_ns() - start < HAND_OVER_NS)
+    while (__atomic_load_n(&gil_wanted, __ATOMIC_SEQ_CST) > 0 && wall_ns() - start < HAND_OVER_NS)
         sched_yield();
     PyEval_RestoreThread(ts);
     hand_overs++;
@@ -3453,7 +3431,7 @@ agent_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "write(fd, data)");
         return NULL;
     }
-    int fd = fd_arg(args[0]);
+    int fd = PyObject_AsFileDescriptor(args[0]);
     if (fd < 0)
         return NULL;
     Py_buffer view;
@@ -3572,7 +3550,7 @@ read_held(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "read_held(fd, n)");
         return NULL;
     }
-    int fd = fd_arg(args[0]);
+    int fd = PyObject_AsFileDescriptor(args[0]);
     Py_ssize_t size = fd < 0 ? -1 : PyLong_AsSsize_t(args[1]);
     if (size == -1 && PyErr_Occurred())
         return NULL;
@@ -3639,12 +3617,12 @@ waker_wait(WakerObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (__atomic_load_n(&self->flag, __ATOMIC_SEQ_CST))
         Py_RETURN_TRUE;
-    long long deadline = mono_ns() + (long long)(s * 1e9);
+    long long deadline = wall_ns() + (long long)(s * 1e9);
     PyThreadState *ts = PyEval_SaveThread();
     for (;;) {
         if (__atomic_load_n(&self->flag, __ATOMIC_SEQ_CST))
             break;
-        long long left = deadline - mono_ns();
+        long long left = deadline - wall_ns();
         if (left <= 0)
             break;
         struct timespec t = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
