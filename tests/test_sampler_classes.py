@@ -50,11 +50,11 @@ def line_of(path: str, marker: str) -> int:
 
 
 @contextmanager
-def oversubscribed(seconds: float = BUSY_SECONDS) -> Iterator[None]:
-    """BUSY_PER_CORE pure-Python busy loops per core, for as long as the block runs (each
+def oversubscribed(seconds: float = BUSY_SECONDS, per_core: int = BUSY_PER_CORE) -> Iterator[None]:
+    """``per_core`` pure-Python busy loops per core, for as long as the block runs (each
     ends by itself after ``seconds`` on the monotonic clock, or when the process that started
     it is gone)."""
-    n = BUSY_PER_CORE * (os.cpu_count() or 1)
+    n = per_core * (os.cpu_count() or 1)
     code = (
         "import os, time\n"
         f"parent, end = os.getppid(), time.monotonic() + {seconds}\n"
