@@ -77,6 +77,22 @@ def cpu_every_request(agent_data_dir: str) -> Iterator[None]:
 
 
 @pytest.fixture
+def statements_as_made(agent_data_dir: str) -> Iterator[None]:
+    """Statements recorded as the application made them, not shared by their tokens (the C
+    accelerator's shared_statement; its own tests: test_shared_statements): for tests of what
+    the recorder or the writer does with distinct statement objects."""
+    from perfsleuth.agent import recorder
+    from perfsleuth.agent.spool import queue
+
+    if recorder.speedups is not None:
+        recorder.speedups.configure(statement_tokens=None)
+    try:
+        yield
+    finally:
+        queue.share_statements(queue.cache_limit // 4)
+
+
+@pytest.fixture
 def in_request(agent_data_dir: str) -> Callable[..., Any]:
     """A context manager recording a fake web request around a block (for library tests)."""
     from contextlib import contextmanager

@@ -165,7 +165,7 @@ def test_an_ended_request_leaves_the_garbage_collector_s_lists(agent_data_dir: s
         req = recorder.speedups.begin("web", "GET", "/p")
         assert req is not None and gc.is_tracked(req)
         req.record_call("db", "sqlite", "SELECT 1", (1,), 1)
-        req.record_call("db", "sqlite", "SELECT 2", None, 1)
+        req.record_call("db", "sqlite", "SELECT 2 AS two", None, 1)
         recorder.attr("plan", "gold")
         recorder.attr("items", 3)
         recorder.speedups.end(req)
@@ -176,7 +176,7 @@ def test_an_ended_request_leaves_the_garbage_collector_s_lists(agent_data_dir: s
     finally:
         recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
     (req,) = got
-    assert [site[2] for site in req.site_list] == ["SELECT 1", "SELECT 2"]
+    assert [site[2] for site in req.site_list] == ["SELECT 1", "SELECT 2 AS two"]
     assert req.attrs == {"plan": "gold", "items": 3}
     assert not gc.is_tracked(req) and not gc.is_tracked(req.site_list)
 

@@ -72,6 +72,7 @@ def _classifier(armed: list[bool], meanwhile: Callable[[], Any]) -> Callable[[An
     return classify
 
 
+@pytest.mark.usefixtures("statements_as_made")  # two statement objects of one shape
 def test_a_memo_key_hash_rewritten_while_the_stack_is_compared_is_not_used(
     agent_data_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -169,6 +169,7 @@ def statements_page(oid: int) -> None:
     recorder.end(req)
 
 
+@pytest.mark.usefixtures("statements_as_made")  # the writer meets each text
 def test_statements_with_literals_inline_share_one_fingerprint_and_fill_no_cache(
     recorded: list[recorder.ActiveRequest],
 ) -> None:
@@ -225,6 +226,7 @@ def test_the_stacks_memos_go_when_the_recorder_forgets_its_stacks(
     assert all(c["stack"] and c["fp"] for r in batch for c in r["calls"])
 
 
+@pytest.mark.usefixtures("statements_as_made")  # the writer meets each text
 def test_a_batchs_new_statements_are_scanned_together_within_the_budget(
     recorded: list[recorder.ActiveRequest], monkeypatch: pytest.MonkeyPatch
 ) -> None:

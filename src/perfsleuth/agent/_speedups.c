@@ -992,6 +992,104 @@ clear_site_memo(void)
     }
 }
 
+/* One statement object a shape: statements made with their literals written into the text (an
+ * f-string's, a sqlcommenter comment's trace id) are a new str each time, which the site entry
+ * and the queue would keep until the writer has encoded the request and the site cache has let
+ * it go: thousands of texts, each a fresh allocation. Kept that long they made the app itself
+ * slower (an in-process app with 20 distinct 1.5 KB statements a request: +15-20 % CPU a
+ * request with only 20,000 such texts held, no agent at all). So a statement is recorded as
+ * the first one made with the same tokens (wire/_fingerprint.c's tokens: literals and
+ * placeholders -> ?, comments out, whitespace folded: what the writer fingerprints first),
+ * and the app's own text is freed when the app lets it go. Equal tokens, equal fingerprint:
+ * the writer fingerprints the shared text to what it would have made of each. A statement
+ * longer than SHARE_MAX_CHARS is recorded as made (its scan is the writer's, without the
+ * interpreter lock). statement_tokens (configure) is None without the C tokenizer. */
+#define SHARE_MAX_CHARS 8192
+#define SHARE_MEMO_SIZE 64 /* a power of two */
+#define SHARE_ENTRY_BYTES 200 /* a shape beside its texts: two dict slots, the key str's head */
+static PyObject *statement_tokens; /* wire._fingerprint.tokens, or NULL */
+static PyObject *shapes;           /* tokens -> the first statement made with them */
+/* those first statements -> themselves: a text made anew each time but always the same (an
+ * ORM's, with placeholders) is found by its text (hashed once, for this and the site key),
+ * without a scan */
+static PyObject *firsts;
+static Py_ssize_t shapes_bytes, shapes_limit = 1 << 20;
+/* the statement objects seen last (a constant is the same object at every call), held */
+static struct {
+    PyObject *made, *shared;
+} share_memo[SHARE_MEMO_SIZE];
+
+static void
+clear_shapes(void)
+{
+    for (int i = 0; i < SHARE_MEMO_SIZE; i++) {
+        Py_CLEAR(share_memo[i].made);
+        Py_CLEAR(share_memo[i].shared);
+    }
+    if (shapes != NULL)
+        PyDict_Clear(shapes);
+    if (firsts != NULL)
+        PyDict_Clear(firsts);
+    shapes_bytes = 0;
+}
+
+static inline Py_ssize_t
+text_bytes(PyObject *s)
+{
+    return PyUnicode_GET_LENGTH(s) * (Py_ssize_t)PyUnicode_KIND(s);
+}
+
+/* The statement to record for sql (an exact str): a new reference, or NULL with an error set. */
+static PyObject *
+shared_statement(PyObject *sql)
+{
+    if (statement_tokens == NULL || shapes == NULL || firsts == NULL ||
+        PyUnicode_GET_LENGTH(sql) > SHARE_MAX_CHARS)
+        return Py_NewRef(sql);
+    uintptr_t h = (uintptr_t)sql >> 4;
+    int slot = (int)((h ^ (h >> 7)) & (SHARE_MEMO_SIZE - 1));
+    if (share_memo[slot].made == sql)
+        return Py_NewRef(share_memo[slot].shared);
+    /* Remembered by its object only when it was hashed before (a constant, a str used again):
+     * a text made for this call is never seen again, and the memo would keep it. */
+    int reused = ((PyASCIIObject *)sql)->hash != -1;
+    PyObject *shared = PyDict_GetItemWithError(firsts, sql); /* borrowed */
+    if (shared != NULL) {
+        Py_INCREF(shared);
+    }
+    else {
+        if (PyErr_Occurred())
+            return NULL;
+        PyObject *tokens = PyObject_CallOneArg(statement_tokens, sql);
+        if (tokens == NULL)
+            return NULL;
+        if (!PyUnicode_CheckExact(tokens)) {
+            Py_DECREF(tokens);
+            return Py_NewRef(sql);
+        }
+        shared = PyDict_SetDefault(shapes, tokens, sql); /* borrowed */
+        if (shared == NULL || (shared == sql && PyDict_SetItem(firsts, sql, sql) < 0)) {
+            Py_DECREF(tokens);
+            return NULL;
+        }
+        Py_INCREF(shared);
+        if (shared == sql) { /* a new shape */
+            shapes_bytes += SHARE_ENTRY_BYTES + text_bytes(tokens) + text_bytes(sql);
+            if (shapes_bytes > shapes_limit) /* loses sharing only: entries hold theirs */
+                clear_shapes();
+        }
+        Py_DECREF(tokens);
+    }
+    if (reused) {
+        PyObject *old_made = share_memo[slot].made, *old_shared = share_memo[slot].shared;
+        share_memo[slot].made = Py_NewRef(sql);
+        share_memo[slot].shared = Py_NewRef(shared);
+        Py_XDECREF(old_made);
+        Py_XDECREF(old_shared);
+    }
+    return shared;
+}
+
 /* The fast path of record_call: the row offset, -1 when the call is not on it (no error set),
  * -2 when the request holds PERFSLEUTH_MAX_CALLS calls (the call was counted as dropped). */
 /* The last fast-path lookup (statement, frame code, instruction, request) and its slot: in an
@@ -1407,7 +1505,13 @@ py_record_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         f = up(f);
     if (f == NULL)
         return PyLong_FromLong(-1);
-    Py_ssize_t i = record_site(req, args[1], args[2], sql, args[4], f, 0);
+    PyObject *statement = shared_statement(sql);
+    if (statement == NULL) {
+        Py_DECREF(f);
+        return NULL;
+    }
+    Py_ssize_t i = record_site(req, args[1], args[2], statement, args[4], f, 0);
+    Py_DECREF(statement);
     Py_DECREF(f);
     return PyLong_FromSsize_t(i);
 }
@@ -1561,15 +1665,22 @@ execute(WrapperObject *w, PyObject *const *args, size_t nargsf, PyObject *kwname
     }
     Py_ssize_t i = -1;
     if (req != NULL && req != Py_None) {
-        i = record_fast(req, sql, params);
+        /* the statement recorded (one object a shape); the driver gets the application's */
+        PyObject *statement = PyUnicode_CheckExact(sql) ? shared_statement(sql) : Py_NewRef(sql);
+        if (statement == NULL) {
+            failed();
+            statement = Py_NewRef(sql);
+        }
+        i = record_fast(req, statement, params);
         if (i == -1)
 #if IFRAMES /* the running frame, its frame object made only when needed */
-            i = record_site(req, s_db, s_sqlite, sql, params, NULL, 1);
+            i = record_site(req, s_db, s_sqlite, statement, params, NULL, 1);
 #else
-            i = record_site(req, s_db, s_sqlite, sql, params, PyEval_GetFrame(), 0);
+            i = record_site(req, s_db, s_sqlite, statement, params, PyEval_GetFrame(), 0);
 #endif
         if (i == -1)
-            i = record_slow(req, sql, params);
+            i = record_slow(req, statement, params);
+        Py_DECREF(statement);
     }
     if (i < 0) {
         Py_XDECREF(req);
@@ -3270,19 +3381,32 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
                             "code_kinds", "classify", "site_cache", "stack_cache", "max_depth", "max_sites",
                             "stacks_per_site", "sink", "inflight", "stats", "no_sites",
                             "request_class", "template_key", "template_engines",
-                            "engine_of", "cpu_threshold", NULL};
+                            "engine_of", "cpu_threshold", "statement_tokens",
+                            "statement_bytes", NULL};
     PyObject *current = NULL, *text = NULL, *error = NULL, *perf = NULL, *kinds = NULL,
              *classify = NULL, *cache = NULL, *stacks_cache = NULL, *new_sink = NULL, *flying = NULL,
              *counters = NULL, *empty_sites = NULL, *req_class = NULL,
-             *tpl_key = NULL, *tpl_engines = NULL, *tpl_engine_of = NULL;
-    Py_ssize_t rows = -1, depth = -1, sites = -1, per_site = -1;
+             *tpl_key = NULL, *tpl_engines = NULL, *tpl_engine_of = NULL, *tokens = NULL;
+    Py_ssize_t rows = -1, depth = -1, sites = -1, per_site = -1, share_bytes = -1;
     long long threshold = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOnOOOOOnnnOOOOOOOOL:configure", names,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOnOOOOOnnnOOOOOOOOLOn:configure", names,
                                      &current, &text, &error, &rows, &perf, &kinds, &classify,
                                      &cache, &stacks_cache, &depth, &sites, &per_site, &new_sink, &flying,
                                      &counters, &empty_sites, &req_class,
-                                     &tpl_key, &tpl_engines, &tpl_engine_of, &threshold))
+                                     &tpl_key, &tpl_engines, &tpl_engine_of, &threshold, &tokens,
+                                     &share_bytes))
         return NULL;
+    if (tokens != NULL) { /* None: statements recorded as made */
+        if (tokens != Py_None && ((shapes == NULL && (shapes = PyDict_New()) == NULL) ||
+                                  (firsts == NULL && (firsts = PyDict_New()) == NULL)))
+            return NULL;
+        clear_shapes();
+        Py_XSETREF(statement_tokens, tokens == Py_None ? NULL : Py_NewRef(tokens));
+    }
+    if (share_bytes >= 0) {
+        shapes_limit = share_bytes;
+        clear_shapes();
+    }
     if ((tpl_key != NULL) != (tpl_engines != NULL) ||
         (tpl_key != NULL) != (tpl_engine_of != NULL) ||
         (tpl_key != NULL && tpl_key != Py_None && !PyDict_CheckExact(tpl_engines))) {
@@ -3801,7 +3925,14 @@ static PyObject *
 forget_memo(PyObject *module, PyObject *unused)
 {
     clear_site_memo();
+    clear_shapes();
     Py_RETURN_NONE;
+}
+
+static PyObject *
+statement_shapes(PyObject *module, PyObject *unused)
+{
+    return Py_BuildValue("(nn)", shapes != NULL ? PyDict_GET_SIZE(shapes) : 0, shapes_bytes);
 }
 
 static PyObject *
@@ -3815,11 +3946,13 @@ static PyMethodDef module_methods[] = {
      "configure(*, current, sql_text, internal_error, max_rows, perf_counter, code_kinds, "
      "classify, site_cache, stack_cache, max_depth, max_sites, stacks_per_site, sink, inflight, stats, "
      "no_sites, request_class, template_key, template_engines, engine_of, "
-     "cpu_threshold): what the wrappers use (each optional); cpu_threshold: begin measures the "
+     "cpu_threshold, statement_tokens, statement_bytes): what the wrappers use (each optional); cpu_threshold: begin measures the "
      "CPU time of a request whose trace id's low 32 bits are under it; perf_counter: time.perf_counter_ns when it is not "
      "CLOCK_MONOTONIC, else None; template_key (stacks.template_key, None: off), "
      "template_engines (templates._engine) and engine_of (templates.engine_of), given together "
-     "once a template engine is loaded."},
+     "once a template engine is loaded; statement_tokens (wire._fingerprint.tokens, None: "
+     "off): statements are recorded as the first made with the same tokens, "
+     "statement_bytes the memory for those at most."},
     {"record_call", (PyCFunction)(void (*)(void))py_record_call, METH_FASTCALL,
      "record_call(req, kind, system, statement, params, up): recorder.ActiveRequest."
      "record_call for a str statement, up counted from the calling Python function's frame; "
@@ -3835,6 +3968,8 @@ static PyMethodDef module_methods[] = {
     {"forget_memo", (PyCFunction)forget_memo, METH_NOARGS,
      "forget_memo(): drop what record_site remembers of the places statements were made "
      "(recorder.forget_sites)."},
+    {"statement_shapes", (PyCFunction)statement_shapes, METH_NOARGS,
+     "statement_shapes(): (shapes, bytes) of the statements kept to share (shared_statement)."},
     {"cpu_clock_reads", (PyCFunction)cpu_clock_reads, METH_NOARGS,
      "cpu_clock_reads(): how many times the thread CPU clock was read (a system call each)."},
     {"sleep", (PyCFunction)agent_sleep, METH_O,

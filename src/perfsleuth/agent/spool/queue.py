@@ -76,6 +76,22 @@ def configure(cfg: Config) -> None:
     budget = max(1 << 20, int(cfg.memory_budget_mb * (1 << 20)))
     queue_limit, cache_limit, slice_limit = budget * 3 // 8, budget // 8, budget // 8
     queue_size = cfg.queue_size
+    share_statements(cache_limit // 4)
+
+
+def share_statements(limit: int) -> None:
+    """Let the accelerator record a statement as the first one made with the same tokens
+    (agent/_speedups.c: shared_statement), in ``limit`` bytes of texts at most: statements
+    with their literals written in are then let go when the app lets them go."""
+    c = recorder.speedups
+    if c is None or not hasattr(c, "forget_memo"):
+        return
+    from perfsleuth.wire import fingerprint
+
+    try:
+        c.configure(statement_tokens=fingerprint.native_tokens, statement_bytes=limit)
+    except Exception:
+        recorder.internal_error()
 
 
 def enqueue(req: recorder.ActiveRequest) -> None:
