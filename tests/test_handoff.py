@@ -306,10 +306,12 @@ def test_a_failing_parameter_note_keeps_one_row(in_request: Callable[..., Any]) 
     assert len(req.calls or b"") == recorder.ROW
 
 
+@pytest.mark.usefixtures("statements_as_made")  # shared by their tokens, they fill no cache
 def test_distinct_statements_in_workers_stay_within_the_cache_budget(
     in_request: Callable[..., Any], patched_pool: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Statements with their literals in the text, made in a worker from a request: the
+    """Statements with their literals in the text, made in a worker from a request, each
+    recorded as made (without the accelerator, or over its length for sharing): the
     hand-off's stitched entries and the recorder's stacks are forgotten with the site cache
     when the queue's share of the budget for them is used up (issue 22 item 2)."""
     from perfsleuth.agent import recorder
