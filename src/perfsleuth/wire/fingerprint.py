@@ -76,9 +76,6 @@ def _load_c_tokens() -> Callable[[str], str] | None:
 
 _c_tokens = _load_c_tokens()
 _c_tokens_many = _load_c_tokens_many()
-# The C tokenizer for callers in C (the agent's accelerator shares statements by their tokens),
-# or None.
-native_tokens = _c_tokens
 
 try:  # the agent imports this module at start: hashlib (and OpenSSL) cost milliseconds
     from _blake2 import blake2b as _blake2b

@@ -84,12 +84,14 @@ def share_statements(limit: int) -> None:
     (agent/_speedups.c: shared_statement), in ``limit`` bytes of texts at most: statements
     with their literals written in are then let go when the app lets them go."""
     c = recorder.speedups
-    if c is None or not hasattr(c, "forget_memo"):
+    if c is None or not hasattr(c, "statement_shapes"):  # off, or a build without sharing
         return
-    from perfsleuth.wire import fingerprint
-
+    try:  # the C tokenizer alone: wire.fingerprint's import (its regexes) costs milliseconds
+        from perfsleuth.wire._fingerprint import tokens
+    except ImportError:
+        tokens = None
     try:
-        c.configure(statement_tokens=fingerprint.native_tokens, statement_bytes=limit)
+        c.configure(statement_tokens=tokens, statement_bytes=limit)
     except Exception:
         recorder.internal_error()
 
