@@ -89,7 +89,7 @@ def statements_as_made(agent_data_dir: str) -> Iterator[None]:
     try:
         yield
     finally:
-        queue.share_statements(queue.cache_limit // 4)
+        queue.share_statements()
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ def sharing(agent_data_dir: str) -> Iterator[Callable[[bool], None]]:
 
     yield share
     recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
-    queue.share_statements(queue.cache_limit // 4)
+    queue.share_statements()
 
 
 def run(make: Callable[[int, int], str], n: int) -> tuple[recorder.ActiveRequest, list[int]]:

@@ -76,13 +76,14 @@ def configure(cfg: Config) -> None:
     budget = max(1 << 20, int(cfg.memory_budget_mb * (1 << 20)))
     queue_limit, cache_limit, slice_limit = budget * 3 // 8, budget // 8, budget // 8
     queue_size = cfg.queue_size
-    share_statements(cache_limit // 4)
+    share_statements()
 
 
-def share_statements(limit: int) -> None:
+def share_statements() -> None:
     """Let the accelerator record a statement as the first one made with the same tokens
-    (agent/_speedups.c: shared_statement), in ``limit`` bytes of texts at most: statements
-    with their literals written in are then let go when the app lets them go."""
+    (agent/_speedups.c: shared_statement), in a quarter of the caches' share of the budget
+    at most: statements with their literals written in are then let go when the app lets
+    them go."""
     c = recorder.speedups
     if c is None or not hasattr(c, "statement_shapes"):  # off, or a build without sharing
         return
@@ -91,7 +92,7 @@ def share_statements(limit: int) -> None:
     except ImportError:
         tokens = None
     try:
-        c.configure(statement_tokens=tokens, statement_bytes=limit)
+        c.configure(statement_tokens=tokens, statement_bytes=cache_limit // 4)
     except Exception:
         recorder.internal_error()
 
