@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,37 @@ def test_hotspot_advice_and_cpu_starved_on_an_oversubscribed_machine(busy_store:
     assert starved.evidence["service"] == "busy"
     assert starved.evidence["run_queue_share"] >= 0.5
     assert "waited for a CPU" in starved.title
+
+
+def test_a_request_that_only_waits_for_the_gil_is_no_hotspot(tmp_path: Path) -> None:
+    """A request with next to nothing to do, slow only because another thread of the process
+    computes, waits for the GIL at whatever line it stands on: that line is not where its time
+    went (the demo's clean GET /orders/{order_id} got a hotspot this way on a busy machine).
+    The computing endpoint keeps its hotspot."""
+    data = tmp_path / "data"
+    with launched(
+        tmp_path, data, uvicorn("sampler_classes_app:app"), service="gil", ready="/fast",
+        **FAST_SAMPLING,
+    ) as srv:  # fmt: skip
+        with ThreadPoolExecutor(1) as pool:
+            for _ in range(3):
+                computing = pool.submit(srv.get, "/cpu")
+                time.sleep(0.02)
+                assert srv.get("/bystander")[0] == 200
+                assert computing.result()[0] == 200
+        assert srv.stop() in (0, -15)
+    with DuckDBStore(str(data)) as store:
+        store.ingest()
+        p = profile.load(store, "GET /bystander")
+    # the premise: its slow requests waited for the GIL at the planted line
+    planted = line_of(CLASSES_APP, "PLANTED-GIL")
+    assert p.requests >= 2 and p.samples >= 20, (p.requests, p.samples)
+    assert p.states.get("gil", 0) >= 0.5 * p.samples, p.states
+    hot, _ = p.hotspot()
+    assert hot is not None and hot.line == planted
+    found = {f.endpoint: f for f in _findings(data) if f.kind == "slow_request_hotspot"}
+    assert "GET /bystander" not in found, found["GET /bystander"].title
+    assert found["GET /cpu"].evidence["class"] == "cpu", found["GET /cpu"].title
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Planted CPU work and planted waits for tests/test_sampler_classes.py (FastAPI under uvicorn).
+"""Planted CPU work, planted waits and a bystander of the GIL for tests/test_sampler_classes.py
+(FastAPI under uvicorn).
 
 The CPU endpoints do a fixed amount of work measured on the thread's own CPU clock, so they
 take longer on a busy machine but always do the same work. Markers name the planted lines.
@@ -43,6 +44,16 @@ def sleep() -> dict[str, Any]:
 async def await_() -> dict[str, Any]:
     """An async endpoint awaiting 0.5 s."""
     await asyncio.sleep(0.5)  # PLANTED-AWAIT
+    return {"ok": True}
+
+
+@app.get("/bystander")
+def bystander() -> dict[str, Any]:
+    """A sync endpoint (thread pool) with next to nothing to do: it gives the GIL up 80 times
+    (a sleep of 0) and takes it back each time, so beside a thread that computes it waits for
+    the GIL about 5 ms (the switch interval) each time."""
+    for _ in range(80):
+        time.sleep(0)  # PLANTED-GIL
     return {"ok": True}
 
 

@@ -172,6 +172,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # ... over enough evidence: 20 samples are 0.2 s of sampling at the default 10 ms.
         "min_samples": 20,
         "min_requests": 2,
+        # A line whose samples mostly waited for the GIL is where a bystander stood, not a
+        # hotspot, when the slow requests ran on the CPU for less than this share of their
+        # time: another thread of the process computed (it has its own finding).
+        "max_bystander_cpu": 0.05,
     },
     "event_loop_blocker": {
         # The agent records blocks of PERFSLEUTH_LOOP_BLOCK_MS (100 ms, the Graphite/Ashby

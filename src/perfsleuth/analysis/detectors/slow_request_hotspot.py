@@ -15,6 +15,11 @@ lines: a statement spans lines, and fetching its rows happens right after it), a
 of requests that blocked the event loop (event_loop_blocker reports those, with their lines).
 Samples inside Python's import system are start-up work (a lazy import on the first requests
 of a process), not the endpoint's: they count neither way.
+
+A line whose samples mostly waited for the GIL is no hotspot when the slow requests hardly ran
+on the CPU (``max_bystander_cpu`` of their time, from ``requests.cpu_ms``): the request stood
+there while another thread of the process computed, and that thread's line is the finding (a
+clean endpoint beside a CPU-bound one on a busy machine was blamed at its ``with`` statement).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ GROUP BY ALL
 
 _REQS = f"""
 SELECT {profile.ENDPOINT_OF_SAMPLE} AS endpoint, s.trace_id, count(*) AS n,
-    any_value(r.duration_ms) AS duration_ms
+    any_value(r.duration_ms) AS duration_ms, any_value(r.cpu_ms) AS cpu_ms
 FROM samples s LEFT JOIN requests r USING (trace_id)
 WHERE (? IS NULL OR s.ts >= ?) AND (? IS NULL OR {profile.ENDPOINT_OF_SAMPLE} = ?)
     AND s.trace_id NOT IN (SELECT trace_id FROM blockers WHERE trace_id IS NOT NULL)
@@ -62,6 +67,7 @@ def detect(ctx: Context) -> list[Finding]:
     min_share = float(ctx.t(KIND, "min_share"))
     min_samples = int(ctx.t(KIND, "min_samples"))
     min_requests = int(ctx.t(KIND, "min_requests"))
+    max_bystander_cpu = float(ctx.t(KIND, "max_bystander_cpu"))
     stacks = frames.stacks(ctx.store, (r["stack_id"] for r in rows))
     per_ep: dict[str, Counter[frames.Frame]] = {}
     states: dict[tuple[str, frames.Frame], Counter[str]] = {}
@@ -90,7 +96,13 @@ def detect(ctx: Context) -> list[Finding]:
         if total < min_samples or len(ep_reqs) < min_requests:
             continue
         sites = near_calls.get(ep, set())
-        ranked = [(f, k) for f, k in counter.most_common() if not _near(f, sites)]
+        bystander = _ran_little(ep_reqs, max_bystander_cpu)
+        ranked = [
+            (f, k)
+            for f, k in counter.most_common()
+            if not _near(f, sites)
+            and not (bystander and profile.verdict(dict(states[(ep, f)])).kind == "gil")
+        ]
         if not ranked:
             continue
         hot, n = ranked[0]
@@ -137,6 +149,16 @@ def detect(ctx: Context) -> list[Finding]:
             )
         )
     return out
+
+
+def _ran_little(reqs: list[dict[str, Any]], max_cpu: float) -> bool:
+    """Whether these requests ran on the CPU for at most ``max_cpu`` of their time (False when
+    none measured its CPU time: OTLP spans, an agent before cpu_ms)."""
+    timed = [r for r in reqs if r["cpu_ms"] is not None and r["duration_ms"]]
+    if not timed:
+        return False
+    cpu = sum(float(r["cpu_ms"]) for r in timed)
+    return cpu <= max_cpu * sum(float(r["duration_ms"]) for r in timed)
 
 
 SITE_LINES = 3  # a call site "covers" this many lines after it (multi-line statement, fetch)
