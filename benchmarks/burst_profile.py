@@ -1,7 +1,9 @@
-"""The burst app of pressure.py (in-process Flask, 3 repeating sqlite statements a request), one
-process, measured on the request thread: instructions under callgrind, or thread CPU time.
+"""The burst app of pressure.py (in-process Flask, 3 repeating sqlite statements a request; with
+``--app distinct``, its distinct app: 20 distinct 1.7 KB statements a request), one process,
+measured on the request thread: instructions under callgrind, or thread CPU time.
 
     .venv/bin/python benchmarks/burst_profile.py callgrind [--variants bare,agent] [-n 1000]
+        [--app burst|distinct]
     .venv/bin/python benchmarks/burst_profile.py time [--variants ...] [-n 20000] [--rounds 3]
     .venv/bin/python benchmarks/burst_profile.py inproc [--modes full,drop,burn,off] [-n 2000]
         [--rounds 16]
@@ -38,8 +40,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def make_app(name: str) -> Any:
+    import pressure
+
+    return pressure.make_app(20, True) if name == "distinct" else pressure.make_app(3, False)
 
 
 def child(variant: str, n: int, mode: str) -> None:
@@ -63,7 +72,7 @@ def child(variant: str, n: int, mode: str) -> None:
 
             wsgi.record_wsgi = wsgi.python_record_wsgi
             Flask.__call__ = getattr(Flask.__call__, "python", Flask.__call__)  # type: ignore[method-assign]
-    app = pressure.make_app(3, False)
+    app = make_app(os.environ["BURST_APP"])
 
     def sr(status: str, headers: object, exc_info: object = None) -> None:
         return None
@@ -131,7 +140,7 @@ def inproc(modes: list[str], n: int, rounds: int) -> None:
     from perfsleuth.agent import recorder, shipper
 
     assert ps.start(tempfile.mkdtemp(prefix="perfsleuth-burst-"), service="burst")
-    app = pressure.make_app(3, False)
+    app = make_app(os.environ["BURST_APP"])
     limits = {
         "max_calls": recorder._max_rows // recorder.ROW,
         "stacks_per_site": recorder._stacks_per_site,
@@ -194,6 +203,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=["callgrind", "time", "inproc"])
     ap.add_argument("--variants", default="bare,agent")
+    ap.add_argument("--app", choices=["burst", "distinct"], default="burst")
     ap.add_argument("--modes", default="full,drop,burn,off", help="inproc: recorder modes")
     ap.add_argument(
         "-n", type=int, help="requests measured (1000 callgrind, 20000 time, 2000 a slice inproc)"
@@ -201,6 +211,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="(inproc: default 16)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    os.environ["BURST_APP"] = args.app  # children read it too
     if args.mode == "inproc":
         inproc(args.modes.split(","), args.n or 2000, args.rounds if args.rounds > 1 else 16)
         return

@@ -76,6 +76,21 @@ def cpu_every_request(agent_data_dir: str) -> Iterator[None]:
         cpushare.auto = was_auto
 
 
+@pytest.fixture(autouse=True)
+def fresh_statement_shapes() -> None:
+    """Each test starts with no statement shapes kept: the C accelerator's table of them is
+    process-wide, and a test's statement would be recorded as an earlier test's of the same
+    tokens (test_handoff's "SELECT 1" as test_speedups_review's "SELECT 12", run in that
+    order)."""
+    from perfsleuth.agent import recorder
+
+    c = recorder.speedups
+    if c is not None and hasattr(c, "statement_shapes") and c.statement_shapes()[0]:
+        from perfsleuth.agent.spool import queue
+
+        queue.share_statements()  # configured anew: the shapes go
+
+
 @pytest.fixture
 def statements_as_made(agent_data_dir: str) -> Iterator[None]:
     """Statements recorded as the application made them, not shared by their tokens (the C
@@ -85,7 +100,7 @@ def statements_as_made(agent_data_dir: str) -> Iterator[None]:
     from perfsleuth.agent.spool import queue
 
     if recorder.speedups is not None:
-        recorder.speedups.configure(statement_tokens=None)
+        recorder.speedups.configure(statement_scan=None)
     try:
         yield
     finally:

@@ -32,7 +32,7 @@ data, cfg, n, per, stall, distinct = sys.argv[1], json.loads(sys.argv[2]), *map(
 share = cfg.pop("share_statements", True)
 assert ps.start(data, service="pressure", **cfg)
 if not share and recorder.speedups is not None:  # each text recorded as made (the writer's work)
-    recorder.speedups.configure(statement_tokens=None)
+    recorder.speedups.configure(statement_scan=None)
 db = sqlite3.connect(":memory:")
 db.execute("create table orders (id integer primary key, note text, amount real)")
 filler = ", ".join(f"'{'x' * 20}{k}' AS c{k}" for k in range(40))  # ~1.5 KB of literals

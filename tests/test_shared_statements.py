@@ -19,7 +19,7 @@ from perfsleuth.agent.spool.encode import Encoder, Interned, encode_requests
 from perfsleuth.wire import FINGERPRINT, REQUESTS
 from perfsleuth.wire.segment import FILE_MAGIC, read_segment
 
-tokens = pytest.importorskip("perfsleuth.wire._fingerprint").tokens  # the C tokenizer
+SCAN = pytest.importorskip("perfsleuth.wire._fingerprint").SCAN  # the C tokenizer's pass
 
 pytestmark = pytest.mark.skipif(recorder.speedups is None, reason="the C accelerator is not built")
 
@@ -39,7 +39,7 @@ def sharing(agent_data_dir: str) -> Iterator[Callable[[bool], None]]:
     off. The agent's configuration is put back afterwards."""
 
     def share(on: bool) -> None:
-        recorder.speedups.configure(statement_tokens=tokens if on else None)
+        recorder.speedups.configure(statement_scan=SCAN if on else None)
 
     yield share
     recorder.configure(shipper.enqueue, max_calls=20000, stacks_per_site=1)
@@ -115,7 +115,7 @@ def test_statements_of_other_tokens_are_not_shared(sharing: Callable[[bool], Non
 
 
 def test_the_shapes_kept_stay_within_their_bytes(sharing: Callable[[bool], None]) -> None:
-    recorder.speedups.configure(statement_tokens=tokens, statement_bytes=20_000)
+    recorder.speedups.configure(statement_scan=SCAN, statement_bytes=20_000)
 
     def wide(i: int, j: int) -> str:  # a shape each: a column name of its own
         return f"SELECT k AS c{i} FROM t WHERE k = {i} AND 'x' <> '{'y' * 200}'"

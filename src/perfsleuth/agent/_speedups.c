@@ -42,6 +42,7 @@
 #define AGENT_C_INT_IN_PLACE
 #endif
 #include "_agent_c.h"
+#include "../wire/_scan_api.h"
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -998,22 +999,28 @@ clear_site_memo(void)
  * it go: thousands of texts, each a fresh allocation. Kept that long they made the app itself
  * slower (an in-process app with 20 distinct 1.5 KB statements a request: +15-20 % CPU a
  * request with only 20,000 such texts held, no agent at all). So a statement is recorded as
- * the first one made with the same tokens (wire/_fingerprint.c's tokens: literals and
- * placeholders -> ?, comments out, whitespace folded: what the writer fingerprints first),
- * and the app's own text is freed when the app lets it go. Equal tokens, equal fingerprint:
- * the writer fingerprints the shared text to what it would have made of each. A statement
- * longer than SHARE_MAX_CHARS is recorded as made (its scan is the writer's, without the
- * interpreter lock). statement_tokens (configure) is None without the C tokenizer. */
+ * the first one made with the same tokens (wire/_fingerprint.c's pass, through its SCAN
+ * capsule: literals and placeholders -> ?, comments out, whitespace folded: what the writer
+ * fingerprints first), and the app's own text is freed when the app lets it go. Equal tokens,
+ * equal fingerprint: the writer fingerprints the shared text to what it would have made of
+ * each. The tokens are written into a static buffer (the lock is held: nothing else writes
+ * it) and looked up by a 64-bit FNV-1a hash, then compared whole: no str is made for them and
+ * no SipHash runs over them (a third of the work before). A statement longer than
+ * SHARE_MAX_CHARS is recorded as made (its scan is the writer's, without the interpreter
+ * lock), and so is one whose tokens' hash another shape holds (not shared, never mixed up).
+ * scan_into (configure's statement_scan) is NULL without the C tokenizer. */
 #define SHARE_MAX_CHARS 8192
 #define SHARE_MEMO_SIZE 64 /* a power of two */
-#define SHARE_ENTRY_BYTES 200 /* a shape beside its texts: two dict slots, the key str's head */
-static PyObject *statement_tokens; /* wire._fingerprint.tokens, or NULL */
-static PyObject *shapes;           /* tokens -> the first statement made with them */
+#define SHARE_ENTRY_BYTES 250 /* a shape beside its texts: two dict slots, its key, its tuple */
+static Py_ssize_t (*scan_into)(PyObject *, void *, Py_ssize_t, int *);
+static PyObject *scan_capsule;  /* holds scan_into's module */
+static PyObject *shapes;        /* hash of the tokens -> (tokens as bytes, the first statement) */
 /* those first statements -> themselves: a text made anew each time but always the same (an
  * ORM's, with placeholders) is found by its text (hashed once, for this and the site key),
  * without a scan */
 static PyObject *firsts;
 static Py_ssize_t shapes_bytes, shapes_limit = 1 << 20;
+static char share_scratch[SHARE_MAX_CHARS * 4];
 /* the statement objects seen last (a constant is the same object at every call), held */
 static struct {
     PyObject *made, *shared;
@@ -1039,11 +1046,64 @@ text_bytes(PyObject *s)
     return PyUnicode_GET_LENGTH(s) * (Py_ssize_t)PyUnicode_KIND(s);
 }
 
+/* FNV-1a over size bytes, eight at a time (a table key: the tokens are compared whole). */
+static uint64_t
+fnv64(const char *b, size_t size)
+{
+    uint64_t h = 1469598103934665603ULL, word;
+    size_t i = 0;
+    for (; i + 8 <= size; i += 8) {
+        memcpy(&word, b + i, 8);
+        h = (h ^ word) * 1099511628211ULL;
+    }
+    for (; i < size; i++)
+        h = (h ^ (unsigned char)b[i]) * 1099511628211ULL;
+    return h;
+}
+
+/* The first statement made with sql's tokens (a new reference): sql itself when it is the first,
+ * or when its tokens' hash belongs to another shape; NULL with an error set. */
+static PyObject *
+first_of_shape(PyObject *sql)
+{
+    int width = 1;
+    Py_ssize_t len = scan_into(sql, share_scratch, SHARE_MAX_CHARS, &width);
+    if (len < 0)
+        return Py_NewRef(sql);
+    size_t size = (size_t)len * (size_t)width;
+    PyObject *key = PyLong_FromUnsignedLongLong(fnv64(share_scratch, size) ^ (uint64_t)width);
+    if (key == NULL)
+        return NULL;
+    PyObject *entry = PyDict_GetItemWithError(shapes, key); /* borrowed */
+    if (entry != NULL) {
+        Py_DECREF(key);
+        PyObject *held = PyTuple_GET_ITEM(entry, 0);
+        int same = (size_t)PyBytes_GET_SIZE(held) == size &&
+                   memcmp(PyBytes_AS_STRING(held), share_scratch, size) == 0;
+        return Py_NewRef(same ? PyTuple_GET_ITEM(entry, 1) : sql);
+    }
+    PyObject *held = PyErr_Occurred() ? NULL : PyBytes_FromStringAndSize(share_scratch, len * width);
+    entry = held ? PyTuple_Pack(2, held, sql) : NULL;
+    Py_XDECREF(held);
+    if (entry == NULL || PyDict_SetItem(shapes, key, entry) < 0 ||
+        PyDict_SetItem(firsts, sql, sql) < 0) {
+        Py_XDECREF(entry);
+        Py_DECREF(key);
+        return NULL;
+    }
+    Py_DECREF(entry);
+    Py_DECREF(key);
+    shapes_bytes += SHARE_ENTRY_BYTES + (Py_ssize_t)size + text_bytes(sql);
+    if (shapes_bytes > shapes_limit) /* loses sharing only: entries hold theirs */
+        clear_shapes();
+    return Py_NewRef(sql);
+}
+
 /* The statement to record for sql (an exact str): a new reference, or NULL with an error set. */
 static PyObject *
 shared_statement(PyObject *sql)
 {
-    if (statement_tokens == NULL || shapes == NULL || firsts == NULL ||
+    if (scan_into == NULL || shapes == NULL || firsts == NULL ||
         PyUnicode_GET_LENGTH(sql) > SHARE_MAX_CHARS)
         return Py_NewRef(sql);
     uintptr_t h = (uintptr_t)sql >> 4;
@@ -1054,32 +1114,10 @@ shared_statement(PyObject *sql)
      * a text made for this call is never seen again, and the memo would keep it. */
     int reused = ((PyASCIIObject *)sql)->hash != -1;
     PyObject *shared = PyDict_GetItemWithError(firsts, sql); /* borrowed */
-    if (shared != NULL) {
+    if (shared != NULL)
         Py_INCREF(shared);
-    }
-    else {
-        if (PyErr_Occurred())
-            return NULL;
-        PyObject *tokens = PyObject_CallOneArg(statement_tokens, sql);
-        if (tokens == NULL)
-            return NULL;
-        if (!PyUnicode_CheckExact(tokens)) {
-            Py_DECREF(tokens);
-            return Py_NewRef(sql);
-        }
-        shared = PyDict_SetDefault(shapes, tokens, sql); /* borrowed */
-        if (shared == NULL || (shared == sql && PyDict_SetItem(firsts, sql, sql) < 0)) {
-            Py_DECREF(tokens);
-            return NULL;
-        }
-        Py_INCREF(shared);
-        if (shared == sql) { /* a new shape */
-            shapes_bytes += SHARE_ENTRY_BYTES + text_bytes(tokens) + text_bytes(sql);
-            if (shapes_bytes > shapes_limit) /* loses sharing only: entries hold theirs */
-                clear_shapes();
-        }
-        Py_DECREF(tokens);
-    }
+    else if (PyErr_Occurred() || (shared = first_of_shape(sql)) == NULL)
+        return NULL;
     if (reused) {
         PyObject *old_made = share_memo[slot].made, *old_shared = share_memo[slot].shared;
         share_memo[slot].made = Py_NewRef(sql);
@@ -3381,7 +3419,7 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
                             "code_kinds", "classify", "site_cache", "stack_cache", "max_depth", "max_sites",
                             "stacks_per_site", "sink", "inflight", "stats", "no_sites",
                             "request_class", "template_key", "template_engines",
-                            "engine_of", "cpu_threshold", "statement_tokens",
+                            "engine_of", "cpu_threshold", "statement_scan",
                             "statement_bytes", NULL};
     PyObject *current = NULL, *text = NULL, *error = NULL, *perf = NULL, *kinds = NULL,
              *classify = NULL, *cache = NULL, *stacks_cache = NULL, *new_sink = NULL, *flying = NULL,
@@ -3397,11 +3435,22 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
                                      &share_bytes))
         return NULL;
     if (tokens != NULL) { /* None: statements recorded as made */
-        if (tokens != Py_None && ((shapes == NULL && (shapes = PyDict_New()) == NULL) ||
-                                  (firsts == NULL && (firsts = PyDict_New()) == NULL)))
-            return NULL;
+        ScanAPI *api = NULL;
+        if (tokens != Py_None) {
+            api = PyCapsule_GetPointer(tokens, SCAN_CAPSULE);
+            if (api == NULL)
+                return NULL;
+            if (api->version != SCAN_API_VERSION) {
+                PyErr_SetString(PyExc_ValueError, "statement_scan: another version of the C API");
+                return NULL;
+            }
+            if ((shapes == NULL && (shapes = PyDict_New()) == NULL) ||
+                (firsts == NULL && (firsts = PyDict_New()) == NULL))
+                return NULL;
+        }
         clear_shapes();
-        Py_XSETREF(statement_tokens, tokens == Py_None ? NULL : Py_NewRef(tokens));
+        scan_into = api ? api->scan_into : NULL;
+        Py_XSETREF(scan_capsule, api ? Py_NewRef(tokens) : NULL);
     }
     if (share_bytes >= 0) {
         shapes_limit = share_bytes;
@@ -3946,11 +3995,11 @@ static PyMethodDef module_methods[] = {
      "configure(*, current, sql_text, internal_error, max_rows, perf_counter, code_kinds, "
      "classify, site_cache, stack_cache, max_depth, max_sites, stacks_per_site, sink, inflight, stats, "
      "no_sites, request_class, template_key, template_engines, engine_of, "
-     "cpu_threshold, statement_tokens, statement_bytes): what the wrappers use (each optional); cpu_threshold: begin measures the "
+     "cpu_threshold, statement_scan, statement_bytes): what the wrappers use (each optional); cpu_threshold: begin measures the "
      "CPU time of a request whose trace id's low 32 bits are under it; perf_counter: time.perf_counter_ns when it is not "
      "CLOCK_MONOTONIC, else None; template_key (stacks.template_key, None: off), "
      "template_engines (templates._engine) and engine_of (templates.engine_of), given together "
-     "once a template engine is loaded; statement_tokens (wire._fingerprint.tokens, None: "
+     "once a template engine is loaded; statement_scan (wire._fingerprint.SCAN, None: "
      "off): statements are recorded as the first made with the same tokens, "
      "statement_bytes the memory for those at most."},
     {"record_call", (PyCFunction)(void (*)(void))py_record_call, METH_FASTCALL,

@@ -13,6 +13,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "_scan_api.h"
+
 typedef struct {
     int kind;
     const void *data;
@@ -304,8 +306,11 @@ HOT Py_ssize_t block_comment_close(const Text *t, Py_ssize_t pos) {
  * object (the str's data is immutable and kept alive by the caller), so it can run without the
  * interpreter lock. Inlined once per character width, so that reading a character costs no
  * switch on the width. */
-HOT void scan(const Text *tp, Out *o) {
+HOT void scan(const Text *tp, Out *out) {
     const Text t = *tp;
+    /* The output's state in a local: stores through o->buf (a char pointer, which may alias
+     * anything whose address is known) would otherwise reload o->len after every character. */
+    Out local = *out, *o = &local;
     Py_ssize_t n = t.n, pos = 0;
     while (pos < n) {
         Py_UCS4 c = at(&t, pos), next;
@@ -327,6 +332,19 @@ HOT void scan(const Text *tp, Out *o) {
                     pos = quoted_end(&t, pos + 1, '\'');
                     continue;
                 }
+                if (t.kind == PyUnicode_1BYTE_KIND) { /* scanned and copied in one pass */
+                    const Py_UCS1 *d = t.data;
+                    Py_UCS1 *w = (Py_UCS1 *)o->buf + o->len;
+                    if (o->pending_space) {
+                        *w++ = ' ';
+                        o->pending_space = 0;
+                    }
+                    *w++ = (Py_UCS1)c;
+                    for (pos++; pos < n && ident_1[d[pos]]; pos++)
+                        *w++ = d[pos];
+                    o->len = w - (Py_UCS1 *)o->buf;
+                    continue;
+                }
                 end = ident_end(&t, pos + 1);
                 emit_word(o, &t, pos, end);
                 pos = end;
@@ -336,6 +354,12 @@ HOT void scan(const Text *tp, Out *o) {
             if (cls & D) {
                 emit(o, t.kind, '?');
                 pos = number_end(&t, pos);
+                continue;
+            }
+            /* a quote starts a string, and nothing before it in the order (below) */
+            if (c == '\'') {
+                emit(o, t.kind, '?');
+                pos = quoted_end(&t, pos, '\'');
                 continue;
             }
         }
@@ -421,6 +445,7 @@ HOT void scan(const Text *tp, Out *o) {
         emit(o, t.kind, c);
         pos++;
     }
+    *out = local;
 }
 
 static void scan_1(const void *data, Py_ssize_t n, Out *o) {
@@ -479,6 +504,19 @@ static PyObject *tokens(PyObject *self, PyObject *arg) {
     PyMem_RawFree(o.buf);
     return result;
 }
+
+static Py_ssize_t scan_into(PyObject *s, void *buf, Py_ssize_t max, int *width) {
+    Py_ssize_t n = PyUnicode_GET_LENGTH(s);
+    if (n > max)
+        return -1;
+    int kind = PyUnicode_KIND(s);
+    Out o = {buf, 0, 0, kind};
+    scan_any(kind, PyUnicode_DATA(s), n, &o);
+    *width = (int)out_width(kind);
+    return o.len;
+}
+
+static ScanAPI scan_api = {SCAN_API_VERSION, scan_into};
 
 /* tokens_many(list of str) -> (list of their tokens, thread CPU ns spent scanning): the
  * statements scanned with the interpreter lock released, so that on another core the
@@ -638,5 +676,14 @@ PyMODINIT_FUNC PyInit__fingerprint(void) {
             ascii_class[c] |= P;
     for (int c = 0; c < 256; c++)
         ident_1[c] = is_word((Py_UCS4)c) || c == '$';
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    PyObject *capsule = PyCapsule_New(&scan_api, SCAN_CAPSULE, NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "SCAN", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

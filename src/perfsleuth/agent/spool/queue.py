@@ -88,11 +88,11 @@ def share_statements() -> None:
     if c is None or not hasattr(c, "statement_shapes"):  # off, or a build without sharing
         return
     try:  # the C tokenizer alone: wire.fingerprint's import (its regexes) costs milliseconds
-        from perfsleuth.wire._fingerprint import tokens
-    except ImportError:
-        tokens = None
+        from perfsleuth.wire._fingerprint import SCAN
+    except ImportError:  # not built, or built before it had SCAN
+        SCAN = None
     try:
-        c.configure(statement_tokens=tokens, statement_bytes=cache_limit // 4)
+        c.configure(statement_scan=SCAN, statement_bytes=cache_limit // 4)
     except Exception:
         recorder.internal_error()
 
