@@ -1008,12 +1008,12 @@ clear_site_memo(void)
  * no SipHash runs over them (a third of the work before). A statement longer than
  * SHARE_MAX_CHARS is recorded as made (its scan is the writer's, without the interpreter
  * lock), and so is one whose tokens' hash another shape holds (not shared, never mixed up).
- * scan_into (configure's statement_scan) is NULL without the C tokenizer. */
+ * scan_api (configure's statement_scan) is NULL without the C tokenizer. */
 #define SHARE_MAX_CHARS 8192
 #define SHARE_MEMO_SIZE 64 /* a power of two */
 #define SHARE_ENTRY_BYTES 250 /* a shape beside its texts: two dict slots, its key, its tuple */
-static Py_ssize_t (*scan_into)(PyObject *, void *, Py_ssize_t, int *);
-static PyObject *scan_capsule;  /* holds scan_into's module */
+static ScanAPI *scan_api;      /* wire._fingerprint's, or NULL */
+static PyObject *scan_capsule;  /* holds scan_api's module */
 static PyObject *shapes;        /* hash of the tokens -> (tokens as bytes, the first statement) */
 /* those first statements -> themselves: a text made anew each time but always the same (an
  * ORM's, with placeholders) is found by its text (hashed once, for this and the site key),
@@ -1046,32 +1046,17 @@ text_bytes(PyObject *s)
     return PyUnicode_GET_LENGTH(s) * (Py_ssize_t)PyUnicode_KIND(s);
 }
 
-/* FNV-1a over size bytes, eight at a time (a table key: the tokens are compared whole). */
-static uint64_t
-fnv64(const char *b, size_t size)
-{
-    uint64_t h = 1469598103934665603ULL, word;
-    size_t i = 0;
-    for (; i + 8 <= size; i += 8) {
-        memcpy(&word, b + i, 8);
-        h = (h ^ word) * 1099511628211ULL;
-    }
-    for (; i < size; i++)
-        h = (h ^ (unsigned char)b[i]) * 1099511628211ULL;
-    return h;
-}
-
 /* The first statement made with sql's tokens (a new reference): sql itself when it is the first,
  * or when its tokens' hash belongs to another shape; NULL with an error set. */
 static PyObject *
 first_of_shape(PyObject *sql)
 {
     int width = 1;
-    Py_ssize_t len = scan_into(sql, share_scratch, SHARE_MAX_CHARS, &width);
+    Py_ssize_t len = scan_api->scan_into(sql, share_scratch, SHARE_MAX_CHARS, &width);
     if (len < 0)
         return Py_NewRef(sql);
     size_t size = (size_t)len * (size_t)width;
-    PyObject *key = PyLong_FromUnsignedLongLong(fnv64(share_scratch, size) ^ (uint64_t)width);
+    PyObject *key = PyLong_FromUnsignedLongLong(scan_api->hash(share_scratch, size) ^ (unsigned)width);
     if (key == NULL)
         return NULL;
     PyObject *entry = PyDict_GetItemWithError(shapes, key); /* borrowed */
@@ -1103,7 +1088,7 @@ first_of_shape(PyObject *sql)
 static PyObject *
 shared_statement(PyObject *sql)
 {
-    if (scan_into == NULL || shapes == NULL || firsts == NULL ||
+    if (scan_api == NULL || shapes == NULL || firsts == NULL ||
         PyUnicode_GET_LENGTH(sql) > SHARE_MAX_CHARS)
         return Py_NewRef(sql);
     uintptr_t h = (uintptr_t)sql >> 4;
@@ -3449,7 +3434,7 @@ configure(PyObject *module, PyObject *args, PyObject *kwds)
                 return NULL;
         }
         clear_shapes();
-        scan_into = api ? api->scan_into : NULL;
+        scan_api = api;
         Py_XSETREF(scan_capsule, api ? Py_NewRef(tokens) : NULL);
     }
     if (share_bytes >= 0) {

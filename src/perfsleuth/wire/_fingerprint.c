@@ -516,7 +516,6 @@ static Py_ssize_t scan_into(PyObject *s, void *buf, Py_ssize_t max, int *width) 
     return o.len;
 }
 
-static ScanAPI scan_api = {SCAN_API_VERSION, scan_into};
 
 /* tokens_many(list of str) -> (list of their tokens, thread CPU ns spent scanning): the
  * statements scanned with the interpreter lock released, so that on another core the
@@ -535,10 +534,10 @@ typedef struct {
     PyObject *r;          /* the result (borrowed from the list) */
 } Job;
 
-static unsigned long long fnv(const Out *o) {
+static unsigned long long fnv_bytes(const void *data, size_t size) {
     unsigned long long h = 1469598103934665603ULL, word;
-    const unsigned char *b = o->buf;
-    size_t size = out_width(o->kind) * (size_t)o->len, i = 0;
+    const unsigned char *b = data;
+    size_t i = 0;
     for (; i + 8 <= size; i += 8) { /* eight bytes a step: a table key, checked by memcmp */
         memcpy(&word, b + i, 8);
         h = (h ^ word) * 1099511628211ULL;
@@ -547,6 +546,12 @@ static unsigned long long fnv(const Out *o) {
         h = (h ^ b[i]) * 1099511628211ULL;
     return h;
 }
+
+static unsigned long long fnv(const Out *o) {
+    return fnv_bytes(o->buf, out_width(o->kind) * (size_t)o->len);
+}
+
+static ScanAPI scan_api = {SCAN_API_VERSION, scan_into, fnv_bytes};
 
 static PyObject *tokens_many(PyObject *self, PyObject *arg) {
     PyObject *held = PySequence_Tuple(arg); /* keeps every str alive while the lock is off */

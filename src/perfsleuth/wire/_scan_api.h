@@ -6,6 +6,7 @@
 #define PERFSLEUTH_SCAN_API_H
 
 #include <Python.h>
+#include <stddef.h>
 
 #define SCAN_CAPSULE "perfsleuth.wire._fingerprint.SCAN"
 #define SCAN_API_VERSION 1
@@ -16,6 +17,8 @@ typedef struct {
      * max characters of four bytes: their length in characters, each *width bytes (1 for a
      * 1-byte str, else 4). Touches no Python object but s's data; never fails otherwise. */
     Py_ssize_t (*scan_into)(PyObject *s, void *buf, Py_ssize_t max, int *width);
+    /* FNV-1a over size bytes, eight at a time (a table key: compare what it hashed whole) */
+    unsigned long long (*hash)(const void *data, size_t size);
 } ScanAPI;
 
 #endif
