@@ -516,7 +516,6 @@ static Py_ssize_t scan_into(PyObject *s, void *buf, Py_ssize_t max, int *width) 
     return o.len;
 }
 
-
 /* tokens_many(list of str) -> (list of their tokens, thread CPU ns spent scanning): the
  * statements scanned with the interpreter lock released, so that on another core the
  * application's threads run meanwhile. One release for the list (a thread taking the lock
