@@ -166,8 +166,8 @@ def test_n_plus_one_is_priced_at_what_fixing_it_gains(
     f, priced, gain = _price_and_gain(recorded, found)
     # The price sits ~22-25 % above the gain on a quiet machine with SQLite (the fixed twin
     # still builds the related objects, in its one query), and a machine busy in the middle of
-    # a run moves the two medians apart further (a fresh-clone CI: 32 %). A busy machine only
-    # adds to the gap, so the check takes the closest of up to RUNS runs of the twins.
+    # a run can move the two medians further apart (a fresh-clone CI: 32 %), so the check
+    # takes the closest of up to RUNS runs of the twins: the least disturbed one.
     runs = [(priced, gain)]
     engine = request.node.callspec.params["recorded"]
     while len(runs) < RUNS and min(abs(p - g) / g for p, g in runs if g > 0) > 0.3:
