@@ -1067,7 +1067,7 @@ first_of_shape(PyObject *sql)
                    memcmp(PyBytes_AS_STRING(held), share_scratch, size) == 0;
         return Py_NewRef(same ? PyTuple_GET_ITEM(entry, 1) : sql);
     }
-    PyObject *held = PyErr_Occurred() ? NULL : PyBytes_FromStringAndSize(share_scratch, len * width);
+    PyObject *held = PyErr_Occurred() ? NULL : PyBytes_FromStringAndSize(share_scratch, (Py_ssize_t)size);
     entry = held ? PyTuple_Pack(2, held, sql) : NULL;
     Py_XDECREF(held);
     if (entry == NULL || PyDict_SetItem(shapes, key, entry) < 0 ||
