@@ -1,7 +1,7 @@
 """OTLP payloads in the orders and repeats exporters send them, mapped (store.otlp's to_batch)
 and committed (insert) into a real DuckDB store: links whichever payload comes first, a payload
-sent twice stored once, payloads committed together (as the server does for concurrent exporters)
-stored once each, and a failed commit losing nothing the retry needs."""
+sent twice stored once, payloads committed together (as the server's queue does) stored once
+each. The server's queue of payloads, its group commits and failures: test_otlp_queue.py."""
 
 from __future__ import annotations
 
@@ -159,40 +159,6 @@ def test_a_block_sent_twice_after_its_request_is_stored_once(tmp_path: Path) -> 
     assert [r["trace_id"] for r in rows] == [TRACE + A, None]
 
 
-def test_a_server_that_cannot_store_keeps_the_waiting_client_spans(tmp_path: Path) -> None:
-    """Through the server: a store opened read-only answers the payload with the SERVER span
-    503 (the exporter retries it) and its client spans keep waiting for that retry."""
-    from fastapi.testclient import TestClient
-
-    from perfsleuth.server.app import create_app
-
-    data = str(tmp_path / "data")
-    DuckDBStore(data).close()
-    app = create_app(data, ingest_every=0)  # no ingest: the store is opened read-only
-    query = _span(C, A, 3, 5, 10, SQL)
-
-    def body(*spans: dict[str, Any]) -> bytes:
-        return json.dumps(
-            {
-                "resourceSpans": [
-                    {
-                        "resource": {"attributes": [_kv("service.name", "shop")]},
-                        "scopeSpans": [{"spans": list(spans)}],
-                    }
-                ]
-            }
-        ).encode()
-
-    with TestClient(app) as client:
-        ctype = {"Content-Type": "application/json"}
-        assert client.post("/v1/traces", content=body(query), headers=ctype).status_code == 200
-        assert app.state.otlp_pending.size == 1
-        got = client.post("/v1/traces", content=body(SERVER_A), headers=ctype)
-        assert got.status_code == 503, got.text
-    pending = app.state.otlp_pending
-    assert (pending.size, len(pending.servers)) == (1, 0)
-
-
 def test_payloads_committed_together_store_a_request_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -226,55 +192,6 @@ def test_payloads_committed_together_store_a_request_once(
     store.close()
 
 
-def test_the_payloads_queued_during_a_commit_are_committed_together() -> None:
-    """server.otlp.Commits: while one payload's commit runs, those that arrive queue, and the
-    next thread to commit takes them all; a failed commit fails each payload it held."""
-    import threading
-    import time
-
-    from perfsleuth.server.otlp import Commits, _Payload
-    from perfsleuth.store.otlp.batch import Mapped
-    from perfsleuth.store.records import Batch
-
-    commits = Commits()
-    first_running, release = threading.Event(), threading.Event()
-    groups: list[list[str]] = []
-
-    def commit(group: list[_Payload]) -> None:
-        groups.append([p.token for p in group])
-        if p_first in group:
-            first_running.set()
-            release.wait(30)
-        else:
-            raise ValueError("disk full")
-
-    p_first = _Payload(Mapped(Batch()), "first")
-    later = [_Payload(Mapped(Batch()), f"later{i}") for i in range(3)]
-    raised: dict[str, str] = {}
-
-    def send(p: _Payload) -> None:
-        try:
-            commits.store(p, commit)
-        except ValueError as e:
-            raised[p.token] = str(e)
-
-    threads = [threading.Thread(target=send, args=(p_first,))]
-    threads[0].start()
-    assert first_running.wait(30)
-    threads += [threading.Thread(target=send, args=(p,)) for p in later]
-    for t in threads[1:]:
-        t.start()
-    deadline = time.monotonic() + 30
-    while len(commits._queue) < len(later) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    release.set()
-    for t in threads:
-        t.join(30)
-    assert groups[0] == ["first"] and sorted(groups[1]) == ["later0", "later1", "later2"]
-    assert len(groups) == 2
-    assert raised == {f"later{i}": "disk full" for i in range(3)}
-
-
 def test_loop_blocks_two_payloads_of_one_commit_bring_are_stored_once(tmp_path: Path) -> None:
     """The same payload twice in one group commit: a block filed under a stored request, and
     one under no request, one blocker each."""
@@ -303,50 +220,3 @@ def test_a_late_loop_block_committed_with_its_request_is_kept(tmp_path: Path) ->
         rows = store.query("SELECT trace_id FROM blockers")
         assert store.query("SELECT count(*) AS n FROM requests")[0]["n"] == 1
     assert [r["trace_id"] for r in rows] == [TRACE + A]
-
-
-def test_a_group_commit_with_one_bad_payload_stores_the_others(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """server.otlp._commit: a group whose commit fails is committed payload by payload: only
-    the payload that fails on its own is refused (and its changes to pending undone); the
-    others are stored, with the client span one of them parked still waiting."""
-    from contextlib import contextmanager
-    from types import SimpleNamespace
-
-    from perfsleuth.server import otlp as server_otlp
-    from perfsleuth.server.otlp import _commit, _Payload
-
-    store = _store(tmp_path)
-    real = store.insert_tables
-
-    def poisoned(batch: Any, tables: Any) -> None:
-        services = {
-            s for parts in tables.days.values() for s in parts["requests"]["service"].to_pylist()
-        }
-        if "poison" in services:
-            raise ValueError("a value the store refuses")
-        real(batch, tables)
-
-    monkeypatch.setattr(store, "insert_tables", poisoned)
-
-    @contextmanager
-    def use() -> Any:
-        yield store
-
-    state = SimpleNamespace(backend=SimpleNamespace(use=use))
-    pending = Pending()
-    waiting = {**_span(B, "9" * 16, 3, 5, 10, SQL), "traceId": "9" * 32}  # its server: later
-    with server_otlp._pending_lock:
-        group = [
-            _Payload(to_batch(_msg("shop", SERVER_A, waiting), pending=pending), "shop"),
-            _Payload(to_batch(_msg("poison", SERVER_D), pending=pending), "bad"),
-        ]
-    _commit(state, pending, group)
-    assert group[0].error is None
-    assert isinstance(group[1].error, ValueError)
-    rows = store.query("SELECT service FROM requests")
-    assert [r["service"] for r in rows] == ["shop"]
-    assert pending.size == 1  # the shop payload's parked client span waits on
-    assert [s.source[0] for s in pending.servers[TRACE]] == ["shop"]  # poison's undone
-    store.close()

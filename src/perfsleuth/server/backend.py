@@ -1,5 +1,5 @@
-"""The server's one store (:class:`Backend`): its lock, the background ingest, the findings
-cache and the SQL console's slots.
+"""The server's one store (:class:`Backend`): its lock, the background ingest, the queue of
+OTLP payloads waiting to be stored, the findings cache and the SQL console's slots.
 
 DuckDB allows one writing process per database, and a connection is not meant for concurrent
 use, so the server holds one store, guarded by a lock: API calls and the background ingest
@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from perfsleuth.server import console
+from perfsleuth.server.otlp_queue import OtlpQueue
 from perfsleuth.store import open_store
 from perfsleuth.store.base import Store
 
@@ -71,9 +72,17 @@ class Backend:
         # next chunk or ingest round that holds the lock writes them).
         self.received: list[dict[str, Any]] = []
         self.received_lock = threading.Lock()
+        # OTLP payloads acknowledged and not stored yet (None: this server does not write)
+        self.otlp: OtlpQueue | None = None
+        if ingest_every > 0 and hasattr(self.store, "insert_tables"):
+            self.otlp = OtlpQueue(self, os.path.join(self.data_dir, "otlp"))
 
     @contextmanager
-    def use(self) -> Iterator[Store]:
+    def use(self, *, fresh: bool = True) -> Iterator[Store]:
+        """The store, under the lock. ``fresh``: after the OTLP payloads acknowledged before
+        this call are stored (what an exporter was told is kept, a read sees)."""
+        if fresh and self.otlp is not None:
+            self.otlp.wait()
         with self.lock:
             yield self.store
 
@@ -120,6 +129,8 @@ class Backend:
                 log.warning("could not record received segments: %s", e)
 
     def start(self) -> None:
+        if self.otlp is not None:
+            self.otlp.start()  # payloads a previous run acknowledged are stored first
         if self.ingest_every <= 0 or self._thread is not None:
             return
 
@@ -136,6 +147,8 @@ class Backend:
 
     def close(self) -> None:
         self._stop.set()
+        if self.otlp is not None:
+            self.otlp.close()
         if self._thread is not None:
             self._thread.join(timeout=30)
         with self.lock:

@@ -178,15 +178,29 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
     with its calls, fingerprints, locations, stacks, links and loop blocks, as the store's
     Arrow tables (``Mapped.tables``), built column by column; ``Mapped.batch`` holds the
     segments standing for the payload's sources. Its changes to ``pending`` stand once the
-    tables are committed (:func:`insert`); :func:`rollback` undoes them otherwise. Callers
-    map one payload at a time (the server under its one lock): ``pending`` and the attribute
-    caches (view.AttributeCache, payload's JSON attributes) are not thread-safe."""
+    tables are committed (:func:`insert`); :func:`rollback` undoes them otherwise.
+    :func:`read_spans` then :func:`map_spans` (the server reads a payload when it comes, to
+    refuse a bad one, and maps it when it stores it)."""
+    return map_spans(read_spans(msg, keys), keys, pending)
+
+
+def read_spans(msg: Any, keys: Keys = Keys()) -> list[Span]:
+    """Every span of the payload with what the mapping reads (:func:`spans.read`); OtlpError
+    (400) for a span that is not OTLP. One caller at a time: the attribute caches
+    (view.AttributeCache, payload's JSON attributes) are not thread-safe."""
+    with _collector_paused():
+        return read(msg, keys)
+
+
+def map_spans(spans: list[Span], keys: Keys = Keys(), pending: Pending | None = None) -> Mapped:
+    """The rows of a payload's spans (:func:`read_spans`), joined with ``pending``'s: see
+    :func:`to_batch`. Payloads are mapped one at a time, in the order they came: ``pending``
+    is not thread-safe. ``spans`` is extended with those of ``pending`` it takes."""
     pending = pending if pending is not None else Pending()
     with _collector_paused():
-        spans = read(msg, keys)
         out = Mapped(records.Batch(), spans=len(spans))
         try:
-            return _map(spans, keys, pending, out)
+            return _map(list(spans), keys, pending, out)
         except BaseException:
             rollback(out, pending)
             raise
