@@ -101,7 +101,9 @@ def _rollup_span(
 def _bounds(store: Store, w: Window, table: str = "requests") -> tuple[datetime, datetime, int]:
     """The charts' time axis: the window, but starting at its first request (a service that
     started ten minutes ago gets ten minutes of fine buckets, not one point in an hour);
-    ``table``: requests, or rollup_stats when rollups answer."""
+    ``table``: requests, or rollup_stats when rollups answer. The first request is looked
+    for from the minute the window starts in, to the minute: rollups know which minutes had
+    requests, not when in them, and the axis is the same whichever answers."""
     first = last = None
     if w.since is None:
         first, last = data_span(store, table)
@@ -109,9 +111,9 @@ def _bounds(store: Store, w: Window, table: str = "requests") -> tuple[datetime,
             last = last + timedelta(seconds=1)
     start, end = w.bounds(first, last)
     if w.start is not None:
-        a = data_span(store, table, "ts >= ?", [w.start])[0]
-        if a is not None and a > start:
-            start = a
+        a = data_span(store, table, "ts >= ?", [_floor(w.start, 60)])[0]
+        if a is not None and _floor(a, 60) > start:
+            start = _floor(a, 60)
     return start, end, step_seconds(start, end)
 
 
