@@ -675,8 +675,9 @@ def test_the_forwarders_counters_are_in_the_one_list_agent_and_store_read() -> N
     assert kept <= set(AGENT)
 
 
-def _otlp_payload(n: int) -> bytes:
-    """OTLP JSON: ``n`` SERVER spans of service node-api on host n1, process 321, now."""
+def _otlp_payload(n: int, first: int = 0) -> bytes:
+    """OTLP JSON: ``n`` SERVER spans of service node-api on host n1, process 321, now (trace
+    ids from ``first`` + 1 on)."""
     t0 = time.time_ns() - 60 * 10**9
 
     def kv(key: str, value: Any) -> dict[str, Any]:
@@ -699,7 +700,7 @@ def _otlp_payload(n: int) -> bytes:
                 kv("http.response.status_code", 200),
             ],
         }
-        for i in range(n)
+        for i in range(first, first + n)
     ]
     resource = [kv("service.name", "node-api"), kv("host.name", "n1"), kv("process.pid", 321)]
     body = {
@@ -847,3 +848,29 @@ def test_a_segment_received_while_the_store_is_busy_is_recorded_by_the_next_inge
         with be.use() as store:
             rows = store.query("SELECT segment, token, host FROM segments_received")
     assert rows == [{"segment": f"h9~{base}", "token": "team_a", "host": "testbox"}]
+
+
+def test_otlp_payloads_acknowledged_before_a_kill_are_stored_once(fleet: Fleet) -> None:
+    """An exporter posts payloads as fast as it is answered; the server is killed with -9
+    right after an answer, while acknowledged payloads still wait in its queue
+    (DATA/otlp/). Restarted, it stores them; the exporter sends again what was not answered,
+    and one answered payload twice (a lost reply): every request is stored exactly once,
+    with the token that sent it."""
+    per, payloads = 300, 12
+    fleet.start_server()
+    for k in range(payloads):
+        status, body = fleet.call("POST", "/v1/traces", OTLP_TOKEN, _otlp_payload(per, k * per))
+        assert status == 200, body
+    fleet.kill_server()
+    queued = [p for p in (fleet.data / "otlp").iterdir() if p.suffix == ".otlp"]
+    assert queued, "the kill came after the queue was stored: nothing left to recover"
+    fleet.start_server()
+    status, body = fleet.call("POST", "/v1/traces", OTLP_TOKEN, _otlp_payload(per, 0))
+    assert status == 200, body
+    rows = fleet.sql(
+        "SELECT count(*), count(DISTINCT trace_id), min(service), max(service) FROM requests"
+    )
+    assert rows == [[per * payloads, per * payloads, "node-api", "node-api"]]
+    assert not [p for p in (fleet.data / "otlp").iterdir() if p.suffix == ".otlp"]
+    tokens = fleet.sql("SELECT DISTINCT token FROM segments_received")
+    assert tokens == [["team_otlp"]]

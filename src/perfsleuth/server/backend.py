@@ -164,6 +164,8 @@ class Backend:
         or too long."""
         if not self.console_slots.acquire(blocking=False):
             raise Busy(f"{CONSOLE_SLOTS} SQL console queries are running: try again when one ends")
+        if self.otlp is not None:
+            self.otlp.wait()  # as use(): the OTLP payloads acknowledged before are stored
         try:
             if getattr(self.store, "engine", "duckdb") != "duckdb":
                 with self.lock:
