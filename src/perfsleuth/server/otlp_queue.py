@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from perfsleuth.server.fleet import OtlpOrigins
@@ -90,10 +90,6 @@ class Payload:
     entry: Entry
     mapped: Mapped
     error: BaseException | None = None
-    token: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.token = self.entry.token
 
 
 def write_payload(
@@ -322,7 +318,7 @@ class OtlpQueue:
                         except Exception as alone:
                             p.error = disk_full(self.dir, alone) or alone
                 for p in stored:
-                    self.origins.record(store, p.mapped.tables, p.token)  # which token sent what
+                    self.origins.record(store, p.mapped.tables, p.entry.token)  # who sent what
         finally:
             kept = {id(p) for p in stored}
             with self.pending_lock:
