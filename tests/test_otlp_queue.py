@@ -266,15 +266,17 @@ def test_past_its_bound_the_queue_refuses_payloads_to_send_again(
 
 
 def test_a_server_that_does_not_write_refuses_payloads_to_send_again(tmp_path: Path) -> None:
-    """A store opened read-only (no ingest): 503, nothing kept, no queue on its disk."""
+    """A store opened read-only (no ingest): spans get a 503 (nothing kept, no queue on its
+    disk); a payload that is not OTLP still gets its 400, and one without spans a 200."""
     data = tmp_path / "data"
     Backend(str(data), ingest_every=3600).close()
     app = create_app(str(data), ingest_every=0)
+    ctype = {"Content-Type": JSON}
     with TestClient(app) as client:
-        got = client.post(
-            "/v1/traces", content=_body("shop", _request(1)), headers={"Content-Type": JSON}
-        )
+        got = client.post("/v1/traces", content=_body("shop", _request(1)), headers=ctype)
         assert got.status_code == 503, got.text
         assert "does not write" in got.json()["error"]
+        assert client.post("/v1/traces", content=b"{", headers=ctype).status_code == 400
+        assert client.post("/v1/traces", content=b"{}", headers=ctype).status_code == 200
     assert app.state.backend.otlp is None
     assert not (data / "otlp").exists() or not os.listdir(data / "otlp")

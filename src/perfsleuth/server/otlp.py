@@ -5,9 +5,9 @@ payloads to a transaction.
 An :class:`fastapi.APIRouter` that :func:`perfsleuth.server.app.create_app` includes; the queue
 is the app's backend's (``app.state.backend.otlp``). Refusals follow OTLP/HTTP: 400 with a
 reason for a payload that is not OTLP (clients do not retry it), 413 over the size cap, 415 for
-another content type or encoding, 503 when this server does not write a store, and 503 with
-``Retry-After`` when the disk holding the queue is full or too many payloads wait (exporters
-send a 503 again, a 500 they drop).
+another content type or encoding, 503 for spans a server that does not write its store cannot
+keep (an empty payload: 200), and 503 with ``Retry-After`` when the disk holding the queue is
+full or too many payloads wait (exporters send a 503 again, a 500 they drop).
 User and tenant come from the attribute keys in ``PERFSLEUTH_OTLP_USER_KEYS`` and
 ``PERFSLEUTH_OTLP_TENANT_KEYS`` (comma-separated, first present wins).
 """
@@ -15,18 +15,31 @@ User and tenant come from the attribute keys in ``PERFSLEUTH_OTLP_USER_KEYS`` an
 from __future__ import annotations
 
 import logging
+import threading
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from perfsleuth.server.body import TooLarge, read_body
-from perfsleuth.server.otlp_queue import RETRY_AFTER_S, QueueFull
+from perfsleuth.server.otlp_queue import RETRY_AFTER_S, QueueFull, keys_from_env
 from perfsleuth.store.base import StoreFull
-from perfsleuth.store.otlp.payload import MAX_BODY, OtlpError, response
+from perfsleuth.store.otlp.batch import read_spans
+from perfsleuth.store.otlp.payload import MAX_BODY, OtlpError, decode, response
 
 log = logging.getLogger("perfsleuth.server")
 router = APIRouter()
+
+
+_read_lock = threading.Lock()  # read_spans' caches: one reader at a time
+
+
+def _has_spans(body: bytes, ctype: str | None, encoding: str | None) -> bool:
+    """Whether a payload holds spans (OtlpError when it is not OTLP): a server that does not
+    write answers an empty payload as stored, as there is nothing to keep."""
+    msg = decode(body, ctype, encoding)
+    with _read_lock:
+        return bool(read_spans(msg, keys_from_env()))
 
 
 def _refuse(status: int, reason: str, retry_after: int | None = None) -> JSONResponse:
@@ -48,11 +61,12 @@ async def traces(request: Request) -> Response:
     token = str(getattr(request.state, "token_name", "") or "")
 
     queue = request.app.state.backend.otlp
-    if queue is None:
-        return _refuse(503, "this server does not write its store (started without ingest)")
 
     def work() -> Response:
-        queue.accept(body, ctype, encoding, token)
+        if queue is not None:
+            queue.accept(body, ctype, encoding, token)
+        elif _has_spans(body, ctype, encoding):  # (a bad payload is refused 400 first)
+            raise OtlpError(503, "this server does not write its store (started without ingest)")
         data, out_type = response(ctype)
         return Response(data, media_type=out_type)
 
