@@ -436,8 +436,14 @@ def setup_perfsleuth(
         from perfsleuth.agent import shipper
         from perfsleuth.store.duckdb_store import DuckDBStore
 
+        # events the evidence thread emits once the agent is off are dropped by design (and
+        # counted): the events dropped while it ran are those counted before the shutdown
+        events = ps.stats().get("dropped_events", 0)
         shipper.shutdown()  # what atexit would do: write and close the last segment
         drops = {k: v for k, v in ps.stats().items() if k.startswith("dropped") and v}
+        drops.pop("dropped_events", None)
+        if events:
+            drops["dropped_events"] = events
         with DuckDBStore(data) as store:
             rep = store.ingest()
             # the app's queries (a PostgreSQL stack's first request also sets its connection up)
