@@ -852,10 +852,10 @@ def test_a_segment_received_while_the_store_is_busy_is_recorded_by_the_next_inge
 
 def test_otlp_payloads_acknowledged_before_a_kill_are_stored_once(fleet: Fleet) -> None:
     """An exporter posts payloads as fast as it is answered; the server is killed with -9
-    right after an answer, while acknowledged payloads still wait in its queue
-    (DATA/otlp/). Restarted, it stores them; the exporter sends again what was not answered,
-    and one answered payload twice (a lost reply): every request is stored exactly once,
-    with the token that sent it."""
+    right after the last answer, while acknowledged payloads still wait in its queue
+    (DATA/otlp/). Restarted, it stores them, and an answered payload sent again (as after a
+    lost reply) adds nothing: every request is stored exactly once, with the token that sent
+    it."""
     per, payloads = 300, 12
     fleet.start_server()
     for k in range(payloads):
