@@ -258,11 +258,12 @@ def test_past_its_bound_the_queue_refuses_payloads_to_send_again(
             be.otlp.accept(_body("shop", _request(3)), JSON, None, "")
         release.set()
         assert _count(be, "SELECT count(*) AS n FROM requests")[0]["n"] == 1
-        assert (
-            client.post("/v1/traces", content=_body("shop", _request(2)), headers=ctype).status_code
-            == 200
-        )
+        again = client.post("/v1/traces", content=_body("shop", _request(2)), headers=ctype)
+        assert again.status_code == 200
         assert _count(be, "SELECT count(*) AS n FROM requests")[0]["n"] == 2
+        st = client.get("/api/status").json()["otlp"]
+        assert (st["accepted"], st["committed"], st["failed"], st["queued"]) == (2, 2, 0, 0)
+        assert st["stalled"] is None
 
 
 def test_a_server_that_does_not_write_refuses_payloads_to_send_again(tmp_path: Path) -> None:
@@ -278,5 +279,6 @@ def test_a_server_that_does_not_write_refuses_payloads_to_send_again(tmp_path: P
         assert "does not write" in got.json()["error"]
         assert client.post("/v1/traces", content=b"{", headers=ctype).status_code == 400
         assert client.post("/v1/traces", content=b"{}", headers=ctype).status_code == 200
+        assert client.get("/api/status").json()["otlp"] is None
     assert app.state.backend.otlp is None
     assert not (data / "otlp").exists() or not os.listdir(data / "otlp")

@@ -303,6 +303,23 @@ export interface Moved {
   change: number | null;
 }
 
+/** OTLP payloads this server acknowledged, and what became of them since it started. */
+export interface OtlpQueueState {
+  /** Payloads acknowledged (written to DATA/otlp/). */
+  accepted: number;
+  /** Payloads stored. */
+  committed: number;
+  /** Payloads the store refused, set aside in DATA/otlp/failed/. */
+  failed: number;
+  /** Transactions the payloads were stored in. */
+  commits: number;
+  /** Payloads acknowledged and waiting to be stored. */
+  queued: number;
+  queued_bytes: number;
+  /** Why the queue waits (a full disk), or null. */
+  stalled: string | null;
+}
+
 export interface Overview {
   window: TimeWindow;
   source: Answered;
@@ -434,6 +451,8 @@ export interface Status {
   ingest_every_s: number;
   /** The agents' counters summed (requests_recorded, dropped_* by reason, ...) and last_error. */
   drops: Record<string, number | string | null>;
+  /** The OTLP queue (null: this server does not write its store). */
+  otlp: OtlpQueueState | null;
 }
 
 export interface Throughput {

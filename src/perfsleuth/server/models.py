@@ -100,6 +100,18 @@ class IngestState(Model):
     error: str | None
 
 
+class OtlpQueueState(Model):
+    """OTLP payloads this server acknowledged, and what became of them since it started."""
+
+    accepted: int = Field(description="Payloads acknowledged (written to DATA/otlp/).")
+    committed: int = Field(description="Payloads stored.")
+    failed: int = Field(description="Payloads the store refused, set aside in DATA/otlp/failed/.")
+    commits: int = Field(description="Transactions the payloads were stored in.")
+    queued: int = Field(description="Payloads acknowledged and waiting to be stored.")
+    queued_bytes: int
+    stalled: str | None = Field(description="Why the queue waits (a full disk), or null.")
+
+
 class Status(Model):
     data: str
     first: str | None
@@ -110,6 +122,9 @@ class Status(Model):
     drops: dict[str, int | float | str | None] = Field(
         description="The agents' counters summed (requests_recorded, dropped_* by reason, ...)"
         " and last_error."
+    )
+    otlp: OtlpQueueState | None = Field(
+        description="The OTLP queue (null: this server does not write its store)."
     )
 
 

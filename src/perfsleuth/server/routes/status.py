@@ -1,5 +1,5 @@
-"""``GET /api/status``: the data directory, the time span of its requests, the last ingest and
-the agents' drop counters."""
+"""``GET /api/status``: the data directory, the time span of its requests, the last ingest, the
+agents' drop counters and the OTLP queue's."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def status(be: BackendDep) -> Response:
             "ingest": be.last_ingest,
             "ingest_every_s": be.ingest_every,
             "drops": store.agent_drops(),
+            "otlp": be.otlp.status() if be.otlp is not None else None,
         }
 
     return answer(be, body)
