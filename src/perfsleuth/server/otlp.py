@@ -15,7 +15,6 @@ User and tenant come from the attribute keys in ``PERFSLEUTH_OTLP_USER_KEYS`` an
 from __future__ import annotations
 
 import logging
-import threading
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,15 +30,10 @@ log = logging.getLogger("perfsleuth.server")
 router = APIRouter()
 
 
-_read_lock = threading.Lock()  # read_spans' caches: one reader at a time
-
-
 def _has_spans(body: bytes, ctype: str | None, encoding: str | None) -> bool:
     """Whether a payload holds spans (OtlpError when it is not OTLP): a server that does not
     write answers an empty payload as stored, as there is nothing to keep."""
-    msg = decode(body, ctype, encoding)
-    with _read_lock:
-        return bool(read_spans(msg, keys_from_env()))
+    return bool(read_spans(decode(body, ctype, encoding), keys_from_env()))
 
 
 def _refuse(status: int, reason: str, retry_after: int | None = None) -> JSONResponse:

@@ -77,8 +77,6 @@ class Entry:
     seq: int
     path: str
     size: int
-    ctype: str | None
-    encoding: str | None
     token: str
     spans: list[Span] | None = None
 
@@ -138,7 +136,6 @@ class OtlpQueue:
         self.keys = keys or keys_from_env()
         self.pending = Pending()
         self.pending_lock = threading.Lock()
-        self.read_lock = threading.Lock()  # read_spans' caches: one reader at a time
         self.origins = OtlpOrigins()
         self.stats = {"accepted": 0, "committed": 0, "failed": 0, "commits": 0}
         self.stalled: str | None = None  # why the last commit kept its payloads queued
@@ -176,7 +173,7 @@ class OtlpQueue:
             if full is not None:
                 raise full from e
             raise
-        entry = Entry(seq, path, len(body), ctype, encoding, token, spans)
+        entry = Entry(seq, path, len(body), token, spans)
         with self._cond:
             # in seq order: a payload written later than a concurrent one may queue first
             at = len(self._queue)
@@ -331,9 +328,7 @@ class OtlpQueue:
     # ------------------------------------------------------------------ files
 
     def _spans(self, body: bytes, ctype: str | None, encoding: str | None) -> list[Span]:
-        msg = decode(body, ctype, encoding)
-        with self.read_lock:
-            return read_spans(msg, self.keys)
+        return read_spans(decode(body, ctype, encoding), self.keys)
 
     def _read(self, e: Entry) -> list[Span]:
         head, body = read_payload(e.path)
@@ -377,12 +372,9 @@ class OtlpQueue:
                 head, _ = read_payload(path)
                 size = os.path.getsize(path)
             except (OSError, ValueError) as e:
-                self._fail(Entry(seq, path, 0, None, None, ""), e)
+                self._fail(Entry(seq, path, 0, ""), e)
                 continue
-            entry = Entry(
-                seq, path, size, head.get("ctype"), head.get("encoding"),
-                str(head.get("token") or ""),
-            )  # fmt: skip
+            entry = Entry(seq, path, size, str(head.get("token") or ""))
             self._queue.append(entry)
             self._bytes += size
             self._seq = max(self._seq, seq)

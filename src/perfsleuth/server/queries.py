@@ -112,8 +112,8 @@ def _bounds(store: Store, w: Window, table: str = "requests") -> tuple[datetime,
     start, end = w.bounds(first, last)
     if w.start is not None:
         a = data_span(store, table, "ts >= ?", [_floor(w.start, 60)])[0]
-        if a is not None and _floor(a, 60) > start:
-            start = _floor(a, 60)
+        if a is not None:
+            start = max(start, _floor(a, 60))
     return start, end, step_seconds(start, end)
 
 

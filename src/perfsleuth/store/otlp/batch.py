@@ -184,18 +184,22 @@ def to_batch(msg: Any, keys: Keys = Keys(), pending: Pending | None = None) -> M
     return map_spans(read_spans(msg, keys), keys, pending)
 
 
+# spans.read's attribute caches (view.AttributeCache) are module-wide and not thread-safe:
+# one reader at a time, whichever server, queue or caller reads.
+_read_lock = threading.Lock()
+
+
 def read_spans(msg: Any, keys: Keys = Keys()) -> list[Span]:
     """Every span of the payload with what the mapping reads (:func:`spans.read`); OtlpError
-    (400) for a span that is not OTLP. One caller at a time: the attribute caches
-    (view.AttributeCache, payload's JSON attributes) are not thread-safe."""
-    with _collector_paused():
+    (400) for a span that is not OTLP. Thread-safe (one reader at a time)."""
+    with _read_lock, _collector_paused():
         return read(msg, keys)
 
 
 def map_spans(spans: list[Span], keys: Keys = Keys(), pending: Pending | None = None) -> Mapped:
     """The rows of a payload's spans (:func:`read_spans`), joined with ``pending``'s: see
     :func:`to_batch`. Payloads are mapped one at a time, in the order they came: ``pending``
-    is not thread-safe. ``spans`` is extended with those of ``pending`` it takes."""
+    is not thread-safe. ``spans`` is left as it is (a payload tried again maps it again)."""
     pending = pending if pending is not None else Pending()
     with _collector_paused():
         out = Mapped(records.Batch(), spans=len(spans))
