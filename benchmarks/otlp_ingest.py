@@ -14,10 +14,11 @@ distinct value into each instead (every statement is normalised anew). Timed thr
 payload a transaction in one thread (decode, map, insert: a payload's cost on its own); the
 server's queue (server.otlp_queue) in process, every payload accepted as ``POST /v1/traces``
 does while the queue's thread stores them many to a transaction (what one server process does);
-and over HTTP to the server app under uvicorn (``--clients`` exporters, each posting its share
-of the payloads in turn), until every payload is stored.
-Rates are given per wall second and per CPU second of the process (the rate this process would
-reach with a core to itself, when the machine is shared).
+and over HTTP to a ``perfsleuth server`` child process (``--clients`` exporters in this
+process, each posting its share of the payloads in turn), until every payload is stored.
+Rates are given per wall second and per CPU second (of this process in process; of the server
+process over HTTP, every thread: the rate it would reach with a core to itself, when the
+machine is shared).
 Target (issue 19): 100,000 spans/s per server process.
 """
 
@@ -25,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import os
 import random
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -137,8 +140,6 @@ def payload(
 
 def json_body(pb: bytes) -> bytes:
     """The OTLP JSON of a protobuf payload (ids in hex, as OTLP JSON spells them)."""
-    import json
-
     from google.protobuf import json_format
 
     obj = json_format.MessageToDict(ExportTraceServiceRequest.FromString(pb))
@@ -153,7 +154,7 @@ def json_body(pb: bytes) -> bytes:
 
 def serve(data_dir: str) -> tuple[str, Any, threading.Thread, Any]:
     """(the /v1/traces URL, uvicorn server, its thread, its backend) of the server app on a
-    free port."""
+    free port, in this process (the fuzzing run)."""
     import uvicorn
 
     from perfsleuth.server.app import create_app
@@ -168,6 +169,84 @@ def serve(data_dir: str) -> tuple[str, Any, threading.Thread, Any]:
     while not server.started:
         time.sleep(0.01)
     return f"http://127.0.0.1:{port}/v1/traces", server, thread, app.state.backend
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, every thread (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _status(base: str) -> dict[str, Any]:
+    with urllib.request.urlopen(base + "/api/status", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def server_run(bodies: list[bytes], ctype: str, clients: int, total: int) -> None:
+    """POST the payloads to a ``perfsleuth server`` child process (``clients`` exporters, each
+    posting its share in turn) and wait until its queue has stored them all; print spans per
+    second of wall time and per CPU second of the server process (from /proc: every thread,
+    HTTP, queue and DuckDB)."""
+    with tempfile.TemporaryDirectory() as data_dir:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "perfsleuth.cli.entry", "server", "--data", data_dir,
+             "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    _status(base)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or server.poll() is not None:
+                        sys.exit("the server did not start")
+                    time.sleep(0.2)
+            failed: list[int] = []
+
+            def post(mine: list[bytes]) -> None:
+                for body in mine:
+                    req = urllib.request.Request(
+                        base + "/v1/traces", body, {"Content-Type": ctype}, method="POST"
+                    )
+                    with urllib.request.urlopen(req, timeout=120) as r:
+                        if r.status != 200:
+                            failed.append(r.status)
+
+            threads = [
+                threading.Thread(target=post, args=(bodies[i::clients],)) for i in range(clients)
+            ]
+            cpu, wall = _cpu_seconds(server.pid), time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            while True:  # until what was acknowledged is stored (a status waits for it)
+                st = _status(base)["otlp"]
+                if st["committed"] + st["failed"] >= len(bodies) or server.poll() is not None:
+                    break
+                time.sleep(0.02)
+            wall, cpu = time.perf_counter() - wall, _cpu_seconds(server.pid) - cpu
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    if failed or st["committed"] != len(bodies):
+        sys.exit(f"POST answered {failed[:1]}; {st['committed']} of {len(bodies)} stored")
+    rate = total / wall
+    print(
+        f"server process over HTTP ({clients} client{'s' * (clients > 1)}): {rate:,.0f} spans/s "
+        f"({rate / TARGET:.0%} of the {TARGET:,} target), {total / cpu:,.0f} spans per CPU "
+        f"second of the server ({total / cpu / TARGET:.0%}), until every payload is stored; "
+        f"{st['commits']} transactions"
+    )
 
 
 def fuzz(n: int) -> None:
@@ -305,37 +384,7 @@ def main() -> None:
         if st["committed"] != len(bodies) or st["failed"]:
             sys.exit(f"the queue stored {st['committed']} of {len(bodies)} payloads")
 
-        url, server, thread, backend = serve(os.path.join(tmp, "http"))
-        failed: list[int] = []
-
-        def post(mine: list[bytes]) -> None:
-            for body in mine:
-                req = urllib.request.Request(url, body, {"Content-Type": ctype}, method="POST")
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    if r.status != 200:
-                        failed.append(r.status)
-
-        clients = [
-            threading.Thread(target=post, args=(bodies[i :: args.clients],))
-            for i in range(args.clients)
-        ]
-        a, cpu = time.perf_counter(), time.process_time()
-        for client in clients:
-            client.start()
-        for client in clients:
-            client.join()
-        backend.otlp.wait(600)  # until what was acknowledged is stored
-        spent, cpu = time.perf_counter() - a, time.process_time() - cpu
-        server.should_exit = True
-        thread.join()
-        if failed:
-            sys.exit(f"POST answered {failed[0]}")
-        rate = total / spent
-        print(
-            f"over HTTP ({args.clients} client{'s' * (args.clients > 1)}): {rate:,.0f} spans/s "
-            f"({rate / TARGET:.0%} of the {TARGET:,} target), {total / cpu:,.0f} spans per CPU "
-            "second of server and clients, until every payload is stored"
-        )
+    server_run(bodies, ctype, args.clients, total)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ children take turns, slice by slice, so drift of a shared machine hits both alik
 distinct   An in-process WSGI app (Flask, requests called straight into its WSGI callable)
            running 20 distinct sqlite3 statements per request, ~1.5 KB each with literals
            inline, a sqlcommenter comment and an IN list of varying length, as fast as it
-           can. Throughput >= 90 % of bare's; added peak RSS <= 40 MB.
+           can. Throughput >= 90 % of bare's; added peak RSS <= 40 MB. Also printed, with
+           no target: a control, the bare app with one thread that only waits, against bare
+           (what a second thread alone costs this app: glibc's malloc and mutexes leave their
+           single-thread fast paths for good once a process has had one).
 stall      The same app with repeating and with distinct statements while the agent's writer
            is stalled (its lock held) for 60 s (--quick: 8 s), then released. Added RSS during
            and after <= the memory budget + 10 %; recorded = written + dropped, exactly.
@@ -143,6 +146,10 @@ class Child:
             import perfsleuth.agent as ps
 
             assert ps.start(opts["data"], service="pressure", **opts.get("cfg", {}))
+        if opts.get("idle_thread"):  # the control: a bare app with a thread that only waits
+            import threading
+
+            threading.Thread(target=threading.Event().wait, daemon=True).start()
         self.app = make_app(opts["per"], opts["distinct"])
         self.n = 0
         self.base_rss = rss()[0]
@@ -279,11 +286,13 @@ def run_child(opts: dict[str, Any]) -> None:
 
 class Proc:
     def __init__(self, opts: dict[str, Any]) -> None:
+        self.opts = opts
+        name = opts["mode"] + ("-idle-thread" if opts.get("idle_thread") else "")
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--child", json.dumps(opts)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=open(os.path.join(opts["tmp"], f"{opts['mode']}-{os.getpid()}.err"), "w"),  # noqa: SIM115
+            stderr=open(os.path.join(opts["tmp"], f"{name}-{os.getpid()}.err"), "w"),  # noqa: SIM115
             text=True,
             cwd=ROOT,
         )
@@ -400,6 +409,7 @@ def dropped(stats: dict[str, Any]) -> int:
 def scenario_distinct(tmp: str, quick: bool) -> dict[str, Any]:
     print("distinct statements: 20 per request, ~1.5 KB each, in-process Flask", flush=True)
     bare, agent = pair(tmp, 20, True)
+    idle = Proc({**bare.opts, "idle_thread": True})
     try:
         # Slices of ~1.4 s (~1,000 requests) at least: the writer then drains in the background
         # as it does in a server (at 512 queued requests or every 0.2 s; its tokenizer runs
@@ -407,12 +417,25 @@ def scenario_distinct(tmp: str, quick: bool) -> dict[str, Any]:
         # (inside the timing) takes only what came since its last drain. Slices of 300 left most
         # of a slice's drain to that flush, on the app's thread, which no server does.
         r = throughput(bare, agent, 4 if quick else 8, 400 if quick else 1000)
+        # The control: the same bare app with one thread that only waits. Once a process has
+        # had a second thread, glibc's malloc and mutexes (sqlite's) take their locks for real
+        # (their single-thread fast paths are off for good): what any agent with a thread of
+        # its own costs this app, before it does anything.
+        floor = throughput(bare, idle, 4 if quick else 8, 400 if quick else 1000)
     finally:
         bare.close()
+        idle.close()
         last = agent.close()
     added = (r["agent_hwm"] - r["bare_hwm"]) / MB
     say("throughput vs bare", rate_text(r), ">= 90 %", r["ratio"] >= 0.9)
     say_cpu(r)
+    say(
+        "control: bare app + one idle thread, vs bare",
+        rate_text(floor),
+        "-",
+        None,
+    )
+    r["idle_thread_ratio"] = floor["ratio"]
     say("added peak RSS", f"{added:+.1f} MB", "<= 40 MB", added <= 40)
     if last:
         st = last["stats"]

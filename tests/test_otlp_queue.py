@@ -121,6 +121,43 @@ def test_payloads_that_come_during_a_commit_share_the_next_transaction(
     be.close()
 
 
+def test_a_groups_payloads_are_mapped_as_one_and_a_span_sent_again_is_stored_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The payloads queued during a commit are mapped together, as one payload (one set of
+    tables a transaction): a payload an exporter sent twice is stored once, and a call whose
+    SERVER span comes in the next payload joins it."""
+    be = Backend(str(tmp_path / "data"), ingest_every=3600)
+    first_in, release = _held(be, monkeypatch)
+    mapped: list[int] = []
+    real = otlp_queue.map_spans
+
+    def counted(spans: Any, *args: Any, **kwargs: Any) -> Any:
+        mapped.append(len(spans))
+        return real(spans, *args, **kwargs)
+
+    monkeypatch.setattr(otlp_queue, "map_spans", counted)
+    q = be.otlp
+    assert q is not None
+    q.accept(_body("shop", _request(1)), JSON, None, "")
+    assert first_in.wait(30)
+    again = _body("shop", _request(2))
+    q.accept(again, JSON, None, "")
+    q.accept(again, JSON, None, "")  # a retry while the first is still queued
+    q.accept(_body("shop", [_span(3, 2, 1, 3, SQL)]), JSON, None, "")  # its SERVER span: next
+    server = {"http.request.method": "GET", "http.route": "/orders/:id"}
+    q.accept(_body("shop", [_span(3, 1, 0, 2, server)]), JSON, None, "")
+    release.set()
+    rows = _count(be, "SELECT trace_id FROM requests ORDER BY trace_id")
+    assert [r["trace_id"] for r in rows] == [f"{t:032x}{1:016x}" for t in (1, 2, 3)]
+    calls = _count(be, "SELECT trace_id FROM calls ORDER BY trace_id")
+    assert [c["trace_id"] for c in calls] == [f"{t:032x}{1:016x}" for t in (1, 2, 3)]
+    assert mapped == [2, 4]  # the first alone; then 2 + 2 + 1 + 1 spans, the retry's left out
+    assert q.pending.size == 0
+    assert q.status()["committed"] == 5
+    be.close()
+
+
 def test_acknowledged_payloads_are_stored_after_a_restart_and_only_once(tmp_path: Path) -> None:
     """What a server killed with -9 leaves in DATA/otlp: a payload acknowledged and not
     committed, one committed and not yet removed (stored again: left out), a half-written

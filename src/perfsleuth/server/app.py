@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from perfsleuth.server import console
 from perfsleuth.server.backend import Backend
@@ -88,10 +89,7 @@ def create_app(
     app.state.backend = be
     app.state.limits = Limits(sql_time_limit=sql_time_limit, sql_max_bytes=sql_max_bytes)
 
-    @app.middleware("http")
-    async def check_access(request: Request, call_next: Any) -> Any:
-        refused = access.refusal(request)
-        return refused if refused is not None else await call_next(request)
+    app.add_middleware(AccessGate, access=access)
 
     install_error_handlers(app)
     for router in ROUTERS:
@@ -117,6 +115,24 @@ def create_app(
 
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
+
+
+class AccessGate:
+    """Refuses what :class:`Access` refuses, before the app sees the request. A plain ASGI
+    middleware: Starlette's ``@app.middleware("http")`` passes the body through a task group
+    and memory streams, ~0.5 ms of CPU a request (an OTLP payload of 400 KB: more)."""
+
+    def __init__(self, app: ASGIApp, access: Access) -> None:
+        self.app = app
+        self.access = access
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refused = self.access.refusal(Request(scope))
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
