@@ -872,11 +872,12 @@ def test_json_attributes_minus_zero_and_zero_are_told_apart() -> None:
 
 
 def test_the_garbage_collector_is_off_only_while_payloads_are_mapped(monkeypatch: Any) -> None:
-    """Mapping pauses the cyclic collector (batch._collector_paused: seen off from inside
-    the mapping) and turns it on again after, when it fails too, and only once the last of
+    """Mapping pauses the cyclic collector (store.gc_pause: seen off from inside the
+    mapping) and turns it on again after, when it fails too, and only once the last of
     overlapping pauses is done."""
     import gc
 
+    from perfsleuth.store import gc_pause
     from perfsleuth.store.otlp import batch
     from perfsleuth.store.otlp.payload import OtlpError, decode
     from perfsleuth.store.otlp.view import messages
@@ -903,14 +904,14 @@ def test_the_garbage_collector_is_off_only_while_payloads_are_mapped(monkeypatch
     seen: list[bool] = []
 
     def a() -> None:
-        with batch._collector_paused():
+        with gc_pause.paused():
             a_in.set()
             b_in.wait(10)
         a_out.set()
 
     def b() -> None:
         a_in.wait(10)
-        with batch._collector_paused():
+        with gc_pause.paused():
             b_in.set()
             a_out.wait(10)
             seen.append(gc.isenabled())  # A is out, B still in
@@ -922,6 +923,8 @@ def test_the_garbage_collector_is_off_only_while_payloads_are_mapped(monkeypatch
         t.join(10)
     assert seen == [False]
     assert gc.isenabled()
+    gc_pause.thaw()
+    assert gc.get_freeze_count() == 0
 
 
 def test_fuzzed_payloads_never_fail_the_server(server: Server) -> None:

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from perfsleuth.server.body import TooLarge, read_body
 from perfsleuth.server.otlp_queue import RETRY_AFTER_S, QueueFull, keys_from_env
+from perfsleuth.store import gc_pause
 from perfsleuth.store.base import StoreFull
 from perfsleuth.store.otlp.batch import read_spans
 from perfsleuth.store.otlp.payload import MAX_BODY, OtlpError, decode, response
@@ -33,7 +34,10 @@ router = APIRouter()
 def _has_spans(body: bytes, ctype: str | None, encoding: str | None) -> bool:
     """Whether a payload holds spans (OtlpError when it is not OTLP): a server that does not
     write answers an empty payload as stored, as there is nothing to keep."""
-    return bool(read_spans(decode(body, ctype, encoding), keys_from_env()))
+    try:
+        return bool(read_spans(decode(body, ctype, encoding), keys_from_env()))
+    finally:
+        gc_pause.thaw()  # its spans are not kept
 
 
 def _refuse(status: int, reason: str, retry_after: int | None = None) -> JSONResponse:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from perfsleuth.server.fleet import OtlpOrigins
+from perfsleuth.store import gc_pause
 from perfsleuth.store.base import StoreFull, disk_full
 from perfsleuth.store.otlp.batch import Mapped, insert_many, map_spans, read_spans, rollback
 from perfsleuth.store.otlp.payload import OtlpError, decode
@@ -271,6 +272,7 @@ class OtlpQueue:
             kept |= run_kept
             done.extend(run_done)
         self.stats["commits"] += 1
+        gc_pause.thaw()  # what reading and mapping the group made is gone
         with self._cond:
             gone = {id(e) for e in done}
             self._queue = [e for e in self._queue if id(e) not in gone]

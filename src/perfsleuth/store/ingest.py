@@ -20,7 +20,6 @@ Everything here is engine-neutral: an engine implements :class:`IngestTarget`.
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -29,7 +28,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import pyarrow as pa
 
-from perfsleuth.store import spool
+from perfsleuth.store import gc_pause, spool
 from perfsleuth.store.base import IngestReport, Progress
 from perfsleuth.store.records import Batch, SegmentState, remember_internal_fingerprints
 from perfsleuth.store.tables import Tables, build_tables
@@ -102,7 +101,7 @@ KNOWN_TRACE_MARGIN_US = 60 * 10**6
 
 def commit_batch(target: IngestTarget, spool_dir: str, batch: Batch, report: IngestReport) -> None:
     """Convert and commit one batch, then retire the segments it finished."""
-    with frozen_when_made():
+    with gc_pause.paused():
         tables = build_tables(batch, time.time_ns())
     target.commit(batch, tables)
     report.requests += tables.requests
@@ -129,7 +128,7 @@ class Group:
 
     def stage(self, batch: Batch) -> None:
         """Convert ``batch`` and add it to the open transaction."""
-        with frozen_when_made():
+        with gc_pause.paused():
             tables = build_tables(batch, time.time_ns())
         self.target.stage(batch, tables)
         self.batches += 1
@@ -162,26 +161,6 @@ def retire(spool_dir: str, base: str, *, damaged: bool, report: IngestReport) ->
     done, quarantined = spool.retire(spool_dir, base, damaged=damaged)
     report.segments_done += done
     report.quarantined.extend(quarantined)
-
-
-@contextmanager
-def frozen_when_made() -> Iterator[None]:
-    """Around a step that makes a batch's objects (the records read and decoded from a
-    segment, the tables built from them: hundreds of thousands of small dicts, lists and
-    tuples, none in a cycle): the cyclic collector off during the step, then what is alive
-    moved out of its sight (``gc.freeze``) until :func:`ingest_spool` ends. Collections
-    walked these objects again and again (ingest of 50k requests x 10 calls: 5 full
-    collections, 0.36-0.38 s of ~2.1 s CPU; frozen: 0.04 s). The collector stays on between
-    steps: a server's HTTP and OTLP threads run beside an ingest (their cyclic garbage from
-    before a freeze waits for the end of the run)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        if was_enabled:
-            gc.enable()
 
 
 # malloc_pool's users in flight (ingest runs of several threads overlap): the first one in
@@ -234,13 +213,11 @@ def ingest_spool(
     holds already, which are not decoded or inserted again; this run adds those it reads. A
     caller that keeps it for its next run keeps it only when this run returns (a run that
     raises may have read records it did not commit)."""
-    frozen_before = gc.get_freeze_count()  # someone else's freeze (a pre-fork one) is kept
     try:
         with malloc_pool():
             return _ingest_spool(target, spool_dir, limits, progress, seen)
     finally:
-        if not frozen_before:
-            gc.unfreeze()
+        gc_pause.thaw()  # its batches are committed (or given up): their objects are gone
 
 
 def _ingest_spool(
@@ -308,7 +285,7 @@ def _ingest_spool(
             seg.host = f.host
         if seg.pid is None:
             seg.pid = f.pid
-        with frozen_when_made():
+        with gc_pause.paused():
             read = spool.read_file(spool_dir, f, start)
         if read is None:
             continue  # vanished (renamed or removed) since the listing: next run
@@ -327,7 +304,7 @@ def _ingest_spool(
             # The records' JSON heads become objects here (most of what a batch allocates):
             # made with the collector off and frozen, as the segment's reading. A full batch
             # is committed outside, with the collector on.
-            with frozen_when_made():
+            with gc_pause.paused():
                 while i < len(raw):
                     rtype, payload, rstart, rend = raw[i]
                     i += 1

@@ -4,11 +4,9 @@ from the other modules of this package."""
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from perfsleuth.store import records, values
+from perfsleuth.store import gc_pause, records, values
 from perfsleuth.store.otlp.blocks import blocker, served_request
 from perfsleuth.store.otlp.calls import MAX_CACHED, Dictionary, call_columns
 from perfsleuth.store.otlp.links import inner_link_rows, link_rows
@@ -192,7 +190,7 @@ _read_lock = threading.Lock()
 def read_spans(msg: Any, keys: Keys = Keys()) -> list[Span]:
     """Every span of the payload with what the mapping reads (:func:`spans.read`); OtlpError
     (400) for a span that is not OTLP. Thread-safe (one reader at a time)."""
-    with _read_lock, _collector_paused():
+    with _read_lock, gc_pause.paused():
         return read(msg, keys)
 
 
@@ -201,39 +199,13 @@ def map_spans(spans: list[Span], keys: Keys = Keys(), pending: Pending | None = 
     :func:`to_batch`. Payloads are mapped one at a time, in the order they came: ``pending``
     is not thread-safe. ``spans`` is left as it is (a payload tried again maps it again)."""
     pending = pending if pending is not None else Pending()
-    with _collector_paused():
+    with gc_pause.paused():
         out = Mapped(records.Batch(), spans=len(spans))
         try:
             return _map(list(spans), keys, pending, out)
         except BaseException:
             rollback(out, pending)
             raise
-
-
-_gc_lock = threading.Lock()
-_gc_users = 0  # pauses in flight (a mapping's, and any other caller's beside it)
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while payloads are mapped (the first one in turns it
-    off, the last one out on): a mapping makes tens of thousands of small objects, none in a
-    cycle and all freed after its commit, and the collections they set off walked them and
-    the server's other objects (paired, 1,100-span payloads: 16.7-19.0 -> 13.5-16.4 ms CPU a
-    mapping). It is turned on again whatever it was before: a spool ingest's step beside
-    (store.ingest.frozen_when_made) may have it off then, and would leave it off for good."""
-    global _gc_users
-    with _gc_lock:
-        if _gc_users == 0:
-            gc.disable()
-        _gc_users += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_users -= 1
-            if _gc_users == 0:
-                gc.enable()
 
 
 def _map(spans: list[Span], keys: Keys, pending: Pending, out: Mapped) -> Mapped:
