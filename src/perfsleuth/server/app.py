@@ -120,7 +120,7 @@ def create_app(
 class AccessGate:
     """Refuses what :class:`Access` refuses, before the app sees the request. A plain ASGI
     middleware: Starlette's ``@app.middleware("http")`` passes the body through a task group
-    and memory streams, ~0.5 ms of CPU a request (an OTLP payload of 400 KB: more)."""
+    and memory streams: ~0.35 ms of CPU a request, an empty OTLP POST 1.02 -> 0.67 ms."""
 
     def __init__(self, app: ASGIApp, access: Access) -> None:
         self.app = app
