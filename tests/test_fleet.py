@@ -663,6 +663,35 @@ def test_a_store_with_the_collectors_old_table_gains_the_started_column(tmp_path
     assert rows[1][1] is None and rows[2][1] is not None
 
 
+def test_received_segments_are_recorded_together_and_an_odd_header_value_fails_none(
+    tmp_path: Path,
+) -> None:
+    """A remote agent's segment header may say anything: a pid or time past the columns'
+    range is recorded as unknown (NULL), and the other rows of the call are recorded; a row
+    held already is left as it is."""
+    from perfsleuth.store.duckdb_store import DuckDBStore
+
+    with DuckDBStore(str(tmp_path / "d")) as store:
+        store.record_received([{"segment": "a~kept", "token": "first", "pid": 1}])
+        store.record_received(
+            [
+                {"segment": "a~kept", "token": "second", "pid": 1},
+                {"segment": "a~odd", "pid": 2**40, "received_ns": 2**70, "started_ns": "x"},
+                {"segment": "a~ok", "pid": 7, "received_ns": 10**18, "started_ns": 10**18},
+            ]
+        )
+        rows = store._con.execute(
+            "SELECT segment, token, pid, received, started FROM segments_received ORDER BY 1"
+        ).fetchall()
+    assert [r[:3] for r in rows] == [
+        ("a~kept", "first", 1),
+        ("a~odd", None, None),
+        ("a~ok", None, 7),
+    ]
+    assert rows[1][3:] == (None, None)
+    assert rows[2][3] == datetime.fromtimestamp(10**9, UTC).replace(tzinfo=None)
+
+
 def test_the_forwarders_counters_are_in_the_one_list_agent_and_store_read() -> None:
     """wire.counters lists every counter the agent keeps about its data, forward's included,
     so that top reports them (0 when no process counted one)."""
