@@ -7,9 +7,9 @@ payload at a time and waits for its answer. So ``POST /v1/traces`` decodes the p
 payload that is not OTLP is refused there, 400), writes it to ``DATA/otlp/`` (written, fsynced,
 renamed) and answers; this thread maps and stores whatever has queued since its last commit,
 up to MAX_GROUP payloads, in one transaction, mapped together as one payload (one set of Arrow
-tables: their fixed cost a payload was a third of its mapping). The payload's spans are read when it comes (a
-span that is not OTLP refuses it, 400) and kept in memory for the next groups' payloads; the
-others are read from their files again when their turn comes.
+tables: their fixed cost a payload was a third of its mapping). The payload's spans are read
+when it comes (a span that is not OTLP refuses it, 400) and kept in memory for the next
+groups' payloads; the others are read from their files again when their turn comes.
 
 - A payload file is removed once its payload is committed. A server stopped or killed before
   that stores it when it starts again; one killed between the commit and the removal stores it
