@@ -880,30 +880,6 @@ def test_the_cyclic_collector_runs_while_a_batch_is_committed(
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
-def test_ingest_writes_with_duckdb_on_one_thread_and_restores_its_threads(
-    data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Inserts and commits run on one DuckDB thread (less CPU in all); reads after keep the
-    threads they had."""
-
-    def threads() -> int:
-        return int(store._con.execute("SELECT current_setting('threads')").fetchall()[0][0])
-
-    store._con.execute("SET threads = 3")
-    write_segments(data_dir, 2, 20)
-    seen: list[int] = []
-    real = store._commit
-
-    def commit() -> None:
-        seen.append(threads())
-        real()
-
-    monkeypatch.setattr(store, "_commit", commit)
-    assert store.ingest().requests == 40
-    assert seen and set(seen) == {1}
-    assert threads() == 3
-
-
 def test_ingest_allocates_arrow_memory_from_malloc_and_restores_the_pool(
     data_dir: str, store: DuckDBStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

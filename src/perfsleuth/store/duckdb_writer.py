@@ -3,8 +3,7 @@ offsets, one transaction per batch) and retention (whole days dropped)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 from typing import Any
@@ -115,15 +114,14 @@ class DuckDBWriter(DuckDBRollups):
         # not too many.
         seen = self._dictionary_seen if self._dictionary_seen is not None else set()
         self._dictionary_seen = None
-        with self._one_thread():
-            try:
-                report = ingest_spool(self, self.spool_dir, limits, progress, seen)
-            finally:
-                if self._group is not None:  # failed between two batches of a group: none
-                    self._abort_group(None)
-            if len(seen) <= DICTIONARY_SEEN_MAX and not report.damaged:
-                self._dictionary_seen = seen  # (damage: a dictionary record may be unconverted)
-            self.compact_committed(final=True)
+        try:
+            report = ingest_spool(self, self.spool_dir, limits, progress, seen)
+        finally:
+            if self._group is not None:  # failed between two batches of a group: none of it
+                self._abort_group(None)
+        if len(seen) <= DICTIONARY_SEEN_MAX and not report.damaged:
+            self._dictionary_seen = seen  # (damage: a dictionary record may be unconverted)
+        self.compact_committed(final=True)
         return report
 
     def insert_tables(self, batch: Batch, tables: Tables) -> None:
@@ -134,23 +132,7 @@ class DuckDBWriter(DuckDBRollups):
         names = self._table_names()
         self._known_days = self._day_tables(names)["requests"]
         self._compact_calls = self._compact_call_days(names)
-        with self._one_thread():
-            self.commit(batch, tables)
-
-    @contextmanager
-    def _one_thread(self) -> Iterator[None]:
-        """DuckDB on one thread while the block writes, as many as before after: its
-        inserts and commits spent ~15 % more CPU in all on two threads (a collector's 100k
-        requests: 2.35-2.45 -> 2.13-2.26 CPU s); the reads (API, findings) keep them all. The
-        setting is the database's: a read beside the block (a SQL console's cursor) runs on
-        one thread meanwhile."""
-        con = self._con
-        before = con.execute("SELECT current_setting('threads')").fetchall()[0][0]
-        con.execute("SET threads = 1")
-        try:
-            yield
-        finally:
-            con.execute(f"SET threads = {int(before)}")
+        self.commit(batch, tables)
 
     def committed_offsets(self) -> dict[str, Offset]:
         rows = self._con.execute(
