@@ -37,8 +37,6 @@ import http.client
 import os
 import random
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,8 +47,10 @@ from perfsleuth.agent.spool.encode import BATCH_MAX
 from perfsleuth.store import open_store
 from perfsleuth.store.duckdb_store import DuckDBStore
 
-# The tests' spool writer (tests/ is not a package: its modules are found through sys.path).
+# The tests' spool writer (tests/ is not a package: its modules are found through sys.path);
+# server_child is this script's neighbour in benchmarks/.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import server_child
 from spoolwrite import SegmentWriter, call
 
 SEGMENT_BYTES = 8_000_000
@@ -64,44 +64,15 @@ def verdict(ok: bool) -> str:
     return "meets the target" if ok else "MISSES the target"
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def collector_run(segments: str, requests: int) -> None:
     """Send the segments in ``segments`` to a fresh ``perfsleuth server`` as an agent's
     forwarder does, wait until it has ingested them all, print its CPU per request."""
     data_dir = tempfile.mkdtemp(prefix="perfsleuth-bench-collector-")
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "perfsleuth.cli.entry", "server", "--data", data_dir,
-         "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    server, port = server_child.start(data_dir)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-                conn.request("GET", "/api/status")
-                conn.getresponse().read()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("collector: the server did not start") from None
-                time.sleep(0.2)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         names = sorted(os.listdir(segments))
-        cpu0, t0 = _cpu_seconds(server.pid), time.perf_counter()
+        cpu0, t0 = server_child.cpu_seconds(server.pid), time.perf_counter()
         for name in names:
             with open(os.path.join(segments, name), "rb") as fh:
                 body = gzip.compress(fh.read(), 1)
@@ -122,7 +93,7 @@ def collector_run(segments: str, requests: int) -> None:
                 raise SystemExit("collector: the server did not ingest everything")
             time.sleep(0.05)
         wall = time.perf_counter() - t0
-        cpu = _cpu_seconds(server.pid) - cpu0
+        cpu = server_child.cpu_seconds(server.pid) - cpu0
     finally:
         server.terminate()
         server.wait(timeout=60)

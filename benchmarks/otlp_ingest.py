@@ -30,7 +30,6 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +41,8 @@ from typing import Any
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+import server_child  # (benchmarks/, this script's directory)
 
 TARGET = 100_000
 
@@ -171,13 +172,6 @@ def serve(data_dir: str) -> tuple[str, Any, threading.Thread, Any]:
     return f"http://127.0.0.1:{port}/v1/traces", server, thread, app.state.backend
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, every thread (/proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _status(base: str) -> dict[str, Any]:
     with urllib.request.urlopen(base + "/api/status", timeout=30) as r:
         return json.loads(r.read())
@@ -189,27 +183,9 @@ def server_run(bodies: list[bytes], ctype: str, clients: int, total: int) -> Non
     second of wall time and per CPU second of the server process (from /proc: every thread,
     HTTP, queue and DuckDB)."""
     with tempfile.TemporaryDirectory() as data_dir:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        sock.close()
-        server = subprocess.Popen(
-            [sys.executable, "-m", "perfsleuth.cli.entry", "server", "--data", data_dir,
-             "--port", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        server, port = server_child.start(data_dir)
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    _status(base)
-                    break
-                except OSError:
-                    if time.monotonic() > deadline or server.poll() is not None:
-                        sys.exit("the server did not start")
-                    time.sleep(0.2)
             failed: list[int] = []
 
             def post(mine: list[bytes]) -> None:
@@ -224,7 +200,7 @@ def server_run(bodies: list[bytes], ctype: str, clients: int, total: int) -> Non
             threads = [
                 threading.Thread(target=post, args=(bodies[i::clients],)) for i in range(clients)
             ]
-            cpu, wall = _cpu_seconds(server.pid), time.perf_counter()
+            cpu, wall = server_child.cpu_seconds(server.pid), time.perf_counter()
             for t in threads:
                 t.start()
             for t in threads:
@@ -234,7 +210,7 @@ def server_run(bodies: list[bytes], ctype: str, clients: int, total: int) -> Non
                 if st["committed"] + st["failed"] >= len(bodies) or server.poll() is not None:
                     break
                 time.sleep(0.02)
-            wall, cpu = time.perf_counter() - wall, _cpu_seconds(server.pid) - cpu
+            wall, cpu = time.perf_counter() - wall, server_child.cpu_seconds(server.pid) - cpu
         finally:
             server.terminate()
             server.wait(timeout=60)
