@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from spoolread import read_spool
+from tinyfs import tmpfs
 
 APP = """
 import json, os, sys, time
@@ -109,19 +110,8 @@ def test_unwritable_spool_costs_data_not_requests(tmp_path: Path) -> None:
 @pytest.fixture
 def tiny_disk(tmp_path: Path):
     """A real 256 KiB filesystem for the spool, so writes fail with ENOSPC."""
-    spool = tmp_path / "spool"
-    spool.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(spool)],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "spool", "256k"):
         yield tmp_path
-    finally:
-        subprocess.run(["umount", "-l", str(spool)], check=False)
 
 
 def test_full_disk_costs_data_not_requests(tiny_disk: Path) -> None:

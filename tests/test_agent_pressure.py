@@ -19,6 +19,7 @@ import pytest
 
 from perfsleuth.agent import recorder
 from spoolread import read_spool
+from tinyfs import tmpfs
 
 # argv: data dir, agent settings (JSON), requests, statements per request, stall the writer
 # (0/1), distinct statements (0/1). Prints the agent's counters and traced memory figures.
@@ -167,19 +168,8 @@ def test_repeated_statements_keep_their_caches(tmp_path: Path) -> None:
 def tiny_data_dir(tmp_path: Path) -> Iterator[Path]:
     """A real 384 KiB filesystem holding the whole data dir (spool and status files), so
     writes fail with ENOSPC once it is full."""
-    data = tmp_path / "data"
-    data.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=384k", "tmpfs", str(data)],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "data", "384k") as data:
         yield data
-    finally:
-        subprocess.run(["umount", "-l", str(data)], check=False)
 
 
 def test_drops_on_a_full_disk_reach_the_status_file_and_stderr(tiny_data_dir: Path) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ from perfsleuth.wire import (
 from perfsleuth.wire.batch import AGENT_ROW, INT_ROW
 from perfsleuth.wire.segment import FILE_MAGIC, REC_MAGIC, encode_record, read_segment
 from spoolwrite import MS, SegmentWriter, call
+from tinyfs import tmpfs
 
 BIG = 2**60  # ns: above 2**53, where a double stops holding every integer
 
@@ -338,19 +340,8 @@ def test_a_segment_copied_under_another_name_adds_nothing(
 @pytest.fixture
 def small_fs(tmp_path: Any) -> Iterator[str]:
     """A real 4 MiB filesystem (tmpfs), mounted for the test; skipped where one cannot be."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs (needs root): {done.stderr.strip()}")
-    try:
+    with tmpfs(Path(tmp_path) / "small", "4m") as mnt:
         yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def fill(fs: str, leave: int) -> str:

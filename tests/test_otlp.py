@@ -26,6 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from apps import otlp_python_app
 from perfsleuth.analysis import find
 from perfsleuth.server.app import create_app
+from tinyfs import tmpfs
 
 
 class Server:
@@ -1254,42 +1255,35 @@ def test_a_full_disk_asks_the_exporter_to_retry_and_loses_nothing(tmp_path: Any)
     """ENOSPC while storing a payload: a 503 with Retry-After (OTLP exporters send a 503
     again, not a 500), the server keeps serving, and the same payload once there is room is
     stored whole."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs (needs root): {done.stderr.strip()}")
-    s = None
-    try:
-        s = Server(str(mnt / "data"))
-        many = [_payload(f"{i:032x}", queries=20) for i in range(1, 201)]
-        spans = [sp for p in many for sp in p["resourceSpans"][0]["scopeSpans"][0]["spans"]]
-        resource = many[0]["resourceSpans"][0]["resource"]
-        one = {"resource": resource, "scopeSpans": [{"spans": spans}]}
-        body = json.dumps({"resourceSpans": [one]}).encode()
-        filler = str(mnt / "filler")
-        st = os.statvfs(str(mnt))
-        with open(filler, "wb") as fh:
-            try:
-                fh.write(b"\0" * max(0, st.f_bavail * st.f_frsize - 16_384))
-            except OSError:
-                pass
-        req = urllib.request.Request(
-            s.url + "/v1/traces", body, {"Content-Type": "application/json"}, method="POST"
-        )
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(req, timeout=60)
-        assert refused.value.code == 503
-        assert refused.value.headers.get("Retry-After")
-        assert "full" in json.loads(refused.value.read())["error"]
-        assert _get(s.url + "/api/status") == 200
-        os.remove(filler)
-        assert s.post(body, "application/json")[0] == 200
-        assert s.count("requests") == 200
-        assert s.count("calls") == 200 * 21
-    finally:
-        if s is not None:
-            s.stop()
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with tmpfs(tmp_path / "small", "4m") as mnt:
+        s = None
+        try:
+            s = Server(str(mnt / "data"))
+            many = [_payload(f"{i:032x}", queries=20) for i in range(1, 201)]
+            spans = [sp for p in many for sp in p["resourceSpans"][0]["scopeSpans"][0]["spans"]]
+            resource = many[0]["resourceSpans"][0]["resource"]
+            one = {"resource": resource, "scopeSpans": [{"spans": spans}]}
+            body = json.dumps({"resourceSpans": [one]}).encode()
+            filler = str(mnt / "filler")
+            st = os.statvfs(str(mnt))
+            with open(filler, "wb") as fh:
+                try:
+                    fh.write(b"\0" * max(0, st.f_bavail * st.f_frsize - 16_384))
+                except OSError:
+                    pass
+            req = urllib.request.Request(
+                s.url + "/v1/traces", body, {"Content-Type": "application/json"}, method="POST"
+            )
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=60)
+            assert refused.value.code == 503
+            assert refused.value.headers.get("Retry-After")
+            assert "full" in json.loads(refused.value.read())["error"]
+            assert _get(s.url + "/api/status") == 200
+            os.remove(filler)
+            assert s.post(body, "application/json")[0] == 200
+            assert s.count("requests") == 200
+            assert s.count("calls") == 200 * 21
+        finally:
+            if s is not None:
+                s.stop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from perfsleuth.server import otlp_queue
 from perfsleuth.server.app import create_app
 from perfsleuth.server.backend import Backend
 from perfsleuth.server.otlp_queue import QueueFull, write_payload
+from tinyfs import tmpfs
 
 T0 = 1_764_000_000_000_000_000
 JSON = "application/json"
@@ -232,47 +232,38 @@ def test_a_commit_that_finds_the_disk_full_keeps_its_payloads_until_there_is_roo
     """A real full filesystem (a 32 MB tmpfs) filled while the payloads wait for their
     commit: they stay queued, a read does not wait for them, and once there is room they are
     stored, each once."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs (needs root): {done.stderr.strip()}")
-    monkeypatch.setattr(otlp_queue, "RETRY_S", 0.2)
-    be = None
-    try:
-        be = Backend(str(mnt / "data"), ingest_every=3600)
-        q = be.otlp
-        assert q is not None
-        q.accept(_body("shop", _request(1)), JSON, None, "")
-        assert _count(be, "SELECT count(*) AS n FROM requests")[0]["n"] == 1
-        first_in, release = _held(be, monkeypatch)
-        spans = [s for t in range(2, 402) for s in _request(t)]
-        q.accept(_body("shop", spans), JSON, None, "")
-        assert first_in.wait(30)
-        filler = mnt / "filler"
-        with open(filler, "wb") as fh:
-            try:
-                while True:
-                    fh.write(b"\0" * 65_536)
-            except OSError:
-                pass
-        release.set()
-        _until(lambda: q.status()["stalled"] is not None, "the commit finds the disk full")
-        assert _count(be, "SELECT count(*) AS n FROM requests")[0]["n"] == 1
-        assert q.status()["queued"] == 1
-        filler.unlink()
-        _until(lambda: q.status()["queued"] == 0, "stored once there is room")
-        assert _count(be, "SELECT count(*) AS n FROM requests")[0]["n"] == 401
-        assert _count(be, "SELECT count(*) AS n FROM calls")[0]["n"] == 401
-        assert q.status()["failed"] == 0
-    finally:
-        if be is not None:
-            be.close()
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with tmpfs(tmp_path / "small", "32m") as mnt:
+        monkeypatch.setattr(otlp_queue, "RETRY_S", 0.2)
+        be = None
+        try:
+            be = Backend(str(mnt / "data"), ingest_every=3600)
+            q = be.otlp
+            assert q is not None
+            q.accept(_body("shop", _request(1)), JSON, None, "")
+            assert _count(be, "SELECT count(*) AS n FROM requests")[0]["n"] == 1
+            first_in, release = _held(be, monkeypatch)
+            spans = [s for t in range(2, 402) for s in _request(t)]
+            q.accept(_body("shop", spans), JSON, None, "")
+            assert first_in.wait(30)
+            filler = mnt / "filler"
+            with open(filler, "wb") as fh:
+                try:
+                    while True:
+                        fh.write(b"\0" * 65_536)
+                except OSError:
+                    pass
+            release.set()
+            _until(lambda: q.status()["stalled"] is not None, "the commit finds the disk full")
+            assert _count(be, "SELECT count(*) AS n FROM requests")[0]["n"] == 1
+            assert q.status()["queued"] == 1
+            filler.unlink()
+            _until(lambda: q.status()["queued"] == 0, "stored once there is room")
+            assert _count(be, "SELECT count(*) AS n FROM requests")[0]["n"] == 401
+            assert _count(be, "SELECT count(*) AS n FROM calls")[0]["n"] == 401
+            assert q.status()["failed"] == 0
+        finally:
+            if be is not None:
+                be.close()
 
 
 def test_past_its_bound_the_queue_refuses_payloads_to_send_again(
