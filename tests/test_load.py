@@ -176,7 +176,11 @@ def test_ab_run_between_two_app_versions(tmp_path: Path, page: Any) -> None:
     urls.write_text("/orders\n/health\n/products/3\n")
     # four sync workers, one request each: a side's slow endpoint neither queues its other
     # endpoints behind it nor makes them wait for its worker's GIL (with threads in two
-    # workers, GET /health came out "slower" on b though only /orders changed)
+    # workers, GET /health came out "slower" on b though only /orders changed); 30 ticks a
+    # second, not 50: at 50, in a full CI run (a browser up, both sides' agents capturing
+    # every request), one of b's unchanged endpoints once came out "slower" too, its
+    # requests sharing the two cores and their workers' GIL with b's 400-query /orders and
+    # the writers encoding them
     cmd = gunicorn("load_app:app", 4)
     with (
         launched(tmp_path, data, cmd, service="shop-a", ready="/health", **CAPTURE_ALL) as a,
@@ -194,14 +198,14 @@ def test_ab_run_between_two_app_versions(tmp_path: Path, page: Any) -> None:
             data,
             "load", "--urls", str(urls),
             "--a", f"http://127.0.0.1:{a.port}", "--b", f"http://127.0.0.1:{b.port}",
-            "--rate", "50", "--requests", "240", "--warmup", "15", "--seed", "7", "--json",
+            "--rate", "30", "--requests", "240", "--warmup", "15", "--seed", "7", "--json",
         )  # fmt: skip
         assert res.returncode == 0, res.stderr
         report = json.loads(res.stdout)
         # the asked rate, from the run's own counts and clock
         assert report["measured_ticks"] == 240
         achieved = (report["measured_ticks"] - 1) / report["send_window_s"]
-        assert 0.9 <= achieved / 50 <= 1.1, report
+        assert 0.9 <= achieved / 30 <= 1.1, report
         assert report["achieved_rate"] == pytest.approx(achieved, rel=1e-3)
         for side in ("a", "b"):
             assert report["sides"][side]["count"] == 240
@@ -269,7 +273,7 @@ def test_ab_run_between_two_app_versions(tmp_path: Path, page: Any) -> None:
             assert tr.locator("td[data-col='p50_b']").inner_text().strip() == fmt_ms(
                 r["b"]["p50_ms"]
             )
-        assert "50/s" in page.locator(".load-rate").inner_text()
+        assert "30/s" in page.locator(".load-rate").inner_text()
         page.screenshot(path=str(SHOTS / "load.png"), full_page=True)
 
 
