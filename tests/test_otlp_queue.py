@@ -152,7 +152,7 @@ def test_a_groups_payloads_are_mapped_as_one_and_a_span_sent_again_is_stored_onc
     assert [r["trace_id"] for r in rows] == [f"{t:032x}{1:016x}" for t in (1, 2, 3)]
     calls = _count(be, "SELECT trace_id FROM calls ORDER BY trace_id")
     assert [c["trace_id"] for c in calls] == [f"{t:032x}{1:016x}" for t in (1, 2, 3)]
-    assert mapped == [2, 4]  # the first alone; then 2 + 2 + 1 + 1 spans, the retry's left out
+    assert mapped == [2, 4]  # the first alone; then 2 + 1 + 1 spans (the retry's 2 left out)
     assert q.pending.size == 0
     assert q.status()["committed"] == 5
     be.close()
