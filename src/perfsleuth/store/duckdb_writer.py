@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from perfsleuth.store import rollups, schema, spool
+from perfsleuth.store import rollups, schema, spool, values
 from perfsleuth.store.base import IngestReport, Progress, StoreError, disk_full
 from perfsleuth.store.duckdb_file import utcnow
 from perfsleuth.store.duckdb_rollups import DuckDBRollups
@@ -356,9 +356,14 @@ class DuckDBWriter(DuckDBRollups):
                 "agent": [r.get("agent") for r in rows],
                 "host": [r.get("host") for r in rows],
                 "service": [r.get("service") for r in rows],
-                "pid": pa.array([_within(r.get("pid"), 2**31) for r in rows], pa.int32()),
-                "received_ns": pa.array([_within(r.get("received_ns")) for r in rows], pa.int64()),
-                "started_ns": pa.array([_within(r.get("started_ns")) for r in rows], pa.int64()),
+                # a remote agent's header may say anything: what no column holds is NULL
+                "pid": pa.array([values.as_int32(r.get("pid")) for r in rows], pa.int32()),
+                "received_ns": pa.array(
+                    [values.as_int(r.get("received_ns")) for r in rows], pa.int64()
+                ),
+                "started_ns": pa.array(
+                    [values.as_int(r.get("started_ns")) for r in rows], pa.int64()
+                ),
             }
         )
         self._con.register("_ps_received", data)
@@ -440,12 +445,6 @@ def _with_rid(req: pa.Table, calls: pa.Table | None) -> tuple[pa.Table, pa.Table
         pos = pc.index_in(tid, value_set=req["trace_id"])
         calls = calls.append_column("rid", pc.take(req["rid"], pos))
     return req, calls
-
-
-def _within(v: Any, bound: int = 2**63) -> int | None:
-    """An integer of a segment's header (a remote agent's: anything) when it is one in
-    [-bound, bound), else None: one odd row must not fail the others' insert."""
-    return v if isinstance(v, int) and not isinstance(v, bool) and -bound <= v < bound else None
 
 
 def params_numbers(rid: pa.Array, params_hash: pa.Array | pa.ChunkedArray) -> pa.Array:
