@@ -32,6 +32,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 from perfsleuth.server.fleet import OtlpOrigins
@@ -267,7 +268,9 @@ class OtlpQueue:
                 self._fail(e, err)
                 done.append(e)
         kept = False
-        for run in _token_runs(read):
+        # consecutive payloads of one token (in order: payloads are mapped as they came)
+        for _, same_token in groupby(read, key=lambda item: item[0].token):
+            run = list(same_token)
             outcome = self._store_together(run) if len(run) > 1 else None
             run_kept, run_done = outcome if outcome is not None else self._store_each(run)
             kept |= run_kept
@@ -434,17 +437,6 @@ class OtlpQueue:
         if self._queue:
             n = len(self._queue)
             log.info("OTLP: %d payloads acknowledged before a restart are stored now", n)
-
-
-def _token_runs(read: list[tuple[Entry, list[Span]]]) -> list[list[tuple[Entry, list[Span]]]]:
-    """``read`` cut where the token changes (in order: payloads are mapped as they came)."""
-    runs: list[list[tuple[Entry, list[Span]]]] = []
-    for item in read:
-        if runs and runs[-1][0][0].token == item[0].token:
-            runs[-1].append(item)
-        else:
-            runs.append([item])
-    return runs
 
 
 def together(payloads: list[list[Span]]) -> list[Span]:
