@@ -24,7 +24,6 @@ its first segment on.
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import os
@@ -41,6 +40,7 @@ from starlette.concurrency import run_in_threadpool
 from perfsleuth.server.body import TooLarge, read_body
 from perfsleuth.server.deps import ApiError, ok
 from perfsleuth.wire import CLOSED_SUFFIX, HEADER, OPEN_SUFFIX
+from perfsleuth.wire.inflate import GZIP, ZLIB, InflateError, inflate
 from perfsleuth.wire.segment import FILE_MAGIC, read_segment
 
 log = logging.getLogger("perfsleuth.server")
@@ -126,15 +126,11 @@ def _decode(body: bytes, encoding: str | None) -> bytes:
     if enc not in ("gzip", "deflate"):
         raise ApiError(415, f"Content-Encoding {enc!r}: send gzip, deflate or none")
     try:
-        d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
-        out = d.decompress(body, MAX_BODY + 1)
-        if len(out) > MAX_BODY or d.unconsumed_tail:
-            raise ApiError(413, f"the chunk is over {MAX_BODY} bytes once decompressed")
-        if not d.eof:
-            raise ApiError(400, f"the {enc} stream is truncated")
-        return out
-    except (zlib.error, gzip.BadGzipFile) as e:
-        raise ApiError(400, f"the body is not valid {enc}: {e}") from e
+        return inflate(body, GZIP if enc == "gzip" else ZLIB, MAX_BODY)
+    except InflateError as e:
+        if e.too_large:
+            raise ApiError(413, f"the chunk is over {MAX_BODY} bytes once decompressed") from None
+        raise ApiError(400, f"the body is not valid {enc}: {e}") from None
 
 
 def _header(data: bytes) -> dict[str, Any]:

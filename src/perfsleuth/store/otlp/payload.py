@@ -5,12 +5,11 @@ HTTP status to answer, and the empty success response."""
 from __future__ import annotations
 
 import base64
-import gzip
 import json
-import zlib
 from typing import Any
 
 from perfsleuth.store.otlp.view import as_view, messages
+from perfsleuth.wire.inflate import GZIP, InflateError, inflate
 
 MAX_BODY = 32 * 1024 * 1024  # bytes as sent (compressed or not)
 MAX_DECODED = 128 * 1024 * 1024  # bytes after gunzip
@@ -51,13 +50,11 @@ def decode(body: bytes, content_type: str | None, content_encoding: str | None) 
     enc = (content_encoding or "identity").strip().lower()
     if enc == "gzip":
         try:
-            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            body = d.decompress(body, MAX_DECODED)
-            if d.unconsumed_tail:
-                raise OtlpError(413, f"the payload is over {MAX_DECODED} bytes once unzipped")
-            if not d.eof:
-                raise OtlpError(400, "bad gzip body: it ends before the gzip stream does")
-        except (zlib.error, EOFError, gzip.BadGzipFile) as e:
+            body = inflate(body, GZIP, MAX_DECODED)
+        except InflateError as e:
+            if e.too_large:
+                over = f"the payload is over {MAX_DECODED} bytes once unzipped"
+                raise OtlpError(413, over) from None
             raise OtlpError(400, f"bad gzip body: {e}") from None
     elif enc not in ("identity", ""):
         raise OtlpError(415, f"unsupported Content-Encoding {enc!r}: send gzip or none")
