@@ -22,6 +22,11 @@ from perfsleuth.store.base import StoreError, StoreLocked, disk_full
 from perfsleuth.store.schema import quote
 
 DB_NAME = "perfsleuth.duckdb"
+# DuckDB moves committed rows from its log into the file, compressed, once the log passes
+# this. At its default (16 MB) a server that ingests what arrived every second checkpointed
+# every round or two, each time recompressing the day tables' last, partly filled row groups
+# (benchmarks/README.md, "Checkpoints"). The rows in the log are held in memory meanwhile.
+CHECKPOINT_THRESHOLD = "256MB"
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
 
 
@@ -119,7 +124,10 @@ class DuckDBFile:
 
     def _connect(self, read_only: bool, path: str | None = None) -> duckdb.DuckDBPyConnection:
         try:
-            con = duckdb.connect(path or self.path, read_only=read_only)
+            config: dict[str, str | bool | int | float | list[str]] = {}
+            if not read_only:
+                config["checkpoint_threshold"] = CHECKPOINT_THRESHOLD
+            con = duckdb.connect(path or self.path, read_only=read_only, config=config)
         except duckdb.IOException as e:
             msg = str(e)
             full = disk_full(self.data_dir, e)
