@@ -3,6 +3,7 @@ ingest into DuckDB, the same spool through a collector, and timed queries.
 
     .venv/bin/python benchmarks/ingest.py [--requests 100000] [--calls 10] [--dir DIR]
                                           [--no-collector] [--phases] [--spool-cache DIR]
+                                          [--segments-per-round N]
 
 ``--spool-cache DIR`` keeps the written spool in DIR (per --requests and --calls) and copies
 it from there on later runs: paired runs of two versions then ingest the same bytes, without
@@ -19,10 +20,14 @@ Printed, each against its target (issue 20 item 4, issue 19):
 - spool ingest: requests per CPU second of this process (``time.process_time``: every thread
   of the process, DuckDB's included, so a busy machine does not change it), and wall time;
 - stored size: bytes of the database file per request with its calls;
+- with ``--segments-per-round N``: the same segments ingested in process in rounds of N, as a
+  server ingests what arrived since its last round, in requests per CPU second with the
+  store's close (the checkpoint DuckDB defers) and bytes per request;
 - collector: a ``perfsleuth server`` child receives the same segments as remote agents send
   them (``POST /api/ingest/segment``, gzip) and ingests them; requests per CPU second of the
-  server process (utime + stime from /proc, HTTP and ingest), and wall time until its spool
-  is empty;
+  server process (every thread: HTTP and ingest) from the first segment sent to its stop
+  (SIGTERM once its spool is empty: the store's last checkpoint, work DuckDB defers, is
+  counted), and wall time until its spool is empty;
 - the time of ``top`` and ``traces`` on the store;
 - with chDB installed (``--engines duckdb,chdb``, the default then): the same spool ingested
   into ClickHouse's engine in-process (``chdb://``), in requests per CPU second, and the bytes
@@ -64,6 +69,34 @@ def verdict(ok: bool) -> str:
     return "meets the target" if ok else "MISSES the target"
 
 
+def rounds_run(segments: str, per_round: int) -> None:
+    """Ingest the segments in process in rounds of ``per_round`` (copied into the spool
+    before each), as a server does with what arrived since its last round; print the CPU per
+    request, the store's close (DuckDB's deferred checkpoint) included, and the size."""
+    data_dir = tempfile.mkdtemp(prefix="perfsleuth-bench-rounds-")
+    spool = os.path.join(data_dir, "spool")
+    os.makedirs(spool)
+    names = sorted(os.listdir(segments))
+    try:
+        store = DuckDBStore(data_dir)
+        c0, requests = time.process_time(), 0
+        for i in range(0, len(names), per_round):
+            for name in names[i : i + per_round]:
+                shutil.copy(os.path.join(segments, name), spool)
+            requests += store.ingest().requests
+        store.close()
+        cpu = time.process_time() - c0
+        size = os.path.getsize(os.path.join(data_dir, "perfsleuth.duckdb"))
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+    rounds = -(-len(names) // per_round)
+    print(
+        f"ingest in {rounds} rounds of {per_round} segments: {cpu:.2f} CPU s with the store's "
+        f"close = {requests / cpu:,.0f} requests per CPU second; {size / requests:.0f} bytes "
+        "per request"
+    )
+
+
 def collector_run(segments: str, requests: int) -> None:
     """Send the segments in ``segments`` to a fresh ``perfsleuth server`` as an agent's
     forwarder does, wait until it has ingested them all, print its CPU per request."""
@@ -95,18 +128,19 @@ def collector_run(segments: str, requests: int) -> None:
         wall = time.perf_counter() - t0
         cpu = server_child.cpu_seconds(server.pid) - cpu0
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        # the deferred part of the work: DuckDB's checkpoint of what its log holds
+        cpu_closed = server_child.stop(server) - cpu0
     store = DuckDBStore(data_dir, read_only=True)
     stored = store.query("SELECT count(*) AS n FROM requests")[0]["n"]
     store.close()
     shutil.rmtree(data_dir, ignore_errors=True)
-    rate = stored / cpu if cpu else 0.0
+    rate = stored / cpu_closed if cpu_closed else 0.0
     target = TARGET_COLLECTOR_REQUESTS_PER_CPU_S
     print(
-        f"collector: {stored:,} of {requests:,} requests stored, server CPU {cpu:.2f} s = "
-        f"{rate:,.0f} requests per CPU second (target >= {target:,}: "
-        f"{verdict(rate >= target)}), wall {wall:.2f} s = {stored / wall:,.0f} requests/s"
+        f"collector: {stored:,} of {requests:,} requests stored, server CPU {cpu_closed:.2f} s "
+        f"with its stop ({cpu:.2f} s until stored) = {rate:,.0f} requests per CPU second "
+        f"(target >= {target:,}: {verdict(rate >= target)}), wall {wall:.2f} s until "
+        f"stored = {stored / wall:,.0f} requests/s"
     )
 
 
@@ -293,6 +327,12 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="data dir to use (default: a temporary one)")
     ap.add_argument("--no-collector", action="store_true", help="skip the collector run")
     ap.add_argument(
+        "--segments-per-round",
+        type=int,
+        default=0,
+        help="also ingest in rounds of this many segments (a server's rounds), in process",
+    )
+    ap.add_argument(
         "--phases", action="store_true", help="print the spool ingest's CPU per step (slower)"
     )
     ap.add_argument(
@@ -328,7 +368,8 @@ def main() -> None:
         )
         segments = tempfile.mkdtemp(prefix="perfsleuth-bench-segments-")
         engines = {e.strip() for e in args.engines.split(",")}
-        if not args.no_collector or "chdb" in engines:  # the same segments, for other runs
+        if not args.no_collector or "chdb" in engines or args.segments_per_round:
+            # the same segments, for the other runs
             for name in os.listdir(os.path.join(data_dir, "spool")):
                 shutil.copy(os.path.join(data_dir, "spool", name), segments)
         spent = timed_phases() if args.phases else {}
@@ -354,6 +395,8 @@ def main() -> None:
             f"calls (target <= {TARGET_BYTES_PER_REQUEST}: "
             f"{verdict(per_request <= TARGET_BYTES_PER_REQUEST)})"
         )
+        if args.segments_per_round:
+            rounds_run(segments, args.segments_per_round)
         if not args.no_collector:
             collector_run(segments, args.requests)
         if "chdb" in engines:
