@@ -1,4 +1,5 @@
-"""The record format shared by the agent, the collector and the store (stdlib only).
+"""The record format shared by the agent, the collector and the store (stdlib only; the
+server's :mod:`perfsleuth.wire.inflate` takes ISA-L when it is installed).
 
 A spool *segment* is one file written by one process: a file header followed by records.
 See :mod:`perfsleuth.wire.segment` for the byte layout and :mod:`perfsleuth.wire.fingerprint`

@@ -2,8 +2,8 @@
 streams inflated with a cap on what they inflate to.
 
 ISA-L (the ``isal`` package) inflates when it is installed: 13 ms for one of the collector's
-8 MB segments where zlib takes 29-30 ms (benchmarks/README.md, "The collector"). Without it,
-zlib does the same. Not imported by the agent, which stays stdlib-only.
+8 MB segments where zlib takes 29-30 ms (benchmarks/README.md, "Checkpoints: a server's
+rounds"). Without it, zlib does the same. Not imported by the agent, which stays stdlib-only.
 """
 
 from __future__ import annotations
