@@ -6,9 +6,12 @@ by ``top`` for windows where raw rows would be slow or are gone.
 Compaction: every batch adds its own rows for its minutes, hours and day, so a day ingested in
 many small batches holds many rows per key. A day's rollup tables are rebuilt with the rows of
 equal key summed (CREATE TABLE AS ... GROUP BY, then the old table dropped and the new one
-renamed, in one transaction; no row is deleted) once they hold twice the rows they held after
-their last compaction, and once more when the day is over: the cost stays linear in what is
-ingested, and a finished day is read as one row per key and bucket.
+renamed, in one transaction; no row is deleted) once the rows added since their last
+compaction that may merge are as many as the rows that compaction left, and once more when
+the day is over: the cost stays linear in what is ingested, and a finished day is read as one
+row per key and bucket. A row may merge when a row of its resolution and time is stored
+already: a server's rounds within a minute add such rows, a backlog of later minutes adds
+mostly new ones, whose rebuilds merged next to nothing (benchmarks/README.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from collections.abc import Callable, Sequence
 from datetime import date, datetime, timedelta
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from perfsleuth.store import rollups, schema
 from perfsleuth.store.duckdb_file import DuckDBFile, utcnow
@@ -26,7 +31,8 @@ from perfsleuth.store.filters import only_where
 from perfsleuth.store.schema import quote
 from perfsleuth.store.tables import Tables
 
-# Compact a day's rollups once they grew past twice their compacted size, and this many rows.
+# Compact a day's rollups once the rows added that may merge are as many as the compacted
+# rows, and this many.
 COMPACT_MIN_ROWS = 20_000
 
 log = logging.getLogger("perfsleuth.store")
@@ -59,8 +65,11 @@ class DuckDBRollups(DuckDBFile):
                     self._con.execute(schema.duckdb_create(t, name))
                     created = True
                     made.add(d)
-                self._insert_arrow(name, parts[t.name])
-                added += parts[t.name].num_rows
+            mergeable = self._mergeable_rows(d, parts[schema.ROLLUP_HIST.name], d in made)
+            self._rollup_mergeable[d] = self._rollup_mergeable.get(d, 0) + mergeable
+            added += mergeable
+            for t in schema.ROLLUP_TABLES:
+                self._insert_arrow(schema.day_table(t, d), parts[t.name])
         if created:
             self._create_rollup_views()
         self._rollup_new_days = set(rows)
@@ -69,6 +78,41 @@ class DuckDBRollups(DuckDBFile):
         self._rollup_one_batch = (getattr(self, "_rollup_one_batch", set()) - set(rows)) | made
         self._rollup_touched = getattr(self, "_rollup_touched", set()) | set(rows)
         self._rollup_added = getattr(self, "_rollup_added", 0) + added
+
+    @property
+    def _rollup_mergeable(self) -> dict[date, int]:
+        """Per day, the histogram rows added since its last compaction (in this process) that
+        may merge with a row stored before them."""
+        if not hasattr(self, "_mergeable"):
+            self._mergeable: dict[date, int] = {}
+        return self._mergeable
+
+    def _mergeable_rows(self, d: date, hist: pa.Table, made: bool) -> int:
+        """How many of the histogram rows ``hist``, about to be added to day ``d``, have a
+        resolution and time (``res``, ``ts``) at or before the latest of that resolution
+        stored: those may merge with a stored row. Counted against the latest times known to
+        this process (a day first touched here reads them from its table; one this
+        transaction makes holds none); a rolled-back batch leaves them later than stored,
+        which counts more rows, never fewer."""
+        latest: dict[date, dict[int, int]] = getattr(self, "_rollup_latest", {})
+        self._rollup_latest = latest
+        if d not in latest:
+            name = quote(schema.day_table(schema.ROLLUP_HIST, d))
+            sql = f"SELECT res, epoch_us(max(ts)) FROM {name} GROUP BY res"
+            latest[d] = {} if made else {int(r): int(t) for r, t in self._con.sql(sql).fetchall()}
+        seen = latest[d]
+        if not hist.num_rows:
+            return 0
+        res = hist["res"].to_numpy(zero_copy_only=False)
+        ts = pc.cast(hist["ts"], pa.int64()).to_numpy(zero_copy_only=False)
+        n = 0
+        for r in np.unique(res).tolist():
+            at = ts[res == r]
+            top = seen.get(r)
+            if top is not None:
+                n += int(np.count_nonzero(at <= top))
+            seen[r] = max(int(at.max()), top if top is not None else int(at.max()))
+        return n
 
     def _insert_arrow(self, table: str, data: pa.Table) -> None:
         if not data.num_rows:
@@ -96,7 +140,8 @@ class DuckDBRollups(DuckDBFile):
 
     def compact_rollups(self, *, final: bool = False, force: bool = False) -> list[date]:
         """Compact the rollups of the days that are due: those touched since the last call
-        that grew past twice their compacted size (and COMPACT_MIN_ROWS); with ``final`` (at
+        to which rows that may merge were added, as many as their compacted rows (and
+        COMPACT_MIN_ROWS; see _mergeable_rows); with ``final`` (at
         the end of an ingest run) also the days that are over and changed since compacted;
         with ``force`` every day not compact. Returns the days compacted."""
         # called after a commit: the days it wrote exist
@@ -106,7 +151,7 @@ class DuckDBRollups(DuckDBFile):
         self._rollup_new_days = set()
         self._rollup_one_batch = getattr(self, "_rollup_one_batch", set())
         if not (final or force) and getattr(self, "_rollup_added", 0) < COMPACT_MIN_ROWS // 2:
-            return []  # no day can have doubled since the last look: skip the catalog queries
+            return []  # no day can be due since the last look: skip the catalog queries
         self._rollup_added = 0
         touched: set[date] = getattr(self, "_rollup_touched", set())
         self._rollup_touched = set()
@@ -133,9 +178,11 @@ class DuckDBRollups(DuckDBFile):
             last = done.get(d)
             if last == (n_stats, n_hist):
                 continue  # compact since
-            grown = n_hist >= max(COMPACT_MIN_ROWS, 2 * (last[1] if last else 0))
-            if force or grown or (final and d < today):
+            mergeable = self._rollup_mergeable.get(d, 0)
+            due = mergeable >= max(COMPACT_MIN_ROWS, last[1] if last else 0)
+            if force or due or (final and d < today):
                 self._compact_day(d)
+                self._rollup_mergeable[d] = 0
                 out.append(d)
         return out
 
