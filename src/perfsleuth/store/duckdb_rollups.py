@@ -109,9 +109,11 @@ class DuckDBRollups(DuckDBFile):
         for r in np.unique(res).tolist():
             at = ts[res == r]
             top = seen.get(r)
+            hi = int(at.max())
             if top is not None:
                 n += int(np.count_nonzero(at <= top))
-            seen[r] = max(int(at.max()), top if top is not None else int(at.max()))
+                hi = max(hi, top)
+            seen[r] = hi
         return n
 
     def _insert_arrow(self, table: str, data: pa.Table) -> None:
