@@ -50,9 +50,9 @@ def stop(server: subprocess.Popen[bytes], timeout_s: float = 120.0) -> float:
     server.terminate()
     deadline = time.monotonic() + timeout_s
     while True:
-        pid, _status, usage = os.wait4(server.pid, os.WNOHANG)
-        if pid:
-            server.returncode = 0  # reaped here: Popen must not wait for it again
+        pid, status, usage = os.wait4(server.pid, os.WNOHANG)
+        if pid:  # reaped here: Popen must not wait for it again
+            server.returncode = os.waitstatus_to_exitcode(status)
             return usage.ru_utime + usage.ru_stime
         if time.monotonic() > deadline:
             server.kill()
