@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -258,6 +259,56 @@ def test_the_reader_answers_as_duckdb_does(tmp_path: Path) -> None:
         assert cols == ["endpoint", "n"] and [r[1] for r in rows] == [30, 30, 30]
         with pytest.raises(StoreError, match="read-only"):
             ch.sql("DROP TABLE requests")
+    finally:
+        duck.close()
+        ch.close()
+
+
+def test_the_raw_top_in_the_table_s_order_answers_as_duckdb_does(tmp_path: Path) -> None:
+    """ClickHouse's top by service and endpoint is aggregated per (service, endpoint) in the
+    table's order and added up in Python: an endpoint that two services serve must still get
+    its exact quantiles over both services' rows, and every other column as DuckDB's."""
+    w = SegmentWriter(str(tmp_path / "written"), service="shop")
+    w2 = SegmentWriter(str(tmp_path / "written"), service="billing", pid=4343, seq=2)
+    for i in range(40):
+        w.request("GET /health", dur_ms=1.0 + i % 7, status=500 if i % 9 == 0 else 200)
+        w.request("GET /orders", dur_ms=30.0 + i, kind="background" if i % 4 else "web",
+                  calls=[call("db", "SELECT 1", dur_ms=2.0)], tenant=f"t{i % 2}")  # fmt: skip
+        # the same endpoint in the other service, slower: the merged quantiles move
+        w2.request("GET /health", dur_ms=50.0 + 3 * i, error="Boom" if i % 10 == 1 else None)
+        w2.request("POST /invoice", dur_ms=80.0 + i % 5,
+                   calls=[call("http", "POST https://pay.example/x", dur_ms=40.0)])  # fmt: skip
+    w.close()
+    w2.close()
+    stores = []
+    for engine in ("duckdb", "chdb"):
+        data = str(tmp_path / engine)
+        shutil.copytree(tmp_path / "written" / "spool", Path(data) / "spool")
+        s = store_engines.open_engine(engine, data)
+        s.ingest()
+        stores.append(s)
+    store_engines.reset()
+    duck, ch = stores
+    try:
+        groupings = (("endpoint",), ("service",), ("service", "endpoint"), ("endpoint", "service"))
+        selections: tuple[dict[str, Any], ...] = (
+            {},
+            {"since": timedelta(hours=1)},
+            {"kind": "web"},
+            {"only": {"service": "billing"}},
+        )
+        for by in groupings:
+            for kw in selections:
+                got = ch.top(by=by, **kw)
+                store_engines.same(duck.top(by=by, **kw), got, f"top{by} {kw}")
+                assert got, f"top{by} {kw}: no rows"
+        health = next(r for r in ch.top() if r["endpoint"] == "GET /health")
+        durs = [1.0 + i % 7 for i in range(40)] + [50.0 + 3 * i for i in range(40)]
+        assert health["count"] == 80
+        assert health["p95_ms"] == pytest.approx(float(np.percentile(durs, 95)), rel=1e-12)
+        one, _ = ch.top_answered(percentiles_for="GET /health")
+        store_engines.same(duck.top_answered(percentiles_for="GET /health")[0], one, "one")
+        assert [r["endpoint"] for r in one if r["p95_ms"] is not None] == ["GET /health"]
     finally:
         duck.close()
         ch.close()

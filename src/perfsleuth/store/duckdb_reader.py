@@ -118,30 +118,7 @@ class DuckDBReader(DuckDBRollups):
     ) -> list[dict[str, Any]]:
         src, cutoff = self._source(since)
         where, params = self._where(cutoff, kind, None, only)
-        g = ", ".join(quote(b) for b in by)
-        q_params: list[Any] = []
-        q_filter = ""
-        if percentiles_for is not None:  # the one endpoint's rows only feed the quantiles
-            q_filter, q_params = " FILTER (WHERE endpoint = ?)", [percentiles_for]
-        rows = self._query(
-            f"""
-            SELECT {g}, count(*) AS count,
-                quantile_cont(duration_ms, [0.5, 0.95, 0.99]){q_filter} AS q,
-                max(duration_ms) AS max_ms,
-                avg(CASE WHEN status >= 500 OR error IS NOT NULL THEN 1.0 ELSE 0.0 END)
-                    AS error_rate,
-                sum(db_calls) AS db_calls, sum(http_calls) AS http_calls,
-                sum(cache_calls) AS cache_calls,
-                sum(db_ms) AS db_ms, sum(http_ms) AS http_ms, sum(cache_ms) AS cache_ms,
-                coalesce(sum(gc_ms), 0) AS gc_ms,
-                coalesce(sum(duration_ms), 0) AS total_ms,
-                min(ts) AS first_ts, max(ts) AS last_ts
-            FROM {src} WHERE {where}
-            GROUP BY {g}
-            ORDER BY total_ms DESC, count DESC, {g}
-            """,
-            [*q_params, *params],
-        )
+        rows = self._raw_top_rows(src, where, params, by, percentiles_for, since is None)
         if not rows:
             return []
         if since is not None:
@@ -175,6 +152,44 @@ class DuckDBReader(DuckDBRollups):
             )
             out.append(row)
         return out
+
+    def _raw_top_rows(
+        self,
+        src: str,
+        where: str,
+        params: list[Any],
+        by: tuple[str, ...],
+        percentiles_for: str | None,
+        span: bool,
+    ) -> list[dict[str, Any]]:
+        """The raw top's groups, busiest first: ``by``'s columns, count, q (p50, p95, p99, or
+        None; with ``percentiles_for`` only that endpoint's), max_ms, error_rate, the sums
+        of the call columns, gc_ms, total_ms, and first_ts/last_ts (with ``span`` only:
+        what a window without ``since`` spans)."""
+        g = ", ".join(quote(b) for b in by)
+        q_params: list[Any] = []
+        q_filter = ""
+        if percentiles_for is not None:  # the one endpoint's rows only feed the quantiles
+            q_filter, q_params = " FILTER (WHERE endpoint = ?)", [percentiles_for]
+        ts_span = ", min(ts) AS first_ts, max(ts) AS last_ts" if span else ""
+        return self._query(
+            f"""
+            SELECT {g}, count(*) AS count,
+                quantile_cont(duration_ms, [0.5, 0.95, 0.99]){q_filter} AS q,
+                max(duration_ms) AS max_ms,
+                avg(CASE WHEN status >= 500 OR error IS NOT NULL THEN 1.0 ELSE 0.0 END)
+                    AS error_rate,
+                sum(db_calls) AS db_calls, sum(http_calls) AS http_calls,
+                sum(cache_calls) AS cache_calls,
+                sum(db_ms) AS db_ms, sum(http_ms) AS http_ms, sum(cache_ms) AS cache_ms,
+                coalesce(sum(gc_ms), 0) AS gc_ms,
+                coalesce(sum(duration_ms), 0) AS total_ms{ts_span}
+            FROM {src} WHERE {where}
+            GROUP BY {g}
+            ORDER BY total_ms DESC, count DESC, {g}
+            """,
+            [*q_params, *params],
+        )
 
     @staticmethod
     def _where(
