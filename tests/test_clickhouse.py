@@ -85,6 +85,11 @@ def ingest_both(tmp_path: Path, fill: Any) -> tuple[Any, Any]:
     w = SegmentWriter(str(tmp_path / "written"))
     fill(w)
     w.close()
+    return ingest_written(tmp_path)
+
+
+def ingest_written(tmp_path: Path) -> tuple[Any, Any]:
+    """The spool under tmp_path/written ingested into DuckDB and into chDB."""
     stores = []
     for engine in ("duckdb", "chdb"):
         data = str(tmp_path / engine)
@@ -280,15 +285,7 @@ def test_the_raw_top_in_the_table_s_order_answers_as_duckdb_does(tmp_path: Path)
                    calls=[call("http", "POST https://pay.example/x", dur_ms=40.0)])  # fmt: skip
     w.close()
     w2.close()
-    stores = []
-    for engine in ("duckdb", "chdb"):
-        data = str(tmp_path / engine)
-        shutil.copytree(tmp_path / "written" / "spool", Path(data) / "spool")
-        s = store_engines.open_engine(engine, data)
-        s.ingest()
-        stores.append(s)
-    store_engines.reset()
-    duck, ch = stores
+    duck, ch = ingest_written(tmp_path)
     try:
         groupings = (("endpoint",), ("service",), ("service", "endpoint"), ("endpoint", "service"))
         selections: tuple[dict[str, Any], ...] = (
