@@ -766,6 +766,40 @@ def test_a_batch_with_a_copy_and_a_new_request_of_one_trace_id_stores_the_new_on
 
 
 @pytest.mark.parametrize("engine", ["duckdb", "chdb"])
+def test_a_copy_across_midnight_is_found_in_the_day_before(tmp_path: Path, engine: str) -> None:
+    """DuckDB looks for stored copies in the day tables of the batch's span widened by the
+    margin only: a copy whose ts is 20 s past midnight, of a request stored 10 s before it (in
+    the day before's table), is left out; a request of a day that holds no table yet (nothing
+    stored there) is stored, and so is one whose only namesake is a day earlier."""
+    from perfsleuth.store.records import Batch
+
+    day = 86_400 * 10**9
+    midnight = (time.time_ns() // day) * day
+    second = 10**9
+    store = store_engines.open_engine(engine, str(tmp_path / "data"))
+    try:
+        store.insert_tables(Batch(), request_tables([("cc", midnight - 10 * second, "GET /a", 1)]))
+        store.insert_tables(Batch(), request_tables([("dd", midnight - day, "GET /b", 1)]))
+        store.insert_tables(
+            Batch(),
+            request_tables(
+                [
+                    ("cc", midnight + 20 * second, "GET /a", 1),  # a copy, the day after
+                    ("dd", midnight + 30 * second, "GET /b", 2),  # a day later: not a copy
+                    ("ee", midnight + 40 * second, "GET /c", 3),
+                ]
+            ),
+        )
+        rows = store.query("SELECT trace_id, count(*) AS n FROM requests GROUP BY 1 ORDER BY 1")
+        assert [(r["trace_id"], int(r["n"])) for r in rows] == [("cc", 1), ("dd", 2), ("ee", 1)]
+        calls = store.query("SELECT count(*) AS n FROM calls")
+        assert int(calls[0]["n"]) == 1 + 1 + 2 + 3
+    finally:
+        store.close()
+        store_engines.reset()
+
+
+@pytest.mark.parametrize("engine", ["duckdb", "chdb"])
 def test_a_spool_batch_with_a_copy_and_a_reuse_of_one_trace_id_stores_the_reuse(
     tmp_path: Path, engine: str
 ) -> None:
