@@ -305,8 +305,13 @@ class ClickHouseStore(ClickHouseRollups):
             if percentiles_for is not None and r.get("endpoint") != percentiles_for:
                 r["q"] = None
         # the portable query's order: total_ms DESC, count DESC, then the groups' values
-        rows.sort(key=lambda r: tuple((r[b] is None, r[b] or "") for b in by))
-        rows.sort(key=lambda r: (-r["total_ms"], -r["count"]))
+        rows.sort(
+            key=lambda r: (
+                -r["total_ms"],
+                -r["count"],
+                *((r[b] is None, r[b] or "") for b in by),
+            )
+        )
         return rows
 
     def _count(self, table: str, day: date, trace_id: str) -> int:

@@ -306,6 +306,9 @@ class DuckDBWriter(DuckDBRollups):
             days = sorted(d for d in stored_days if lo.date() <= d <= hi.date())
             if not days:
                 return  # no day table of the span: nothing of it is stored
+            # the two columns every requests day table has: schema.duckdb_union's SELECT of
+            # all columns by name, with its typed empty SELECT, cost twice as much (4.4-5.0
+            # against 2.2-2.5 ms CPU on one day of the 100M store)
             tables_of_span = (quote(schema.day_table(schema.REQUESTS, d)) for d in days)
             source = (
                 f"({' UNION ALL '.join(f'SELECT trace_id, ts FROM {t}' for t in tables_of_span)})"
