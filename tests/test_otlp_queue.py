@@ -1,9 +1,11 @@
 """The server's queue of OTLP payloads (server.otlp_queue) on a real DuckDB store: payloads that
-come while a commit runs share the next transaction; a payload acknowledged before the server
-stopped is stored when it starts again, once even when it had been stored; a commit that finds
-the disk full keeps its payloads until there is room; a payload the store refuses is set aside
-with its reason while the others of its group are stored; past its bound the queue refuses
-payloads with a 503 to send again."""
+come while a commit runs share the next transaction; one that comes while the window of read
+payloads is full waits (a bounded time) for room and is read once; an empty payload is
+acknowledged quietly; a payload acknowledged before the server stopped is stored when it
+starts again, once even when it had been stored; a commit that finds the disk full keeps its
+payloads until there is room; a payload the store refuses is set aside with its reason while
+the others of its group are stored; past its bound the queue refuses payloads with a 503 to
+send again."""
 
 from __future__ import annotations
 
@@ -155,6 +157,105 @@ def test_a_groups_payloads_are_mapped_as_one_and_a_span_sent_again_is_stored_onc
     assert mapped == [2, 4]  # the first alone; then 2 + 1 + 1 spans (the retry's 2 left out)
     assert q.pending.size == 0
     assert q.status()["committed"] == 5
+    be.close()
+
+
+def _reads(q: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The payload files the queue reads again (their spans were not kept)."""
+    read: list[str] = []
+    real = q._read
+
+    def counted(e: Any) -> Any:
+        read.append(e.path)
+        return real(e)
+
+    monkeypatch.setattr(q, "_read", counted)
+    return read
+
+
+def _waiting(q: Any, monkeypatch: pytest.MonkeyPatch, thread: str) -> threading.Event:
+    """Set once the thread named ``thread`` waits on the queue's condition."""
+    waiting = threading.Event()
+    real = q._cond.wait
+
+    def wait(timeout: float | None = None) -> bool:
+        if threading.current_thread().name == thread:
+            waiting.set()
+        return real(timeout)
+
+    monkeypatch.setattr(q._cond, "wait", wait)
+    return waiting
+
+
+def test_a_payload_past_the_window_of_read_payloads_waits_for_room_and_is_read_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exporters faster than the store: a payload that comes while the window of read payloads
+    is full waits for the commit that makes room, then is read once (not queued with its spans
+    dropped, to be read again from its file)."""
+    monkeypatch.setattr(otlp_queue, "DECODED_WINDOW", 2)
+    be = Backend(str(tmp_path / "data"), ingest_every=3600)
+    first_in, release = _held(be, monkeypatch)
+    q = be.otlp
+    assert q is not None
+    read = _reads(q, monkeypatch)
+    waiting = _waiting(q, monkeypatch, "third")
+    q.accept(_body("shop", _request(1)), JSON, None, "")
+    assert first_in.wait(30)  # its commit holds the first payload in the queue
+    q.accept(_body("shop", _request(2)), JSON, None, "")
+    third = threading.Thread(
+        target=q.accept, args=(_body("shop", _request(3)), JSON, None, ""), name="third"
+    )
+    third.start()
+    assert waiting.wait(30)
+    assert q.status()["accepted"] == 2  # not read nor queued while it waits
+    release.set()
+    third.join(30)
+    assert not third.is_alive()
+    assert _count(be, "SELECT count(*) AS n FROM requests")[0]["n"] == 3
+    assert read == []  # every payload read once, when it came
+    assert q.status()["committed"] == 3
+    be.close()
+
+
+def test_a_store_that_does_not_make_room_only_delays_a_payload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait is bounded: with the commit held past ACCEPT_WAIT_S, the payload is queued
+    with its spans dropped, read again from its file at its turn, and stored once."""
+    monkeypatch.setattr(otlp_queue, "DECODED_WINDOW", 2)
+    monkeypatch.setattr(otlp_queue, "ACCEPT_WAIT_S", 0.2)
+    be = Backend(str(tmp_path / "data"), ingest_every=3600)
+    first_in, release = _held(be, monkeypatch)
+    q = be.otlp
+    assert q is not None
+    read = _reads(q, monkeypatch)
+    q.accept(_body("shop", _request(1)), JSON, None, "")
+    assert first_in.wait(30)
+    q.accept(_body("shop", _request(2)), JSON, None, "")
+    q.accept(_body("shop", _request(3)), JSON, None, "")  # returns after the wait, queued
+    assert q.status()["accepted"] == 3
+    release.set()
+    assert _count(be, "SELECT count(*) AS n FROM requests")[0]["n"] == 3
+    assert len(read) == 1 and read[0].endswith(otlp_queue.SUFFIX)
+    assert q.status()["committed"] == 3
+    be.close()
+
+
+def test_a_payload_without_spans_is_acknowledged_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exporter's empty batch: committed like any payload, nothing stored, no warning (its
+    origin rows are none, not an error)."""
+    be = Backend(str(tmp_path / "data"), ingest_every=3600)
+    q = be.otlp
+    assert q is not None
+    with caplog.at_level("WARNING", logger="perfsleuth.server"):
+        q.accept(json.dumps({"resourceSpans": []}).encode(), JSON, None, "")
+        q.accept(_body("shop", []), JSON, None, "")
+        assert _count(be, "SELECT count(*) AS n FROM requests")[0]["n"] == 0
+    assert q.status()["committed"] == 2
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
     be.close()
 
 

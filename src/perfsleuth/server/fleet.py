@@ -28,8 +28,10 @@ _SEEN_MAX = 100_000  # origin keys remembered as recorded before the memory star
 
 def otlp_rows(tables: Any, token: str, now_ns: int | None = None) -> list[dict[str, Any]]:
     """``segments_received`` rows for the requests of one mapped OTLP payload (its
-    :class:`perfsleuth.store.tables.Tables`): one per (service, host, pid, day), started at
-    the first request of that source in the payload."""
+    :class:`perfsleuth.store.tables.Tables`; None for a payload without spans): one per
+    (service, host, pid, day), started at the first request of that source in the payload."""
+    if tables is None:
+        return []
     now_ns = time.time_ns() if now_ns is None else now_ns
     found: dict[tuple[str, str, int | None, str], datetime] = {}
     for day_tables in tables.days.values():
