@@ -3,7 +3,7 @@ payloads made with the official ``opentelemetry-proto`` messages.
 
     .venv/bin/python benchmarks/otlp_ingest.py [--payloads 40] [--requests 100] [--calls 10]
     .venv/bin/python benchmarks/otlp_ingest.py --literals    # a distinct literal per statement
-    .venv/bin/python benchmarks/otlp_ingest.py --fuzz 10000     # seeded mutations: no 5xx
+    .venv/bin/python benchmarks/otlp_ingest.py --fuzz 10000 [--seed 19]  # mutations: no 5xx
     .venv/bin/python benchmarks/otlp_ingest.py --clients 4      # exporters posting at once
     .venv/bin/python benchmarks/otlp_ingest.py --json           # OTLP JSON (Node's exporter)
 
@@ -224,12 +224,12 @@ def server_run(bodies: list[bytes], ctype: str, clients: int, total: int) -> Non
     )
 
 
-def fuzz(n: int) -> None:
-    """Post ``n`` seeded random mutations of valid protobuf, JSON and gzip payloads; print the
-    statuses answered. Exit 1 on any 5xx or a server that stops answering."""
+def fuzz(n: int, seed: int = 19) -> None:
+    """Post ``n`` random mutations (from ``seed``) of valid protobuf, JSON and gzip payloads;
+    print the statuses answered. Exit 1 on any 5xx or a server that stops answering."""
     import gzip
 
-    rnd = random.Random(19)
+    rnd = random.Random(seed)
     t0 = time.time_ns() - 3_600 * 10**9
     seeds: list[tuple[bytes, str, str | None]] = []
     for i in range(4):
@@ -280,11 +280,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--literals", action="store_true", help="a distinct literal per statement")
     ap.add_argument("--fuzz", type=int, default=0, help="post N mutated payloads instead")
+    ap.add_argument("--seed", type=int, default=19, help="the fuzzing run's seed")
     ap.add_argument("--clients", type=int, default=1, help="exporters posting at once (over HTTP)")
     ap.add_argument("--json", action="store_true", help="OTLP JSON payloads instead of protobuf")
     args = ap.parse_args()
     if args.fuzz:
-        fuzz(args.fuzz)
+        fuzz(args.fuzz, args.seed)
         return
     rnd = random.Random(19)
     t0 = time.time_ns() - 3_600 * 10**9
