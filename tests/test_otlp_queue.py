@@ -187,22 +187,31 @@ def _waiting(q: Any, monkeypatch: pytest.MonkeyPatch, thread: str) -> threading.
     return waiting
 
 
-def test_a_payload_past_the_window_of_read_payloads_waits_for_room_and_is_read_once(
+def _window_full(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Exporters faster than the store: a payload that comes while the window of read payloads
-    is full waits for the commit that makes room, then is read once (not queued with its spans
-    dropped, to be read again from its file)."""
+) -> tuple[Backend, Any, threading.Event, list[str]]:
+    """A queue whose window of read payloads (2 here) is full: its first payload held in its
+    commit (until ``release``), a second queued. Also the payload files read again."""
     monkeypatch.setattr(otlp_queue, "DECODED_WINDOW", 2)
     be = Backend(str(tmp_path / "data"), ingest_every=3600)
     first_in, release = _held(be, monkeypatch)
     q = be.otlp
     assert q is not None
     read = _reads(q, monkeypatch)
-    waiting = _waiting(q, monkeypatch, "third")
     q.accept(_body("shop", _request(1)), JSON, None, "")
-    assert first_in.wait(30)  # its commit holds the first payload in the queue
+    assert first_in.wait(30)
     q.accept(_body("shop", _request(2)), JSON, None, "")
+    return be, q, release, read
+
+
+def test_a_payload_past_the_window_of_read_payloads_waits_for_room_and_is_read_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exporters faster than the store: a payload that comes while the window of read payloads
+    is full waits for the commit that makes room, then is read once (not queued with its spans
+    dropped, to be read again from its file)."""
+    be, q, release, read = _window_full(tmp_path, monkeypatch)
+    waiting = _waiting(q, monkeypatch, "third")
     third = threading.Thread(
         target=q.accept, args=(_body("shop", _request(3)), JSON, None, ""), name="third"
     )
@@ -223,16 +232,8 @@ def test_a_store_that_does_not_make_room_only_delays_a_payload(
 ) -> None:
     """The wait is bounded: with the commit held past ACCEPT_WAIT_S, the payload is queued
     with its spans dropped, read again from its file at its turn, and stored once."""
-    monkeypatch.setattr(otlp_queue, "DECODED_WINDOW", 2)
     monkeypatch.setattr(otlp_queue, "ACCEPT_WAIT_S", 0.2)
-    be = Backend(str(tmp_path / "data"), ingest_every=3600)
-    first_in, release = _held(be, monkeypatch)
-    q = be.otlp
-    assert q is not None
-    read = _reads(q, monkeypatch)
-    q.accept(_body("shop", _request(1)), JSON, None, "")
-    assert first_in.wait(30)
-    q.accept(_body("shop", _request(2)), JSON, None, "")
+    be, q, release, read = _window_full(tmp_path, monkeypatch)
     q.accept(_body("shop", _request(3)), JSON, None, "")  # returns after the wait, queued
     assert q.status()["accepted"] == 3
     release.set()
