@@ -3975,6 +3975,33 @@ cpu_clock_reads(PyObject *module, PyObject *unused)
     return PyLong_FromUnsignedLongLong(cpu_reads);
 }
 
+/* For tests, the reading policy above with the times given rather than met (which a slow or
+ * loaded machine stretches): a run ("run": run_cpu_at) or a step ("step": step_cpu_at) that
+ * starts `since_ns` after this thread's last reading and lasts `ran_ns` (cpu_used: its end
+ * read `ran_ns` plus the few ns of this call after its start). (clock reads at its start,
+ * clock reads at its end). Leaves the thread's last reading fresh. */
+static PyObject *
+cpu_read_policy(PyObject *module, PyObject *args)
+{
+    const char *kind;
+    long long since, ran;
+    if (!PyArg_ParseTuple(args, "sLL", &kind, &since, &ran))
+        return NULL;
+    int step = strcmp(kind, "step") == 0;
+    if (!step && strcmp(kind, "run") != 0) {
+        PyErr_SetString(PyExc_ValueError, "kind: 'run' or 'step'");
+        return NULL;
+    }
+    last_cpu = thread_cpu_ns();
+    long long now = wall_ns();
+    last_wall = now - since;
+    unsigned long long r0 = cpu_reads;
+    long long cpu0 = step ? step_cpu_at(now) : run_cpu_at(now);
+    unsigned long long r1 = cpu_reads;
+    cpu_used(cpu0, now - ran);
+    return Py_BuildValue("(KK)", r1 - r0, cpu_reads - r1);
+}
+
 static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "configure(*, current, sql_text, internal_error, max_rows, perf_counter, code_kinds, "
@@ -4006,6 +4033,9 @@ static PyMethodDef module_methods[] = {
      "statement_shapes(): (shapes, bytes) of the statements kept to share (shared_statement)."},
     {"cpu_clock_reads", (PyCFunction)cpu_clock_reads, METH_NOARGS,
      "cpu_clock_reads(): how many times the thread CPU clock was read (a system call each)."},
+    {"cpu_read_policy", (PyCFunction)cpu_read_policy, METH_VARARGS,
+     "cpu_read_policy(kind, since_ns, ran_ns): for tests, (reads at the start, reads at the end) "
+     "of a 'run' or 'step' starting since_ns after the thread's last reading, lasting ran_ns."},
     {"sleep", (PyCFunction)agent_sleep, METH_O,
      "sleep(seconds): time.sleep for an agent thread (the lock taken back as agent_restore)."},
     {"write", (PyCFunction)(void (*)(void))agent_write, METH_FASTCALL,
