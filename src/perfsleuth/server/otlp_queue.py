@@ -204,18 +204,16 @@ class OtlpQueue:
         """Until the window of read payloads has room, this thread stops or stalls, or
         ACCEPT_WAIT_S have passed. No wait while the thread has not started: nothing would
         make room."""
-        deadline = time.monotonic() + ACCEPT_WAIT_S
         with self._cond:
-            while (
-                len(self._queue) >= DECODED_WINDOW
-                and self._thread is not None
-                and not self._stop
-                and self.stalled is None
-            ):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._cond.wait(left)
+            self._cond.wait_for(
+                lambda: (
+                    len(self._queue) < DECODED_WINDOW
+                    or self._thread is None
+                    or self._stop
+                    or self.stalled is not None
+                ),
+                ACCEPT_WAIT_S,
+            )
 
     def wait(self, timeout: float = WAIT_S) -> None:
         """Return once the payloads acknowledged before this call are committed (or failed),
