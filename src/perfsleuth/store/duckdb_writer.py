@@ -167,8 +167,8 @@ class DuckDBWriter(DuckDBRollups):
             con.begin()
             group = self._group = _Group()
         try:
-            self._drop_known_traces(tables)
             days = self._known_days | group.new_days
+            self._drop_known_traces(tables, days)
             new_days = [d for d in tables.days if d not in days]
             for d in new_days:
                 for t in schema.EVENT_TABLES:
@@ -281,7 +281,7 @@ class DuckDBWriter(DuckDBRollups):
         finally:
             self._con.unregister("_ps_batch")
 
-    def _drop_known_traces(self, tables: Tables) -> None:
+    def _drop_known_traces(self, tables: Tables, stored_days: set[date]) -> None:
         """Requests already in the store are not added again: each one that a stored request
         of its trace id is within KNOWN_TRACE_MARGIN_US of (tables.copied_requests: per
         request, whatever else the batch holds). The stored requests read are those of the
@@ -290,8 +290,8 @@ class DuckDBWriter(DuckDBRollups):
         trace id cost ~115 ms CPU per 5M requests, for each batch and OTLP payload), from the
         day tables of that span only: binding the view over every day cost 7-10 ms CPU a
         query with 9 days, the one day's table 2 ms (a server's round of a few requests made
-        ~15 % of its time). A batch with a ts made up at conversion (tables.ts_substituted)
-        is checked against all, at any ts."""
+        ~15 % of its time; ``stored_days``: the days whose tables exist). A batch with a ts
+        made up at conversion (tables.ts_substituted) is checked against all, at any ts."""
         sent = request_keys(p["requests"] for p in tables.days.values() if "requests" in p)
         if not sent.num_rows:
             return
@@ -302,7 +302,6 @@ class DuckDBWriter(DuckDBRollups):
         params: list[Any] = []
         if window is not None:
             lo, hi = (EPOCH_NAIVE + timedelta(microseconds=us) for us in window)
-            stored_days = self._known_days | (self._group.new_days if self._group else set())
             days = sorted(d for d in stored_days if lo.date() <= d <= hi.date())
             if not days:
                 return  # no day table of the span: nothing of it is stored
